@@ -1,0 +1,234 @@
+"""The plugin registry: registration, lookup, detection, dispatch and capability checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import unimesh
+from unimesh import (
+    Backend,
+    BackendNotFoundError,
+    BackendRegistrationError,
+    BackendUnavailableError,
+    ConversionError,
+    Layout,
+    LayoutError,
+    LayoutMap,
+    Mesh,
+    P,
+    UnsupportedError,
+)
+
+from .refbackend import NativeLayout, NativeMesh, RefBackend
+
+MESH = Mesh((2, 2), ("dp", "tp"), [[1, 0], [3, 2]])
+
+
+@pytest.fixture
+def ref():
+    be = unimesh.register_backend(RefBackend())
+    yield be
+    unimesh.unregister_backend("ref")
+
+
+def make_backend(name: str, framework: str, caps=("mesh",), wraps=()) -> Backend:
+    cls = type(f"B_{name}", (Backend,), {"name": name, "framework": framework,
+                                          "capabilities": frozenset(caps), "wraps": tuple(wraps)})
+    return cls()
+
+
+def test_register_lookup_and_round_trips(ref):
+    assert "ref" in unimesh.backends()
+    assert unimesh.get_backend("ref") is ref
+    native = unimesh.to_native(MESH, "ref")
+    assert isinstance(native, NativeMesh)
+    np.testing.assert_array_equal(native.ids, MESH.device_ids)
+    assert unimesh.from_native(native) == MESH
+    lay = Layout(MESH, P(None, "tp"))
+    nl = unimesh.to_native(lay, backend=ref)
+    assert isinstance(nl, NativeLayout)
+    assert unimesh.from_native(nl) == lay
+    assert unimesh.from_native(lay) is lay  # neutral objects pass through
+
+
+def test_distribute_gives_reference_blocks(ref):
+    x = np.arange(20).reshape(5, 4)
+    lay = Layout(MESH, P("dp", "tp"))
+    shards = unimesh.distribute(x, lay, "ref")
+    assert set(shards) == {0, 1, 2, 3}
+    for d, block in shards.items():
+        np.testing.assert_array_equal(block, x[lay.shard_slices(x.shape, d)])
+    # device 0 sits at (0, 1): rows 0-2 (chunk of 5), columns 2-3
+    np.testing.assert_array_equal(shards[0], x[0:3, 2:4])
+
+
+def test_unsupported_capabilities_name_backend_and_capability(ref):
+    with pytest.raises(UnsupportedError, match="backend 'ref' does not support 'tuple_axes'") as e:
+        unimesh.to_native(Layout(MESH, P(("dp", "tp"))), "ref")
+    assert "Mesh.flatten" in str(e.value)
+    assert e.value.backend == "ref" and e.value.capability == "tuple_axes"
+    with pytest.raises(UnsupportedError, match="'partial'"):
+        unimesh.to_native(Layout(MESH, P("dp", partial={"tp": "sum"})), "ref")
+    with pytest.raises(UnsupportedError, match="does not support 'layout_map'"):
+        unimesh.to_native(LayoutMap(MESH, {"w": P("dp")}), "ref")
+    even_only = make_backend("evenonly", "numpy", caps=("mesh", "layout", "distribute"))
+    with pytest.raises(UnsupportedError, match=r"shape \(5,\) does not divide evenly"):
+        unimesh.distribute(np.zeros(5), Layout(MESH, P("dp")), even_only)
+    with pytest.raises(UnsupportedError, match="declares no 'distribute' translation"):
+        unimesh.distribute(np.zeros(4), Layout(MESH, P("dp")), even_only)
+    bare = make_backend("bare", "numpy", caps=())
+    with pytest.raises(UnsupportedError, match="backend 'bare' does not support 'mesh'"):
+        unimesh.to_native(MESH, bare)
+
+
+def test_registration_errors_leave_no_state(ref):
+    before = unimesh.backends()
+    with pytest.raises(BackendRegistrationError, match="already registered; pass replace=True"):
+        unimesh.register_backend(RefBackend())
+    with pytest.raises(BackendRegistrationError, match="must be an instance of unimesh.Backend"):
+        unimesh.register_backend(object())  # type: ignore[arg-type]
+    with pytest.raises(BackendRegistrationError, match="unknown capabilities \\['teleport'\\]"):
+        unimesh.register_backend(make_backend("x", "numpy", caps=("teleport",)))
+    with pytest.raises(BackendRegistrationError, match="backend name 'bad name'"):
+        unimesh.register_backend(make_backend("bad name", "numpy"))
+    with pytest.raises(BackendRegistrationError, match="must set `framework`"):
+        unimesh.register_backend(make_backend("nofw", ""))
+    assert unimesh.backends() == before
+    new = RefBackend()
+    assert unimesh.register_backend(new, replace=True) is new
+    assert unimesh.get_backend("ref") is new
+
+
+def test_unknown_and_unavailable_backends():
+    with pytest.raises(BackendNotFoundError, match="no backend named 'nosuch'; installed backends"):
+        unimesh.get_backend("nosuch")
+    if "torch" not in unimesh.backends():
+        with pytest.raises(BackendNotFoundError, match=r'pip install "unimesh\[torch\]"'):
+            unimesh.get_backend("torch")
+    ghost = make_backend("ghost", "unimesh_no_such_framework_xyz")
+    unimesh.register_backend(ghost)
+    try:
+        with pytest.raises(BackendUnavailableError,
+                           match=r"needs 'unimesh_no_such_framework_xyz', which is not installed; "
+                                 r'install it with: pip install "unimesh\[ghost\]"'):
+            unimesh.get_backend("ghost")
+    finally:
+        unimesh.unregister_backend("ghost")
+    with pytest.raises(BackendNotFoundError, match="must be a name"):
+        unimesh.get_backend(3)  # type: ignore[arg-type]
+    with pytest.raises(BackendNotFoundError, match="no registered backend named 'ghost'"):
+        unimesh.unregister_backend("ghost")
+
+
+def test_env_var_and_detection(monkeypatch, ref):
+    monkeypatch.setenv("UNIMESH_BACKEND", "ref")
+    assert unimesh.get_backend() is ref
+    monkeypatch.setenv("UNIMESH_BACKEND", "nosuch")
+    with pytest.raises(BackendNotFoundError, match="UNIMESH_BACKEND='nosuch'"):
+        unimesh.get_backend()
+    monkeypatch.delenv("UNIMESH_BACKEND")
+    unimesh.unregister_backend("ref")  # numpy is always imported: keep ref out of detection
+    fw_a, fw_b = "unimesh_fake_fw_a", "unimesh_fake_fw_b"
+    a = unimesh.register_backend(make_backend("fa", fw_a))
+    b = unimesh.register_backend(make_backend("fb", fw_b, wraps=(fw_a,)))
+    try:
+        monkeypatch.delitem(sys.modules, fw_a, raising=False)
+        monkeypatch.delitem(sys.modules, fw_b, raising=False)
+        with pytest.raises(BackendNotFoundError, match="none detected"):
+            unimesh.get_backend()
+        monkeypatch.setitem(sys.modules, fw_a, type(sys)(fw_a))
+        monkeypatch.setattr(type(a), "available", lambda self: True)
+        monkeypatch.setattr(type(b), "available", lambda self: True)
+        assert unimesh.get_backend() is a
+        monkeypatch.setitem(sys.modules, fw_b, type(sys)(fw_b))
+        assert unimesh.get_backend() is b  # b runs on a's framework: b wins
+        c = unimesh.register_backend(make_backend("fc", "numpy"))
+        with pytest.raises(BackendNotFoundError, match="several frameworks are imported"):
+            unimesh.get_backend()
+        unimesh.unregister_backend(c.name)
+    finally:
+        unimesh.unregister_backend("fa")
+        unimesh.unregister_backend("fb")
+        unimesh.register_backend(RefBackend())
+
+
+def test_dispatch_bad_inputs(ref):
+    with pytest.raises(ConversionError, match="to_native\\(\\) takes a unimesh Mesh"):
+        unimesh.to_native("dp=2", "ref")
+    with pytest.raises(ConversionError, match="which no installed backend converts"):
+        unimesh.from_native(object())
+    with pytest.raises(LayoutError, match="distribute\\(\\) needs a unimesh.Layout"):
+        unimesh.distribute(np.zeros(4), P("dp"), "ref")
+    with pytest.raises(ConversionError, match="needs an array with a .shape"):
+        unimesh.distribute([1, 2], Layout(MESH, P("dp")), "ref")
+    with pytest.raises(LayoutError, match="has 2 entries but the tensor shape"):
+        unimesh.distribute(np.zeros(4), Layout(MESH, P("dp", "tp")), "ref")
+
+
+def _write_plugin(root: Path, dist: str, ep_name: str, module: str, body: str) -> None:
+    (root / module).mkdir(parents=True)
+    (root / module / "__init__.py").write_text(textwrap.dedent(body))
+    info = root / f"{dist}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[unimesh.backends]\n{ep_name} = {module}\n")
+
+
+PLUGIN = """
+    from unimesh import Backend, Mesh
+    from unimesh.plugin import hookimpl
+
+    class FakeBackend(Backend):
+        name = "{name}"
+        framework = "json"
+        capabilities = frozenset({{"mesh"}})
+
+        def mesh_to_native(self, mesh, **options):
+            return {{"names": list(mesh.axis_names), "ids": mesh.device_ids.tolist()}}
+
+    @hookimpl
+    def unimesh_backend():
+        return FakeBackend()
+"""
+
+
+def test_entry_point_discovery_is_lazy(tmp_path: Path) -> None:
+    _write_plugin(tmp_path, "fakeplug", "fake", "fakeplug_pkg", PLUGIN.format(name="fake"))
+    _write_plugin(tmp_path, "brokenplug", "broken", "brokenplug_pkg", "import no_such_module_q\n")
+    _write_plugin(tmp_path, "liarplug", "liar", "liarplug_pkg", PLUGIN.format(name="other"))
+    script = textwrap.dedent("""
+        import json, sys
+        import unimesh
+        out = {"names": unimesh.backends(),
+               "loaded_early": "fakeplug_pkg" in sys.modules}
+        be = unimesh.get_backend("fake")
+        out["loaded_late"] = "fakeplug_pkg" in sys.modules
+        out["native"] = unimesh.to_native(unimesh.Mesh((2,), ("a",), [1, 0]), "fake")
+        for name in ("broken", "liar"):
+            try:
+                unimesh.get_backend(name)
+            except unimesh.UnimeshError as exc:
+                out[name] = [type(exc).__name__, str(exc)]
+        print(json.dumps(out))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("UNIMESH_BACKEND", None)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert {"fake", "broken", "liar"} <= set(out["names"])
+    assert out["loaded_early"] is False and out["loaded_late"] is True
+    assert out["native"] == {"names": ["a"], "ids": [1, 0]}
+    assert out["broken"][0] == "BackendUnavailableError"
+    assert "no_such_module_q" in out["broken"][1]
+    assert out["liar"][0] == "BackendNotFoundError"
+    assert "provides no backend named 'liar'" in out["liar"][1]

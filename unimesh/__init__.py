@@ -1,0 +1,80 @@
+"""unimesh: describe a device mesh and tensor layouts once, get every framework's native objects.
+
+``import unimesh`` imports numpy and the standard library only; no ML framework is imported until
+a backend needs it.
+"""
+
+from __future__ import annotations
+
+from .backend import CAPABILITIES, Backend
+from .errors import (
+    BackendNotFoundError,
+    BackendRegistrationError,
+    BackendUnavailableError,
+    ConversionError,
+    LayoutError,
+    MeshMismatchError,
+    MeshSpecError,
+    UnimeshError,
+    UnsupportedError,
+)
+from .layout import (
+    AxisRules,
+    Layout,
+    LayoutMap,
+    P,
+    Partial,
+    PartitionSpec,
+    Placement,
+    Replicate,
+    Shard,
+    StridedShard,
+)
+from .mesh import Mesh, current_mesh, make_mesh
+from .registry import (
+    backends,
+    distribute,
+    from_native,
+    get_backend,
+    refresh_backends,
+    register_backend,
+    to_native,
+    unregister_backend,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxisRules",
+    "Backend",
+    "BackendNotFoundError",
+    "BackendRegistrationError",
+    "BackendUnavailableError",
+    "CAPABILITIES",
+    "ConversionError",
+    "Layout",
+    "LayoutError",
+    "LayoutMap",
+    "Mesh",
+    "MeshMismatchError",
+    "MeshSpecError",
+    "P",
+    "Partial",
+    "PartitionSpec",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "StridedShard",
+    "UnimeshError",
+    "UnsupportedError",
+    "backends",
+    "current_mesh",
+    "distribute",
+    "from_native",
+    "get_backend",
+    "make_mesh",
+    "refresh_backends",
+    "register_backend",
+    "to_native",
+    "unregister_backend",
+]

@@ -1,0 +1,75 @@
+"""Small argument checks shared by the core modules (internal)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Iterable
+from typing import NoReturn
+
+from .errors import MeshSpecError
+
+#: Largest mesh unimesh builds: 2**26 devices (64x the biggest machines in use). Larger sizes are
+#: rejected before any array is allocated.
+MAX_DEVICES = 1 << 26
+
+AXIS_TYPES = ("auto", "explicit", "manual")
+
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def fail(message: str, cls: type[Exception] = MeshSpecError) -> NoReturn:
+    raise cls(message)
+
+
+def short(value: object, limit: int = 80) -> str:
+    """``repr`` of a value, cut to ``limit`` characters so that messages stay readable."""
+    try:
+        text = repr(value)
+    except Exception:  # pragma: no cover - a repr that raises
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_int(value: object, what: str, *, minimum: int | None = None,
+              cls: type[Exception] = MeshSpecError) -> int:
+    """Return ``value`` as an int, refusing bools, floats and strings."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail(f"{what} must be an int, got {short(value)} ({type(value).__name__})", cls)
+    out = int(value)
+    if minimum is not None and out < minimum:
+        fail(f"{what} must be >= {minimum}, got {out}", cls)
+    return out
+
+
+def check_axis_name(name: object, what: str = "axis name",
+                    cls: type[Exception] = MeshSpecError) -> str:
+    """Axis names are ASCII identifiers (``dp``, ``tp``, ``dp_shard``) so every serial form is exact."""
+    if not isinstance(name, str):
+        fail(f"{what} must be a str, got {short(name)} ({type(name).__name__})", cls)
+    if not _NAME_RE.match(name):
+        fail(f"{what} {name!r} is not valid: use letters, digits and '_', not starting with a digit "
+             "(for example 'dp', 'tp', 'dp_shard')", cls)
+    return name
+
+
+def as_tuple(value: object, what: str, cls: type[Exception] = MeshSpecError) -> tuple[object, ...]:
+    """A list/tuple argument as a tuple; a str or a non-iterable is an error."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        fail(f"{what} must be a tuple or list, got {short(value)} ({type(value).__name__})", cls)
+    return tuple(value)
+
+
+def check_size(shape: tuple[int, ...], what: str = "mesh") -> int:
+    size = math.prod(shape)
+    if size > MAX_DEVICES:
+        fail(f"{what} of shape {shape} has {size} devices, more than unimesh supports "
+             f"({MAX_DEVICES} = 2**26); use smaller axis sizes")
+    return size
+
+
+def check_axis_type(value: object, what: str) -> str:
+    if isinstance(value, str) and value.lower() in AXIS_TYPES:
+        return value.lower()
+    fail(f"{what} must be one of {', '.join(map(repr, AXIS_TYPES))}, got {short(value)}")

@@ -1,0 +1,130 @@
+"""The base class every backend derives from, and the capabilities a backend may declare.
+
+A backend only translates: it turns the neutral objects into its framework's objects and back.
+Everything shared (coordinates, groups, shard blocks, the placements rule) comes from the core.
+It must not import its framework at module import time, only inside its methods.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, ClassVar
+
+from .errors import UnsupportedError
+
+__all__ = ["Backend", "CAPABILITIES"]
+
+#: Capabilities a backend may declare, with what each promises.
+CAPABILITIES: dict[str, str] = {
+    "mesh": "Mesh <-> the framework's mesh object (to_native / from_native)",
+    "layout": "Layout <-> the framework's sharding/layout object",
+    "layout_map": "LayoutMap -> the framework's layout map",
+    "distribute": "distribute(array, layout) gives a native distributed array",
+    "uneven_shards": "layouts whose sharded dims do not divide evenly (torch.chunk blocks)",
+    "tuple_axes": "one tensor dim split over several mesh axes (P(('dp', 'tp')))",
+    "partial": "pending reductions (P(..., partial={axis: op}))",
+    "axis_types": "auto / explicit / manual axis types round-trip",
+    "axis_groups": "a communication group per mesh axis",
+    "multi_process": "meshes spanning several processes",
+    "shard_map": "unimesh.shard_map runs per-shard functions",
+}
+
+
+class Backend:
+    """Base class of a unimesh backend. Subclasses set the class attributes and override the
+    translation methods for the capabilities they declare.
+
+    Attributes:
+        name: the backend's name (``"torch"``, ``"jax"``, ...), also its entry-point name.
+        framework: the top-level module of the framework (checked with ``find_spec``, never
+            imported by the core).
+        extra: the pip extra that installs the framework: ``pip install "unimesh[extra]"``.
+        capabilities: names from :data:`CAPABILITIES`.
+        native_modules: top-level modules whose objects ``from_native`` accepts (default:
+            ``(framework,)``).
+        wraps: frameworks this one runs on (Keras: jax, tensorflow, torch); when both are
+            imported, auto-detection picks this backend.
+    """
+
+    name: ClassVar[str] = ""
+    framework: ClassVar[str] = ""
+    extra: ClassVar[str] = ""
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    native_modules: ClassVar[tuple[str, ...]] = ()
+    wraps: ClassVar[tuple[str, ...]] = ()
+
+    # -- facts, answered without importing the framework ----------------------------------------
+    @property
+    def pip_extra(self) -> str:
+        return self.extra or self.name
+
+    def install_hint(self) -> str:
+        return f'pip install "unimesh[{self.pip_extra}]"'
+
+    def available(self) -> bool:
+        """True when the framework can be imported (it is not imported to find out)."""
+        try:
+            return importlib.util.find_spec(self.framework) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def framework_version(self) -> str | None:
+        """The installed framework's distribution version, or None."""
+        from importlib import metadata
+
+        for dist in (self.framework, self.framework.replace("_", "-"), f"{self.framework}-cpu"):
+            try:
+                return metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    def supports(self, capability: str) -> bool:
+        return capability in self.capabilities
+
+    def require(self, capability: str, detail: str = "") -> None:
+        """Raise :class:`UnsupportedError` unless ``capability`` is declared."""
+        if capability not in self.capabilities:
+            what = CAPABILITIES.get(capability, capability)
+            raise UnsupportedError(
+                f"backend {self.name!r} does not support {capability!r} ({what})"
+                + (f": {detail}" if detail else "")
+                + f"; it declares {sorted(self.capabilities)}",
+                backend=self.name, capability=capability)
+
+    def owns(self, obj: object) -> bool:
+        """True when ``obj``'s type comes from one of :attr:`native_modules` (no import)."""
+        roots = self.native_modules or (self.framework,)
+        for cls in type(obj).__mro__:
+            if cls.__module__.split(".", 1)[0] in roots:
+                return True
+        return False
+
+    def __repr__(self) -> str:
+        return f"<unimesh backend {self.name!r} ({type(self).__module__}.{type(self).__name__})>"
+
+    # -- translation, overridden by subclasses ---------------------------------------------------
+    def _missing(self, capability: str) -> Any:
+        raise UnsupportedError(
+            f"backend {self.name!r} declares no {capability!r} translation",
+            backend=self.name, capability=capability)
+
+    def mesh_to_native(self, mesh: Any, **options: Any) -> Any:
+        """Neutral :class:`~unimesh.Mesh` -> the framework's mesh object."""
+        return self._missing("mesh")
+
+    def layout_to_native(self, layout: Any, **options: Any) -> Any:
+        """Neutral :class:`~unimesh.Layout` -> the framework's sharding/layout object."""
+        return self._missing("layout")
+
+    def layout_map_to_native(self, layout_map: Any, **options: Any) -> Any:
+        """Neutral :class:`~unimesh.LayoutMap` -> the framework's layout map."""
+        return self._missing("layout_map")
+
+    def from_native(self, obj: Any) -> Any:
+        """A native object this backend :meth:`owns` -> Mesh, Layout or LayoutMap."""
+        return self._missing("mesh")
+
+    def distribute(self, array: Any, layout: Any, **options: Any) -> Any:
+        """A native distributed array whose shards are ``layout``'s reference blocks."""
+        return self._missing("distribute")

@@ -1,0 +1,674 @@
+"""The neutral device mesh: named axes over logical device ids, with no framework attached."""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._validate import (
+    as_tuple,
+    check_axis_name,
+    check_axis_type,
+    check_int,
+    check_size,
+    fail,
+    short,
+)
+__all__ = ["Mesh", "make_mesh", "current_mesh"]
+
+_CURRENT: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
+    "unimesh_current_mesh", default=()
+)
+
+_DICT_KEYS = ("axis_names", "shape", "device_ids", "axis_types", "devices_per_process")
+
+
+def current_mesh() -> Mesh | None:
+    """The innermost mesh entered with ``with mesh:`` in this thread/task, or None."""
+    stack = _CURRENT.get()
+    return stack[-1] if stack else None
+
+
+def _ids_array(device_ids: object, shape: tuple[int, ...]) -> np.ndarray:
+    """Validate user device ids (ndarray or nested lists) into a fresh int64 array of ``shape``."""
+    try:
+        arr = np.array(device_ids)
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        fail(f"device_ids {short(device_ids)} is not a rectangular array of ints ({exc})")
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        if arr.size == 0 and arr.dtype.kind == "f":
+            arr = arr.astype(np.int64)
+        else:
+            fail(f"device_ids must be ints, got {short(device_ids)} (dtype {arr.dtype})")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        fail(f"device_ids {short(device_ids)} holds values larger than int64")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.shape != shape:
+        fail(f"device_ids has shape {arr.shape} but the mesh shape is {shape}; give one id per device "
+             "as an array of the mesh's shape")
+    if arr.size and int(arr.min()) < 0:
+        fail(f"device_ids must be >= 0 (logical positions in the global device order), got "
+             f"{int(arr.min())}")
+    flat = np.sort(arr, axis=None)
+    dup = flat[1:][flat[1:] == flat[:-1]]
+    if dup.size:
+        fail(f"device_ids must be distinct, but {int(dup[0])} appears more than once")
+    return arr
+
+
+class Mesh:
+    """An immutable, hashable n-D mesh of named axes over logical device ids.
+
+    Args:
+        shape: the size of each axis, positive ints.
+        axis_names: one distinct name per axis (letters, digits, ``_``).
+        device_ids: an int array of ``shape`` (nested lists accepted). A device id is a logical
+            index into the backend's global device order (sorted by process, then local index),
+            not a framework's native id. Default: ``arange(size).reshape(shape)``.
+        axis_types: None or one of ``"auto" | "explicit" | "manual"`` per axis (JAX's AxisType).
+        devices_per_process: None (unknown / one process), or k: device i lives on process i // k.
+    """
+
+    __slots__ = ("_shape", "_names", "_ids", "_types", "_dpp", "_cache")
+
+    _shape: tuple[int, ...]
+    _names: tuple[str, ...]
+    _ids: np.ndarray | None
+    _types: tuple[str, ...] | None
+    _dpp: int | None
+    _cache: dict[str, Any]
+
+    def __init__(
+        self,
+        shape: Sequence[int],
+        axis_names: Sequence[str],
+        device_ids: object = None,
+        *,
+        axis_types: Sequence[str] | None = None,
+        devices_per_process: int | None = None,
+    ) -> None:
+        shape_t = tuple(check_int(s, f"mesh shape entry {short(s)}", minimum=1)
+                        for s in as_tuple(shape, "mesh shape"))
+        if not shape_t:
+            fail("a mesh needs at least one axis; got shape ()")
+        names = tuple(check_axis_name(n) for n in as_tuple(axis_names, "axis_names"))
+        if len(names) != len(shape_t):
+            fail(f"axis_names {names} has {len(names)} names but shape {shape_t} has "
+                 f"{len(shape_t)} axes; give one name per axis")
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            fail(f"axis name {dup!r} appears more than once in {names}; axis names must be distinct")
+        size = check_size(shape_t)
+        ids: np.ndarray | None = None
+        if device_ids is not None:
+            ids = _ids_array(device_ids, shape_t)
+            if np.array_equal(ids.ravel(), np.arange(size)):
+                ids = None  # the default order: keep it implicit (O(1) and equal by value)
+            else:
+                ids.flags.writeable = False
+        types: tuple[str, ...] | None = None
+        if axis_types is not None:
+            raw = as_tuple(axis_types, "axis_types")
+            if len(raw) != len(shape_t):
+                fail(f"axis_types {short(raw)} has {len(raw)} entries for {len(shape_t)} axes")
+            types = tuple(check_axis_type(t, f"axis_types entry for {n!r}") for t, n in zip(raw, names))
+        dpp = None
+        if devices_per_process is not None:
+            dpp = check_int(devices_per_process, "devices_per_process", minimum=1)
+        set_ = object.__setattr__
+        set_(self, "_shape", shape_t)
+        set_(self, "_names", names)
+        set_(self, "_ids", ids)
+        set_(self, "_types", types)
+        set_(self, "_dpp", dpp)
+        set_(self, "_cache", {})
+
+    # -- immutability, equality, hashing, pickling ---------------------------------------------
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Mesh is immutable; cannot set {name!r} (build a new Mesh instead)")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Mesh is immutable; cannot delete {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mesh):
+            return NotImplemented
+        if (self._shape, self._names, self._types, self._dpp) != (
+            other._shape, other._names, other._types, other._dpp
+        ):
+            return False
+        if self._ids is None or other._ids is None:
+            return self._ids is None and other._ids is None
+        return bool(np.array_equal(self._ids, other._ids))
+
+    def __hash__(self) -> int:
+        h = self._cache.get("hash")
+        if h is None:
+            ids = None if self._ids is None else self._ids.tobytes()
+            h = hash((self._shape, self._names, self._types, self._dpp, ids))
+            self._cache["hash"] = h
+        return h
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.to_dict(),))
+
+    def __repr__(self) -> str:
+        parts = [f"{n}={s}" for n, s in zip(self._names, self._shape)]
+        if self._ids is not None:
+            text = np.array2string(self._ids, separator=", ", threshold=64, max_line_width=10**6)
+            parts.append(f"device_ids={' '.join(text.split())}")
+        if self._types is not None:
+            parts.append(f"axis_types={self._types!r}")
+        if self._dpp is not None:
+            parts.append(f"devices_per_process={self._dpp}")
+        return f"Mesh({', '.join(parts)})"
+
+    # -- context manager -----------------------------------------------------------------------
+    def __enter__(self) -> Mesh:
+        _CURRENT.set(_CURRENT.get() + (self,))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stack = _CURRENT.get()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is self:
+                _CURRENT.set(stack[:i] + stack[i + 1:])
+                break
+
+    # -- properties ----------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Size of each axis."""
+        return self._shape
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return self._names
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        """Number of devices."""
+        return math.prod(self._shape)
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        """Axis name -> size, in axis order."""
+        return dict(zip(self._names, self._shape))
+
+    @property
+    def axis_types(self) -> tuple[str, ...] | None:
+        return self._types
+
+    @property
+    def devices_per_process(self) -> int | None:
+        return self._dpp
+
+    @property
+    def device_ids(self) -> np.ndarray:
+        """The logical device id at each mesh position (read-only int64 array of ``shape``)."""
+        if self._ids is not None:
+            return self._ids
+        ids = self._cache.get("ids")
+        if ids is None:
+            ids = np.arange(self.size, dtype=np.int64).reshape(self._shape)
+            ids.flags.writeable = False
+            self._cache["ids"] = ids
+        return ids
+
+    @property
+    def is_default_order(self) -> bool:
+        """True when ``device_ids`` is ``arange(size).reshape(shape)``."""
+        return self._ids is None
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Row-major strides of the default layout (TF DTensor's ``Mesh.strides``)."""
+        out = []
+        acc = 1
+        for s in reversed(self._shape):
+            out.append(acc)
+            acc *= s
+        return tuple(reversed(out))
+
+    @property
+    def num_processes(self) -> int:
+        """How many processes hold this mesh's devices (1 when ``devices_per_process`` is None)."""
+        if self._dpp is None:
+            return 1
+        return int(np.unique(self.device_ids // self._dpp).size)
+
+    # -- axis helpers --------------------------------------------------------------------------
+    def _axis_index(self, name: object) -> int:
+        if isinstance(name, str) and name in self._names:
+            return self._names.index(name)
+        fail(f"unknown axis {short(name)}; this mesh's axes are {self._names}")
+
+    def _axes(self, axes: object, what: str = "axes") -> tuple[str, ...]:
+        """Normalise a name or a tuple of names to a non-empty tuple of distinct known axes."""
+        names = (axes,) if isinstance(axes, str) else as_tuple(axes, what)
+        if not names:
+            fail(f"{what} must name at least one axis of {self._names}")
+        for n in names:
+            self._axis_index(n)
+        if len(set(names)) != len(names):
+            fail(f"{what} {names} repeats an axis; name each axis once")
+        return names  # type: ignore[return-value]
+
+    def axis_size(self, name: str) -> int:
+        """Size of the named axis."""
+        return self._shape[self._axis_index(name)]
+
+    # -- device lookup -------------------------------------------------------------------------
+    def positions(self, device_ids: object) -> np.ndarray:
+        """Flat row-major mesh positions of the given device ids (vectorised ``coords``)."""
+        try:
+            q = np.asarray(device_ids)
+        except (ValueError, TypeError) as exc:
+            fail(f"device ids {short(device_ids)} are not ints ({exc})")
+        if q.dtype.kind not in "iu" or q.dtype == np.bool_:
+            if q.size == 0:
+                q = q.astype(np.int64)
+            else:
+                fail(f"device ids must be ints, got {short(device_ids)}")
+        q = q.astype(np.int64, copy=False)
+        if self._ids is None:
+            pos = q
+            bad = (q < 0) | (q >= self.size)
+        else:
+            order = self._cache.get("order")
+            if order is None:
+                flat = self._ids.ravel()
+                order = np.argsort(flat, kind="stable")
+                self._cache["order"] = order
+                self._cache["sorted"] = flat[order]
+            sorted_ids = self._cache["sorted"]
+            idx = np.clip(np.searchsorted(sorted_ids, q), 0, sorted_ids.size - 1)
+            bad = sorted_ids[idx] != q
+            pos = order[idx]
+        if bad.any():
+            missing = int(q[bad].ravel()[0])
+            fail(f"device {missing} is not in {self!r}; its device ids are "
+                 f"{short(self.device_ids.ravel().tolist())}")
+        return pos
+
+    def coords_array(self, device_ids: object = None) -> np.ndarray:
+        """Coordinates as an int array of shape (n, ndim).
+
+        With no argument: every device, in row-major mesh order (the order of
+        ``device_ids.ravel()``); else the coordinates of the given ids.
+        """
+        if device_ids is None:
+            pos = np.arange(self.size, dtype=np.int64)
+        else:
+            pos = self.positions(device_ids).ravel()
+        return np.stack(np.unravel_index(pos, self._shape), axis=-1).astype(np.int64)
+
+    def coords(self, device_id: int) -> dict[str, int]:
+        """The mesh coordinate of a device, as ``{axis: index}``."""
+        did = check_int(device_id, "device_id")
+        pos = int(self.positions(did))
+        idx = np.unravel_index(pos, self._shape)
+        return {n: int(i) for n, i in zip(self._names, idx)}
+
+    def device_at(self, **coords: int) -> int:
+        """The device id at the given coordinate; every axis must be given."""
+        missing = [n for n in self._names if n not in coords]
+        extra = [k for k in coords if k not in self._names]
+        if extra:
+            fail(f"unknown axis {extra[0]!r} in device_at(); this mesh's axes are {self._names}")
+        if missing:
+            fail(f"device_at() needs a coordinate for every axis; missing {missing} "
+                 f"(axes are {self._names})")
+        idx = []
+        for n, s in zip(self._names, self._shape):
+            c = check_int(coords[n], f"coordinate {n}")
+            if not 0 <= c < s:
+                fail(f"coordinate {n}={c} is out of range; axis {n!r} has size {s} (0..{s - 1})")
+            idx.append(c)
+        return int(self.device_ids[tuple(idx)])
+
+    def unravel_index(self) -> dict[int, dict[str, int]]:
+        """Device id -> ``{axis: index}`` for every device (TF DTensor's ``unravel_index``)."""
+        ids = self.device_ids.ravel().tolist()
+        cols = self.coords_array().T.tolist()
+        return {d: dict(zip(self._names, c)) for d, c in zip(ids, zip(*cols))}
+
+    # -- groups and submeshes ------------------------------------------------------------------
+    def groups_array(self, axes: str | Sequence[str]) -> np.ndarray:
+        """``groups`` as an int array of shape (number of groups, group size)."""
+        names = self._axes(axes)
+        var = [self._names.index(n) for n in names]
+        fixed = [i for i in range(self.ndim) if i not in var]
+        gsize = math.prod(self._shape[i] for i in var)
+        return self.device_ids.transpose(fixed + var).reshape(-1, gsize)
+
+    def groups(self, axes: str | Sequence[str]) -> list[tuple[int, ...]]:
+        """The device groups that vary along ``axes`` (others fixed).
+
+        Groups come in row-major order of the fixed coordinates; inside a group, devices are in
+        row-major order of ``axes`` as given (so ``("tp", "dp")`` makes tp the major axis). These
+        are the members of a per-axis process group (torch) or of ``Group.split`` (MLX).
+        """
+        return [tuple(g) for g in self.groups_array(axes).tolist()]
+
+    def _sub(self, names: tuple[str, ...], ids: np.ndarray) -> Mesh:
+        types = None
+        if self._types is not None:
+            types = tuple(self._types[self._names.index(n)] for n in names)
+        return Mesh(tuple(self.axis_size(n) for n in names), names, ids,
+                    axis_types=types, devices_per_process=self._dpp)
+
+    def submesh(self, axes: str | Sequence[str], containing: int | None = None) -> Mesh:
+        """The mesh over ``axes`` (any order) that contains device ``containing``.
+
+        This is torch's ``mesh["tp"]`` with the rank made explicit. ``containing`` may be left out
+        only when there is a single such submesh (``axes`` covers every axis).
+        """
+        names = self._axes(axes)
+        arr = self.groups_array(names)
+        if containing is None:
+            if arr.shape[0] != 1:
+                fail(f"submesh({names}) of {self!r} has {arr.shape[0]} candidates; pass "
+                     "containing=<device id> to say which one")
+            row = 0
+        else:
+            did = check_int(containing, "containing")
+            pos = int(self.positions(did))
+            coord = np.unravel_index(pos, self._shape)
+            fixed = [i for i in range(self.ndim) if self._names[i] not in names]
+            row = int(np.ravel_multi_index([coord[i] for i in fixed],
+                                           [self._shape[i] for i in fixed])) if fixed else 0
+        sub_shape = tuple(self.axis_size(n) for n in names)
+        return self._sub(names, arr[row].reshape(sub_shape))
+
+    def submeshes(self, axes: str | Sequence[str]) -> list[Mesh]:
+        """Every submesh over ``axes``, in the order of ``groups(axes)``."""
+        names = self._axes(axes)
+        sub_shape = tuple(self.axis_size(n) for n in names)
+        return [self._sub(names, row.reshape(sub_shape)) for row in self.groups_array(names)]
+
+    # -- reshaping -----------------------------------------------------------------------------
+    def flatten(self, axes: Sequence[str], name: str) -> Mesh:
+        """Merge ``axes`` (in the order given, major first) into one axis called ``name``.
+
+        The new axis stands where the first of ``axes`` stood; the others are removed. This is
+        torch's private ``DeviceMesh._flatten``, for any subset and order of axes.
+        """
+        names = self._axes(axes)
+        check_axis_name(name, "flattened axis name")
+        rest = [n for n in self._names if n not in names]
+        if name in rest:
+            fail(f"cannot name the flattened axis {name!r}: the mesh keeps an axis of that name "
+                 f"({tuple(rest)}); choose another name")
+        perm: list[int] = []
+        new_names: list[str] = []
+        new_shape: list[int] = []
+        new_types: list[str] = []
+        for i, n in enumerate(self._names):
+            if n == names[0]:
+                perm.extend(self._names.index(m) for m in names)
+                new_names.append(name)
+                new_shape.append(math.prod(self.axis_size(m) for m in names))
+                if self._types is not None:
+                    kinds = {self._types[self._names.index(m)] for m in names}
+                    if len(kinds) > 1:
+                        fail(f"cannot flatten axes {names} of different axis types "
+                             f"{sorted(kinds)}; give them one type first")
+                    new_types.append(kinds.pop())
+            elif n not in names:
+                perm.append(i)
+                new_names.append(n)
+                new_shape.append(self._shape[i])
+                if self._types is not None:
+                    new_types.append(self._types[i])
+        ids = self.device_ids.transpose(perm).reshape(new_shape)
+        return Mesh(new_shape, new_names, ids,
+                    axis_types=tuple(new_types) if self._types is not None else None,
+                    devices_per_process=self._dpp)
+
+    def unflatten(self, axis: str, sizes: Mapping[str, int]) -> Mesh:
+        """Split ``axis`` into the named axes ``sizes`` (row-major, major first), in its place.
+
+        One size may be -1 and is inferred. The inverse of :meth:`flatten` for adjacent axes.
+        """
+        i = self._axis_index(axis)
+        if not isinstance(sizes, Mapping) or not sizes:
+            fail(f"unflatten sizes must be a non-empty mapping name -> size, got {short(sizes)}")
+        new = _resolve_sizes(sizes, self._shape[i], f"axis {axis!r} of size {self._shape[i]}")
+        for n in new:
+            if n != axis and n in self._names:
+                fail(f"cannot unflatten into {n!r}: the mesh already has an axis of that name")
+        names = self._names[:i] + tuple(new) + self._names[i + 1:]
+        shape = self._shape[:i] + tuple(new.values()) + self._shape[i + 1:]
+        types = None
+        if self._types is not None:
+            types = self._types[:i] + (self._types[i],) * len(new) + self._types[i + 1:]
+        return Mesh(shape, names, self.device_ids.reshape(shape), axis_types=types,
+                    devices_per_process=self._dpp)
+
+    def rename(self, mapping: Mapping[str, str]) -> Mesh:
+        """A mesh with axes renamed by ``mapping`` (old name -> new name)."""
+        if not isinstance(mapping, Mapping):
+            fail(f"rename() takes a mapping old name -> new name, got {short(mapping)}")
+        for old in mapping:
+            self._axis_index(old)
+        names = tuple(mapping.get(n, n) for n in self._names)
+        return Mesh(self._shape, names, self._ids, axis_types=self._types,
+                    devices_per_process=self._dpp)
+
+    def transpose(self, axis_names: Sequence[str]) -> Mesh:
+        """The same devices with the axes in a new order (a permutation of ``axis_names``)."""
+        names = self._axes(axis_names, "transpose axes")
+        if len(names) != self.ndim:
+            fail(f"transpose() needs every axis once, in the new order; got {names}, axes are "
+                 f"{self._names}")
+        perm = [self._names.index(n) for n in names]
+        types = None if self._types is None else tuple(self._types[p] for p in perm)
+        return Mesh(tuple(self._shape[p] for p in perm), names, self.device_ids.transpose(perm),
+                    axis_types=types, devices_per_process=self._dpp)
+
+    # -- processes -----------------------------------------------------------------------------
+    def _process_of(self) -> np.ndarray:
+        if self._dpp is None:
+            return np.zeros(self._shape, dtype=np.int64)
+        return self.device_ids // self._dpp
+
+    def _check_process(self, process_index: object) -> int:
+        p = check_int(process_index, "process_index", minimum=0)
+        if self._dpp is None and p != 0:
+            fail(f"process_index {p} is out of range: this mesh has no devices_per_process, so it "
+                 "lives on one process (index 0); set devices_per_process")
+        return p
+
+    def local_device_ids(self, process_index: int) -> list[int]:
+        """The ids of this mesh's devices on that process, in row-major mesh order."""
+        p = self._check_process(process_index)
+        mask = self._process_of() == p
+        return self.device_ids[mask].tolist()  # type: ignore[no-any-return]
+
+    def local_mesh(self, process_index: int) -> Mesh:
+        """The smallest block of the mesh holding that process's devices (JAX's ``local_mesh``)."""
+        p = self._check_process(process_index)
+        mask = self._process_of() == p
+        if not mask.any():
+            fail(f"process {p} holds no device of {self!r} (devices_per_process={self._dpp})")
+        index = []
+        for ax in range(self.ndim):
+            other = tuple(i for i in range(self.ndim) if i != ax)
+            used = np.flatnonzero(mask.any(axis=other) if other else mask)
+            lo, hi = int(used[0]), int(used[-1]) + 1
+            index.append(slice(lo, hi))
+        block = tuple(index)
+        if not mask[block].all():
+            fail(f"the devices of process {p} do not form a block of {self!r}: the block "
+                 f"{[(s.start, s.stop) for s in block]} also holds other processes' devices")
+        ids = self.device_ids[block]
+        return Mesh(ids.shape, self._names, ids, axis_types=self._types,
+                    devices_per_process=self._dpp)
+
+    # -- serial forms --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; fields at their defaults are left out."""
+        d: dict[str, Any] = {"axis_names": list(self._names), "shape": list(self._shape)}
+        if self._ids is not None:
+            d["device_ids"] = self._ids.tolist()
+        if self._types is not None:
+            d["axis_types"] = list(self._types)
+        if self._dpp is not None:
+            d["devices_per_process"] = self._dpp
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Mesh:
+        """Rebuild a mesh from :meth:`to_dict`'s output."""
+        if not isinstance(d, Mapping):
+            fail(f"Mesh.from_dict() takes a dict, got {short(d)} ({type(d).__name__})")
+        unknown = [k for k in d if k not in _DICT_KEYS]
+        if unknown:
+            fail(f"unknown mesh field {short(unknown[0])}; valid fields are {_DICT_KEYS}")
+        for key in ("axis_names", "shape"):
+            if key not in d:
+                fail(f"mesh dict {short(dict(d))} lacks the required field {key!r}")
+        shape = d["shape"]
+        if isinstance(shape, (list, tuple)):
+            # bound the size before device_ids (possibly huge nested lists) is turned into an array
+            check_size(tuple(check_int(s, f"mesh shape entry {short(s)}", minimum=1) for s in shape))
+        return cls(shape, d["axis_names"], d.get("device_ids"), axis_types=d.get("axis_types"),
+                   devices_per_process=d.get("devices_per_process"))
+
+    def to_json(self) -> str:
+        """Compact JSON of :meth:`to_dict`."""
+        import json
+
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> Mesh:
+        """Rebuild a mesh from :meth:`to_json`'s output (plain JSON; nothing is evaluated)."""
+        import json
+
+        if not isinstance(s, (str, bytes, bytearray)):
+            fail(f"Mesh.from_json() takes a str, got {short(s)} ({type(s).__name__})")
+        try:
+            d = json.loads(s)
+        except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+            fail(f"not valid mesh JSON: {short(s)} ({exc})")
+        return cls.from_dict(d)
+
+    def to_string(self) -> str:
+        """The short text form, e.g. ``dp=2,tp=4`` (plus ``;ids=...``, ``;types=...``,
+        ``;per_process=k`` where not default). :meth:`from_string` reads it back exactly."""
+        text = ",".join(f"{n}={s}" for n, s in zip(self._names, self._shape))
+        if self._ids is not None:
+            text += ";ids=" + ",".join(map(str, self._ids.ravel().tolist()))
+        if self._types is not None:
+            text += ";types=" + ",".join(self._types)
+        if self._dpp is not None:
+            text += f";per_process={self._dpp}"
+        return text
+
+    @classmethod
+    def from_string(cls, s: str) -> Mesh:
+        """Parse the short text form (``"dp=2,tp=4"``; see :meth:`to_string`)."""
+        from ._text import parse_mesh_string
+
+        return cls(**parse_mesh_string(s))
+
+
+def _rebuild(d: dict[str, Any]) -> Mesh:
+    return Mesh.from_dict(d)
+
+
+def _resolve_sizes(axes: Mapping[str, object], total: int | None, what: str) -> dict[str, int]:
+    """Validate name -> size (at most one -1, inferred so the product is ``total``)."""
+    out: dict[str, int] = {}
+    infer: str | None = None
+    for name, size in axes.items():
+        check_axis_name(name)
+        s = check_int(size, f"size of axis {name!r}")
+        if s == -1:
+            if infer is not None:
+                fail(f"only one axis size may be -1, but {infer!r} and {name!r} both are")
+            infer = name
+        elif s < 1:
+            fail(f"size of axis {name!r} must be a positive int or -1, got {s}")
+        out[name] = s
+    arith = " x ".join(f"{n}={s}" for n, s in out.items())
+    known = math.prod(s for s in out.values() if s != -1)
+    if infer is not None:
+        if total is None:
+            fail(f"axis {infer!r} has size -1, which needs num_devices to infer it from")
+        if total % known:
+            fail(f"cannot infer axis {infer!r}: {arith} leaves {total} / {known}, "
+                 f"which is not a whole number ({what})")
+        out[infer] = total // known
+    elif total is not None and known != total:
+        fail(f"axis sizes {arith} = {known} devices, but {what} has {total}; make the product "
+             f"equal {total}")
+    check_size(tuple(out.values()))
+    return out
+
+
+def make_mesh(
+    axes: Mapping[str, int],
+    num_devices: int | None = None,
+    *,
+    devices_per_process: int | None = None,
+    dcn_axes: Mapping[str, int] | None = None,
+    axis_types: Sequence[str] | None = None,
+) -> Mesh:
+    """Build a mesh from ``{name: size}``.
+
+    One size may be -1 and is inferred from ``num_devices`` (as MaxText and torchtitan allow).
+    With ``dcn_axes`` (JAX ``create_hybrid_device_mesh``): ``axes`` is the part of the mesh inside
+    one process and ``dcn_axes`` (name -> size, names from ``axes``) how processes tile it; axis i
+    of the result has size ``axes[i] * dcn_axes.get(i, 1)``, each process's devices form one
+    contiguous block, and ``devices_per_process`` is the product of ``axes``.
+    """
+    if not isinstance(axes, Mapping) or not axes:
+        fail(f"make_mesh() takes a non-empty mapping axis name -> size, got {short(axes)}")
+    if num_devices is not None:
+        num_devices = check_int(num_devices, "num_devices", minimum=1)
+    if dcn_axes is None:
+        sizes = _resolve_sizes(axes, num_devices, f"num_devices={num_devices}")
+        return Mesh(tuple(sizes.values()), tuple(sizes), axis_types=axis_types,
+                    devices_per_process=devices_per_process)
+    if not isinstance(dcn_axes, Mapping):
+        fail(f"dcn_axes must be a mapping axis name -> number of processes, got {short(dcn_axes)}")
+    for n in dcn_axes:
+        if n not in axes:
+            fail(f"dcn axis {short(n)} is not one of the mesh axes {tuple(axes)}; dcn_axes must "
+                 "name axes of `axes`")
+    dcn = {n: check_int(dcn_axes.get(n, 1), f"dcn size of axis {n!r}", minimum=1) for n in axes}
+    n_proc = math.prod(dcn.values())
+    per_proc_total = None
+    if num_devices is not None:
+        if num_devices % n_proc:
+            fail(f"num_devices={num_devices} is not a multiple of the {n_proc} processes that "
+                 f"dcn_axes {dict(dcn_axes)} asks for")
+        per_proc_total = num_devices // n_proc
+    ici = _resolve_sizes(axes, per_proc_total,
+                         f"each of the {n_proc} processes (num_devices={num_devices})")
+    per_proc = math.prod(ici.values())
+    if devices_per_process is not None and check_int(
+            devices_per_process, "devices_per_process", minimum=1) != per_proc:
+        fail(f"devices_per_process={devices_per_process} but axes {ici} put {per_proc} devices "
+             "on each process; leave devices_per_process out or make them agree")
+    shape = tuple(ici[n] * dcn[n] for n in ici)
+    check_size(shape)
+    proc = np.arange(n_proc, dtype=np.int64).reshape(tuple(dcn.values())) * per_proc
+    local = np.arange(per_proc, dtype=np.int64).reshape(tuple(ici.values()))
+    nd = len(shape)
+    grid = np.add.outer(proc, local)  # axes: dcn axes..., then in-process axes...
+    interleave = [k for i in range(nd) for k in (i, nd + i)]
+    ids = grid.transpose(interleave).reshape(shape)
+    return Mesh(shape, tuple(ici), ids, axis_types=axis_types, devices_per_process=per_proc)
+

@@ -1,0 +1,42 @@
+"""What a backend plugin imports: the pluggy markers and the hook specifications.
+
+A plugin package registers a module (or object) under the entry-point group
+``unimesh.backends``, named like its backend, that implements :func:`unimesh_backend`::
+
+    # pyproject.toml
+    [project.entry-points."unimesh.backends"]
+    mybackend = "unimesh_mybackend.plugin"
+
+    # unimesh_mybackend/plugin.py
+    from unimesh.plugin import hookimpl
+    from .backend import MyBackend      # must not import the framework at module level
+
+    @hookimpl
+    def unimesh_backend():
+        return MyBackend()
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+from .backend import Backend
+
+__all__ = ["hookimpl", "hookspec", "ENTRY_POINT_GROUP", "PROJECT", "HookSpecs"]
+
+PROJECT = "unimesh"
+ENTRY_POINT_GROUP = "unimesh.backends"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class HookSpecs:
+    """Hook specifications of unimesh backends."""
+
+    @hookspec
+    def unimesh_backend(self) -> Backend:  # type: ignore[empty-body]
+        """Return this plugin's :class:`~unimesh.backend.Backend` instance.
+
+        Called once when the backend is first asked for; it must not import the framework.
+        """

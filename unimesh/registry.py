@@ -1,0 +1,336 @@
+"""Finding backends (pluggy, entry points) and dispatching conversions to them.
+
+Listing backends reads entry-point metadata only; a plugin module is imported when its backend
+is first asked for, and a framework only when a backend method needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from ._validate import short
+from .backend import CAPABILITIES, Backend
+from .errors import (
+    BackendNotFoundError,
+    BackendRegistrationError,
+    BackendUnavailableError,
+    ConversionError,
+    LayoutError,
+    UnimeshError,
+)
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
+    import pluggy
+
+__all__ = [
+    "backends",
+    "get_backend",
+    "register_backend",
+    "unregister_backend",
+    "refresh_backends",
+    "to_native",
+    "from_native",
+    "distribute",
+]
+
+ENV_VAR = "UNIMESH_BACKEND"
+ENTRY_POINT_GROUP = "unimesh.backends"  # also in unimesh.plugin, which imports pluggy
+#: The backends this project ships, with their pip extras (for hints when one is missing).
+KNOWN_EXTRAS = {"torch": "torch", "jax": "jax", "keras": "keras", "tensorflow": "tensorflow",
+                "mlx": "mlx"}
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
+
+
+class _InProcess:
+    """Wraps a Backend registered with :func:`register_backend` as a pluggy plugin."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def unimesh_backend(self) -> Backend:
+        return self.backend
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._pm: pluggy.PluginManager | None = None
+        self._eps: dict[str, EntryPoint] | None = None
+        self._loaded: dict[str, Backend] = {}
+
+    # pluggy is imported on first use, not with `import unimesh`
+    @property
+    def pm(self) -> pluggy.PluginManager:
+        if self._pm is None:
+            import pluggy
+
+            from .plugin import PROJECT, HookSpecs, hookimpl
+
+            _InProcess.unimesh_backend = hookimpl(_InProcess.unimesh_backend)  # type: ignore[method-assign]
+            pm = pluggy.PluginManager(PROJECT)
+            pm.add_hookspecs(HookSpecs)
+            self._pm = pm
+        return self._pm
+
+    def entry_points(self) -> dict[str, EntryPoint]:
+        if self._eps is None:
+            from importlib.metadata import entry_points
+
+            self._eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+        return self._eps
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(set(self.entry_points()) | set(self._loaded))
+
+    def load(self, name: str) -> Backend:
+        with self._lock:
+            if name in self._loaded:
+                return self._loaded[name]
+            ep = self.entry_points().get(name)
+            if ep is None:
+                choices = self.names()
+                hint = ""
+                if name in KNOWN_EXTRAS:
+                    hint = f'; install it with: pip install "unimesh[{KNOWN_EXTRAS[name]}]"'
+                raise BackendNotFoundError(
+                    f"no backend named {name!r}; installed backends: {choices or 'none'}{hint}")
+            try:
+                plugin = ep.load()
+            except ImportError as exc:
+                raise BackendUnavailableError(
+                    f"backend {name!r} is installed but its plugin {ep.value!r} failed to import "
+                    f"({exc}); reinstall it, e.g. pip install "
+                    f'"unimesh[{KNOWN_EXTRAS.get(name, name)}]"') from exc
+            except Exception as exc:
+                raise BackendNotFoundError(
+                    f"backend {name!r}: loading entry point {ep.value!r} raised {exc!r}") from exc
+            pm = self.pm
+            before = {id(b) for b in self._loaded.values()}
+            if not pm.is_registered(plugin):
+                pm.register(plugin, name=f"entrypoint:{name}")
+            found = [b for b in pm.hook.unimesh_backend() if id(b) not in before]
+            match = [b for b in found if getattr(b, "name", None) == name]
+            if not match:
+                pm.unregister(plugin)
+                raise BackendNotFoundError(
+                    f"entry point {name!r} ({ep.value}) provides no backend named {name!r} "
+                    f"(its unimesh_backend hook returned {[short(b) for b in found]})")
+            backend = _validated(match[0])
+            self._loaded[name] = backend
+            return backend
+
+    def all_loaded(self) -> list[Backend]:
+        """Every installed backend, loading plugin modules (not frameworks) as needed."""
+        out = []
+        for name in self.names():
+            try:
+                out.append(self.load(name))
+            except UnimeshError:
+                continue
+        return out
+
+    def register(self, backend: Backend, replace: bool) -> None:
+        backend = _validated(backend)
+        with self._lock:
+            if backend.name in self.names() and not replace:
+                raise BackendRegistrationError(
+                    f"a backend named {backend.name!r} is already registered; pass replace=True "
+                    "to replace it, or call unimesh.unregister_backend() first")
+            pm = self.pm
+            old = pm.get_plugin(f"inprocess:{backend.name}")
+            if old is not None:
+                pm.unregister(old)
+            pm.register(_InProcess(backend), name=f"inprocess:{backend.name}")
+            self._loaded[backend.name] = backend
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            if name not in self._loaded:
+                raise BackendNotFoundError(f"no registered backend named {name!r}; registered: "
+                                           f"{sorted(self._loaded)}")
+            pm = self.pm
+            for key in (f"inprocess:{name}", f"entrypoint:{name}"):
+                plugin = pm.get_plugin(key)
+                if plugin is not None:
+                    pm.unregister(plugin)
+            del self._loaded[name]
+
+    def refresh(self) -> None:
+        with self._lock:
+            self._eps = None
+
+
+def _validated(backend: object) -> Backend:
+    if not isinstance(backend, Backend):
+        raise BackendRegistrationError(
+            f"a backend must be an instance of unimesh.Backend, got {short(backend)} "
+            f"({type(backend).__name__})")
+    name = backend.name
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise BackendRegistrationError(f"backend name {short(name)} must be a non-empty identifier-like str")
+    if not isinstance(backend.framework, str) or not backend.framework:
+        raise BackendRegistrationError(f"backend {name!r} must set `framework` to its top-level module name")
+    unknown = sorted(set(backend.capabilities) - set(CAPABILITIES))
+    if unknown:
+        raise BackendRegistrationError(f"backend {name!r} declares unknown capabilities {unknown}; known "
+                            f"capabilities are {sorted(CAPABILITIES)}")
+    return backend
+
+
+_REGISTRY = _Registry()
+
+
+# -- public calls ---------------------------------------------------------------------------------
+def backends() -> list[str]:
+    """Names of the installed (entry points) and registered backends. Imports no framework."""
+    return _REGISTRY.names()
+
+
+def refresh_backends() -> None:
+    """Forget the cached entry points, e.g. after pip-installing a backend in this process."""
+    _REGISTRY.refresh()
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
+    """Register a :class:`Backend` instance in this process (tests, notebooks) and return it."""
+    _REGISTRY.register(backend, replace)
+    return backend
+
+
+def unregister_backend(name: str) -> None:
+    """Forget a backend registered or loaded in this process."""
+    _REGISTRY.unregister(name)
+
+
+def _check_available(backend: Backend) -> Backend:
+    if not backend.available():
+        raise BackendUnavailableError(
+            f"backend {backend.name!r} needs {backend.framework!r}, which is not installed; "
+            f"install it with: {backend.install_hint()}")
+    return backend
+
+
+def get_backend(name: str | Backend | None = None) -> Backend:
+    """The backend to use.
+
+    ``name`` given: that backend. None: the ``UNIMESH_BACKEND`` environment variable if set,
+    else the one backend whose framework is already imported (``sys.modules``; a framework that
+    another imported one runs on, like jax under keras, yields to it), else an error listing the
+    choices. Raises :class:`BackendUnavailableError` when the framework is not installed.
+    """
+    if isinstance(name, Backend):
+        return _check_available(name)
+    if name is None:
+        env = os.environ.get(ENV_VAR, "").strip()
+        if env:
+            try:
+                return _check_available(_REGISTRY.load(env))
+            except BackendNotFoundError as exc:
+                raise BackendNotFoundError(f"{ENV_VAR}={env!r}: {exc}") from exc
+        return _detect()
+    if not isinstance(name, str):
+        raise BackendNotFoundError(
+            f"backend must be a name (str) or a Backend, got {short(name)}; installed backends: "
+            f"{backends()}")
+    return _check_available(_REGISTRY.load(name))
+
+
+def _detect() -> Backend:
+    loaded = _REGISTRY.all_loaded()
+    live = [b for b in loaded if b.framework in sys.modules]
+    live = [b for b in live if not any(b.framework in o.wraps for o in live if o is not b)]
+    if len(live) == 1:
+        return live[0]
+    names = [b.name for b in loaded]
+    if not live:
+        raise BackendNotFoundError(
+            "no backend given and none detected: no installed backend's framework is imported "
+            f"yet. Pass backend=NAME or set {ENV_VAR}; installed backends: {names or 'none'}")
+    raise BackendNotFoundError(
+        f"no backend given and several frameworks are imported ({[b.name for b in live]}); pass "
+        f"backend=NAME or set {ENV_VAR}")
+
+
+def _check_layout(backend: Backend, layout: Any) -> None:
+    """Capability checks that follow from the layout alone (shared by every backend)."""
+    backend.require("layout")
+    spec = layout.spec
+    if any(isinstance(e, tuple) for e in spec):
+        backend.require("tuple_axes", f"spec {spec!r} splits one dim over several axes; merge "
+                        "them into one axis with Mesh.flatten(axes, name) and use that name")
+    if spec.partial:
+        backend.require("partial", f"spec {spec!r} has pending reductions")
+
+
+def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) -> Any:
+    """A neutral Mesh, Layout or LayoutMap as the backend's own object.
+
+    ``options`` go to the backend (e.g. ``device_type`` for torch).
+    """
+    from .layout import Layout, LayoutMap
+    from .mesh import Mesh
+
+    if not isinstance(obj, (Mesh, Layout, LayoutMap)):
+        raise ConversionError(
+            f"to_native() takes a unimesh Mesh, Layout or LayoutMap, got {short(obj)} "
+            f"({type(obj).__name__})")
+    be = get_backend(backend)
+    if isinstance(obj, Mesh):
+        be.require("mesh")
+        return be.mesh_to_native(obj, **options)
+    if isinstance(obj, Layout):
+        _check_layout(be, obj)
+        return be.layout_to_native(obj, **options)
+    be.require("layout_map")
+    for _, layout in obj.items():
+        _check_layout(be, layout)
+    return be.layout_map_to_native(obj, **options)
+
+
+def from_native(obj: Any) -> Any:
+    """A framework's mesh/layout object as the neutral Mesh or Layout (unimesh objects pass
+    through). The backend is found from the object's type; nothing new is imported."""
+    from .layout import Layout, LayoutMap
+    from .mesh import Mesh
+
+    if isinstance(obj, (Mesh, Layout, LayoutMap)):
+        return obj
+    loaded = _REGISTRY.all_loaded()
+    for be in loaded:
+        if be.owns(obj):
+            return be.from_native(obj)
+    root = type(obj).__module__.split(".", 1)[0]
+    hint = ""
+    if root in KNOWN_EXTRAS and root not in [b.name for b in loaded]:
+        hint = f'; install its backend with: pip install "unimesh[{KNOWN_EXTRAS[root]}]"'
+    raise ConversionError(
+        f"from_native() got {short(obj)} ({type(obj).__module__}.{type(obj).__qualname__}), "
+        f"which no installed backend converts (installed: {[b.name for b in loaded]}){hint}")
+
+
+def distribute(array: Any, layout: Any, backend: str | Backend | None = None,
+               **options: Any) -> Any:
+    """A native distributed array laid out as ``layout``: each device holds the block
+    ``layout.shard_slices(array.shape, device)``."""
+    from .layout import Layout
+
+    if not isinstance(layout, Layout):
+        raise LayoutError(f"distribute() needs a unimesh.Layout, got {short(layout)}; build one "
+                          "with unimesh.Layout(mesh, P(...))")
+    shape = getattr(array, "shape", None)
+    if shape is None:
+        raise ConversionError(f"distribute() needs an array with a .shape, got {short(array)}")
+    be = get_backend(backend)
+    be.require("distribute")
+    _check_layout(be, layout)
+    if not layout.is_even(tuple(shape)):
+        be.require("uneven_shards", f"shape {tuple(shape)} does not divide evenly under "
+                   f"{layout.spec!r} on {layout.mesh!r}; pad the tensor or choose other axes")
+    return be.distribute(array, layout, **options)
