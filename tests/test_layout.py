@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pickle
 
-import numpy as np
 import pytest
 
 from unimesh import (

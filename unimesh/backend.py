@@ -7,7 +7,6 @@ It must not import its framework at module import time, only inside its methods.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, ClassVar
 
 from .errors import UnsupportedError
@@ -63,6 +62,8 @@ class Backend:
 
     def available(self) -> bool:
         """True when the framework can be imported (it is not imported to find out)."""
+        import importlib.util
+
         try:
             return importlib.util.find_spec(self.framework) is not None
         except (ImportError, ValueError):

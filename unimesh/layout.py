@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn, Union
 
 import numpy as np
@@ -164,32 +163,74 @@ def _spec_repr(entries: Sequence[Entry], partial: Sequence[tuple[str, str]]) -> 
 
 
 # -- placements (torch DTensor's vocabulary, framework-free) ------------------------------------
-@dataclass(frozen=True)
-class Shard:
+class _Value:
+    """Immutable value object: equality, hash and repr from ``__slots__`` (no dataclasses import,
+    which would cost ``import unimesh`` a third of numpy's import time)."""
+
+    __slots__: tuple[str, ...] = ()
+
+    def __init__(self, *values: object) -> None:
+        for name, value in zip(self.__slots__, values):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _key(self) -> tuple[object, ...]:
+        return tuple(getattr(self, n) for n in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self._key()))
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
+        return f"{type(self).__name__}({body})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self._key())
+
+
+class Shard(_Value):
     """The mesh axis splits tensor dim ``dim`` in contiguous chunks."""
 
+    __slots__ = ("dim",)
     dim: int
 
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
 
-@dataclass(frozen=True)
-class StridedShard:
+
+class StridedShard(_Value):
     """The mesh axis splits ``dim`` after ``split_factor`` more-major splits by later mesh axes
     (torch's ``_StridedShard``)."""
 
+    __slots__ = ("dim", "split_factor")
     dim: int
     split_factor: int
 
+    def __init__(self, dim: int, split_factor: int) -> None:
+        super().__init__(dim, split_factor)
 
-@dataclass(frozen=True)
-class Replicate:
+
+class Replicate(_Value):
     """Every device along the mesh axis holds the same data."""
 
+    __slots__ = ()
 
-@dataclass(frozen=True)
-class Partial:
+
+class Partial(_Value):
     """Values along the mesh axis are pending a reduction ``op``."""
 
-    op: str = "sum"
+    __slots__ = ("op",)
+    op: str
+
+    def __init__(self, op: str = "sum") -> None:
+        super().__init__(op)
 
 
 Placement = Union[Shard, StridedShard, Replicate, Partial]
@@ -475,6 +516,9 @@ class LayoutMap:
 
     def items(self) -> list[tuple[str, Layout]]:
         return list(self._rules.items())
+
+    def values(self) -> list[Layout]:
+        return list(self._rules.values())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, LayoutMap):

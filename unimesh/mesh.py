@@ -18,6 +18,7 @@ from ._validate import (
     fail,
     short,
 )
+
 __all__ = ["Mesh", "make_mesh", "current_mesh"]
 
 _CURRENT: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
@@ -283,21 +284,38 @@ class Mesh:
             pos = q
             bad = (q < 0) | (q >= self.size)
         else:
-            order = self._cache.get("order")
-            if order is None:
-                flat = self._ids.ravel()
-                order = np.argsort(flat, kind="stable")
-                self._cache["order"] = order
-                self._cache["sorted"] = flat[order]
-            sorted_ids = self._cache["sorted"]
-            idx = np.clip(np.searchsorted(sorted_ids, q), 0, sorted_ids.size - 1)
-            bad = sorted_ids[idx] != q
-            pos = order[idx]
+            inverse = self._inverse()
+            if inverse is not None:  # dense table: id -> position, -1 where absent
+                inside = (q >= 0) & (q < inverse.size)
+                pos = inverse[np.where(inside, q, 0)]
+                bad = ~inside | (pos < 0)
+            else:  # sparse ids: binary search in the sorted ids
+                order, sorted_ids = self._cache["order"], self._cache["sorted"]
+                idx = np.clip(np.searchsorted(sorted_ids, q), 0, sorted_ids.size - 1)
+                bad = sorted_ids[idx] != q
+                pos = order[idx]
         if bad.any():
             missing = int(q[bad].ravel()[0])
             fail(f"device {missing} is not in {self!r}; its device ids are "
                  f"{short(self.device_ids.ravel().tolist())}")
         return pos
+
+    def _inverse(self) -> np.ndarray | None:
+        """For non-default ids: a dense id -> position table when the ids are compact
+        (max id < 4 * size + 1024), else None after caching the sorted ids for binary search."""
+        if "inverse" not in self._cache:
+            assert self._ids is not None
+            flat = self._ids.ravel()
+            top = int(flat.max()) + 1
+            if top <= 4 * flat.size + 1024:
+                inverse = np.full(top, -1, dtype=np.int64)
+                inverse[flat] = np.arange(flat.size, dtype=np.int64)
+                self._cache["inverse"] = inverse
+            else:
+                order = np.argsort(flat, kind="stable")
+                self._cache.update(inverse=None, order=order, sorted=flat[order])
+        inv: np.ndarray | None = self._cache["inverse"]
+        return inv
 
     def coords_array(self, device_ids: object = None) -> np.ndarray:
         """Coordinates as an int array of shape (n, ndim).

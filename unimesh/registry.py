@@ -289,7 +289,7 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
         _check_layout(be, obj)
         return be.layout_to_native(obj, **options)
     be.require("layout_map")
-    for _, layout in obj.items():
+    for layout in obj.values():
         _check_layout(be, layout)
     return be.layout_map_to_native(obj, **options)
 

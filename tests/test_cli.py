@@ -1,0 +1,41 @@
+"""The command line: the demo runs and checks itself; user errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "unimesh", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_demo_default_mesh():
+    proc = run("demo")
+    assert proc.returncode == 0, proc.stderr
+    assert "Mesh(dp=2, tp=4)" in proc.stdout
+    assert "reference (numpy)" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if "reference (numpy)" in line)
+    assert row.count("ok") == 2 and "FAIL" not in row
+    for name in ("torch", "jax", "keras", "tensorflow", "mlx"):
+        assert name in proc.stdout
+
+
+def test_demo_permuted_3d_mesh():
+    proc = run("demo", "--mesh", "a=2,b=3,c=2;ids=11,10,9,8,7,6,5,4,3,2,1,0")
+    assert proc.returncode == 0, proc.stderr
+    assert "FAIL" not in proc.stdout
+
+
+def test_bad_spec_is_one_line_and_exit_2():
+    proc = run("demo", "--mesh", "dp=2,tp=x")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "cannot read axis 'tp=x'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_backends_command():
+    proc = run("backends")
+    assert proc.returncode == 0, proc.stderr
