@@ -22,10 +22,10 @@ import pluggy
 
 from .backend import Backend
 
-__all__ = ["hookimpl", "hookspec", "ENTRY_POINT_GROUP", "PROJECT", "HookSpecs"]
+__all__ = ["ENTRY_POINT_GROUP", "PROJECT", "HookSpecs", "InProcessPlugin", "hookimpl", "hookspec"]
 
 PROJECT = "unimesh"
-ENTRY_POINT_GROUP = "unimesh.backends"
+from .registry import ENTRY_POINT_GROUP
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -40,3 +40,14 @@ class HookSpecs:
 
         Called once when the backend is first asked for; it must not import the framework.
         """
+
+
+class InProcessPlugin:
+    """A Backend registered with :func:`unimesh.register_backend`, as a pluggy plugin."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @hookimpl
+    def unimesh_backend(self) -> Backend:
+        return self.backend

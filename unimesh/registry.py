@@ -40,21 +40,11 @@ __all__ = [
 ]
 
 ENV_VAR = "UNIMESH_BACKEND"
-ENTRY_POINT_GROUP = "unimesh.backends"  # also in unimesh.plugin, which imports pluggy
+ENTRY_POINT_GROUP = "unimesh.backends"
 #: The backends this project ships, with their pip extras (for hints when one is missing).
 KNOWN_EXTRAS = {"torch": "torch", "jax": "jax", "keras": "keras", "tensorflow": "tensorflow",
                 "mlx": "mlx"}
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
-
-
-class _InProcess:
-    """Wraps a Backend registered with :func:`register_backend` as a pluggy plugin."""
-
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-
-    def unimesh_backend(self) -> Backend:
-        return self.backend
 
 
 class _Registry:
@@ -70,9 +60,8 @@ class _Registry:
         if self._pm is None:
             import pluggy
 
-            from .plugin import PROJECT, HookSpecs, hookimpl
+            from .plugin import PROJECT, HookSpecs
 
-            _InProcess.unimesh_backend = hookimpl(_InProcess.unimesh_backend)  # type: ignore[method-assign]
             pm = pluggy.PluginManager(PROJECT)
             pm.add_hookspecs(HookSpecs)
             self._pm = pm
@@ -112,10 +101,10 @@ class _Registry:
                 raise BackendNotFoundError(
                     f"backend {name!r}: loading entry point {ep.value!r} raised {exc!r}") from exc
             pm = self.pm
-            before = {id(b) for b in self._loaded.values()}
             if not pm.is_registered(plugin):
                 pm.register(plugin, name=f"entrypoint:{name}")
-            found = [b for b in pm.hook.unimesh_backend() if id(b) not in before]
+            impls = [i for i in pm.hook.unimesh_backend.get_hookimpls() if i.plugin is plugin]
+            found = [impl.function() for impl in impls]
             match = [b for b in found if getattr(b, "name", None) == name]
             if not match:
                 pm.unregister(plugin)
@@ -147,7 +136,9 @@ class _Registry:
             old = pm.get_plugin(f"inprocess:{backend.name}")
             if old is not None:
                 pm.unregister(old)
-            pm.register(_InProcess(backend), name=f"inprocess:{backend.name}")
+            from .plugin import InProcessPlugin
+
+            pm.register(InProcessPlugin(backend), name=f"inprocess:{backend.name}")
             self._loaded[backend.name] = backend
 
     def unregister(self, name: str) -> None:
