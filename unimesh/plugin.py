@@ -21,11 +21,11 @@ from __future__ import annotations
 import pluggy
 
 from .backend import Backend
+from .registry import ENTRY_POINT_GROUP
 
 __all__ = ["ENTRY_POINT_GROUP", "PROJECT", "HookSpecs", "InProcessPlugin", "hookimpl", "hookspec"]
 
 PROJECT = "unimesh"
-from .registry import ENTRY_POINT_GROUP
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
