@@ -128,9 +128,12 @@ def test_placements_rule():
 def test_from_placements_round_trips():
     m3 = Mesh((2, 3, 4), ("a", "b", "c"))
     for spec in [P(), P("a"), P(None, "c"), P(("c", "a"), "b"), P(("b", "c", "a")),
-                 P(("c", "b", "a")), P(("a", "c"), partial={"b": "avg"}), P(None, None, "a")]:
+                 P(("c", "b", "a")), P(("a", "c"), partial={"b": "avg"}), P(None, None, "a"),
+                 P("a", None, None)]:
         lay = Layout(m3, spec)
-        assert Layout.from_placements(m3, lay.placements(), 3) == lay, spec
+        assert Layout.from_placements(m3, lay.placements(), len(spec)) == lay, spec
+    assert Layout.from_placements(m3, Layout(m3, P("a")).placements(), 3) == Layout(
+        m3, P("a", None, None))
     assert Layout.from_placements(m3, [Shard(-1), Replicate(), Replicate()], 2) == Layout(
         m3, P(None, "a"))
 

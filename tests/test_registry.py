@@ -26,6 +26,7 @@ from unimesh import (
     P,
     UnsupportedError,
 )
+from unimesh.registry import _REGISTRY
 
 from .refbackend import NativeLayout, NativeMesh, RefBackend
 
@@ -136,6 +137,8 @@ def test_env_var_and_detection(monkeypatch, ref):
         unimesh.get_backend()
     monkeypatch.delenv("UNIMESH_BACKEND")
     unimesh.unregister_backend("ref")  # numpy is always imported: keep ref out of detection
+    for be in _REGISTRY.all_loaded():  # hide frameworks other tests imported (restored after)
+        monkeypatch.delitem(sys.modules, be.framework, raising=False)
     fw_a, fw_b = "unimesh_fake_fw_a", "unimesh_fake_fw_b"
     a = unimesh.register_backend(make_backend("fa", fw_a))
     b = unimesh.register_backend(make_backend("fb", fw_b, wraps=(fw_a,)))

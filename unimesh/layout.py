@@ -375,7 +375,8 @@ class Layout:
     def from_placements(cls, mesh: Mesh, placements: Sequence[Placement], ndim: int) -> Layout:
         """The layout whose :meth:`placements` are ``placements`` for a tensor of ``ndim`` dims.
 
-        Where size-1 axes make several orders equivalent, the most ascending order is chosen.
+        The spec has exactly ``ndim`` entries. Where size-1 axes make several orders equivalent,
+        the most ascending order is chosen.
         Placements no PartitionSpec can express raise :class:`LayoutError`.
         """
         if not isinstance(mesh, Mesh):
@@ -429,8 +430,6 @@ class Layout:
                            f"{mesh.axis_names[m]!r} split_factor {sf}")
             names = tuple(mesh.axis_names[i] for i in order)
             entries[dim] = names[0] if len(names) == 1 else names
-        while entries and entries[-1] is None:
-            entries.pop()
         return cls(mesh, PartitionSpec(*entries, partial=partial or None))
 
 

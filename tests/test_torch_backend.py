@@ -1,0 +1,188 @@
+"""The torch backend in one process, under torch's fake process group: every rank's view of the
+DeviceMesh (coordinate, per-dim group ranks) against the neutral answers, round trips, refusals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import unimesh
+from unimesh import Layout, Mesh, MeshMismatchError, P, UnsupportedError
+
+from .strategies import NAMES
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from torch.distributed.tensor.placement_types import (  # noqa: E402
+    Partial as TPartial,
+)
+from torch.distributed.tensor.placement_types import (  # noqa: E402
+    Replicate as TReplicate,
+)
+from torch.distributed.tensor.placement_types import (  # noqa: E402
+    Shard as TShard,
+)
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from unimesh_torch import TorchLayout, axis_mesh  # noqa: E402
+
+
+def fake_world(rank: int, world: int) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+@pytest.fixture(autouse=True)
+def _no_world_left_behind():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def increasing(mesh: Mesh, axis: str) -> bool:
+    g = mesh.groups_array(axis)
+    return bool(np.all(np.diff(g, axis=1) > 0))
+
+
+@st.composite
+def big_meshes(draw) -> Mesh:
+    ndim = draw(st.integers(1, 4))
+    shape = []
+    for _ in range(ndim):
+        room = 4096 // max(1, math.prod(shape))
+        shape.append(draw(st.sampled_from([s for s in (1, 2, 3, 4, 8, 16) if s <= room])))
+    names = draw(st.permutations(NAMES))[:ndim]
+    size = math.prod(shape)
+    ids = None
+    if draw(st.booleans()):
+        ids = np.array(draw(st.permutations(range(size)))).reshape(shape) if size <= 64 else \
+            np.random.default_rng(draw(st.integers(0, 2**32 - 1))).permutation(size).reshape(shape)
+    return Mesh(tuple(shape), tuple(names), ids)
+
+
+@settings(max_examples=60)
+@given(big_meshes(), st.data())
+def test_every_rank_view_matches_neutral(mesh: Mesh, data: st.DataObject) -> None:
+    extra = data.draw(st.integers(0, 3))
+    world = mesh.size + extra
+    rank = data.draw(st.integers(0, world - 1))
+    fake_world(rank, world)
+    dm = unimesh.to_native(mesh, "torch")
+    assert isinstance(dm, DeviceMesh)
+    assert unimesh.from_native(dm) == mesh
+    assert dm.mesh_dim_names == mesh.axis_names
+    if rank not in mesh.device_ids:
+        assert dm.get_coordinate() is None
+        return
+    assert dm.get_coordinate() == tuple(mesh.coords(rank).values())
+    for i, axis in enumerate(mesh.axis_names):
+        ranks = dist.get_process_group_ranks(dm.get_group(i))
+        (mine,) = [g for g in mesh.groups(axis) if rank in g]
+        assert sorted(ranks) == sorted(mine)
+        if increasing(mesh, axis):
+            assert ranks == list(mine)
+        sub = unimesh.to_native(mesh.submesh(axis, containing=rank), "torch")
+        assert unimesh.from_native(sub) == mesh.submesh(axis, containing=rank)
+        assert dist.get_process_group_ranks(sub.get_group()) == ranks
+
+
+def test_submeshes_and_flattened_axes_are_sliced_from_the_root() -> None:
+    fake_world(5, 8)
+    mesh = Mesh((2, 2, 2), ("pp", "dp", "tp"))
+    root = unimesh.to_native(mesh)
+    assert unimesh.to_native(mesh) is root  # cached: no second set of groups
+    for axes in ["tp", ("pp", "tp"), ("dp", "tp"), "pp"]:
+        sub = unimesh.to_native(mesh.submesh(axes, containing=5))
+        assert sub._get_root_mesh() is root  # sliced, not built anew
+        want = mesh.submesh(axes, containing=5)
+        assert unimesh.from_native(sub) == want
+        for i, n in enumerate(want.axis_names):
+            (g,) = [g for g in want.groups(n) if 5 in g]
+            assert dist.get_process_group_ranks(sub.get_group(i)) == list(g)
+    flat = mesh.flatten(("dp", "tp"), "dp_tp").submesh("dp_tp", containing=5)
+    native = unimesh.to_native(flat)
+    assert native._get_root_mesh() is root
+    assert unimesh.from_native(native) == flat
+    assert dist.get_process_group_ranks(native.get_group()) == list(flat.device_ids.ravel())
+    # the whole mesh flattened (the same on every rank) is built directly
+    whole = unimesh.to_native(mesh.flatten(("tp", "pp", "dp"), "world"))
+    assert unimesh.from_native(whole) == mesh.flatten(("tp", "pp", "dp"), "world")
+    # init_device_mesh's meshes read back too
+    native_init = init_device_mesh("cpu", (4, 2), mesh_dim_names=("a", "b"))
+    assert unimesh.from_native(native_init) == Mesh((4, 2), ("a", "b"))
+    assert unimesh.from_native(native_init["b"]) == Mesh((2,), ("b",), [4, 5])
+
+
+def test_axis_mesh_for_ddp() -> None:
+    fake_world(6, 8)
+    mesh = Mesh((4, 2), ("dp", "tp"))
+    dp = axis_mesh(mesh, "dp")
+    assert unimesh.from_native(dp) == Mesh((4,), ("dp",), [0, 2, 4, 6])
+    assert dist.get_process_group_ranks(dp.get_group()) == [0, 2, 4, 6]
+
+
+def test_layout_round_trips_and_placements() -> None:
+    fake_world(0, 24)
+    mesh = Mesh((2, 3, 4), ("a", "b", "c"))
+    cases = {
+        P("a", None): (TShard(0), TReplicate(), TReplicate()),
+        P(("c", "a")): (_StridedShard(0, split_factor=4), TReplicate(), TShard(0)),
+        P(("a", "c"), "b"): (TShard(0), TShard(1), TShard(0)),
+        P(None, "c", partial={"b": "max"}): (TReplicate(), TPartial("max"), TShard(1)),
+    }
+    for spec, placements in cases.items():
+        lay = Layout(mesh, spec)
+        native = unimesh.to_native(lay, "torch")
+        assert isinstance(native, TorchLayout)
+        assert native.placements == placements
+        assert native.device_mesh is unimesh.to_native(mesh, "torch")
+        assert unimesh.from_native(native) == lay
+
+
+def test_not_initialized_is_a_clear_error() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(MeshMismatchError, match="torch.distributed is not initialized: run under"):
+        unimesh.to_native(Mesh((2,), ("dp",)), "torch")
+
+
+def test_refusals() -> None:
+    fake_world(1, 4)
+    with pytest.raises(MeshMismatchError, match=r"uses rank 7, but the torch world has 4 ranks"):
+        unimesh.to_native(Mesh((8,), ("dp",)), "torch")
+    perm = Mesh((2, 2), ("dp", "tp"), [[1, 0], [3, 2]])
+    dm = unimesh.to_native(perm, "torch")  # the mesh itself is fine
+    assert dm.get_coordinate() == (0, 0)
+    assert unimesh.to_native(Layout(perm, P("dp")), "torch").placements[0] == TShard(0)
+    with pytest.raises(UnsupportedError, match="shards over axis 'tp', along which the device "
+                                               "order is not increasing"):
+        unimesh.to_native(Layout(perm, P(None, "tp")), "torch")
+    with pytest.raises(UnsupportedError, match="distribute\\(\\) of a partial layout"):
+        unimesh.distribute(torch.zeros(4), Layout(Mesh((2, 2), ("dp", "tp")),
+                                                  P("dp", partial={"tp": "sum"})), "torch")
+    with pytest.raises(UnsupportedError, match="_StridedShard does not give the reference"):
+        unimesh.distribute(torch.zeros(6), Layout(Mesh((2, 2), ("dp", "tp")), P(("tp", "dp"))),
+                           "torch")
+    fake_world(1, 8)
+    mesh3 = Mesh((2, 2, 2), ("a", "b", "c"))
+    unimesh.to_native(mesh3, "torch")
+    # a transpose holds every device: the same on every rank, so it is simply built
+    assert unimesh.from_native(unimesh.to_native(mesh3.transpose(("c", "a", "b")))) == \
+        mesh3.transpose(("c", "a", "b"))
+    with pytest.raises(UnsupportedError, match="slices a DeviceMesh only with axes in mesh order"):
+        unimesh.to_native(mesh3.submesh(("b", "a"), containing=1), "torch")
+    with pytest.raises(MeshMismatchError, match="rank 1 is not in"):
+        unimesh.to_native(mesh3.submesh("a", containing=2), "torch")
+    with pytest.raises(MeshMismatchError, match="rank 1 is not in"):
+        unimesh.to_native(mesh3.flatten(("a", "b"), "ab").submesh("ab", containing=0), "torch")
+    with pytest.raises(UnsupportedError, match="device_type must be a str"):
+        unimesh.to_native(Mesh((2,), ("x",)), "torch", device_type=3)
+    with pytest.raises(UnsupportedError, match="unknown option"):
+        unimesh.to_native(Mesh((2,), ("x",)), "torch", colour="red")
+    with pytest.raises(unimesh.ConversionError, match="converts DeviceMesh, DTensor and"):
+        unimesh.from_native(torch.zeros(2))

@@ -1,0 +1,54 @@
+"""Real torch runs: torchrun --standalone with gloo, 4 and 8 ranks, started from pytest.
+
+Each run is bounded: on timeout the whole process group is killed and the test fails with the
+output so far. Every rank must print its checks and ``RANK r OK``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+WORKER = Path(__file__).with_name("torch_worker.py")
+LIMIT = 120
+
+
+def torchrun(nproc: int, *args: str) -> tuple[int, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.pop("UNIMESH_BACKEND", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(WORKER), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun {args} did not finish within {LIMIT} s; output:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("nproc, spec", [(4, "dp=2,tp=2"), (8, "pp=2,dp=2,tp=2")],
+                         ids=["2x2", "2x2x2"])
+def test_torchrun_gloo(nproc: int, spec: str) -> None:
+    rc, out = torchrun(nproc, spec)
+    assert rc == 0, out[-6000:]
+    done = {int(m.group(1)): int(m.group(2)) for m in re.finditer(r"RANK (\d+) OK (\d+)", out)}
+    assert sorted(done) == list(range(nproc)), out[-6000:]
+    assert len(set(done.values())) == 1 and min(done.values()) >= 20, done
+    assert "FAIL" not in out
+
+
+def test_a_crashed_rank_fails_the_run_instead_of_hanging() -> None:
+    rc, out = torchrun(4, "dp=2,tp=2", "crash")
+    assert rc != 0, out[-4000:]

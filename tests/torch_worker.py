@@ -1,0 +1,126 @@
+"""One rank of a real torch run (torchrun, gloo). Started by tests/test_torch_multiprocess.py.
+
+    torchrun --standalone --nproc-per-node N tests/torch_worker.py MESH_SPEC [crash]
+
+Each check compares what torch does on this rank with the neutral answer; the rank prints one
+line per check and a final ``RANK r OK n`` line, and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from unimesh_torch import axis_mesh
+
+import unimesh
+from unimesh import Layout, Mesh, P, UnsupportedError
+
+checks = 0
+
+
+def check(ok: bool, what: str) -> None:
+    global checks
+    rank = dist.get_rank()
+    sys.stdout.write(f"rank {rank}: {'ok  ' if ok else 'FAIL'} {what}\n")  # one write per line
+    sys.stdout.flush()
+    if not ok:
+        sys.exit(1)
+    checks += 1
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if len(sys.argv) > 2 and sys.argv[2] == "crash":
+        if rank == 1:
+            os._exit(3)
+        dist.barrier()  # the others wait for a peer that is gone
+        return
+    mesh = Mesh.from_string(sys.argv[1])
+    check(mesh.size == world, f"mesh {mesh!r} fills the world of {world}")
+
+    dm = unimesh.to_native(mesh)
+    check(dm.get_coordinate() == tuple(mesh.coords(rank).values()),
+          f"coordinate {dm.get_coordinate()} == {mesh.coords(rank)}")
+
+    # an all_reduce over each axis group gives the sum of the neutral group
+    for i, axis in enumerate(mesh.axis_names):
+        (group,) = [g for g in mesh.groups(axis) if rank in g]
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=dm.get_group(i))
+        check(int(t.item()) == sum(group), f"all_reduce over {axis!r}: {int(t.item())} == "
+                                           f"sum{group}")
+
+    # distribute: every local tensor is the reference block
+    a, b, last = mesh.axis_names[0], mesh.axis_names[1], mesh.axis_names[-1]
+    cases = [(P(a, b), (5, 6)), (P((a, b)), (9,)), (P((b, a)), (8,)), (P(None, last), (3, 7))]
+    if mesh.ndim > 2:
+        cases.append((P((last, a), b), (8, 3)))
+    for spec, shape in cases:
+        x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+        lay = Layout(mesh, spec)
+        dt = unimesh.distribute(x, lay)
+        want = x[lay.shard_slices(shape, rank)]
+        check(torch.equal(dt.to_local(), want),
+              f"distribute {spec} of {shape}: local {tuple(dt.to_local().shape)} is the "
+              f"reference block {lay.shard_slices(shape, rank)}")
+        check(unimesh.from_native(dt) == lay, f"from_native(DTensor) == {lay!r}")
+        check(torch.equal(dt.full_tensor(), x), f"full_tensor of {spec} is the original")
+
+    # a device order that decreases along the last axis: Shard there is refused on every rank
+    ids = mesh.device_ids[..., ::-1].copy()
+    perm = Mesh(mesh.shape, mesh.axis_names, ids)
+    try:
+        unimesh.distribute(torch.zeros(8), Layout(perm, P(last)))
+        check(False, "Shard over a decreasing axis must be refused")
+    except UnsupportedError as exc:
+        check("not increasing" in str(exc), "Shard over a decreasing axis is refused")
+    lay = Layout(perm, P(a))
+    x = torch.arange(8.0)
+    dt = unimesh.distribute(x, lay)
+    check(torch.equal(dt.to_local(), x[lay.shard_slices((8,), rank)]),
+          f"on {perm!r} P({a!r}) gives rank {rank} at {perm.coords(rank)} the reference block")
+
+    # a DDP step on the "dp" axis mesh: gradients are the mean over the dp group
+    dp_axis = "dp" if "dp" in mesh.axis_names else a
+    dp_mesh = axis_mesh(mesh, dp_axis)
+    (dp_group,) = [g for g in mesh.groups(dp_axis) if rank in g]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    reference = nn.Linear(4, 2)
+    reference.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(model, device_mesh=dp_mesh)
+
+    def batch(r: int) -> torch.Tensor:
+        return torch.arange(12, dtype=torch.float32).reshape(3, 4) / (r + 1)
+
+    (ddp(batch(rank)) ** 2).sum().backward()
+    grads = [torch.zeros_like(p) for p in reference.parameters()]
+    for r in dp_group:
+        reference.zero_grad()
+        (reference(batch(r)) ** 2).sum().backward()
+        for g, p in zip(grads, reference.parameters()):
+            g += p.grad / len(dp_group)
+    ok = all(torch.allclose(p.grad, g, atol=1e-5) for p, g in zip(model.parameters(), grads))
+    check(ok, f"DDP gradient on {dp_axis!r} mesh {tuple(dp_mesh.mesh.tolist())} is the mean over "
+              f"{dp_group}")
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        expected = [p - 0.1 * g for p, g in zip(reference.parameters(), grads)]
+    check(all(torch.allclose(p, e, atol=1e-5) for p, e in zip(model.parameters(), expected)),
+          "SGD step after DDP matches the single-process reference")
+
+    dist.barrier()
+    sys.stdout.write(f"RANK {rank} OK {checks}\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
