@@ -52,3 +52,10 @@ def test_torchrun_gloo(nproc: int, spec: str) -> None:
 def test_a_crashed_rank_fails_the_run_instead_of_hanging() -> None:
     rc, out = torchrun(4, "dp=2,tp=2", "crash")
     assert rc != 0, out[-4000:]
+
+
+def test_ranks_building_different_meshes_all_raise() -> None:
+    rc, out = torchrun(4, "dp=2,tp=2", "disagree")
+    assert rc == 0, out[-4000:]
+    assert len(re.findall(r"ok   disagreement raised: ranks disagree", out)) == 4, out[-4000:]
+    assert sorted(int(r) for r in re.findall(r"RANK (\d+) OK 1", out)) == [0, 1, 2, 3]

@@ -42,6 +42,17 @@ def main() -> None:
             os._exit(3)
         dist.barrier()  # the others wait for a peer that is gone
         return
+    if len(sys.argv) > 2 and sys.argv[2] == "disagree":
+        spec = sys.argv[1] if rank else sys.argv[1] + ";ids=" + ",".join(
+            map(str, reversed(range(world))))
+        try:
+            unimesh.to_native(Mesh.from_string(spec))
+            check(False, "ranks building different meshes must raise")
+        except unimesh.MeshMismatchError as exc:
+            check("ranks disagree about the mesh" in str(exc), f"disagreement raised: {exc}")
+        sys.stdout.write(f"RANK {rank} OK {checks}\n")
+        sys.stdout.flush()
+        return
     mesh = Mesh.from_string(sys.argv[1])
     check(mesh.size == world, f"mesh {mesh!r} fills the world of {world}")
 
