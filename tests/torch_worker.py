@@ -50,8 +50,10 @@ def main() -> None:
             check(False, "ranks building different meshes must raise")
         except unimesh.MeshMismatchError as exc:
             check("ranks disagree about the mesh" in str(exc), f"disagreement raised: {exc}")
+        dist.barrier()  # leave together: a rank gone early makes gloo abort the others
         sys.stdout.write(f"RANK {rank} OK {checks}\n")
         sys.stdout.flush()
+        dist.destroy_process_group()
         return
     mesh = Mesh.from_string(sys.argv[1])
     check(mesh.size == world, f"mesh {mesh!r} fills the world of {world}")
