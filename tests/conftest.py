@@ -2,6 +2,10 @@ from __future__ import annotations
 
 import os
 
+# before any test imports jax or keras: 8 virtual CPU devices, Keras on JAX
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=150, deadline=None,

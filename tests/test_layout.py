@@ -157,22 +157,24 @@ def test_layout_equality_pickle():
 
 def test_layout_map_keras_semantics():
     lm = LayoutMap(M24, {"dense.*kernel": (None, "tp"), "dense.*bias": ("tp",),
-                         "embedding": P("tp", None)})
+                         ".*embedding.*": P("tp", None)})
     assert lm.get("dense_1/kernel") == Layout(M24, P(None, "tp"))
     assert lm["dense_2/bias"] == Layout(M24, P("tp"))
-    # re.search, as Keras does: the key may match anywhere in the path
+    # re.fullmatch, as Keras 3 does: the pattern must cover the whole path
+    assert lm.get("model/dense_1/kernel") is None
+    assert lm.get("dense_1/kernel_extra") is None
     assert lm.get("model/embedding/embeddings") == Layout(M24, P("tp", None))
     assert lm.get("conv/kernel") is None
-    lm["conv"] = P("dp")
+    lm["conv/.*"] = P("dp")
     assert lm.get("conv/kernel") == Layout(M24, P("dp"))
     assert len(lm) == 4 and list(lm)[:2] == ["dense.*kernel", "dense.*bias"]
-    assert "conv" in lm
-    del lm["conv"]
+    assert "conv/.*" in lm
+    del lm["conv/.*"]
     assert lm.get("conv/kernel") is None
-    exact = LayoutMap(M24, [("a.*", P("dp")), ("ab", P("tp"))])
+    exact = LayoutMap(M24, [("a.*", P("dp")), ("ab", P("tp")), (".*b", P(None, "dp"))])
     assert exact.get("ab") == Layout(M24, P("tp"))  # an exact key wins over regex matches
-    with pytest.raises(LayoutError, match=r"matches more than one LayoutMap key: 'a\.\*' and 'ab'"):
-        exact.get("xab")
+    with pytest.raises(LayoutError, match=r"matches more than one LayoutMap key: 'a\.\*' and '\.\*b'"):
+        exact.get("axb")
 
 
 def test_axis_rules_first_unused_wins():

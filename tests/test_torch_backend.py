@@ -95,10 +95,10 @@ def test_every_rank_view_matches_neutral(mesh: Mesh, data: st.DataObject) -> Non
 def test_submeshes_and_flattened_axes_are_sliced_from_the_root() -> None:
     fake_world(5, 8)
     mesh = Mesh((2, 2, 2), ("pp", "dp", "tp"))
-    root = unimesh.to_native(mesh)
-    assert unimesh.to_native(mesh) is root  # cached: no second set of groups
+    root = unimesh.to_native(mesh, "torch")
+    assert unimesh.to_native(mesh, "torch") is root  # cached: no second set of groups
     for axes in ["tp", ("pp", "tp"), ("dp", "tp"), "pp"]:
-        sub = unimesh.to_native(mesh.submesh(axes, containing=5))
+        sub = unimesh.to_native(mesh.submesh(axes, containing=5), "torch")
         assert sub._get_root_mesh() is root  # sliced, not built anew
         want = mesh.submesh(axes, containing=5)
         assert unimesh.from_native(sub) == want
@@ -106,12 +106,12 @@ def test_submeshes_and_flattened_axes_are_sliced_from_the_root() -> None:
             (g,) = [g for g in want.groups(n) if 5 in g]
             assert dist.get_process_group_ranks(sub.get_group(i)) == list(g)
     flat = mesh.flatten(("dp", "tp"), "dp_tp").submesh("dp_tp", containing=5)
-    native = unimesh.to_native(flat)
+    native = unimesh.to_native(flat, "torch")
     assert native._get_root_mesh() is root
     assert unimesh.from_native(native) == flat
     assert dist.get_process_group_ranks(native.get_group()) == list(flat.device_ids.ravel())
     # the whole mesh flattened (the same on every rank) is built directly
-    whole = unimesh.to_native(mesh.flatten(("tp", "pp", "dp"), "world"))
+    whole = unimesh.to_native(mesh.flatten(("tp", "pp", "dp"), "world"), "torch")
     assert unimesh.from_native(whole) == mesh.flatten(("tp", "pp", "dp"), "world")
     # init_device_mesh's meshes read back too
     native_init = init_device_mesh("cpu", (4, 2), mesh_dim_names=("a", "b"))
@@ -172,7 +172,7 @@ def test_refusals() -> None:
     mesh3 = Mesh((2, 2, 2), ("a", "b", "c"))
     unimesh.to_native(mesh3, "torch")
     # a transpose holds every device: the same on every rank, so it is simply built
-    assert unimesh.from_native(unimesh.to_native(mesh3.transpose(("c", "a", "b")))) == \
+    assert unimesh.from_native(unimesh.to_native(mesh3.transpose(("c", "a", "b")), "torch")) == \
         mesh3.transpose(("c", "a", "b"))
     with pytest.raises(UnsupportedError, match="slices a DeviceMesh only with axes in mesh order"):
         unimesh.to_native(mesh3.submesh(("b", "a"), containing=1), "torch")

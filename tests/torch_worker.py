@@ -57,6 +57,7 @@ def main() -> None:
         return
     mesh = Mesh.from_string(sys.argv[1])
     check(mesh.size == world, f"mesh {mesh!r} fills the world of {world}")
+    check(unimesh.get_backend().name == "torch", "the backend is detected from the import")
 
     dm = unimesh.to_native(mesh)
     check(dm.get_coordinate() == tuple(mesh.coords(rank).values()),

@@ -9,30 +9,48 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from .errors import UnimeshError
+from .mesh import Mesh
 
 KNOWN_BACKENDS = ("torch", "jax", "keras", "tensorflow", "mlx")
 
 
+def _compute(name: str, native: Any, w: Any) -> Any:
+    """The demo's computation, a matmul with a replicated weight, in the framework itself."""
+    if name == "jax":
+        import jax
+
+        return jax.jit(lambda a, b: a @ b)(native, w)
+    if name == "keras":
+        import keras
+
+        return keras.ops.matmul(native, w)
+    return None
+
+
 def _demo(args: argparse.Namespace) -> int:
+    import os
+
+    # frameworks that simulate devices in this process need to hear it before they load
+    if "jax" not in sys.modules:
+        count = max(8, Mesh.from_string(args.mesh).size) if _parses(args.mesh) else 8
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={count}")
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+
     import numpy as np
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from .layout import Layout, PartitionSpec
-    from .mesh import Mesh
-    from .registry import backends, get_backend, to_native
+    from .registry import backends, distribute, get_backend, to_native
 
     console = Console(width=120)
     mesh = Mesh.from_string(args.mesh)
-    # a 2-D tensor: rows over the first axis, columns over the second (if any)
-    spec_axes = list(mesh.axis_names[:2])
-    layout = Layout(mesh, PartitionSpec(spec_axes[0], spec_axes[1] if len(spec_axes) > 1 else None))
-    shape = (2 * mesh.shape[0], 2 * (mesh.shape[1] if mesh.ndim > 1 else 1))
-    x = np.arange(shape[0] * shape[1], dtype=np.float64).reshape(shape)
-    w = np.linspace(-1.0, 1.0, shape[1] * 3).reshape(shape[1], 3)
+    layout, x, w = demo_problem(mesh)
+    shape, spec_axes = x.shape, layout.spec.axes()
+    want = x @ w
 
     console.print(f"[bold]mesh[/bold] {mesh!r}   [bold]layout[/bold] {layout.spec!r}   "
                   f"[bold]tensor[/bold] {shape}")
@@ -50,39 +68,119 @@ def _demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     blocks = layout.device_slices(shape)
     covered = np.zeros(shape, dtype=np.int64)
-    out = np.zeros((shape[0], w.shape[1]))
+    out = np.zeros((shape[0], w.shape[1]), dtype=np.float32)
     for sl in blocks.values():
         covered[sl] += 1
     reps = mesh.size // int(np.prod([mesh.axis_size(a) for a in spec_axes]))
     for sl in blocks.values():
         out[sl[0]] += x[sl] @ w[sl[-1]] / reps
     ok_tiles = bool((covered == reps).all())
-    ok_matmul = bool(np.allclose(out, x @ w))
+    ok_matmul = bool(np.allclose(out, want, rtol=1e-5, atol=1e-4))
     ref_ms = (time.perf_counter() - t0) * 1e3
+
+    def mark(ok: bool | None) -> str:
+        return "-" if ok is None else "[green]ok[/green]" if ok else "[red]FAIL[/red]"
 
     table = Table(title="one mesh, every backend")
     for col in ("backend", "native object", "shards vs reference", "result vs numpy", "time"):
         table.add_column(col)
-    table.add_row("reference (numpy)", f"{len(blocks)} blocks", "ok" if ok_tiles else "FAIL",
-                  "ok" if ok_matmul else "FAIL", f"{ref_ms:.1f} ms")
+    table.add_row("reference (numpy)", f"{len(blocks)} blocks", mark(ok_tiles), mark(ok_matmul),
+                  f"{ref_ms:.1f} ms")
     installed = backends()
     failures = 0 if ok_tiles and ok_matmul else 1
-    for name in sorted(set(KNOWN_BACKENDS) | set(installed)):
+    chosen = args.backends.split(",") if args.backends else sorted(
+        set(KNOWN_BACKENDS) | set(installed))
+    for name in chosen:
         if name not in installed:
             table.add_row(name, "[dim]backend not installed[/dim]", "-", "-",
                           escape(f'pip install "unimesh[{name}]"'))
             continue
+        if name == "torch":
+            table.add_row(*_torch_row(args.mesh, mesh.size, mark))
+            continue
         try:
             be = get_backend(name)
             t0 = time.perf_counter()
-            native = to_native(mesh, be)
+            native_mesh = to_native(mesh, be)
+            arr = distribute(x, layout, be)
+            shards = be.local_shards(arr)
+            ok_shards = bool(shards) and all(
+                np.array_equal(block, x[layout.shard_slices(shape, d)])
+                for d, block in shards.items())
+            result = _compute(name, arr, w)
+            ok_result = None if result is None else bool(
+                np.allclose(np.asarray(result), want, rtol=1e-5, atol=1e-4))
             ms = (time.perf_counter() - t0) * 1e3
-            table.add_row(name, type(native).__name__, "-", "-", f"{ms:.1f} ms")
+            failures += (not ok_shards) + (ok_result is False)
+            table.add_row(name, type(native_mesh).__name__ + f", {len(shards)} shards",
+                          mark(ok_shards), mark(ok_result), f"{ms:.1f} ms")
         except UnimeshError as exc:
             table.add_row(name, f"[yellow]{type(exc).__name__}[/yellow]", "-", "-",
-                          escape(str(exc)[:60]))
+                          escape(str(exc)[:70]))
     console.print(table)
     return 1 if failures else 0
+
+
+def demo_problem(mesh: Mesh) -> tuple[Any, Any, Any]:
+    """The demo's layout and data: a 2-D tensor, rows over the mesh's first axis and columns
+    over its second, and a replicated weight to multiply it with."""
+    import numpy as np
+
+    from .layout import Layout, PartitionSpec
+
+    axes = mesh.axis_names[:2]
+    layout = Layout(mesh, PartitionSpec(axes[0], axes[1] if len(axes) > 1 else None))
+    shape = (2 * mesh.shape[0], 2 * (mesh.shape[1] if mesh.ndim > 1 else 1))
+    x = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
+    w = np.linspace(-1.0, 1.0, shape[1] * 3, dtype=np.float32).reshape(shape[1], 3)
+    return layout, x, w
+
+
+def _torch_row(spec: str, size: int, mark: Any) -> tuple[str, ...]:
+    """Run the demo under torchrun (gloo, one process per device) and summarise the ranks."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from rich.markup import escape
+
+    if size > 16:
+        return ("torch", "[dim]skipped[/dim]", "-", "-", f"{size} processes is too many here")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={size}", "-m", "unimesh_torch.demo_worker", spec]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return ("torch", "[red]torchrun timed out[/red]", "-", "-", "> 100 s")
+    ms = (time.perf_counter() - t0) * 1e3
+    ranks = [json.loads(line[len("UNIMESH_DEMO "):]) for line in out.splitlines()
+             if line.startswith("UNIMESH_DEMO ")]
+    if proc.returncode != 0 or len(ranks) != size:
+        tail = out.strip().splitlines()[-1] if out.strip() else f"exit {proc.returncode}"
+        return ("torch", "[red]torchrun failed[/red]", "-", "-", escape(tail[:70]))
+    errors = [r["error"] for r in ranks if "error" in r]
+    if errors:
+        return ("torch", "[yellow]refused[/yellow]", "-", "-", escape(errors[0][:70]))
+    ok_shards = all(r["shards"] for r in ranks)
+    ok_result = all(r["result"] for r in ranks)
+    return ("torch", f"{ranks[0]['native']}, {size} ranks (torchrun, gloo)", mark(ok_shards),
+            mark(ok_result), f"{ms:.0f} ms incl. launch")
+
+
+def _parses(spec: str) -> bool:
+    try:
+        Mesh.from_string(spec)
+    except UnimeshError:
+        return False
+    return True
 
 
 def _backends(args: argparse.Namespace) -> int:
@@ -105,6 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="build one mesh on every installed backend")
     demo.add_argument("--mesh", default="dp=2,tp=4", help="mesh spec, e.g. dp=2,tp=4")
+    demo.add_argument("--backends", default="",
+                      help="comma-separated backends to run (default: all known and installed)")
     demo.set_defaults(run=_demo)
     sub.add_parser("backends", help="list installed backends").set_defaults(run=_backends)
     args = parser.parse_args(argv)

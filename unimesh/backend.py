@@ -129,3 +129,9 @@ class Backend:
     def distribute(self, array: Any, layout: Any, **options: Any) -> Any:
         """A native distributed array whose shards are ``layout``'s reference blocks."""
         return self._missing("distribute")
+
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        """This process's shards of a native distributed array, as numpy arrays keyed by
+        logical device id (the inverse view of :meth:`distribute`, for checks)."""
+        out: dict[int, Any] = self._missing("distribute")
+        return out

@@ -451,8 +451,9 @@ def _pairs(rules: object, what: str, form: str) -> list[tuple[Any, Any]]:
 class LayoutMap:
     """Ordered mapping of variable-path patterns to layouts (``keras.distribution.LayoutMap``).
 
-    Lookup follows Keras: an exact key wins; else every key is tried as a regex with
-    ``re.search``; two matching keys are an error naming both; none gives None.
+    Lookup follows Keras 3: an exact key wins; else every key is tried as a regex that must
+    match the whole path (``re.fullmatch``); two matching keys are an error naming both; none
+    gives None.
     Values may be PartitionSpecs or tuples of entries and are validated against ``mesh``.
     """
 
@@ -498,7 +499,7 @@ class LayoutMap:
             _lfail(f"LayoutMap lookups take a str path, got {short(path)}")
         if path in self._rules:
             return self._rules[path]
-        hits = [k for k, pat in self._compiled.items() if pat.search(path)]
+        hits = [k for k, pat in self._compiled.items() if pat.fullmatch(path)]
         if len(hits) > 1:
             _lfail(f"path {path!r} matches more than one LayoutMap key: {hits[0]!r} and "
                    f"{hits[1]!r}; make the patterns exclusive")

@@ -304,6 +304,14 @@ class TorchBackend(Backend):
                                  src_data_rank=src_data_rank)
 
 
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        """``{rank: numpy block}``: this rank's local tensor of a DTensor (empty when the rank
+        is outside its mesh)."""
+        if array.device_mesh.get_coordinate() is None:
+            return {}
+        return {_dist().get_rank(): array.to_local().detach().cpu().numpy()}
+
+
 def _to_torch(p: Any) -> Any:
     from torch.distributed.tensor.placement_types import Partial as TPartial
     from torch.distributed.tensor.placement_types import Replicate as TReplicate

@@ -1,0 +1,10 @@
+"""unimesh backend for JAX: ``jax.sharding.Mesh``, ``NamedSharding``, ``jax.Array``.
+
+Importing this package does not import jax; the backend imports it on first use.
+"""
+
+from __future__ import annotations
+
+from .backend import JaxBackend, global_devices, use_mesh
+
+__all__ = ["JaxBackend", "global_devices", "use_mesh"]

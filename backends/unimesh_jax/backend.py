@@ -1,0 +1,191 @@
+"""The JAX backend: neutral Mesh <-> ``jax.sharding.Mesh``, Layout <-> ``NamedSharding``.
+
+jax is imported inside the functions, never at module import. A neutral device id is a position
+in the global device order (sorted by process, then by id within the process), not JAX's id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from unimesh import (
+    Backend,
+    ConversionError,
+    Layout,
+    Mesh,
+    MeshMismatchError,
+    P,
+    UnsupportedError,
+)
+from unimesh._validate import short
+
+__all__ = ["JaxBackend", "global_devices", "use_mesh"]
+
+_TYPES = {"auto": "Auto", "explicit": "Explicit", "manual": "Manual"}
+
+
+def _jax() -> Any:
+    import jax
+
+    return jax
+
+
+def global_devices() -> list[Any]:
+    """JAX's devices in unimesh's logical order: by process, then by id within the process."""
+    return sorted(_jax().devices(), key=lambda d: (d.process_index, d.id))
+
+
+class JaxBackend(Backend):
+    """JAX (>= 0.5): ``jax.sharding.Mesh``, ``NamedSharding`` and ``jax.Array``."""
+
+    name = "jax"
+    framework = "jax"
+    extra = "jax"
+    native_modules = ("jax",)
+    capabilities = frozenset({"mesh", "layout", "distribute", "tuple_axes", "partial",
+                              "axis_types", "multi_process"})
+
+    # -- meshes --------------------------------------------------------------------------------
+    def _devices_for(self, mesh: Mesh) -> np.ndarray:
+        devs = global_devices()
+        top = int(mesh.device_ids.max())
+        if top >= len(devs):
+            raise MeshMismatchError(
+                f"{mesh!r} uses device {top}, but JAX sees {len(devs)} devices; start more "
+                "processes, or for CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{top + 1} before importing jax")
+        k = mesh.devices_per_process
+        local = _jax().local_device_count()
+        if k is not None and _jax().process_count() > 1 and k != local:
+            raise MeshMismatchError(
+                f"{mesh!r} says {k} devices per process, but each JAX process has {local}")
+        arr = np.empty(len(devs), dtype=object)
+        arr[:] = devs
+        out: np.ndarray = arr[mesh.device_ids]
+        return out
+
+    def mesh_to_native(self, mesh: Mesh, **options: Any) -> Any:
+        """A ``jax.sharding.Mesh`` over the devices at the mesh's logical positions.
+
+        ``axis_types`` become ``jax.sharding.AxisType``; with None the mesh gets the default of
+        ``jax.sharding.Mesh(...)``, which is ``Auto`` for every axis (``jax.make_mesh`` would
+        give ``Explicit``).
+        """
+        if options:
+            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the jax backend",
+                                   backend=self.name)
+        from jax.sharding import AxisType
+        from jax.sharding import Mesh as JMesh
+
+        devices = self._devices_for(mesh)
+        if mesh.axis_types is None:
+            return JMesh(devices, mesh.axis_names)
+        types = tuple(getattr(AxisType, _TYPES[t]) for t in mesh.axis_types)
+        return JMesh(devices, mesh.axis_names, axis_types=types)
+
+    def _mesh_from_native(self, jmesh: Any) -> Mesh:
+        from jax.sharding import AbstractMesh
+
+        types: tuple[str, ...] | None = tuple(str(t.name).lower() for t in jmesh.axis_types)
+        if types is not None and all(t == "auto" for t in types):
+            types = None  # JAX's Mesh(...) default: unimesh's "no axis types"
+        if isinstance(jmesh, AbstractMesh):
+            # no devices: the neutral mesh gets the default order, 0..size-1
+            return Mesh(tuple(jmesh.axis_sizes), tuple(jmesh.axis_names), axis_types=types)
+        position = {d: i for i, d in enumerate(global_devices())}
+        try:
+            ids = np.vectorize(position.__getitem__, otypes=[np.int64])(jmesh.devices)
+        except KeyError as exc:  # pragma: no cover - a device JAX itself does not list
+            raise MeshMismatchError(f"{jmesh} holds device {exc}, which jax.devices() does "
+                                    "not list") from exc
+        dpp = None
+        if _jax().process_count() > 1:
+            dpp = _jax().local_device_count()
+        return Mesh(ids.shape, tuple(jmesh.axis_names), ids, axis_types=types,
+                    devices_per_process=dpp)
+
+    # -- layouts -------------------------------------------------------------------------------
+    def _spec(self, layout: Layout) -> Any:
+        jp: Any = _jax().sharding.PartitionSpec
+
+        partial = layout.spec.partial
+        bad = {a: op for a, op in partial.items() if op != "sum"}
+        if bad:
+            raise UnsupportedError(
+                f"JAX keeps only pending sums (unreduced axes); {layout.spec!r} asks for "
+                f"{bad}", backend=self.name, capability="partial")
+        if partial:
+            types = dict(zip(layout.mesh.axis_names, layout.mesh.axis_types or ()))
+            implicit = [a for a in partial if types.get(a) != "explicit"]
+            if implicit:
+                raise UnsupportedError(
+                    f"JAX keeps a pending sum (unreduced) only over 'explicit' axes; {implicit} "
+                    f"of {layout.mesh!r} are not: give the mesh axis_types with 'explicit' there",
+                    backend=self.name, capability="partial")
+            return jp(*layout.spec, unreduced=set(partial))
+        return jp(*layout.spec)
+
+    def layout_to_native(self, layout: Layout, **options: Any) -> Any:
+        """A ``NamedSharding`` on the converted mesh; partial sums become ``unreduced`` axes."""
+        from jax.sharding import NamedSharding
+
+        return NamedSharding(self.mesh_to_native(layout.mesh, **options), self._spec(layout))
+
+    def from_native(self, obj: Any) -> Any:
+        from jax.sharding import AbstractMesh, NamedSharding
+        from jax.sharding import Mesh as JMesh
+
+        if isinstance(obj, (JMesh, AbstractMesh)):
+            return self._mesh_from_native(obj)
+        if isinstance(obj, NamedSharding):
+            mesh = self._mesh_from_native(obj.mesh)
+            spec = obj.spec
+            entries = []
+            for e in getattr(spec, "partitions", spec):  # `partitions`: JAX with unreduced
+                if e is spec.UNCONSTRAINED:
+                    raise UnsupportedError(f"{spec} has an UNCONSTRAINED entry, which unimesh "
+                                           "cannot hold", backend=self.name, capability="layout")
+                entries.append(e)
+            if getattr(spec, "reduced", None):
+                raise UnsupportedError(f"{spec} has reduced axes, which unimesh cannot hold",
+                                       backend=self.name, capability="partial")
+            unreduced = getattr(spec, "unreduced", None) or ()
+            partial = {a: "sum" for a in sorted(unreduced)} or None
+            return Layout(mesh, P(*entries, partial=partial))
+        raise ConversionError(
+            f"the jax backend converts Mesh, AbstractMesh and NamedSharding, not {short(obj)} "
+            f"({type(obj).__module__}.{type(obj).__qualname__})")
+
+    def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
+        """A global ``jax.Array`` with ``NamedSharding``; each addressable shard is the reference
+        block. Built from per-device blocks, so it works across processes as well."""
+        jax = _jax()
+        types = layout.mesh.axis_types or ()
+        if "manual" in types:
+            manual = [n for n, t in zip(layout.mesh.axis_names, types) if t == "manual"]
+            raise UnsupportedError(
+                f"cannot place an array on {layout.mesh!r}: axes {manual} are 'manual', which "
+                "JAX uses only inside shard_map; distribute on the mesh with those axes 'auto' "
+                "or 'explicit'", backend=self.name, capability="distribute")
+        sharding = self.layout_to_native(layout, **options)
+        host = np.asarray(array)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        """``{logical device id: numpy block}`` for this process's addressable shards."""
+        position = {d: i for i, d in enumerate(global_devices())}
+        return {position[s.device]: np.asarray(s.data) for s in array.addressable_shards}
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh) -> Iterator[Any]:
+    """Make ``mesh`` current for unimesh and for JAX (``jax.set_mesh``); yields the JAX mesh."""
+    import unimesh
+
+    native = unimesh.to_native(mesh, "jax")
+    with mesh, _jax().set_mesh(native):
+        yield native

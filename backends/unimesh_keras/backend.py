@@ -1,0 +1,171 @@
+"""The Keras backend: neutral Mesh/Layout/LayoutMap <-> ``keras.distribution`` objects.
+
+A neutral device id is a position in ``keras.distribution.list_devices()``. Keras's
+``TensorLayout`` has no tuple-of-axes entries; such layouts are refused (``Mesh.flatten`` first).
+keras is imported inside the functions, never at module import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from unimesh import (
+    Backend,
+    ConversionError,
+    Layout,
+    LayoutError,
+    LayoutMap,
+    Mesh,
+    MeshMismatchError,
+    P,
+    UnsupportedError,
+)
+from unimesh._validate import short
+
+__all__ = ["KerasBackend", "distribution"]
+
+
+def _kd() -> Any:
+    from keras import distribution as kd
+
+    return kd
+
+
+def _keras_backend() -> str:
+    import keras
+
+    return str(keras.backend.backend())
+
+
+class KerasBackend(Backend):
+    """Keras 3 ``keras.distribution`` (which runs on Keras's JAX backend)."""
+
+    name = "keras"
+    framework = "keras"
+    extra = "keras"
+    native_modules = ("keras",)
+    wraps = ("jax", "tensorflow", "torch")
+    capabilities = frozenset({"mesh", "layout", "layout_map", "distribute"})
+
+    def _require_distribution(self, what: str) -> None:
+        kb = _keras_backend()
+        if kb != "jax":
+            raise UnsupportedError(
+                f"{what} needs keras.distribution support in the Keras backend, and Keras's "
+                f"{kb!r} backend has none (Keras {_version()} supports it on 'jax'); set "
+                "KERAS_BACKEND=jax", backend=self.name, capability="distribute")
+
+    # -- meshes --------------------------------------------------------------------------------
+    def mesh_to_native(self, mesh: Mesh, **options: Any) -> Any:
+        """``keras.distribution.DeviceMesh`` with ``list_devices()[id]`` at each position."""
+        if options:
+            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the keras backend",
+                                   backend=self.name)
+        kd = _kd()
+        devices = _devices(int(mesh.device_ids.max()) + 1)
+        top = int(mesh.device_ids.max())
+        if top >= len(devices):
+            raise MeshMismatchError(
+                f"{mesh!r} uses device {top}, but keras.distribution.list_devices() has "
+                f"{len(devices)}; for CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{top + 1} before importing keras")
+        arr = np.asarray(devices, dtype=object)[mesh.device_ids]
+        return kd.DeviceMesh(mesh.shape, list(mesh.axis_names), devices=arr)
+
+    def _mesh_from_native(self, device_mesh: Any) -> Mesh:
+        devices = np.asarray(device_mesh.devices, dtype=object).reshape(device_mesh.shape)
+        names = [str(d) for d in devices.ravel()]
+        needed = 1 + max((int(n.rsplit(":", 1)[-1]) for n in names
+                          if n.rsplit(":", 1)[-1].isdigit()), default=0)
+        position = {d: i for i, d in enumerate(_devices(max(needed, devices.size)))}
+        try:
+            ids = np.vectorize(lambda d: position[str(d)], otypes=[np.int64])(devices)
+        except KeyError as exc:
+            raise MeshMismatchError(f"{device_mesh} holds device {exc}, which "
+                                    "keras.distribution.list_devices() does not list") from exc
+        return Mesh(tuple(device_mesh.shape), tuple(device_mesh.axis_names), ids)
+
+    # -- layouts -------------------------------------------------------------------------------
+    def layout_to_native(self, layout: Layout, *, device_mesh: Any = None,
+                         **options: Any) -> Any:
+        """``keras.distribution.TensorLayout(spec entries, device_mesh)``."""
+        mesh_native = device_mesh if device_mesh is not None else self.mesh_to_native(
+            layout.mesh, **options)
+        return _kd().TensorLayout(tuple(layout.spec), mesh_native)
+
+    def layout_map_to_native(self, layout_map: LayoutMap, **options: Any) -> Any:
+        """``keras.distribution.LayoutMap`` with the same keys (Keras matches them the same way)."""
+        kd = _kd()
+        device_mesh = self.mesh_to_native(layout_map.mesh, **options)
+        out = kd.LayoutMap(device_mesh)
+        for key, layout in layout_map.items():
+            out[key] = self.layout_to_native(layout, device_mesh=device_mesh)
+        return out
+
+    def from_native(self, obj: Any) -> Any:
+        kd = _kd()
+        if isinstance(obj, kd.DeviceMesh):
+            return self._mesh_from_native(obj)
+        if isinstance(obj, kd.TensorLayout):
+            if obj.device_mesh is None:
+                raise LayoutError(f"{obj} has no device_mesh; a unimesh Layout needs its mesh")
+            return Layout(self._mesh_from_native(obj.device_mesh), P(*obj.axes))
+        if isinstance(obj, kd.LayoutMap):
+            mesh = self._mesh_from_native(obj.device_mesh)
+            return LayoutMap(mesh, [(k, P(*v.axes)) for k, v in obj.items()])
+        raise ConversionError(
+            f"the keras backend converts DeviceMesh, TensorLayout and LayoutMap, not "
+            f"{short(obj)} ({type(obj).__module__}.{type(obj).__qualname__})")
+
+    def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
+        """``keras.distribution.distribute_tensor(array, TensorLayout)``."""
+        self._require_distribution("distribute()")
+        return _kd().distribute_tensor(array, self.layout_to_native(layout, **options))
+
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        """``{logical device id: numpy block}`` of a distributed Keras (JAX) array."""
+        self._require_distribution("local_shards()")
+        position = {d: i for i, d in enumerate(_devices(0))}
+        return {position[f"{s.device.platform}:{s.device.id}"]: np.asarray(s.data)
+                for s in array.addressable_shards}
+
+
+def _devices(needed: int) -> list[str]:
+    """``keras.distribution.list_devices()``; under a Keras backend without distribution
+    support (where that call fails), logical CPU names, so that the objects still build."""
+    if _keras_backend() == "jax":
+        return [str(d) for d in _kd().list_devices()]
+    return [f"cpu:{i}" for i in range(needed)]
+
+
+def _version() -> str:
+    import keras
+
+    return str(keras.__version__)
+
+
+def distribution(mesh: Mesh, layout_map: LayoutMap | None = None, *,
+                 batch_dim_name: str | None = None) -> Any:
+    """The Keras distribution for a neutral mesh: ``DataParallel`` over a 1-axis mesh with no
+    layout map, else ``ModelParallel(layout_map=..., batch_dim_name=...)`` (batch axis: the
+    given name, else the mesh's first axis)."""
+    be = KerasBackend()
+    if not isinstance(mesh, Mesh):
+        raise ConversionError(f"distribution() needs a unimesh.Mesh, got {short(mesh)}")
+    if layout_map is not None and layout_map.mesh != mesh:
+        raise LayoutError(f"the layout map is on {layout_map.mesh!r}, not on {mesh!r}")
+    if batch_dim_name is not None and batch_dim_name not in mesh.axis_names:
+        raise LayoutError(f"batch_dim_name {batch_dim_name!r} is not an axis of {mesh!r}")
+    be._require_distribution("a Keras distribution")
+    kd = _kd()
+    if layout_map is None and mesh.ndim == 1:
+        return kd.DataParallel(device_mesh=be.mesh_to_native(mesh))
+    if layout_map is None:
+        layout_map = LayoutMap(mesh)
+    import unimesh
+
+    native_map = unimesh.to_native(layout_map, be)
+    return kd.ModelParallel(layout_map=native_map,
+                            batch_dim_name=batch_dim_name or mesh.axis_names[0])

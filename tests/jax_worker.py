@@ -1,0 +1,81 @@
+"""One process of a real multi-process JAX run (jax.distributed over gloo CPU collectives, 2 CPU
+devices each). Started by tests/test_jax_multiprocess.py:
+
+    python tests/jax_worker.py 127.0.0.1:PORT NUM_PROCESSES PROCESS_ID
+
+It checks the neutral answers against JAX's own on this process, prints one line per check and
+``PROCESS i OK n``, and exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import jax
+import numpy as np
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+address, n, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+jax.distributed.initialize(address, num_processes=n, process_id=pid)
+
+from unimesh_jax import global_devices  # noqa: E402
+
+import unimesh  # noqa: E402
+from unimesh import Layout, Mesh, P, make_mesh  # noqa: E402
+
+checks = 0
+
+
+def check(ok: bool, what: str) -> None:
+    global checks
+    sys.stdout.write(f"process {pid}: {'ok  ' if ok else 'FAIL'} {what}\n")
+    sys.stdout.flush()
+    if not ok:
+        sys.exit(1)
+    checks += 1
+
+
+devs = global_devices()
+check(jax.process_index() == pid and len(devs) == 2 * n and jax.local_device_count() == 2,
+      f"{len(devs)} global devices, 2 local, process {jax.process_index()}")
+check([d.process_index for d in devs] == [i // 2 for i in range(2 * n)],
+      "logical order is by process, then local index")
+
+# dp across processes, tp inside each one (JAX's hybrid layout)
+hybrid = make_mesh({"dp": 1, "tp": 2}, dcn_axes={"dp": n})
+# tp across processes, dp inside: each process holds a column
+columns = Mesh((2, n), ("dp", "tp"), np.arange(2 * n).reshape(n, 2).T, devices_per_process=2)
+for mesh in (hybrid, columns):
+    jm = unimesh.to_native(mesh, "jax")
+    check(list(jm.devices.ravel()) == [devs[i] for i in mesh.device_ids.ravel()],
+          f"{mesh!r}: JAX mesh holds the devices at the logical positions")
+    check(unimesh.from_native(jm) == mesh, "from_native(to_native(mesh)) == mesh")
+    local_ids = mesh.local_device_ids(pid)
+    check([devs[i] for i in local_ids] ==
+          [d for d in jm.devices.ravel() if d.process_index == pid],
+          f"local_device_ids({pid}) = {local_ids} are this process's devices in mesh order")
+    local = mesh.local_mesh(pid)
+    check(list(jm.local_mesh.devices.ravel()) == [devs[i] for i in local.device_ids.ravel()]
+          and jm.local_mesh.devices.shape == local.shape,
+          f"local_mesh({pid}) = {local!r} is JAX's local_mesh")
+
+    for spec, shape in [(P("dp", "tp"), (4 * n, 4 * n)), (P(("dp", "tp")), (4 * n,)),
+                        (P(("tp", "dp")), (4 * n,)), (P(None, "tp"), (3, 4 * n))]:
+        x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+        lay = Layout(mesh, spec)
+        arr = unimesh.distribute(x, lay, "jax")
+        ok = len(arr.addressable_shards) == 2
+        for shard in arr.addressable_shards:
+            d = devs.index(shard.device)
+            ok &= shard.device.process_index == pid
+            ok &= bool(np.array_equal(np.asarray(shard.data), x[lay.shard_slices(shape, d)]))
+        check(ok, f"distribute {spec} of {shape}: both local shards are the reference blocks")
+        total = jax.jit(lambda a: (a * 2).sum())(arr)
+        got = float(np.asarray(total.addressable_data(0)))
+        check(got == float(x.sum() * 2), f"jitted reduction across processes: {got} == "
+                                         f"{float(x.sum() * 2)}")
+
+sys.stdout.write(f"PROCESS {pid} OK {checks}\n")
+sys.stdout.flush()
+jax.distributed.shutdown()

@@ -1,0 +1,132 @@
+"""The JAX backend against JAX's own answers, on 8 virtual CPU devices."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import unimesh
+from unimesh import Layout, Mesh, MeshMismatchError, P, UnsupportedError
+
+from .strategies import meshes, specs
+
+jax = pytest.importorskip("jax")
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import Mesh as JMesh  # noqa: E402
+from jax.sharding import PartitionSpec as JP  # noqa: E402
+from unimesh_jax import global_devices, use_mesh  # noqa: E402
+
+if len(jax.devices()) < 8:  # pragma: no cover - XLA_FLAGS came too late
+    pytest.skip("needs 8 CPU devices (XLA_FLAGS set before jax is imported)",
+                allow_module_level=True)
+
+small_meshes = meshes(max_ndim=4, max_size=8, allow_gaps=True).filter(
+    lambda m: int(m.device_ids.max()) < 8).map(
+    lambda m: Mesh(m.shape, m.axis_names, m.device_ids, axis_types=m.axis_types))
+
+
+def expected_types(mesh: Mesh) -> tuple[str, ...] | None:
+    t = mesh.axis_types
+    return None if t is None or all(x == "auto" for x in t) else t
+
+
+def as_ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+@given(small_meshes)
+def test_mesh_devices_and_round_trip(mesh: Mesh) -> None:
+    jm = unimesh.to_native(mesh, "jax")
+    assert isinstance(jm, JMesh)
+    devs = global_devices()
+    assert jm.devices.shape == mesh.shape
+    assert [d for d in jm.devices.ravel()] == [devs[i] for i in mesh.device_ids.ravel()]
+    assert tuple(jm.axis_names) == mesh.axis_names
+    want = tuple(AxisType.Auto for _ in mesh.shape) if mesh.axis_types is None else tuple(
+        getattr(AxisType, t.capitalize()) for t in mesh.axis_types)
+    assert tuple(jm.axis_types) == want
+    back = unimesh.from_native(jm)
+    assert back == Mesh(mesh.shape, mesh.axis_names, mesh.device_ids,
+                        axis_types=expected_types(mesh))
+
+
+@given(st.data())
+def test_named_sharding_matches_reference(data: st.DataObject) -> None:
+    mesh = data.draw(small_meshes)
+    spec = data.draw(specs(mesh, partial=False))
+    lay = Layout(mesh, spec)
+    sharding = unimesh.to_native(lay, "jax")
+    assert isinstance(sharding, NamedSharding)
+    assert tuple(sharding.spec) == tuple(spec)
+    assert unimesh.from_native(sharding) == Layout(
+        Mesh(mesh.shape, mesh.axis_names, mesh.device_ids, axis_types=expected_types(mesh)), spec)
+    shape = tuple(
+        math.prod(mesh.axis_size(a) for a in ((e,) if isinstance(e, str) else e or ())) * 2
+        for e in spec) + (3,)
+    if "manual" in (mesh.axis_types or ()):
+        with pytest.raises(UnsupportedError, match="'manual', which JAX uses only inside"):
+            unimesh.distribute(np.zeros(shape), lay, "jax")
+        return
+    # an even shape: JAX's own device -> index map is the reference
+    devs = global_devices()
+    theirs = {devs.index(d): as_ranges(idx, shape)
+              for d, idx in sharding.devices_indices_map(shape).items()}
+    ours = {d: tuple((s.start, s.stop) for s in sl) for d, sl in lay.device_slices(shape).items()}
+    assert theirs == ours
+    x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    arr = unimesh.distribute(x, lay, "jax")
+    assert arr.sharding == sharding
+    for shard in arr.addressable_shards:
+        d = devs.index(shard.device)
+        np.testing.assert_array_equal(np.asarray(shard.data), x[lay.shard_slices(shape, d)])
+
+
+def test_partial_sum_is_unreduced() -> None:
+    mesh = Mesh((2, 4), ("dp", "tp"), axis_types=("explicit", "explicit"))
+    lay = Layout(mesh, P("dp", partial={"tp": "sum"}))
+    sharding = unimesh.to_native(lay, "jax")
+    assert set(sharding.spec.unreduced) == {"tp"}
+    assert unimesh.from_native(sharding) == lay
+    with pytest.raises(UnsupportedError, match=r"only over 'explicit' axes; \['tp'\]"):
+        unimesh.to_native(Layout(Mesh((2, 4), ("dp", "tp")), P("dp", partial={"tp": "sum"})),
+                          "jax")
+    with pytest.raises(UnsupportedError, match="only pending sums"):
+        unimesh.to_native(Layout(mesh, P("dp", partial={"tp": "max"})), "jax")
+
+
+def test_abstract_mesh_and_jax_made_meshes() -> None:
+    jm = jax.make_mesh((2, 4), ("dp", "tp"))
+    assert unimesh.from_native(jm) == Mesh((2, 4), ("dp", "tp"),
+                                           axis_types=("explicit", "explicit"))
+    assert unimesh.from_native(jm.abstract_mesh) == Mesh((2, 4), ("dp", "tp"),
+                                                         axis_types=("explicit", "explicit"))
+    sh = NamedSharding(jm, JP(("tp", "dp"), None))
+    assert unimesh.from_native(sh).spec == P(("tp", "dp"), None)
+
+
+def test_use_mesh_activates_jax_mesh() -> None:
+    mesh = Mesh((2, 4), ("dp", "tp"), axis_types=("explicit", "explicit"))
+    with use_mesh(mesh) as jm:
+        assert unimesh.current_mesh() is mesh
+        assert jax.sharding.get_abstract_mesh() == jm.abstract_mesh
+    assert unimesh.current_mesh() is None
+    assert jax.sharding.get_abstract_mesh().empty
+
+
+def test_refusals() -> None:
+    with pytest.raises(MeshMismatchError, match="JAX sees 8 devices.*xla_force_host_platform"):
+        unimesh.to_native(Mesh((16,), ("dp",)), "jax")
+    lay = Layout(Mesh((2, 4), ("dp", "tp")), P("dp", "tp"))
+    with pytest.raises(UnsupportedError, match=r"'uneven_shards'.*shape \(3, 8\) does not divide"):
+        unimesh.distribute(np.zeros((3, 8)), lay, "jax")
+    jm = unimesh.to_native(Mesh((2, 4), ("dp", "tp")), "jax")
+    with pytest.raises(UnsupportedError, match="UNCONSTRAINED"):
+        unimesh.from_native(NamedSharding(jm, JP("dp", JP.UNCONSTRAINED)))
+    with pytest.raises(UnsupportedError, match="unknown option"):
+        unimesh.to_native(Mesh((2,), ("dp",)), "jax", colour="red")
+    with pytest.raises(unimesh.ConversionError, match="jax backend converts Mesh"):
+        unimesh.from_native(jax.numpy.zeros(2))

@@ -1,0 +1,133 @@
+"""The Keras backend (Keras 3 on JAX, 8 virtual CPU devices): objects, round trips, and a real
+fit under a neutral dp=2,tp=4 distribution whose variable shardings are checked by JAX."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import unimesh
+from unimesh import Layout, LayoutMap, Mesh, P, UnsupportedError
+
+keras = pytest.importorskip("keras")
+if keras.backend.backend() != "jax":  # pragma: no cover - KERAS_BACKEND came too late
+    pytest.skip("these tests run Keras on JAX", allow_module_level=True)
+import jax  # noqa: E402
+from keras import distribution as kd  # noqa: E402
+from unimesh_jax import global_devices  # noqa: E402
+from unimesh_keras import distribution  # noqa: E402
+
+MESH = Mesh((2, 4), ("dp", "tp"), np.arange(8)[::-1].reshape(2, 4))
+
+
+def test_mesh_layout_and_map_round_trips():
+    dm = unimesh.to_native(MESH, "keras")
+    assert isinstance(dm, kd.DeviceMesh)
+    devices = kd.list_devices()
+    assert np.asarray(dm.devices).tolist() == [[devices[i] for i in row]
+                                               for row in MESH.device_ids.tolist()]
+    assert unimesh.from_native(dm) == MESH
+    lay = Layout(MESH, P(None, "tp"))
+    tl = unimesh.to_native(lay, "keras")
+    assert isinstance(tl, kd.TensorLayout) and tuple(tl.axes) == (None, "tp")
+    assert unimesh.from_native(tl) == lay
+    lm = LayoutMap(MESH, {"dense.*kernel": (None, "tp"), "dense.*bias": ("tp",),
+                          ".*emb.*": ("dp",)})
+    klm = unimesh.to_native(lm, "keras")
+    assert isinstance(klm, kd.LayoutMap)
+    assert unimesh.from_native(klm) == lm
+    # the same lookups, Keras's and ours
+    for path in ["dense/kernel", "dense_3/bias", "model/emb/embeddings", "conv/kernel",
+                 "model/dense/kernel", "dense.*kernel"]:
+        ours, theirs = lm.get(path), klm[path]
+        assert (ours is None) == (theirs is None), path
+        if ours is not None:
+            assert tuple(theirs.axes) == tuple(ours.spec), path
+
+
+def test_tuple_entries_suggest_flatten():
+    with pytest.raises(UnsupportedError, match=r"'tuple_axes'.*Mesh\.flatten"):
+        unimesh.to_native(Layout(MESH, P(("dp", "tp"))), "keras")
+    flat = MESH.flatten(("dp", "tp"), "dp_tp")
+    assert tuple(unimesh.to_native(Layout(flat, P("dp_tp")), "keras").axes) == ("dp_tp",)
+
+
+def test_distribution_helper_and_fit():
+    mesh = Mesh((2, 4), ("dp", "tp"))
+    rules = LayoutMap(mesh, {".*up/kernel": (None, "tp"), ".*up/bias": ("tp",),
+                             ".*down/kernel": ("tp", None), ".*down/bias": (None,)})
+    dp_only = distribution(Mesh((8,), ("dp",)))
+    assert isinstance(dp_only, kd.DataParallel)
+    dist = distribution(mesh, rules, batch_dim_name="dp")
+    assert isinstance(dist, kd.ModelParallel)
+    kd.set_distribution(dist)
+    try:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up"),
+                                  keras.layers.Dense(4, name="down")])
+        model.compile(optimizer="sgd", loss="mse")
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(32, 8)).astype("float32")
+        y = rng.normal(size=(32, 4)).astype("float32")
+        history = model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        assert np.isfinite(history.history["loss"][0])
+        devs = global_devices()
+        checked = 0
+        for v in model.weights:
+            layout = rules.get(v.path)
+            assert layout is not None, v.path
+            sharding = v.value.sharding
+            theirs = {devs.index(d): tuple(s.indices(n)[:2] for s, n in zip(idx, v.shape))
+                      for d, idx in sharding.devices_indices_map(tuple(v.shape)).items()}
+            ours = {d: tuple((s.start, s.stop) for s in sl)
+                    for d, sl in layout.device_slices(tuple(v.shape)).items()}
+            assert theirs == ours, v.path
+            assert unimesh.from_native(sharding).spec == P(*layout.spec) or \
+                unimesh.from_native(sharding).device_slices(tuple(v.shape)) == \
+                layout.device_slices(tuple(v.shape))
+            checked += 1
+        assert checked == 4
+    finally:
+        kd.set_distribution(None)
+
+
+def test_bad_helper_inputs():
+    with pytest.raises(unimesh.LayoutError, match="batch_dim_name 'batch' is not an axis"):
+        distribution(MESH, batch_dim_name="batch")
+    with pytest.raises(unimesh.LayoutError, match="the layout map is on"):
+        distribution(MESH, LayoutMap(Mesh((8,), ("dp",)), {}))
+    with pytest.raises(unimesh.ConversionError, match="needs a unimesh.Mesh"):
+        distribution("dp=2,tp=4")
+
+
+def test_keras_on_torch_builds_objects_but_refuses_distribution():
+    pytest.importorskip("torch")
+    code = (
+        "import json, unimesh\n"
+        "from unimesh import Mesh, Layout, P\n"
+        "from unimesh_keras import distribution\n"
+        "m = Mesh((1,), ('dp',))\n"
+        "out = {'mesh': type(unimesh.to_native(m, 'keras')).__name__,\n"
+        "       'layout': type(unimesh.to_native(Layout(m, P('dp')), 'keras')).__name__}\n"
+        "try:\n"
+        "    distribution(m)\n"
+        "except unimesh.UnsupportedError as exc:\n"
+        "    out['error'] = str(exc)\n"
+        "print(json.dumps(out))\n"
+    )
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["mesh"] == "DeviceMesh" and out["layout"] == "TensorLayout"
+    assert "Keras's 'torch' backend has none" in out["error"]
+
+
+def test_jax_devices_are_what_keras_lists():
+    assert [str(d).lower() for d in kd.list_devices()] == [
+        f"{d.platform}:{d.id}" for d in jax.devices()]
