@@ -10,9 +10,13 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import unimesh
 from unimesh import Layout, LayoutMap, Mesh, P, UnsupportedError
+
+from .strategies import meshes, specs
 
 keras = pytest.importorskip("keras")
 if keras.backend.backend() != "jax":  # pragma: no cover - KERAS_BACKEND came too late
@@ -131,3 +135,19 @@ def test_keras_on_torch_builds_objects_but_refuses_distribution():
 def test_jax_devices_are_what_keras_lists():
     assert [str(d).lower() for d in kd.list_devices()] == [
         f"{d.platform}:{d.id}" for d in jax.devices()]
+
+
+def _keras_spec(spec: P) -> P:
+    """The spec without tuple entries (Keras has none) and without pending reductions."""
+    return P(*[e[0] if isinstance(e, tuple) else e for e in spec])
+
+
+@given(st.data())
+def test_random_round_trips(data: st.DataObject) -> None:
+    mesh = data.draw(meshes(max_ndim=4, max_size=8).filter(lambda m: int(m.device_ids.max()) < 8)
+                     .map(lambda m: Mesh(m.shape, m.axis_names, m.device_ids)))
+    lay = Layout(mesh, _keras_spec(data.draw(specs(mesh, partial=False))))
+    assert unimesh.from_native(unimesh.to_native(mesh, "keras")) == mesh
+    assert unimesh.from_native(unimesh.to_native(lay, "keras")) == lay
+    lm = LayoutMap(mesh, {"a/.*": lay.spec, ".*/b": P()})
+    assert unimesh.from_native(unimesh.to_native(lm, "keras")) == lm
