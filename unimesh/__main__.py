@@ -27,6 +27,14 @@ def _compute(name: str, native: Any, w: Any) -> Any:
         import keras
 
         return keras.ops.matmul(native, w)
+    if name == "tensorflow":
+        import tensorflow as tf
+        from tensorflow.experimental import dtensor
+
+        mesh = dtensor.fetch_layout(native).mesh
+        wt = dtensor.copy_to_mesh(tf.constant(w), dtensor.Layout.replicated(mesh, rank=2))
+        product = tf.matmul(native, wt)
+        return dtensor.unpack(dtensor.relayout(product, dtensor.Layout.replicated(mesh, 2)))[0]
     return None
 
 
@@ -90,6 +98,13 @@ def _demo(args: argparse.Namespace) -> int:
     failures = 0 if ok_tiles and ok_matmul else 1
     chosen = args.backends.split(",") if args.backends else sorted(
         set(KNOWN_BACKENDS) | set(installed))
+    if "tensorflow" in chosen and "tensorflow" in installed:
+        try:  # TensorFlow splits the CPU into logical devices only before its runtime starts
+            from unimesh_tensorflow import configure_cpu_devices
+
+            configure_cpu_devices(max(8, mesh.size))
+        except (ImportError, UnimeshError):
+            pass  # the tensorflow row reports what is missing
     for name in chosen:
         if name not in installed:
             table.add_row(name, "[dim]backend not installed[/dim]", "-", "-",

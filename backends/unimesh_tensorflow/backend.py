@@ -1,0 +1,169 @@
+"""The TensorFlow DTensor backend (single client): neutral Mesh/Layout <-> ``dtensor.Mesh``/``Layout``.
+
+DTensor numbers mesh positions 0..N-1 in row-major order (its ``global_device_ids``); the neutral
+device order goes into which device sits at each position (``local_devices``). A neutral device id
+is a position in ``tf.config.list_logical_devices(device_type)``. tensorflow is imported inside the
+functions, never at module import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from unimesh import (
+    Backend,
+    ConversionError,
+    Layout,
+    Mesh,
+    MeshMismatchError,
+    P,
+    UnsupportedError,
+)
+from unimesh._validate import short
+
+__all__ = ["TensorFlowBackend", "configure_cpu_devices"]
+
+
+def _tf() -> Any:
+    import tensorflow as tf
+
+    return tf
+
+
+def _dtensor() -> Any:
+    from tensorflow.experimental import dtensor
+
+    return dtensor
+
+
+def configure_cpu_devices(count: int) -> None:
+    """Split the host CPU into ``count`` logical devices. Must run before any other TensorFlow
+    call that starts its runtime; afterwards TensorFlow refuses, and this says so."""
+    tf = _tf()
+    cpus = tf.config.list_physical_devices("CPU")  # listing logical devices would start it
+    try:
+        tf.config.set_logical_device_configuration(
+            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+    except RuntimeError as exc:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have == count:
+            return
+        raise MeshMismatchError(
+            f"TensorFlow is already initialised with {have} logical CPU devices and cannot be "
+            f"given {count}: call unimesh_tensorflow.configure_cpu_devices({count}) before any "
+            "other TensorFlow call") from exc
+
+
+class TensorFlowBackend(Backend):
+    """TensorFlow DTensor (``tf.experimental.dtensor``), one client."""
+
+    name = "tensorflow"
+    framework = "tensorflow"
+    extra = "tensorflow"
+    native_modules = ("tensorflow",)
+    capabilities = frozenset({"mesh", "layout", "distribute"})
+
+    def _devices(self, device_type: str) -> list[Any]:
+        return list(_tf().config.list_logical_devices(device_type))
+
+    def mesh_to_native(self, mesh: Mesh, *, device_type: str = "CPU", **options: Any) -> Any:
+        """``dtensor.Mesh`` with positions 0..N-1 and, at position i, the logical device
+        ``device_ids.flat[i]``."""
+        if options:
+            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the tensorflow "
+                                   "backend; it takes device_type", backend=self.name)
+        devices = self._devices(device_type)
+        top = int(mesh.device_ids.max())
+        if top >= len(devices):
+            raise MeshMismatchError(
+                f"{mesh!r} uses device {top}, but TensorFlow has {len(devices)} logical "
+                f"{device_type} devices; for CPU call unimesh_tensorflow.configure_cpu_devices("
+                f"{top + 1}) before any other TensorFlow call")
+        n = mesh.size
+        tf = _tf()
+        full = []
+        for d in devices:  # DTensor wants fully qualified names (job, replica, task)
+            spec = tf.DeviceSpec.from_string(d.name)
+            full.append(tf.DeviceSpec(job="localhost", replica=0, task=0,
+                                      device_type=spec.device_type,
+                                      device_index=spec.device_index).to_string())
+        local = [full[i] for i in mesh.device_ids.ravel().tolist()]
+        return _dtensor().Mesh(list(mesh.axis_names), np.arange(n).reshape(mesh.shape),
+                               list(range(n)), local)
+
+    def _mesh_from_native(self, native: Any) -> Mesh:
+        names = list(native.dim_names)
+        shape = tuple(int(s) for s in native.shape())
+        global_ids = np.asarray(native.global_device_ids())
+        local_ids = [int(i) for i in native.local_device_ids()]
+        if len(local_ids) != global_ids.size:
+            raise UnsupportedError(
+                f"{native} spans several DTensor clients; the tensorflow backend handles one",
+                backend=self.name, capability="multi_process")
+        tf = _tf()
+
+        def key(name: str) -> tuple[str, int]:
+            spec = tf.DeviceSpec.from_string(name)
+            return (spec.device_type or "CPU").upper(), int(spec.device_index or 0)
+
+        devices = [str(d) for d in native.local_devices()]
+        kinds = {key(d)[0] for d in devices}
+        index = {key(d.name): i for kind in kinds for i, d in enumerate(self._devices(kind))}
+        ids = np.empty(global_ids.size, dtype=np.int64)
+        for pos, dev in zip(local_ids, devices):
+            if key(dev) not in index:
+                raise MeshMismatchError(f"{native} holds {dev}, which this TensorFlow does not "
+                                        "list among its logical devices")
+            ids[pos] = index[key(dev)]
+        return Mesh(shape, tuple(names), ids.reshape(shape))
+
+    def layout_to_native(self, layout: Layout, *, rank: int | None = None,
+                         **options: Any) -> Any:
+        """``dtensor.Layout`` with one sharding spec per tensor dim (``UNSHARDED`` for None);
+        ``rank`` pads the spec with ``UNSHARDED`` for a tensor with more dims."""
+        dtensor = _dtensor()
+        entries = list(layout.spec)
+        if rank is not None:
+            if rank < len(entries):
+                raise UnsupportedError(f"rank {rank} is less than the {len(entries)} entries of "
+                                       f"{layout.spec!r}", backend=self.name)
+            entries += [None] * (rank - len(entries))
+        specs = [dtensor.UNSHARDED if e is None else e for e in entries]
+        return dtensor.Layout(specs, self.mesh_to_native(layout.mesh, **options))
+
+    def from_native(self, obj: Any) -> Any:
+        dtensor = _dtensor()
+        if isinstance(obj, dtensor.Mesh):
+            return self._mesh_from_native(obj)
+        if isinstance(obj, dtensor.Layout):
+            entries: list[str | None] = []
+            for s in obj.sharding_specs:
+                if s == dtensor.UNSHARDED:
+                    entries.append(None)
+                elif s == dtensor.MATCH:
+                    raise UnsupportedError(f"{obj} has a 'match' entry, which unimesh cannot hold",
+                                           backend=self.name, capability="layout")
+                else:
+                    entries.append(s)
+            return Layout(self._mesh_from_native(obj.mesh), P(*entries))
+        raise ConversionError(
+            f"the tensorflow backend converts dtensor.Mesh and dtensor.Layout, not {short(obj)} "
+            f"({type(obj).__module__}.{type(obj).__qualname__})")
+
+    def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
+        """A DTensor laid out as ``layout``: the tensor is copied to the mesh replicated, then
+        DTensor's ``relayout`` cuts it; each component is the reference block."""
+        tf, dtensor = _tf(), _dtensor()
+        tensor = tf.convert_to_tensor(np.asarray(array))
+        native = self.layout_to_native(layout, rank=len(tensor.shape), **options)
+        replicated = dtensor.Layout.replicated(native.mesh, rank=len(tensor.shape))
+        return dtensor.relayout(dtensor.copy_to_mesh(tensor, replicated), native)
+
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        """``{logical device id: numpy block}`` from ``dtensor.unpack``."""
+        dtensor = _dtensor()
+        mesh = self._mesh_from_native(dtensor.fetch_layout(array).mesh)
+        ids = mesh.device_ids.ravel().tolist()
+        return {ids[i]: part.numpy() for i, part in enumerate(dtensor.unpack(array))}
