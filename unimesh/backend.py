@@ -130,6 +130,12 @@ class Backend:
         """A native distributed array whose shards are ``layout``'s reference blocks."""
         return self._missing("distribute")
 
+    def prepare_devices(self, count: int) -> int:
+        """Ask for ``count`` logical devices in this process where the framework allows it
+        (before its runtime starts), and return how many devices meshes may use here. Used by
+        the conformance suite; the default claims nothing beyond one device."""
+        return 1
+
     def local_shards(self, array: Any) -> dict[int, Any]:
         """This process's shards of a native distributed array, as numpy arrays keyed by
         logical device id (the inverse view of :meth:`distribute`, for checks)."""

@@ -49,6 +49,18 @@ class JaxBackend(Backend):
     capabilities = frozenset({"mesh", "layout", "distribute", "tuple_axes", "partial",
                               "axis_types", "multi_process"})
 
+    def prepare_devices(self, count: int) -> int:
+        """Before jax is imported: ``count`` virtual CPU devices (XLA_FLAGS). Returns the number
+        of global devices."""
+        import os
+        import sys
+
+        if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in \
+                os.environ.get("XLA_FLAGS", ""):
+            flags = os.environ.get("XLA_FLAGS", "")
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+        return len(global_devices())
+
     # -- meshes --------------------------------------------------------------------------------
     def _devices_for(self, mesh: Mesh) -> np.ndarray:
         devs = global_devices()

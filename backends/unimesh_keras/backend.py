@@ -57,6 +57,20 @@ class KerasBackend(Backend):
                 f"{kb!r} backend has none (Keras {_version()} supports it on 'jax'); set "
                 "KERAS_BACKEND=jax", backend=self.name, capability="distribute")
 
+    def prepare_devices(self, count: int) -> int:
+        """Keras on JAX with ``count`` virtual CPU devices (if neither is loaded yet)."""
+        import os
+        import sys
+
+        os.environ.setdefault("KERAS_BACKEND", "jax")
+        if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in \
+                os.environ.get("XLA_FLAGS", ""):
+            flags = os.environ.get("XLA_FLAGS", "")
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+        if _keras_backend() != "jax":
+            return 1
+        return len(_kd().list_devices())
+
     # -- meshes --------------------------------------------------------------------------------
     def mesh_to_native(self, mesh: Mesh, **options: Any) -> Any:
         """``keras.distribution.DeviceMesh`` with ``list_devices()[id]`` at each position."""

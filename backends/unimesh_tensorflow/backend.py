@@ -65,6 +65,15 @@ class TensorFlowBackend(Backend):
     native_modules = ("tensorflow",)
     capabilities = frozenset({"mesh", "layout", "distribute"})
 
+    def prepare_devices(self, count: int) -> int:
+        """``count`` logical CPU devices if TensorFlow's runtime has not started; returns how
+        many there are."""
+        try:
+            configure_cpu_devices(count)
+        except MeshMismatchError:
+            pass  # started earlier: use what it has
+        return len(self._devices("CPU"))
+
     def _devices(self, device_type: str) -> list[Any]:
         return list(_tf().config.list_logical_devices(device_type))
 

@@ -127,6 +127,22 @@ class TorchBackend(Backend):
                 "rank's own submesh, convert the whole mesh first and then its submesh "
                 "(unimesh_torch.axis_mesh(mesh, axes))")
 
+    def prepare_devices(self, count: int) -> int:
+        """The world size: under a launcher (torchrun sets RANK/WORLD_SIZE) the gloo process
+        group is started if it is not; with no launcher and no process group, an error that
+        names the launcher. ``count`` cannot change it: the launcher decides."""
+        import os
+
+        dist = _dist()
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                raise MeshMismatchError(
+                    "the torch backend needs a process group: run under a launcher, e.g. "
+                    "torchrun --standalone --nproc-per-node 4 -m pytest --pyargs "
+                    "unimesh.conformance --unimesh-backend torch")
+            dist.init_process_group("gloo")
+        return int(dist.get_world_size())
+
     # -- meshes --------------------------------------------------------------------------------
     def mesh_to_native(self, mesh: Mesh, *, device_type: str | None = None,
                        **options: Any) -> Any:

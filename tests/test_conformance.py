@@ -1,0 +1,111 @@
+"""The conformance suite run as a user runs it (pytest --pyargs unimesh.conformance), against
+every installed backend, a third-party backend pip-installed from tests/, and a broken one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import unimesh
+
+EXAMPLE = Path(__file__).with_name("conformance_example")
+LIMIT = 300
+IN_PROCESS = ("jax", "keras", "tensorflow")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "KERAS_BACKEND", "UNIMESH_BACKEND")}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd} did not finish within {LIMIT} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def suite(backend: str, tmp_path: Path, env: dict[str, str] | None = None,
+          ) -> tuple[int, str, dict]:
+    matrix = tmp_path / f"matrix-{backend}.json"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+           "unimesh.conformance", "--unimesh-backend", backend, "--unimesh-matrix-json",
+           str(matrix), "--unimesh-matrix-md", str(tmp_path / f"matrix-{backend}.md")]
+    rc, out = run(cmd, env or clean_env(), tmp_path)
+    return rc, out, json.loads(matrix.read_text()) if matrix.exists() else {}
+
+
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_suite_passes_on_installed_backend(name: str, tmp_path: Path) -> None:
+    if name not in unimesh.backends():
+        pytest.skip(f"backend {name!r} is not installed")
+    rc, out, matrix = suite(name, tmp_path)
+    assert rc == 0, out[-6000:]
+    caps = unimesh.get_backend(name).capabilities
+    for cap, verdict in matrix[name].items():
+        assert verdict == ("pass" if cap in caps else "not declared"), (cap, verdict)
+    assert "mesh" in matrix[name] and "distribute" in matrix[name]
+    assert "unimesh capability matrix" in out
+    assert (tmp_path / f"matrix-{name}.md").read_text().startswith("| backend |")
+
+
+def test_suite_in_every_torchrun_rank(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "unimesh.conformance",
+           "--unimesh-backend", "torch"]
+    rc, out = run(cmd, clean_env(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")),
+                  tmp_path)
+    assert rc == 0, out[-6000:]
+    summaries = re.findall(r"(\d+) passed, (\d+) skipped", out)
+    assert len(summaries) == 4 and len(set(summaries)) == 1, out[-3000:]
+    assert int(summaries[0][0]) >= 40
+    assert out.count("unimesh capability matrix") == 4  # every rank checked and reported
+
+
+@pytest.fixture(scope="module")
+def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    build = tmp_path_factory.mktemp("build")
+    rc, out = run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                   "--no-build-isolation", "--target", str(target), str(EXAMPLE)],
+                  clean_env(), build)
+    assert rc == 0, out[-3000:]
+    assert any(p.name.startswith("unimesh_example_backend") for p in target.iterdir())
+    return target
+
+
+def test_third_party_backend_is_found_and_passes(example_site: Path, tmp_path: Path) -> None:
+    env = clean_env(PYTHONPATH=str(example_site))
+    rc, out = run([sys.executable, "-c", "import unimesh; print(unimesh.backends())"], env,
+                  tmp_path)
+    assert "'example'" in out and "'example_broken'" in out, out
+    rc, out, matrix = suite("example", tmp_path, env)
+    assert rc == 0, out[-6000:]
+    assert matrix["example"]["distribute"] == "pass"
+    assert matrix["example"]["uneven_shards"] == "pass"
+    assert matrix["example"]["partial"] == "not declared"
+
+
+def test_broken_backend_fails_named_tests(example_site: Path, tmp_path: Path) -> None:
+    rc, out, matrix = suite("example_broken", tmp_path, clean_env(PYTHONPATH=str(example_site)))
+    assert rc == 1, out[-6000:]
+    failed = set(re.findall(r"FAILED \S+::(test_\w+)\[", out))
+    assert {"test_mesh_round_trip", "test_distribute_gives_reference_shards",
+            "test_layout_round_trip"} <= failed, failed
+    assert matrix["example_broken"]["mesh"] == "fail"
+    assert matrix["example_broken"]["distribute"] == "fail"

@@ -1,0 +1,236 @@
+"""The conformance tests. Every check goes through the backend (to_native, from_native,
+distribute, local_shards) and compares with the core's reference answers."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import unimesh
+from unimesh import Layout, LayoutMap, Mesh, P, UnsupportedError
+
+WANTED_DEVICES = 8
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def backend(backend_name: str) -> unimesh.Backend:
+    try:
+        return unimesh.get_backend(backend_name)
+    except unimesh.UnimeshError as exc:
+        pytest.skip(f"backend {backend_name!r} is not usable here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def devices(backend: unimesh.Backend) -> int:
+    try:
+        return backend.prepare_devices(WANTED_DEVICES)
+    except unimesh.UnimeshError as exc:
+        pytest.skip(f"backend {backend.name!r} has no devices here: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _capability_gate(request: pytest.FixtureRequest) -> None:
+    marker = request.node.get_closest_marker("unimesh_capability")
+    if marker is None or "backend_name" not in request.fixturenames:
+        return
+    be = request.getfixturevalue("backend")
+    needed = marker.args
+    refusal = marker.kwargs.get("refusal", False)
+    missing = [c for c in needed if c not in be.capabilities]
+    if refusal and not missing:
+        pytest.skip(f"capability {needed[0]!r} is declared by {be.name!r}: its own tests check it")
+    if not refusal and missing:
+        pytest.skip(f"capability {missing[0]!r} not declared by backend {be.name!r}")
+
+
+def capability(*names: str, refusal: bool = False) -> Any:
+    return pytest.mark.unimesh_capability(*names, refusal=refusal)
+
+
+# -- the catalogue: meshes and specs built for the device count --------------------------------
+def _mesh(key: str, n: int) -> Mesh:
+    def need(ok: bool) -> None:
+        if not ok:
+            pytest.skip(f"mesh {key!r} cannot be built on {n} devices")
+
+    if key == "1d":
+        return Mesh((n,), ("x",))
+    if key == "1d-reversed":
+        need(n > 1)
+        return Mesh((n,), ("x",), list(range(n))[::-1])
+    if key == "2d":
+        need(n % 2 == 0)
+        return Mesh((2, n // 2), ("dp", "tp"))
+    if key == "2d-permuted":
+        need(n % 2 == 0 and n > 2)
+        return Mesh((2, n // 2), ("dp", "tp"), np.arange(n)[::-1].reshape(2, n // 2))
+    if key == "3d":
+        need(n % 4 == 0)
+        return Mesh((2, 2, n // 4), ("pp", "dp", "tp"))
+    if key == "4d":
+        need(n % 8 == 0)
+        return Mesh((2, 2, 2, n // 8), ("pp", "dp", "cp", "tp"))
+    if key == "transposed":
+        need(n % 2 == 0)
+        return Mesh((2, n // 2), ("dp", "tp")).transpose(("tp", "dp"))
+    if key == "flattened":
+        need(n % 4 == 0)
+        return Mesh((2, 2, n // 4), ("pp", "dp", "tp")).flatten(("tp", "pp"), "tp_pp")
+    if key == "part-of-world":
+        need(n % 2 == 0)
+        return Mesh((n // 2,), ("half",), np.arange(n // 2)[::-1] + n // 2)
+    raise AssertionError(key)
+
+
+MESHES = ["1d", "1d-reversed", "2d", "2d-permuted", "3d", "4d", "transposed", "flattened",
+          "part-of-world"]
+
+# spec key -> (builder from axis names, extra capabilities it needs)
+SPECS: dict[str, tuple[Callable[[tuple[str, ...]], P | None], tuple[str, ...]]] = {
+    "replicated": (lambda a: P(), ()),
+    "one-axis": (lambda a: P(a[0]), ()),
+    "two-dims": (lambda a: P(a[0], a[1]) if len(a) > 1 else None, ()),
+    "second-dim": (lambda a: P(None, a[-1]), ()),
+    "tuple-ascending": (lambda a: P((a[0], a[1])) if len(a) > 1 else None, ("tuple_axes",)),
+    "tuple-descending": (lambda a: P((a[-1], a[0])) if len(a) > 1 else None, ("tuple_axes",)),
+}
+
+
+def _spec_params(base: str) -> list[Any]:
+    """The spec keys as parameters, each marked with the capabilities it exercises."""
+    return [pytest.param(k, marks=capability(base, *extra), id=k) for k, (_, extra) in
+            SPECS.items()]
+
+
+def _spec(key: str, mesh: Mesh) -> P:
+    spec = SPECS[key][0](mesh.axis_names)
+    if spec is None:
+        pytest.skip(f"spec {key!r} needs more axes than {mesh!r} has")
+    return spec
+
+
+def _even_shape(mesh: Mesh, spec: P) -> tuple[int, ...]:
+    dims = [2 * math.prod(mesh.axis_size(a) for a in ((e,) if isinstance(e, str) else e or ()))
+            for e in spec]
+    return tuple(dims) + (3,)
+
+
+def _refused(call: Callable[[], Any]) -> Any:
+    """Run a request the backend may legitimately refuse; a refusal must be UnsupportedError
+    and turns the test into a skip that says why."""
+    try:
+        return call()
+    except UnsupportedError as exc:
+        pytest.skip(f"refused: {exc}")
+
+
+# -- the tests ---------------------------------------------------------------------------------
+@capability("mesh")
+@pytest.mark.parametrize("mesh_key", MESHES)
+def test_mesh_round_trip(backend: unimesh.Backend, devices: int, mesh_key: str) -> None:
+    mesh = _mesh(mesh_key, devices)
+    native = _refused(lambda: unimesh.to_native(mesh, backend))
+    back = unimesh.from_native(native)
+    assert isinstance(back, Mesh)
+    assert (back.shape, back.axis_names) == (mesh.shape, mesh.axis_names)
+    np.testing.assert_array_equal(back.device_ids, mesh.device_ids)
+
+
+@pytest.mark.parametrize("spec_key", _spec_params("layout"))
+@pytest.mark.parametrize("mesh_key", ["1d", "2d", "2d-permuted", "3d", "flattened"])
+def test_layout_round_trip(backend: unimesh.Backend, devices: int, mesh_key: str,
+                           spec_key: str) -> None:
+    mesh = _mesh(mesh_key, devices)
+    lay = Layout(mesh, _spec(spec_key, mesh))
+    back = unimesh.from_native(_refused(lambda: unimesh.to_native(lay, backend)))
+    assert isinstance(back, Layout)
+    np.testing.assert_array_equal(back.mesh.device_ids, mesh.device_ids)
+    shape = _even_shape(mesh, lay.spec)
+    assert back.device_slices(shape) == lay.device_slices(shape)
+    # size-1 axes in a tuple entry make several orders mean the same: then only blocks count
+    if not any(mesh.axis_size(a) == 1 for e in lay.spec if isinstance(e, tuple) for a in e):
+        assert back.spec == lay.spec
+
+
+@capability("layout", "partial")
+def test_partial_round_trip(backend: unimesh.Backend, devices: int) -> None:
+    mesh = _mesh("2d", devices)
+    mesh = Mesh(mesh.shape, mesh.axis_names, axis_types=("explicit",) * mesh.ndim)
+    lay = Layout(mesh, P(mesh.axis_names[0], partial={mesh.axis_names[1]: "sum"}))
+    back = unimesh.from_native(_refused(lambda: unimesh.to_native(lay, backend)))
+    assert back.spec == lay.spec
+
+
+@pytest.mark.parametrize("spec_key", _spec_params("distribute"))
+@pytest.mark.parametrize("mesh_key", ["1d", "1d-reversed", "2d", "2d-permuted", "3d", "4d",
+                                      "transposed", "flattened", "part-of-world"])
+def test_distribute_gives_reference_shards(backend: unimesh.Backend, devices: int,
+                                           mesh_key: str, spec_key: str) -> None:
+    mesh = _mesh(mesh_key, devices)
+    lay = Layout(mesh, _spec(spec_key, mesh))
+    shape = _even_shape(mesh, lay.spec)
+    x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    shards = backend.local_shards(_refused(lambda: unimesh.distribute(x, lay, backend)))
+    assert set(shards) <= set(mesh.device_ids.ravel().tolist())
+    for device_id, block in shards.items():
+        np.testing.assert_array_equal(np.asarray(block), x[lay.shard_slices(shape, device_id)],
+                                      err_msg=f"device {device_id}")
+
+
+@capability("distribute", "uneven_shards")
+@pytest.mark.parametrize("mesh_key", ["1d", "2d"])
+def test_uneven_shards_follow_torch_chunk(backend: unimesh.Backend, devices: int,
+                                          mesh_key: str) -> None:
+    mesh = _mesh(mesh_key, devices)
+    if mesh.size == 1:
+        pytest.skip("one device cannot hold uneven shards")
+    lay = Layout(mesh, P(mesh.axis_names[-1]))
+    shape = (mesh.axis_size(mesh.axis_names[-1]) + 1, 2)
+    x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    shards = backend.local_shards(_refused(lambda: unimesh.distribute(x, lay, backend)))
+    for device_id, block in shards.items():
+        np.testing.assert_array_equal(np.asarray(block), x[lay.shard_slices(shape, device_id)])
+
+
+@capability("layout_map")
+def test_layout_map_round_trip(backend: unimesh.Backend, devices: int) -> None:
+    mesh = _mesh("1d", devices)
+    lm = LayoutMap(mesh, {".*kernel": P(None, "x"), ".*bias": P("x")})
+    back = unimesh.from_native(unimesh.to_native(lm, backend))
+    assert isinstance(back, LayoutMap)
+    assert [(k, v.spec) for k, v in back.items()] == [(k, v.spec) for k, v in lm.items()]
+
+
+# -- what a backend does not declare, it must refuse with UnsupportedError ----------------------
+@capability("tuple_axes", refusal=True)
+def test_refuses_tuple_axes(backend: unimesh.Backend, devices: int) -> None:
+    mesh = _mesh("2d", devices)
+    with pytest.raises(UnsupportedError):
+        unimesh.to_native(Layout(mesh, P(mesh.axis_names)), backend)
+
+
+@capability("partial", refusal=True)
+def test_refuses_partial(backend: unimesh.Backend, devices: int) -> None:
+    mesh = _mesh("2d", devices)
+    with pytest.raises(UnsupportedError):
+        unimesh.to_native(Layout(mesh, P(None, partial={mesh.axis_names[0]: "sum"})), backend)
+
+
+@capability("uneven_shards", refusal=True)
+def test_refuses_uneven_shards(backend: unimesh.Backend, devices: int) -> None:
+    mesh = _mesh("1d", devices)
+    if mesh.size == 1:
+        pytest.skip("one device cannot hold uneven shards")
+    with pytest.raises(UnsupportedError):
+        unimesh.distribute(np.zeros(mesh.size + 1), Layout(mesh, P("x")), backend)
+
+
+@capability("layout_map", refusal=True)
+def test_refuses_layout_map(backend: unimesh.Backend, devices: int) -> None:
+    with pytest.raises(UnsupportedError):
+        unimesh.to_native(LayoutMap(_mesh("1d", devices), {"w": P("x")}), backend)
