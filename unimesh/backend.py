@@ -136,6 +136,12 @@ class Backend:
         the conformance suite; the default claims nothing beyond one device."""
         return 1
 
+    def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
+        """For each of this process's devices in the native mesh, the members of its
+        communication group along ``axis``, as the framework orders them (``axis_groups``)."""
+        out: dict[int, tuple[int, ...]] = self._missing("axis_groups")
+        return out
+
     def local_shards(self, array: Any) -> dict[int, Any]:
         """This process's shards of a native distributed array, as numpy arrays keyed by
         logical device id (the inverse view of :meth:`distribute`, for checks)."""

@@ -115,17 +115,26 @@ class TorchBackend(Backend):
         dist = _dist()
         if str(dist.get_backend()).lower() == "fake" or dist.get_world_size() == 1:
             return
+        import hashlib
+
+        torch = _torch()
         text = mesh.to_string()
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+        device = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+        mine = torch.tensor([digest], dtype=torch.int64, device=device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        if all(int(t.item()) == digest for t in every):
+            return
         seen: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, text)
-        if len(set(seen)) > 1:
-            mine = dist.get_rank()
-            other = next(r for r, s in enumerate(seen) if s != text)
-            raise MeshMismatchError(
-                f"ranks disagree about the mesh to build: rank {mine} has {text!r}, rank {other} "
-                f"has {seen[other]!r}. A DeviceMesh is created by every rank together; to get a "
-                "rank's own submesh, convert the whole mesh first and then its submesh "
-                "(unimesh_torch.axis_mesh(mesh, axes))")
+        dist.all_gather_object(seen, text)  # only now: to say how they differ
+        rank = dist.get_rank()
+        other = next(r for r, s in enumerate(seen) if s != text)
+        raise MeshMismatchError(
+            f"ranks disagree about the mesh to build: rank {rank} has {text!r}, rank {other} "
+            f"has {seen[other]!r}. A DeviceMesh is created by every rank together; to get a "
+            "rank's own submesh, convert the whole mesh first and then its submesh "
+            "(unimesh_torch.axis_mesh(mesh, axes))")
 
     def prepare_devices(self, count: int) -> int:
         """The world size: under a launcher (torchrun sets RANK/WORLD_SIZE) the gloo process
@@ -319,6 +328,12 @@ class TorchBackend(Backend):
         return distribute_tensor(array, native.device_mesh, list(native.placements),
                                  src_data_rank=src_data_rank)
 
+    def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
+        """``{rank: ranks of the process group along axis}`` (torch's order: by global rank)."""
+        if native_mesh.get_coordinate() is None:
+            return {}
+        group = native_mesh.get_group(axis)
+        return {_dist().get_rank(): tuple(_dist().get_process_group_ranks(group))}
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{rank: numpy block}``: this rank's local tensor of a DTensor (empty when the rank

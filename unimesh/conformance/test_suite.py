@@ -141,6 +141,22 @@ def test_mesh_round_trip(backend: unimesh.Backend, devices: int, mesh_key: str) 
     np.testing.assert_array_equal(back.device_ids, mesh.device_ids)
 
 
+@capability("mesh", "axis_groups")
+@pytest.mark.parametrize("mesh_key", MESHES)
+def test_axis_groups_are_the_neutral_groups(backend: unimesh.Backend, devices: int,
+                                            mesh_key: str) -> None:
+    mesh = _mesh(mesh_key, devices)
+    native = _refused(lambda: unimesh.to_native(mesh, backend))
+    for axis in mesh.axis_names:
+        groups = backend.axis_groups(native, axis)
+        assert set(groups) <= set(mesh.device_ids.ravel().tolist())
+        for device_id, members in groups.items():
+            (want,) = [g for g in mesh.groups(axis) if device_id in g]
+            assert sorted(members) == sorted(want), (axis, device_id)
+            if list(want) == sorted(want):  # an increasing order: the very same order
+                assert tuple(members) == want, (axis, device_id)
+
+
 @pytest.mark.parametrize("spec_key", _spec_params("layout"))
 @pytest.mark.parametrize("mesh_key", ["1d", "2d", "2d-permuted", "3d", "flattened"])
 def test_layout_round_trip(backend: unimesh.Backend, devices: int, mesh_key: str,
