@@ -28,7 +28,7 @@ def test_demo_default_mesh_on_every_installed_backend():
     for name in unimesh.backends():
         line = row(proc.stdout, name)
         assert "FAIL" not in line, line
-        if name in ("jax", "keras", "tensorflow", "torch"):  # shards checked, matmul computed
+        if name in ("jax", "keras", "tensorflow", "torch", "mlx"):  # shards checked, matmul done
             assert line.count(" ok ") == 2, line
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,3 +110,28 @@ def test_broken_backend_fails_named_tests(example_site: Path, tmp_path: Path) ->
             "test_layout_round_trip"} <= failed, failed
     assert matrix["example_broken"]["mesh"] == "fail"
     assert matrix["example_broken"]["distribute"] == "fail"
+
+
+@pytest.mark.parametrize("launcher", ["ring", "mpi"])
+def test_suite_in_every_mlx_process(launcher: str, tmp_path: Path) -> None:
+    pytest.importorskip("mlx.core")
+    suite_args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", "--pyargs",
+                  "unimesh.conformance", "--unimesh-backend", "mlx"]
+    if launcher == "ring":
+        cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", "4", "--backend", "ring",
+               "--", sys.executable, *suite_args]
+    else:
+        mpirun = shutil.which("mpirun")
+        if mpirun is None:
+            hint = "mpirun is not installed: apt-get install openmpi-bin libopenmpi-dev"
+            if os.environ.get("CI"):
+                pytest.fail(hint + " (.ci/run does)")
+            pytest.skip(hint)
+        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable,
+               *suite_args]
+    rc, out = run(cmd, clean_env(), tmp_path)
+    assert rc == 0, out[-6000:]
+    summaries = re.findall(r"(\d+) passed, (\d+) skipped", out)
+    assert len(summaries) == 4 and len(set(summaries)) == 1, out[-3000:]
+    assert int(summaries[0][0]) >= 40
+    assert out.count("unimesh capability matrix") == 4

@@ -110,8 +110,10 @@ def _demo(args: argparse.Namespace) -> int:
             table.add_row(name, "[dim]backend not installed[/dim]", "-", "-",
                           escape(f'pip install "unimesh[{name}]"'))
             continue
-        if name == "torch":
-            table.add_row(*_torch_row(args.mesh, mesh.size, mark))
+        if name in ("torch", "mlx"):
+            cells = _launched_row(name, args.mesh, mesh.size, mark)
+            failures += "FAIL" in "".join(cells) or "failed" in cells[1]
+            table.add_row(*cells)
             continue
         try:
             be = get_backend(name)
@@ -151,21 +153,29 @@ def demo_problem(mesh: Mesh) -> tuple[Any, Any, Any]:
     return layout, x, w
 
 
-def _torch_row(spec: str, size: int, mark: Any) -> tuple[str, ...]:
-    """Run the demo under torchrun (gloo, one process per device) and summarise the ranks."""
+def _launched_row(name: str, spec: str, size: int, mark: Any) -> tuple[str, ...]:
+    """Run the demo under the framework's launcher (one process per device): torchrun with
+    gloo for torch, mlx.launch with the ring backend for MLX; summarise the ranks."""
     import json
     import os
     import signal
     import subprocess
+    from pathlib import Path
 
     from rich.markup import escape
 
     if size > 16:
-        return ("torch", "[dim]skipped[/dim]", "-", "-", f"{size} processes is too many here")
+        return (name, "[dim]skipped[/dim]", "-", "-", f"{size} processes is too many here")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={size}", "-m", "unimesh_torch.demo_worker", spec]
+    if name == "torch":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={size}", "-m", "unimesh_torch.demo_worker", spec]
+        how = "torchrun, gloo"
+    else:
+        cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(size), "--backend",
+               "ring", "--", sys.executable, "-m", "unimesh_mlx.demo_worker", spec]
+        how = "mlx.launch, ring"
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -174,19 +184,19 @@ def _torch_row(spec: str, size: int, mark: Any) -> tuple[str, ...]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return ("torch", "[red]torchrun timed out[/red]", "-", "-", "> 100 s")
+        return (name, "[red]launcher timed out[/red]", "-", "-", "> 100 s")
     ms = (time.perf_counter() - t0) * 1e3
     ranks = [json.loads(line[len("UNIMESH_DEMO "):]) for line in out.splitlines()
              if line.startswith("UNIMESH_DEMO ")]
     if proc.returncode != 0 or len(ranks) != size:
         tail = out.strip().splitlines()[-1] if out.strip() else f"exit {proc.returncode}"
-        return ("torch", "[red]torchrun failed[/red]", "-", "-", escape(tail[:70]))
+        return (name, "[red]launcher failed[/red]", "-", "-", escape(tail[:70]))
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
-        return ("torch", "[yellow]refused[/yellow]", "-", "-", escape(errors[0][:70]))
+        return (name, "[yellow]refused[/yellow]", "-", "-", escape(errors[0][:70]))
     ok_shards = all(r["shards"] for r in ranks)
     ok_result = all(r["result"] for r in ranks)
-    return ("torch", f"{ranks[0]['native']}, {size} ranks (torchrun, gloo)", mark(ok_shards),
+    return (name, f"{ranks[0]['native']}, {size} ranks ({how})", mark(ok_shards),
             mark(ok_result), f"{ms:.0f} ms incl. launch")
 
 

@@ -1,0 +1,279 @@
+"""The MLX backend. A device id is the rank of the process (MLX gives each process one device).
+
+``to_native(mesh)`` gives an :class:`MLXMesh`: the world group, this process's ``mx.Device``, its
+coordinates, and an :class:`AxisGroup` per mesh axis (or tuple of axes) whose members are exactly
+the neutral group holding this rank, in the neutral order. Split groups are released at exit,
+before MPI finalizes. mlx is imported inside the functions, never at module import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from typing import Any
+
+import numpy as np
+
+from unimesh import (
+    Backend,
+    ConversionError,
+    Layout,
+    LayoutError,
+    Mesh,
+    MeshMismatchError,
+    UnsupportedError,
+)
+from unimesh._validate import short
+
+__all__ = ["AxisGroup", "MLXBackend", "MLXLayout", "MLXMesh", "shard_linear"]
+
+_LIVE: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
+_LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but weakly referable
+_REGISTERED = False
+
+
+def _mx() -> Any:
+    import mlx.core as mx
+
+    return mx
+
+
+def _release_groups() -> None:
+    """Drop every split group before the interpreter (and MPI) shuts down: a split group still
+    alive at MPI_Finalize makes every rank abort."""
+    for group in list(_LIVE):
+        group._group = None
+    for ref in _LAYERS:
+        layer = ref()
+        if layer is not None and "group" in vars(layer):
+            vars(layer)["group"] = None
+    import sys
+
+    distributed = sys.modules.get("mlx.nn.layers.distributed")
+    cached: Any = getattr(distributed, "sum_gradients", None)
+    if hasattr(cached, "cache_clear"):  # MLX memoises a gradient hook per group: let it go
+        cached.cache_clear()
+    import gc
+
+    gc.collect()
+
+
+def _init_world() -> Any:
+    """``mx.distributed.init()``, then (once) the exit hook that releases split groups. It is
+    registered after MLX's own, and exit hooks run last-registered first, so it runs before
+    MPI is finalized."""
+    global _REGISTERED
+    world = _mx().distributed.init()
+    if not _REGISTERED:
+        atexit.register(_release_groups)
+        _REGISTERED = True
+    return world
+
+
+class AxisGroup:
+    """This rank's communication group along some mesh axes: ``members`` in the neutral order.
+
+    With a real split group the collectives go to MLX directly; without one (ring backend, or a
+    single process) they run over the world group and keep the members' contributions.
+    """
+
+    def __init__(self, axes: tuple[str, ...], members: tuple[int, ...], world: Any,
+                 group: Any) -> None:
+        self.axes = axes
+        self.members = members
+        self.world = world
+        self._group = group
+        _LIVE.add(self)
+
+    @property
+    def emulated(self) -> bool:
+        return self._group is None
+
+    @property
+    def group(self) -> Any:
+        """The ``mx.distributed.Group`` (None when emulated)."""
+        return self._group
+
+    def rank(self) -> int:
+        return self.members.index(self.world.rank())
+
+    def size(self) -> int:
+        return len(self.members)
+
+    def _gathered(self, x: Any) -> Any:
+        mx = _mx()
+        every = mx.distributed.all_gather(mx.expand_dims(x, 0), group=self.world)
+        return every[mx.array(list(self.members))]
+
+    def all_sum(self, x: Any) -> Any:
+        mx = _mx()
+        if self._group is not None:
+            return mx.distributed.all_sum(x, group=self._group)
+        return mx.sum(self._gathered(x), axis=0)
+
+    def all_max(self, x: Any) -> Any:
+        mx = _mx()
+        if self._group is not None:
+            return mx.distributed.all_max(x, group=self._group)
+        return mx.max(self._gathered(x), axis=0)
+
+    def all_min(self, x: Any) -> Any:
+        mx = _mx()
+        if self._group is not None:
+            return mx.distributed.all_min(x, group=self._group)
+        return mx.min(self._gathered(x), axis=0)
+
+    def all_gather(self, x: Any) -> Any:
+        """The members' arrays concatenated along axis 0, in the neutral member order."""
+        mx = _mx()
+        if self._group is not None:
+            return mx.distributed.all_gather(x, group=self._group)
+        return mx.concatenate(list(self._gathered(x)), axis=0)
+
+    def __repr__(self) -> str:
+        how = "emulated over the world group" if self.emulated else "split group"
+        return f"AxisGroup(axes={self.axes}, members={self.members}, {how})"
+
+
+class MLXMesh:
+    """The MLX form of a neutral mesh for this process."""
+
+    def __init__(self, mesh: Mesh, world: Any, device: Any) -> None:
+        self.mesh = mesh
+        self.world = world
+        self.device = device
+        self.rank = int(world.rank())
+        self.coords = mesh.coords(self.rank)
+        self._groups: dict[tuple[str, ...], AxisGroup] = {}
+        self._can_split: bool | None = None
+
+    def axis_group(self, axes: str | tuple[str, ...]) -> AxisGroup:
+        """The group along ``axes`` holding this rank (built on first use, by every rank)."""
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        rows = self.mesh.groups_array(names)  # validates the names
+        if names in self._groups:
+            return self._groups[names]
+        row = int(np.flatnonzero((rows == self.rank).any(axis=1))[0])
+        members = tuple(int(d) for d in rows[row])
+        group = None
+        if self._can_split is not False and self.world.size() > 1:
+            try:  # collective: every rank splits, colour = which group, key = place in it
+                group = self.world.split(row, members.index(self.rank))
+                self._can_split = True
+            except RuntimeError:
+                self._can_split = False  # MLX's ring backend has no split: emulate
+        made = AxisGroup(names, members, self.world, group)
+        self._groups[names] = made
+        return made
+
+    @property
+    def uses_split_groups(self) -> bool | None:
+        """True (MPI), False (emulated, e.g. ring), None (no group built yet)."""
+        return self._can_split
+
+    def __repr__(self) -> str:
+        return f"MLXMesh({self.mesh!r}, rank={self.rank}, coords={self.coords}, {self.device})"
+
+
+class MLXLayout:
+    """The MLX form of a layout: this process's mesh view and the block it holds."""
+
+    def __init__(self, native_mesh: MLXMesh, layout: Layout) -> None:
+        self.native_mesh = native_mesh
+        self.layout = layout
+
+    def local_slices(self, global_shape: tuple[int, ...]) -> tuple[slice, ...]:
+        """The block of a global array that this process holds."""
+        return self.layout.shard_slices(global_shape, self.native_mesh.rank)
+
+    def __repr__(self) -> str:
+        return f"MLXLayout({self.layout.spec!r} on {self.native_mesh!r})"
+
+
+class MLXBackend(Backend):
+    """MLX: one device per process, groups per mesh axis."""
+
+    name = "mlx"
+    framework = "mlx"
+    extra = "mlx"
+    native_modules = ("mlx", "unimesh_mlx")
+    capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
+                              "axis_groups", "multi_process"})
+
+    def _world(self) -> Any:
+        return _init_world()
+
+    def prepare_devices(self, count: int) -> int:
+        return int(self._world().size())
+
+    def mesh_to_native(self, mesh: Mesh, **options: Any) -> MLXMesh:
+        if options:
+            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the mlx backend",
+                                   backend=self.name)
+        world = self._world()
+        n = int(world.size())
+        if mesh.size < n and int(mesh.device_ids.max()) < n:
+            raise UnsupportedError(
+                f"{mesh!r} uses {mesh.size} of the {n} MLX processes; an MLX mesh spans the whole "
+                "world (every process builds the same groups): launch as many processes as the "
+                "mesh has devices", backend=self.name, capability="mesh")
+        if mesh.size != n or sorted(mesh.device_ids.ravel().tolist()) != list(range(n)):
+            raise MeshMismatchError(
+                f"{mesh!r} needs {mesh.size} MLX processes holding devices 0..{mesh.size - 1}, "
+                f"but this MLX world has {n}; start them with: mpirun --allow-run-as-root -np "
+                f"{mesh.size} python script.py (MPI) or mlx.launch -n {mesh.size} --backend ring "
+                "-- python script.py")
+        return MLXMesh(mesh, world, _mx().default_device())
+
+    def layout_to_native(self, layout: Layout, **options: Any) -> MLXLayout:
+        """An :class:`MLXLayout`: which block of each global array this process holds."""
+        return MLXLayout(self.mesh_to_native(layout.mesh, **options), layout)
+
+    def from_native(self, obj: Any) -> Any:
+        mx = _mx()
+        if isinstance(obj, MLXMesh):
+            return obj.mesh
+        if isinstance(obj, MLXLayout):
+            return obj.layout
+        if isinstance(obj, mx.Device):
+            return Mesh((1,), ("device",))
+        raise ConversionError(f"the mlx backend converts MLXMesh and mx.Device, not {short(obj)} "
+                              f"({type(obj).__module__}.{type(obj).__qualname__})")
+
+    def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
+        """This process's shard, ``array[layout.shard_slices(shape, rank)]``, as an mx.array."""
+        native = self.mesh_to_native(layout.mesh, **options)
+        host = np.asarray(array)
+        return _mx().array(host[layout.shard_slices(host.shape, native.rank)])
+
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        return {int(self._world().rank()): np.array(array)}
+
+    def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
+        return {native_mesh.rank: native_mesh.axis_group(axis).members}
+
+
+def shard_linear(linear: Any, layout: Layout, native_mesh: MLXMesh) -> Any:
+    """MLX's own tensor-parallel layer for a Linear whose weight (MLX's ``(out, in)``) is laid
+    out as ``layout``: ``P(axis, None)`` shards the outputs (``"all-to-sharded"``),
+    ``P(None, axis)`` the inputs (``"sharded-to-all"``), over ``axis``'s group."""
+    from mlx.nn.layers.distributed import shard_linear as mlx_shard_linear
+
+    spec = tuple(layout.spec) + (None,) * (2 - len(layout.spec))
+    if len(spec) != 2 or (spec[0] is None) == (spec[1] is None) or any(
+            isinstance(e, tuple) for e in spec):
+        raise LayoutError(f"shard_linear takes P(axis, None) or P(None, axis) for a Linear "
+                          f"weight, got {layout.spec!r}")
+    axis = spec[0] if spec[0] is not None else spec[1]
+    assert isinstance(axis, str)
+    group = native_mesh.axis_group(axis)
+    if group.emulated and group.size() != native_mesh.world.size():
+        raise UnsupportedError(
+            f"MLX's sharded Linear layers need a real group for axis {axis!r}, and this MLX "
+            "distributed backend cannot split one (ring); use the MPI backend",
+            backend="mlx", capability="axis_groups")
+    sharding = "all-to-sharded" if spec[0] is not None else "sharded-to-all"
+    layer = mlx_shard_linear(linear, sharding,
+                             group=group.group if group.group is not None else native_mesh.world)
+    _LAYERS.append(weakref.ref(layer))  # it holds the split group: released at exit too
+    return layer

@@ -1,0 +1,82 @@
+"""One rank of a real MLX run, under mpirun (MPI backend) or mlx.launch (ring backend).
+Started by tests/test_mlx_multiprocess.py:
+
+    mpirun --allow-run-as-root --oversubscribe -np 4 python tests/mlx_worker.py mpi
+    mlx.launch -n 4 --backend ring -- python tests/mlx_worker.py ring
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+import unimesh
+from unimesh import Layout, Mesh, P
+
+backend_name = sys.argv[1]
+world = mx.distributed.init(strict=True, backend=backend_name)
+rank = world.rank()
+checks = 0
+
+
+def check(ok: bool, what: str) -> None:
+    global checks
+    sys.stdout.write(f"rank {rank}: {'ok  ' if ok else 'FAIL'} {what}\n")
+    sys.stdout.flush()
+    if not ok:
+        sys.exit(1)
+    checks += 1
+
+
+be = unimesh.get_backend("mlx")
+for mesh in (Mesh((2, 2), ("dp", "tp")), Mesh((2, 2), ("dp", "tp"), [[3, 1], [2, 0]])):
+    native = unimesh.to_native(mesh, be)
+    check(native.coords == mesh.coords(rank), f"{mesh!r}: coordinate {native.coords}")
+    check(unimesh.from_native(native) == mesh, "from_native(to_native(mesh)) == mesh")
+    for axes in ("dp", "tp", ("tp", "dp")):
+        g = native.axis_group(axes)
+        (want,) = [grp for grp in mesh.groups(axes) if rank in grp]
+        check(g.members == want and g.rank() == want.index(rank),
+              f"{axes} group {g.members} (rank {g.rank()} in it) == neutral {want}")
+        if g.group is not None:
+            check(g.group.size() == len(want) and g.group.rank() == want.index(rank),
+                  f"MLX's split group has size {g.group.size()}, this rank is {g.group.rank()}")
+        x = mx.array([float(rank), 10.0 * rank])
+        check(g.all_sum(x).tolist() == [float(sum(want)), 10.0 * sum(want)],
+              f"all_sum over {axes} == sum of {want}")
+        check(g.all_max(x).tolist()[0] == max(want) and g.all_min(x).tolist()[0] == min(want),
+              f"all_max / all_min over {axes}")
+        gathered = g.all_gather(mx.array([float(rank)])).tolist()
+        check(gathered == [float(d) for d in want], f"all_gather over {axes}: {gathered}")
+    check(native.uses_split_groups is (backend_name == "mpi"),
+          f"split groups in use: {native.uses_split_groups}")
+    for spec, shape in [(P("dp", "tp"), (5, 6)), (P(("tp", "dp")), (9,)), (P(None, "tp"), (3, 4))]:
+        x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+        lay = Layout(mesh, spec)
+        shard = unimesh.distribute(x, lay, be)
+        check(np.array_equal(np.array(shard), x[lay.shard_slices(shape, rank)]),
+              f"distribute {spec} of {shape}: this rank's shard is the reference block")
+
+if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
+    import mlx.nn as nn
+    from unimesh_mlx import shard_linear
+
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    native = unimesh.to_native(mesh, be)
+    mx.random.seed(0)
+    full = nn.Linear(4, 6)
+    col = shard_linear(full, Layout(mesh, P("tp", None)), native)
+    x = mx.arange(8, dtype=mx.float32).reshape(2, 4)
+    want = np.array(full(x))
+    got = np.array(col(x))
+    tp = native.coords["tp"]
+    check(np.allclose(got, want[:, 3 * tp:3 * tp + 3], atol=1e-5),
+          "shard_linear P('tp', None): this rank's output columns")
+    row = shard_linear(full, Layout(mesh, P(None, "tp")), native)
+    got = np.array(row(x[:, 2 * tp:2 * tp + 2]))
+    check(np.allclose(got, want, atol=1e-5), "shard_linear P(None, 'tp'): the full output")
+
+sys.stdout.write(f"RANK {rank} OK {checks}\n")
+sys.stdout.flush()

@@ -1,0 +1,59 @@
+"""The MLX backend in one process (a world of one): the 1-device mesh and the bad inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import unimesh
+from unimesh import Layout, LayoutError, Mesh, MeshMismatchError, MeshSpecError, P
+
+mx = pytest.importorskip("mlx.core")
+nn = pytest.importorskip("mlx.nn")
+
+from unimesh_mlx import MLXLayout, MLXMesh, shard_linear  # noqa: E402
+
+ONE = Mesh((1,), ("x",))
+
+
+def test_one_device_mesh():
+    native = unimesh.to_native(ONE, "mlx")
+    assert isinstance(native, MLXMesh)
+    assert native.rank == 0 and native.coords == {"x": 0}
+    assert native.device == mx.default_device()
+    group = native.axis_group("x")
+    assert group.members == (0,) and group.rank() == 0 and group.size() == 1
+    assert group.emulated  # a world of one cannot split
+    x = mx.array([1.0, 2.0])
+    assert group.all_sum(x).tolist() == [1.0, 2.0]
+    assert group.all_max(x).tolist() == [1.0, 2.0] and group.all_min(x).tolist() == [1.0, 2.0]
+    assert group.all_gather(x).tolist() == [1.0, 2.0]
+    assert unimesh.from_native(native) == ONE
+    assert unimesh.from_native(mx.default_device()) == Mesh((1,), ("device",))
+    lay = Layout(ONE, P("x"))
+    native_layout = unimesh.to_native(lay, "mlx")
+    assert isinstance(native_layout, MLXLayout)
+    assert native_layout.local_slices((5, 2)) == (slice(0, 5), slice(0, 2))
+    assert unimesh.from_native(native_layout) == lay
+    data = np.arange(10.0).reshape(5, 2)
+    shard = unimesh.distribute(data, lay, "mlx")
+    assert isinstance(shard, mx.array)
+    np.testing.assert_array_equal(np.array(shard), data)
+    assert unimesh.get_backend("mlx").local_shards(shard).keys() == {0}
+
+
+def test_bad_inputs():
+    with pytest.raises(MeshMismatchError, match=r"needs 4 MLX processes.*mpirun --allow-run-as-root "
+                                                 r"-np 4 .*mlx\.launch -n 4 --backend ring"):
+        unimesh.to_native(Mesh((2, 2), ("dp", "tp")), "mlx")
+    with pytest.raises(MeshMismatchError, match="holding devices 0..0"):
+        unimesh.to_native(Mesh((1,), ("x",), [3]), "mlx")
+    native = unimesh.to_native(ONE, "mlx")
+    with pytest.raises(MeshSpecError, match="unknown axis 'tp'"):
+        native.axis_group("tp")
+    with pytest.raises(LayoutError, match=r"takes P\(axis, None\) or P\(None, axis\)"):
+        shard_linear(nn.Linear(2, 2), Layout(ONE, P()), native)
+    with pytest.raises(unimesh.UnsupportedError, match="unknown option"):
+        unimesh.to_native(ONE, "mlx", colour="red")
+    with pytest.raises(unimesh.ConversionError, match="converts MLXMesh and mx.Device"):
+        unimesh.from_native(mx.array([1.0]))
