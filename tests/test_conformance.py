@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,31 @@ def test_suite_in_every_mlx_process(launcher: str, tmp_path: Path) -> None:
     assert len(summaries) == 4 and len(set(summaries)) == 1, out[-3000:]
     assert int(summaries[0][0]) >= 40
     assert out.count("unimesh capability matrix") == 4
+
+
+def test_suite_in_every_jax_distributed_process(tmp_path: Path) -> None:
+    pytest.importorskip("jax")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no",
+           "--pyargs", "unimesh.conformance", "--unimesh-backend", "jax"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=tmp_path, start_new_session=True,
+                              env=clean_env(JAX_COORDINATOR_ADDRESS=address,
+                                            JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
+             for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=LIMIT)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"the jax.distributed suite run did not finish within {LIMIT} s")
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-6000:]
+        (summary,) = re.findall(r"(\d+) passed, (\d+) skipped", out)
+        assert int(summary[0]) >= 40
+        assert "unimesh capability matrix" in out

@@ -50,15 +50,33 @@ class JaxBackend(Backend):
                               "axis_types", "multi_process"})
 
     def prepare_devices(self, count: int) -> int:
-        """Before jax is imported: ``count`` virtual CPU devices (XLA_FLAGS). Returns the number
-        of global devices."""
+        """Before jax is imported: ``count`` virtual CPU devices (XLA_FLAGS), shared out over
+        the processes when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+        ``JAX_PROCESS_ID`` ask for a multi-process run, which is then started with
+        ``jax.distributed.initialize`` over gloo CPU collectives. Returns the number of global
+        devices."""
         import os
         import sys
 
+        address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+        procs = os.environ.get("JAX_NUM_PROCESSES")
+        pid = os.environ.get("JAX_PROCESS_ID")
+        multi = bool(address and procs and pid)
         if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in \
                 os.environ.get("XLA_FLAGS", ""):
+            local = max(1, count // int(procs)) if multi and procs else count
             flags = os.environ.get("XLA_FLAGS", "")
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local}"
+        if multi and procs and pid:
+            jax = _jax()
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            try:
+                jax.distributed.initialize(address, num_processes=int(procs),
+                                           process_id=int(pid))
+            except RuntimeError as exc:
+                if "once" not in str(exc):
+                    raise MeshMismatchError(f"jax.distributed.initialize({address!r}, "
+                                            f"{procs}, {pid}) failed: {exc}") from exc
         return len(global_devices())
 
     # -- meshes --------------------------------------------------------------------------------
@@ -185,7 +203,9 @@ class JaxBackend(Backend):
                 "or 'explicit'", backend=self.name, capability="distribute")
         sharding = self.layout_to_native(layout, **options)
         host = np.asarray(array)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        # dtype given: a process holding none of the mesh's devices has no block to infer it from
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
+                                            dtype=host.dtype)
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{logical device id: numpy block}`` for this process's addressable shards."""
