@@ -17,6 +17,8 @@ import pytest
 
 import unimesh
 
+from .launch import run_bounded
+
 EXAMPLE = Path(__file__).with_name("conformance_example")
 LIMIT = 300
 IN_PROCESS = ("jax", "keras", "tensorflow")
@@ -30,15 +32,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=cwd, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd} did not finish within {LIMIT} s:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_bounded(cmd, env, LIMIT, cwd)
 
 
 def suite(backend: str, tmp_path: Path, env: dict[str, str] | None = None,

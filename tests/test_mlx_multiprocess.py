@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .launch import run_bounded
 
 pytest.importorskip("mlx.core")
 
@@ -20,16 +20,7 @@ LIMIT = 120
 
 
 def launch(cmd: list[str]) -> tuple[int, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd} did not finish within {LIMIT} s:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_bounded(cmd, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), LIMIT)
 
 
 def check_ranks(rc: int, out: str) -> None:

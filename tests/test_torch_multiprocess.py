@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .launch import run_bounded
 
 pytest.importorskip("torch.distributed")
 
@@ -27,15 +27,7 @@ def torchrun(nproc: int, *args: str) -> tuple[int, str]:
     env.pop("UNIMESH_BACKEND", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(WORKER), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun {args} did not finish within {LIMIT} s; output:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_bounded(cmd, env, LIMIT)
 
 
 @pytest.mark.parametrize("nproc, spec", [(4, "dp=2,tp=2"), (8, "pp=2,dp=2,tp=2")],

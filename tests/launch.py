@@ -1,0 +1,25 @@
+"""Starting real launchers from the tests: bounded in time, killed by process group on timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+def run_bounded(cmd: list[str], env: dict[str, str], limit: float,
+                cwd: Path | None = None) -> tuple[int, str]:
+    """Run ``cmd`` in its own session; return (exit code, stdout+stderr). If it outlives
+    ``limit`` seconds, kill its whole process group and fail the test with the output so far."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd} did not finish within {limit} s; output:\n{out[-4000:]}")
+    return proc.returncode, out
