@@ -15,6 +15,8 @@ from .errors import UnimeshError
 from .mesh import Mesh
 
 KNOWN_BACKENDS = ("torch", "jax", "keras", "tensorflow", "mlx")
+#: Backends the demo runs under their own launcher, one process per device.
+LAUNCHED = ("torch", "mlx")
 
 
 def _compute(name: str, native: Any, w: Any) -> Any:
@@ -39,14 +41,6 @@ def _compute(name: str, native: Any, w: Any) -> Any:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import os
-
-    # frameworks that simulate devices in this process need to hear it before they load
-    if "jax" not in sys.modules:
-        count = max(8, Mesh.from_string(args.mesh).size) if _parses(args.mesh) else 8
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={count}")
-    os.environ.setdefault("KERAS_BACKEND", "jax")
-
     import numpy as np
     from rich.console import Console
     from rich.markup import escape
@@ -98,19 +92,18 @@ def _demo(args: argparse.Namespace) -> int:
     failures = 0 if ok_tiles and ok_matmul else 1
     chosen = args.backends.split(",") if args.backends else sorted(
         set(KNOWN_BACKENDS) | set(installed))
-    if "tensorflow" in chosen and "tensorflow" in installed:
-        try:  # TensorFlow splits the CPU into logical devices only before its runtime starts
-            from unimesh_tensorflow import configure_cpu_devices
-
-            configure_cpu_devices(max(8, mesh.size))
-        except (ImportError, UnimeshError):
-            pass  # the tensorflow row reports what is missing
+    for name in chosen:  # in-process frameworks hear how many devices to simulate, first
+        if name in installed and name not in LAUNCHED:
+            try:
+                get_backend(name).prepare_devices(max(8, mesh.size))
+            except (ImportError, UnimeshError):
+                pass  # its row reports what is missing
     for name in chosen:
         if name not in installed:
             table.add_row(name, "[dim]backend not installed[/dim]", "-", "-",
                           escape(f'pip install "unimesh[{name}]"'))
             continue
-        if name in ("torch", "mlx"):
+        if name in LAUNCHED:
             cells = _launched_row(name, args.mesh, mesh.size, mark)
             failures += "FAIL" in "".join(cells) or "failed" in cells[1]
             table.add_row(*cells)
@@ -198,14 +191,6 @@ def _launched_row(name: str, spec: str, size: int, mark: Any) -> tuple[str, ...]
     ok_result = all(r["result"] for r in ranks)
     return (name, f"{ranks[0]['native']}, {size} ranks ({how})", mark(ok_shards),
             mark(ok_result), f"{ms:.0f} ms incl. launch")
-
-
-def _parses(spec: str) -> bool:
-    try:
-        Mesh.from_string(spec)
-    except UnimeshError:
-        return False
-    return True
 
 
 def _backends(args: argparse.Namespace) -> int:

@@ -93,6 +93,13 @@ class Backend:
                 + f"; it declares {sorted(self.capabilities)}",
                 backend=self.name, capability=capability)
 
+    def reject_options(self, options: dict[str, Any], accepted: str = "") -> None:
+        """Raise :class:`UnsupportedError` naming any option this backend does not take."""
+        if options:
+            takes = f"; it takes {accepted}" if accepted else ""
+            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the {self.name} "
+                                   f"backend{takes}", backend=self.name)
+
     def owns(self, obj: object) -> bool:
         """True when ``obj``'s type comes from one of :attr:`native_modules` (no import)."""
         roots = self.native_modules or (self.framework,)

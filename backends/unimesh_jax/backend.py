@@ -23,7 +23,7 @@ from unimesh import (
 )
 from unimesh._validate import short
 
-__all__ = ["JaxBackend", "global_devices", "use_mesh"]
+__all__ = ["JaxBackend", "global_devices", "request_cpu_devices", "use_mesh"]
 
 _TYPES = {"auto": "Auto", "explicit": "Explicit", "manual": "Manual"}
 
@@ -37,6 +37,17 @@ def _jax() -> Any:
 def global_devices() -> list[Any]:
     """JAX's devices in unimesh's logical order: by process, then by id within the process."""
     return sorted(_jax().devices(), key=lambda d: (d.process_index, d.id))
+
+
+def request_cpu_devices(count: int) -> None:
+    """Ask XLA for ``count`` virtual CPU devices (XLA_FLAGS). Only possible before jax is
+    imported, and only when nobody has asked already; otherwise it does nothing."""
+    import os
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
 
 
 class JaxBackend(Backend):
@@ -56,17 +67,12 @@ class JaxBackend(Backend):
         ``jax.distributed.initialize`` over gloo CPU collectives. Returns the number of global
         devices."""
         import os
-        import sys
 
         address = os.environ.get("JAX_COORDINATOR_ADDRESS")
         procs = os.environ.get("JAX_NUM_PROCESSES")
         pid = os.environ.get("JAX_PROCESS_ID")
         multi = bool(address and procs and pid)
-        if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in \
-                os.environ.get("XLA_FLAGS", ""):
-            local = max(1, count // int(procs)) if multi and procs else count
-            flags = os.environ.get("XLA_FLAGS", "")
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local}"
+        request_cpu_devices(max(1, count // int(procs)) if multi and procs else count)
         if multi and procs and pid:
             jax = _jax()
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -105,9 +111,7 @@ class JaxBackend(Backend):
         ``jax.sharding.Mesh(...)``, which is ``Auto`` for every axis (``jax.make_mesh`` would
         give ``Explicit``).
         """
-        if options:
-            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the jax backend",
-                                   backend=self.name)
+        self.reject_options(options)
         from jax.sharding import AxisType
         from jax.sharding import Mesh as JMesh
 

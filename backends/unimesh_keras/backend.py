@@ -60,13 +60,11 @@ class KerasBackend(Backend):
     def prepare_devices(self, count: int) -> int:
         """Keras on JAX with ``count`` virtual CPU devices (if neither is loaded yet)."""
         import os
-        import sys
+
+        from unimesh_jax import request_cpu_devices
 
         os.environ.setdefault("KERAS_BACKEND", "jax")
-        if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in \
-                os.environ.get("XLA_FLAGS", ""):
-            flags = os.environ.get("XLA_FLAGS", "")
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+        request_cpu_devices(count)
         if _keras_backend() != "jax":
             return 1
         return len(_kd().list_devices())
@@ -74,9 +72,7 @@ class KerasBackend(Backend):
     # -- meshes --------------------------------------------------------------------------------
     def mesh_to_native(self, mesh: Mesh, **options: Any) -> Any:
         """``keras.distribution.DeviceMesh`` with ``list_devices()[id]`` at each position."""
-        if options:
-            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the keras backend",
-                                   backend=self.name)
+        self.reject_options(options)
         kd = _kd()
         devices = _devices(int(mesh.device_ids.max()) + 1)
         top = int(mesh.device_ids.max())

@@ -105,23 +105,22 @@ class AxisGroup:
         every = mx.distributed.all_gather(mx.expand_dims(x, 0), group=self.world)
         return every[mx.array(list(self.members))]
 
-    def all_sum(self, x: Any) -> Any:
+    def _reduce(self, x: Any, collective: str, local: str) -> Any:
+        """``mx.distributed.<collective>`` on the split group, or ``mx.<local>`` over the
+        members' contributions gathered from the world group."""
         mx = _mx()
         if self._group is not None:
-            return mx.distributed.all_sum(x, group=self._group)
-        return mx.sum(self._gathered(x), axis=0)
+            return getattr(mx.distributed, collective)(x, group=self._group)
+        return getattr(mx, local)(self._gathered(x), axis=0)
+
+    def all_sum(self, x: Any) -> Any:
+        return self._reduce(x, "all_sum", "sum")
 
     def all_max(self, x: Any) -> Any:
-        mx = _mx()
-        if self._group is not None:
-            return mx.distributed.all_max(x, group=self._group)
-        return mx.max(self._gathered(x), axis=0)
+        return self._reduce(x, "all_max", "max")
 
     def all_min(self, x: Any) -> Any:
-        mx = _mx()
-        if self._group is not None:
-            return mx.distributed.all_min(x, group=self._group)
-        return mx.min(self._gathered(x), axis=0)
+        return self._reduce(x, "all_min", "min")
 
     def all_gather(self, x: Any) -> Any:
         """The members' arrays concatenated along axis 0, in the neutral member order."""
@@ -207,9 +206,7 @@ class MLXBackend(Backend):
         return int(self._world().size())
 
     def mesh_to_native(self, mesh: Mesh, **options: Any) -> MLXMesh:
-        if options:
-            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the mlx backend",
-                                   backend=self.name)
+        self.reject_options(options)
         world = self._world()
         n = int(world.size())
         if mesh.size < n and int(mesh.device_ids.max()) < n:

@@ -80,9 +80,7 @@ class TensorFlowBackend(Backend):
     def mesh_to_native(self, mesh: Mesh, *, device_type: str = "CPU", **options: Any) -> Any:
         """``dtensor.Mesh`` with positions 0..N-1 and, at position i, the logical device
         ``device_ids.flat[i]``."""
-        if options:
-            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the tensorflow "
-                                   "backend; it takes device_type", backend=self.name)
+        self.reject_options(options, "device_type")
         devices = self._devices(device_type)
         top = int(mesh.device_ids.max())
         if top >= len(devices):

@@ -162,9 +162,7 @@ class TorchBackend(Backend):
         creates no process group; any other mesh is built anew, which every rank must do with
         the same mesh (checked, so a disagreement is an error, not a hang).
         """
-        if options:
-            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the torch backend; "
-                                   "it takes device_type", backend=self.name)
+        self.reject_options(options, "device_type")
         rank, world = self._world()
         top = mesh.size - 1 if mesh.is_default_order else int(mesh.device_ids.max())
         if top >= world:
