@@ -20,20 +20,12 @@ address, n, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 jax.distributed.initialize(address, num_processes=n, process_id=pid)
 
 from unimesh_jax import global_devices  # noqa: E402
+from worker_checks import Checks  # noqa: E402
 
 import unimesh  # noqa: E402
 from unimesh import Layout, Mesh, P, make_mesh  # noqa: E402
 
-checks = 0
-
-
-def check(ok: bool, what: str) -> None:
-    global checks
-    sys.stdout.write(f"process {pid}: {'ok  ' if ok else 'FAIL'} {what}\n")
-    sys.stdout.flush()
-    if not ok:
-        sys.exit(1)
-    checks += 1
+check = Checks(f"process {pid}")
 
 
 devs = global_devices()
@@ -76,6 +68,5 @@ for mesh in (hybrid, columns):
         check(got == float(x.sum() * 2), f"jitted reduction across processes: {got} == "
                                          f"{float(x.sum() * 2)}")
 
-sys.stdout.write(f"PROCESS {pid} OK {checks}\n")
-sys.stdout.flush()
+check.done(f"PROCESS {pid}")
 jax.distributed.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -23,3 +24,15 @@ def run_bounded(cmd: list[str], env: dict[str, str], limit: float,
         out, _ = proc.communicate()
         pytest.fail(f"{cmd} did not finish within {limit} s; output:\n{out[-4000:]}")
     return proc.returncode, out
+
+
+def require_mpirun() -> str:
+    """Path of mpirun. Missing: a failure in CI (``.ci/run`` installs openmpi), a skip that
+    names the package elsewhere."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        hint = "mpirun is not installed: apt-get install openmpi-bin libopenmpi-dev"
+        if os.environ.get("CI"):
+            pytest.fail(hint + " (.ci/run does)")
+        pytest.skip(hint)
+    return mpirun

@@ -11,6 +11,7 @@ import sys
 
 import mlx.core as mx
 import numpy as np
+from worker_checks import Checks
 
 import unimesh
 from unimesh import Layout, Mesh, P
@@ -18,18 +19,7 @@ from unimesh import Layout, Mesh, P
 backend_name = sys.argv[1]
 world = mx.distributed.init(strict=True, backend=backend_name)
 rank = world.rank()
-checks = 0
-
-
-def check(ok: bool, what: str) -> None:
-    global checks
-    sys.stdout.write(f"rank {rank}: {'ok  ' if ok else 'FAIL'} {what}\n")
-    sys.stdout.flush()
-    if not ok:
-        sys.exit(1)
-    checks += 1
-
-
+check = Checks(f"rank {rank}")
 be = unimesh.get_backend("mlx")
 for mesh in (Mesh((2, 2), ("dp", "tp")), Mesh((2, 2), ("dp", "tp"), [[3, 1], [2, 0]])):
     native = unimesh.to_native(mesh, be)
@@ -78,5 +68,4 @@ if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
     got = np.array(row(x[:, 2 * tp:2 * tp + 2]))
     check(np.allclose(got, want, atol=1e-5), "shard_linear P(None, 'tp'): the full output")
 
-sys.stdout.write(f"RANK {rank} OK {checks}\n")
-sys.stdout.flush()
+check.done(f"RANK {rank}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 
 import unimesh
 
-from .launch import run_bounded
+from .launch import require_mpirun, run_bounded
 
 EXAMPLE = Path(__file__).with_name("conformance_example")
 LIMIT = 300
@@ -116,12 +115,7 @@ def test_suite_in_every_mlx_process(launcher: str, tmp_path: Path) -> None:
         cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", "4", "--backend", "ring",
                "--", sys.executable, *suite_args]
     else:
-        mpirun = shutil.which("mpirun")
-        if mpirun is None:
-            hint = "mpirun is not installed: apt-get install openmpi-bin libopenmpi-dev"
-            if os.environ.get("CI"):
-                pytest.fail(hint + " (.ci/run does)")
-            pytest.skip(hint)
+        mpirun = require_mpirun()
         cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable,
                *suite_args]
     rc, out = run(cmd, clean_env(), tmp_path)

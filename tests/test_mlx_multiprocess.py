@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
-from .launch import run_bounded
+from .launch import require_mpirun, run_bounded
 
 pytest.importorskip("mlx.core")
 
@@ -32,12 +31,7 @@ def check_ranks(rc: int, out: str) -> None:
 
 
 def test_mpirun_with_split_groups() -> None:
-    mpirun = shutil.which("mpirun")
-    if mpirun is None:
-        hint = "mpirun is not installed: apt-get install openmpi-bin libopenmpi-dev"
-        if os.environ.get("CI"):
-            pytest.fail(hint + " (.ci/run does)")
-        pytest.skip(hint)
+    mpirun = require_mpirun()
     rc, out = launch([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4",
                       sys.executable, str(WORKER), "mpi"])
     check_ranks(rc, out)

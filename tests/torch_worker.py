@@ -17,26 +17,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from unimesh_torch import axis_mesh
+from worker_checks import Checks
 
 import unimesh
 from unimesh import Layout, Mesh, P, UnsupportedError
-
-checks = 0
-
-
-def check(ok: bool, what: str) -> None:
-    global checks
-    rank = dist.get_rank()
-    sys.stdout.write(f"rank {rank}: {'ok  ' if ok else 'FAIL'} {what}\n")  # one write per line
-    sys.stdout.flush()
-    if not ok:
-        sys.exit(1)
-    checks += 1
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    check = Checks(f"rank {rank}")
     if len(sys.argv) > 2 and sys.argv[2] == "crash":
         if rank == 1:
             os._exit(3)
@@ -51,8 +41,7 @@ def main() -> None:
         except unimesh.MeshMismatchError as exc:
             check("ranks disagree about the mesh" in str(exc), f"disagreement raised: {exc}")
         dist.barrier()  # leave together: a rank gone early makes gloo abort the others
-        sys.stdout.write(f"RANK {rank} OK {checks}\n")
-        sys.stdout.flush()
+        check.done(f"RANK {rank}")
         dist.destroy_process_group()
         return
     mesh = Mesh.from_string(sys.argv[1])
@@ -131,8 +120,7 @@ def main() -> None:
           "SGD step after DDP matches the single-process reference")
 
     dist.barrier()
-    sys.stdout.write(f"RANK {rank} OK {checks}\n")
-    sys.stdout.flush()
+    check.done(f"RANK {rank}")
     dist.destroy_process_group()
 
 
