@@ -47,6 +47,23 @@ def _torch() -> Any:
     return torch
 
 
+def _gather_texts(text: str, device: str) -> list[str]:
+    """Every rank's ``text``, by fixed-size ``all_gather`` calls (gloo can abort at exit after
+    ``all_gather_object``, so the byte strings travel padded to the longest one)."""
+    torch, dist = _torch(), _dist()
+    world = dist.get_world_size()
+    data = text.encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(t.item()) for t in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return [bytes(t[: int(n.item())].tolist()).decode() for t, n in zip(every, sizes)]
+
+
 def _dist() -> Any:
     import torch.distributed as dist
 
@@ -126,8 +143,7 @@ class TorchBackend(Backend):
         dist.all_gather(every, mine)
         if all(int(t.item()) == digest for t in every):
             return
-        seen: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, text)  # only now: to say how they differ
+        seen = _gather_texts(text, device)  # only now: to say how they differ
         rank = dist.get_rank()
         other = next(r for r, s in enumerate(seen) if s != text)
         raise MeshMismatchError(
