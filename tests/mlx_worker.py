@@ -46,7 +46,7 @@ for mesh in (Mesh((2, 2), ("dp", "tp")), Mesh((2, 2), ("dp", "tp"), [[3, 1], [2,
         x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
         lay = Layout(mesh, spec)
         shard = unimesh.distribute(x, lay, be)
-        check(np.array_equal(np.array(shard), x[lay.shard_slices(shape, rank)]),
+        check(np.array_equal(np.array(shard.local), x[lay.shard_slices(shape, rank)]),
               f"distribute {spec} of {shape}: this rank's shard is the reference block")
 
 if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
@@ -67,5 +67,29 @@ if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
     row = shard_linear(full, Layout(mesh, P(None, "tp")), native)
     got = np.array(row(x[:, 2 * tp:2 * tp + 2]))
     check(np.allclose(got, want, atol=1e-5), "shard_linear P(None, 'tp'): the full output")
+
+# parameter sharding by rule: every parameter becomes this rank's reference block
+import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+mesh = Mesh((2, 2), ("dp", "tp"))
+mx.random.seed(1)
+model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
+rules = unimesh.LayoutMap(mesh, {r"layers\.0\.weight": P("tp", None),
+                                 r"layers\.0\.bias": P("tp"),
+                                 r"layers\.2\.weight": P(None, ("dp", "tp"))})
+check(unimesh.shard_params(model, rules, backend=be) is model, "shard_params returns the model")
+for name, value in tree_flatten(model.parameters()):
+    lay = rules.get(name) or Layout(mesh, P())
+    want = before[name][lay.shard_slices(before[name].shape, rank)]
+    check(np.array_equal(np.array(value), want),
+          f"shard_params: {name} holds its reference block {lay.spec!r} {want.shape}")
+try:
+    unimesh.shard_params(nn.Linear(2, 3), unimesh.LayoutMap(mesh, {"bias": P("dp", "tp")}),
+                         backend=be)
+    check(False, "a layout with more dims than the parameter must raise")
+except unimesh.LayoutError as exc:
+    check("'bias'" in str(exc), f"shard_params names the parameter: {exc}")
 
 check.done(f"RANK {rank}")

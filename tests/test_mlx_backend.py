@@ -11,7 +11,7 @@ from unimesh import Layout, LayoutError, Mesh, MeshMismatchError, MeshSpecError,
 mx = pytest.importorskip("mlx.core")
 nn = pytest.importorskip("mlx.nn")
 
-from unimesh_mlx import MLXLayout, MLXMesh, shard_linear  # noqa: E402
+from unimesh_mlx import MLXArray, MLXLayout, MLXMesh, shard_linear  # noqa: E402
 
 ONE = Mesh((1,), ("x",))
 
@@ -37,8 +37,9 @@ def test_one_device_mesh():
     assert unimesh.from_native(native_layout) == lay
     data = np.arange(10.0).reshape(5, 2)
     shard = unimesh.distribute(data, lay, "mlx")
-    assert isinstance(shard, mx.array)
-    np.testing.assert_array_equal(np.array(shard), data)
+    assert isinstance(shard, MLXArray) and isinstance(shard.local, mx.array)
+    assert shard.shape == (5, 2) and shard.layout == lay
+    np.testing.assert_array_equal(np.array(shard.local), data)
     assert unimesh.get_backend("mlx").local_shards(shard).keys() == {0}
 
 

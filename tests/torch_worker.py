@@ -119,6 +119,37 @@ def main() -> None:
     check(all(torch.allclose(p, e, atol=1e-5) for p, e in zip(model.parameters(), expected)),
           "SGD step after DDP matches the single-process reference")
 
+    # parameter sharding by rule: Megatron column/row split over the last axis
+    torch.manual_seed(1)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    before = {name: p.detach().clone() for name, p in mlp.named_parameters()}
+    rules = unimesh.LayoutMap(mesh, {r"0\.weight": P(last, None), r"0\.bias": P(last),
+                                     r"2\.weight": P(None, last)})
+    unimesh.shard_params(mlp, rules)
+    for name, param in mlp.named_parameters():
+        lay = rules.get(name) or Layout(mesh, P())
+        want = before[name][lay.shard_slices(tuple(before[name].shape), rank)]
+        shape = tuple(before[name].shape)
+        have = unimesh.from_native(param.data)
+        check(isinstance(param, nn.Parameter) and torch.equal(param.to_local(), want)
+              and have.device_slices(shape) == lay.device_slices(shape),
+              f"shard_params: {name} is a DTensor parameter laid out {lay.spec!r} holding the "
+              "reference block")
+    x = torch.arange(24.0).reshape(3, 8) / 10
+    with torch.no_grad():
+        want = x @ before["0.weight"].T + before["0.bias"]
+        want = torch.relu(want) @ before["2.weight"].T + before["2.bias"]
+        from torch.distributed.tensor import DTensor, Replicate
+
+        got = mlp(DTensor.from_local(x, mlp[0].weight.device_mesh,
+                                     [Replicate()] * mesh.ndim)).full_tensor()
+    check(torch.allclose(got, want, atol=1e-5), "the sharded MLP computes the unsharded output")
+    try:
+        unimesh.shard_params(nn.Linear(3, 5), unimesh.LayoutMap(mesh, {"weight": P(a, None, None)}))
+        check(False, "a layout with more dims than the parameter must raise")
+    except unimesh.LayoutError as exc:
+        check("'weight'" in str(exc), f"shard_params names the parameter: {exc}")
+
     dist.barrier()
     check.done(f"RANK {rank}")
     dist.destroy_process_group()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .backend import CAPABILITIES, Backend
 from .errors import (
+    AxisContextError,
     BackendNotFoundError,
     BackendRegistrationError,
     BackendUnavailableError,
@@ -31,6 +32,18 @@ from .layout import (
     StridedShard,
 )
 from .mesh import Mesh, current_mesh, make_mesh
+from .parallel import (
+    all_gather,
+    axis_index,
+    axis_size,
+    full_array,
+    pmax,
+    pmean,
+    pmin,
+    psum,
+    shard_map,
+    shard_params,
+)
 from .registry import (
     backends,
     distribute,
@@ -45,6 +58,7 @@ from .registry import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AxisContextError",
     "AxisRules",
     "Backend",
     "BackendNotFoundError",
@@ -67,7 +81,17 @@ __all__ = [
     "StridedShard",
     "UnimeshError",
     "UnsupportedError",
+    "all_gather",
+    "axis_index",
+    "axis_size",
     "backends",
+    "full_array",
+    "pmax",
+    "pmean",
+    "pmin",
+    "psum",
+    "shard_map",
+    "shard_params",
     "current_mesh",
     "distribute",
     "from_native",

@@ -154,3 +154,20 @@ class Backend:
         logical device id (the inverse view of :meth:`distribute`, for checks)."""
         out: dict[int, Any] = self._missing("distribute")
         return out
+
+    def shard_map(self, body: Any, mesh: Any, in_layouts: tuple[Any, ...],
+                  out_layouts: tuple[Any, ...], single_out: bool) -> Any:
+        """A function of the global arguments that runs ``body(env, *blocks)`` on every device
+        with an :class:`~unimesh.parallel.AxisEnv` ``env`` and returns the native distributed
+        results (``shard_map``). ``body`` returns one block, or a tuple when not
+        ``single_out``."""
+        return self._missing("shard_map")
+
+    def full_array(self, array: Any) -> Any:
+        """The whole global value of a native distributed array, as numpy, on every process."""
+        return self._missing("distribute")
+
+    def shard_params(self, model: Any, resolve: Any) -> Any:
+        """Every parameter of ``model`` laid out as ``resolve(path, shape)`` says (a
+        :class:`~unimesh.Layout`); see :func:`unimesh.shard_params`."""
+        return self._missing("distribute")

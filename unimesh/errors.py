@@ -17,6 +17,7 @@ __all__ = [
     "MeshMismatchError",
     "ConversionError",
     "BackendRegistrationError",
+    "AxisContextError",
 ]
 
 
@@ -59,3 +60,7 @@ class ConversionError(UnimeshError, TypeError):
 
 class BackendRegistrationError(UnimeshError, ValueError):
     """A backend object or plugin is malformed (bad name, unknown capability, duplicate name)."""
+
+
+class AxisContextError(UnimeshError, RuntimeError):
+    """An axis collective (``unimesh.psum``, ...) was called outside ``unimesh.shard_map``."""

@@ -285,6 +285,19 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
     return be.layout_map_to_native(obj, **options)
 
 
+def _owner(obj: Any) -> Backend:
+    """The loaded backend whose framework made ``obj`` (no import), else ConversionError."""
+    loaded = _REGISTRY.all_loaded()
+    owners = [be for be in loaded if be.owns(obj)]
+    # a backend that wraps another (keras over jax) yields to the framework's own backend
+    owners = [b for b in owners if not any(o is not b and o.framework in b.wraps for o in owners)]
+    if owners:
+        return owners[0]
+    raise ConversionError(
+        f"got {short(obj)} ({type(obj).__module__}.{type(obj).__qualname__}), which no installed "
+        f"backend owns (installed: {[b.name for b in loaded]}); pass backend=NAME")
+
+
 def from_native(obj: Any) -> Any:
     """A framework's mesh/layout object as the neutral Mesh or Layout (unimesh objects pass
     through). The backend is found from the object's type; nothing new is imported."""

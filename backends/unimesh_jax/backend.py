@@ -22,8 +22,9 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh._validate import short
+from unimesh.parallel import AxisEnv
 
-__all__ = ["JaxBackend", "global_devices", "request_cpu_devices", "use_mesh"]
+__all__ = ["JaxBackend", "global_devices", "request_cpu_devices", "use_mesh", "JaxAxisEnv", "key_path"]
 
 _TYPES = {"auto": "Auto", "explicit": "Explicit", "manual": "Manual"}
 
@@ -57,7 +58,7 @@ class JaxBackend(Backend):
     framework = "jax"
     extra = "jax"
     native_modules = ("jax",)
-    capabilities = frozenset({"mesh", "layout", "distribute", "tuple_axes", "partial",
+    capabilities = frozenset({"mesh", "layout", "distribute", "tuple_axes", "partial", "shard_map",
                               "axis_types", "multi_process"})
 
     def prepare_devices(self, count: int) -> int:
@@ -215,6 +216,82 @@ class JaxBackend(Backend):
         """``{logical device id: numpy block}`` for this process's addressable shards."""
         position = {d: i for i, d in enumerate(global_devices())}
         return {position[s.device]: np.asarray(s.data) for s in array.addressable_shards}
+
+
+    # -- programs --------------------------------------------------------------------------------
+    def shard_map(self, body: Any, mesh: Mesh, in_layouts: tuple[Layout, ...],
+                  out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
+        """``jax.shard_map`` over the converted mesh (``check_vma`` on: JAX checks that an
+        output is equal along the axes its spec leaves out). Jit the result as usual."""
+        jax = _jax()
+        env = JaxAxisEnv(mesh)
+        outs = [self._spec(lay) for lay in out_layouts]
+        return jax.shard_map(lambda *blocks: body(env, *blocks), mesh=self.mesh_to_native(mesh),
+                             in_specs=tuple(self._spec(lay) for lay in in_layouts),
+                             out_specs=outs[0] if single_out else tuple(outs))
+
+    def full_array(self, array: Any) -> Any:
+        """numpy of a ``jax.Array``; gathered from every process when not all addressable."""
+        if getattr(array, "is_fully_addressable", True):
+            return np.asarray(array)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+    def shard_params(self, model: Any, resolve: Any) -> Any:
+        """A new pytree whose leaves are placed by ``resolve(path, shape)``; a path joins the
+        key entries with ``/`` (dict keys, attribute names, sequence indices)."""
+        jax = _jax()
+
+        def place(path: Any, leaf: Any) -> Any:
+            host = np.asarray(leaf)
+            return self.distribute(host, resolve(key_path(path), host.shape))
+
+        return jax.tree_util.tree_map_with_path(place, model)
+
+
+def key_path(path: Any) -> str:
+    """A JAX key path as ``a/b/0`` (how :func:`unimesh.shard_params` names pytree leaves)."""
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+        else:
+            parts.append(str(entry))
+    return "/".join(parts)
+
+
+class JaxAxisEnv(AxisEnv):
+    """Axis collectives as ``jax.lax`` calls on the named axes of the enclosing shard_map."""
+
+    @staticmethod
+    def _varying(x: Any, axes: tuple[str, ...]) -> Any:
+        """``x`` marked as varying along ``axes`` where JAX tracks it as equal there: a psum of
+        a value equal along an axis is its size times the value on every backend, and JAX's
+        own check would refuse the call instead."""
+        jax = _jax()
+        x = jax.numpy.asarray(x)
+        aval = jax.typeof(x)
+        kinds = getattr(aval, "manual_axis_type", None)  # JAX 0.10; older JAX: aval.vma
+        vma = kinds.varying if kinds is not None else getattr(aval, "vma", None)
+        missing = tuple(a for a in axes if vma is not None and a not in vma)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
+        lax = _jax().lax
+        return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](
+            self._varying(x, axes), axes)
+
+    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        """``lax.all_gather`` whose result JAX knows to be equal along ``axes`` (``to=
+        "invarying"``), as it is: so an out_spec may leave those axes out, as after a psum."""
+        return _jax().lax.all_gather(self._varying(x, axes), axes, axis=dim, tiled=tiled,
+                                     to="invarying")
+
+    def axis_index(self, axes: tuple[str, ...]) -> Any:
+        return _jax().lax.axis_index(axes)
 
 
 @contextlib.contextmanager

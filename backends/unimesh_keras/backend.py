@@ -47,7 +47,7 @@ class KerasBackend(Backend):
     extra = "keras"
     native_modules = ("keras",)
     wraps = ("jax", "tensorflow", "torch")
-    capabilities = frozenset({"mesh", "layout", "layout_map", "distribute"})
+    capabilities = frozenset({"mesh", "layout", "layout_map", "distribute", "shard_map"})
 
     def _require_distribution(self, what: str) -> None:
         kb = _keras_backend()
@@ -140,6 +140,40 @@ class KerasBackend(Backend):
         position = {d: i for i, d in enumerate(_devices(0))}
         return {position[f"{s.device.platform}:{s.device.id}"]: np.asarray(s.data)
                 for s in array.addressable_shards}
+
+
+    # -- programs: Keras distributes through JAX ----------------------------------------------
+    def _jax(self, what: str) -> Backend:
+        self._require_distribution(what)
+        import unimesh
+
+        return unimesh.get_backend("jax")
+
+    def shard_map(self, body: Any, mesh: Mesh, in_layouts: tuple[Layout, ...],
+                  out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
+        """``jax.shard_map`` (Keras on JAX; the device order of ``list_devices()`` is JAX's)."""
+        return self._jax("shard_map").shard_map(body, mesh, in_layouts, out_layouts, single_out)
+
+    def full_array(self, array: Any) -> Any:
+        if hasattr(array, "value") and not hasattr(array, "sharding"):
+            array = array.value  # a Keras variable
+        return self._jax("full_array").full_array(array)
+
+    def shard_params(self, model: Any, resolve: Any) -> Any:
+        """Each variable of a built Keras model is re-placed with its layout
+        (``variable.assign`` of the distributed value keeps the sharding); paths are Keras's
+        ``variable.path`` (``sequential/dense/kernel``). For a model not built yet, build it
+        under ``unimesh_keras.distribution(mesh, layout_map).scope()`` instead."""
+        import keras
+
+        if not isinstance(model, (keras.Model, keras.layers.Layer)):
+            raise ConversionError(f"the keras backend shards the variables of a keras Model or "
+                                  f"Layer, not {short(model)}")
+        be = self._jax("shard_params")
+        for variable in model.variables:
+            host = np.asarray(variable.value)
+            variable.assign(be.distribute(host, resolve(variable.path, host.shape)))
+        return model
 
 
 def _devices(needed: int) -> list[str]:

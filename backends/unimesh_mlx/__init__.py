@@ -7,6 +7,15 @@ Importing this package does not import mlx; the backend imports it on first use.
 
 from __future__ import annotations
 
-from .backend import AxisGroup, MLXBackend, MLXLayout, MLXMesh, shard_linear
+from .backend import (
+    AxisGroup,
+    MLXArray,
+    MLXAxisEnv,
+    MLXBackend,
+    MLXLayout,
+    MLXMesh,
+    shard_linear,
+)
 
-__all__ = ["AxisGroup", "MLXBackend", "MLXLayout", "MLXMesh", "shard_linear"]
+__all__ = ["AxisGroup", "MLXArray", "MLXAxisEnv", "MLXBackend", "MLXLayout", "MLXMesh",
+           "shard_linear"]

@@ -24,8 +24,10 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh._validate import short
+from unimesh.parallel import AxisEnv
 
-__all__ = ["AxisGroup", "MLXBackend", "MLXLayout", "MLXMesh", "shard_linear"]
+__all__ = ["AxisGroup", "MLXArray", "MLXAxisEnv", "MLXBackend", "MLXLayout", "MLXMesh",
+           "shard_linear"]
 
 _LIVE: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
 _LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but weakly referable
@@ -197,7 +199,7 @@ class MLXBackend(Backend):
     extra = "mlx"
     native_modules = ("mlx", "unimesh_mlx")
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
-                              "axis_groups", "multi_process"})
+                              "axis_groups", "multi_process", "shard_map"})
 
     def _world(self) -> Any:
         return _init_world()
@@ -237,17 +239,145 @@ class MLXBackend(Backend):
         raise ConversionError(f"the mlx backend converts MLXMesh and mx.Device, not {short(obj)} "
                               f"({type(obj).__module__}.{type(obj).__qualname__})")
 
-    def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
-        """This process's shard, ``array[layout.shard_slices(shape, rank)]``, as an mx.array."""
+    def distribute(self, array: Any, layout: Layout, **options: Any) -> MLXArray:
+        """An :class:`MLXArray` holding this process's block,
+        ``array[layout.shard_slices(shape, rank)]`` (its ``local`` mx.array)."""
         native = self.mesh_to_native(layout.mesh, **options)
         host = np.asarray(array)
-        return _mx().array(host[layout.shard_slices(host.shape, native.rank)])
+        block = _mx().array(host[layout.shard_slices(host.shape, native.rank)])
+        return MLXArray(block, layout, tuple(host.shape))
 
     def local_shards(self, array: Any) -> dict[int, Any]:
-        return {int(self._world().rank()): np.array(array)}
+        local = array.local if isinstance(array, MLXArray) else array
+        return {int(self._world().rank()): np.array(local)}
 
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         return {native_mesh.rank: native_mesh.axis_group(axis).members}
+
+
+    # -- programs --------------------------------------------------------------------------------
+    def _program_mesh(self, mesh: Mesh) -> MLXMesh:
+        """One MLXMesh per neutral mesh for shard_map programs, so that its axis groups are split
+        once (every rank builds them in the same order: on first use inside the program)."""
+        cache: dict[Mesh, MLXMesh] = self.__dict__.setdefault("_programs", {})
+        if mesh not in cache:
+            cache[mesh] = self.mesh_to_native(mesh)
+        return cache[mesh]
+
+    def _block(self, array: Any, layout: Layout, rank: int) -> Any:
+        mx = _mx()
+        if isinstance(array, MLXArray):
+            if array.layout == layout:
+                return array.local
+            array = self.full_array(array)
+        host = np.asarray(array)
+        if host.ndim < len(layout.spec):
+            raise ConversionError(f"a shard_map argument of shape {host.shape} has fewer dims "
+                                  f"than its in_spec {layout.spec!r}")
+        return mx.array(host[layout.shard_slices(host.shape, rank)])
+
+    def shard_map(self, body: Any, mesh: Mesh, in_layouts: tuple[Layout, ...],
+                  out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
+        """Runs ``body`` on this process's blocks (arguments: global arrays, the same on every
+        process, or :class:`MLXArray`), with the axis groups; returns :class:`MLXArray`."""
+
+        def run(*args: Any) -> Any:
+            mx = _mx()
+            native = self._program_mesh(mesh)
+            env = MLXAxisEnv(mesh, native.rank, native)
+            blocks = [self._block(a, lay, native.rank) for a, lay in zip(args, in_layouts)]
+            result = body(env, *blocks)
+            results = (result,) if single_out else result
+            outs = []
+            for block, layout in zip(results, out_layouts):
+                block = block if isinstance(block, mx.array) else mx.array(block)
+                shape = list(block.shape)
+                for d, entry in enumerate(layout.spec):
+                    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+                    shape[d] *= int(np.prod([mesh.axis_size(a) for a in axes]))
+                outs.append(MLXArray(block, layout, tuple(shape)))
+            return outs[0] if single_out else tuple(outs)
+
+        return run
+
+    def full_array(self, array: Any) -> Any:
+        """numpy of an :class:`MLXArray`'s whole value, from every process's block (one world
+        all_gather of blocks padded to the largest), or of an ``mx.array``."""
+        if not isinstance(array, MLXArray):
+            return np.array(array)
+        mx = _mx()
+        layout, shape = array.layout, array.shape
+        if layout.spec.partial:
+            raise UnsupportedError(f"full_array of a partial layout {layout.spec!r}: reduce it "
+                                   "first (psum inside shard_map)", backend=self.name,
+                                   capability="partial")
+        world = self._world()
+        slices = [layout.shard_slices(shape, r) for r in range(int(world.size()))]
+        widths = [[s.stop - s.start for s in sl] for sl in slices]
+        biggest = tuple(max(w[d] for w in widths) for d in range(len(shape)))
+        local = np.zeros(biggest, dtype=np.array(array.local).dtype)
+        local[tuple(slice(0, n) for n in array.local.shape)] = np.array(array.local)
+        every = np.array(mx.distributed.all_gather(mx.expand_dims(mx.array(local), 0),
+                                                   group=world))
+        out = np.zeros(shape, dtype=local.dtype)
+        for r, sl in enumerate(slices):
+            out[sl] = every[r][tuple(slice(0, n) for n in widths[r])]
+        return out
+
+    def shard_params(self, model: Any, resolve: Any) -> Any:
+        """Every parameter of an MLX ``nn.Module`` becomes this process's block (paths as
+        ``mlx.utils.tree_flatten`` names them, e.g. ``layers.0.weight``). In place."""
+        import mlx.nn
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        if not isinstance(model, mlx.nn.Module):  # type: ignore[attr-defined]
+            raise ConversionError(f"the mlx backend shards the parameters of an mlx.nn.Module, "
+                                  f"not {short(model)}")
+        placed = []
+        flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+        for path, value in flat:
+            host = np.array(value)
+            placed.append((path, self.distribute(host, resolve(path, host.shape)).local))
+        model.update(tree_unflatten(placed))
+        return model
+
+
+class MLXArray:
+    """What a shard_map returns on MLX, which has no global array type: this process's block
+    (``local``, an ``mx.array``), the layout it follows, and the global ``shape``.
+    :func:`unimesh.full_array` gathers the whole value."""
+
+    def __init__(self, local: Any, layout: Layout, shape: tuple[int, ...]) -> None:
+        self.local = local
+        self.layout = layout
+        self.shape = shape
+
+    def __repr__(self) -> str:
+        return (f"MLXArray(shape={self.shape}, block={tuple(self.local.shape)}, "
+                f"spec={self.layout.spec!r})")
+
+
+class MLXAxisEnv(AxisEnv):
+    """Axis collectives on this process's :class:`AxisGroup` for the axes."""
+
+    def __init__(self, mesh: Mesh, device: int, native: MLXMesh) -> None:
+        super().__init__(mesh, device)
+        self.native = native
+
+    def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
+        group = self.native.axis_group(axes)
+        mx = _mx()
+        x = x if isinstance(x, mx.array) else mx.array(x)
+        return {"sum": group.all_sum, "max": group.all_max, "min": group.all_min}[op](x)
+
+    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        mx = _mx()
+        stacked = self.native.axis_group(axes).all_gather(mx.expand_dims(x, 0))
+        moved = mx.moveaxis(stacked, 0, dim)
+        if not tiled:
+            return moved
+        shape = list(moved.shape)
+        return moved.reshape(shape[:dim] + [shape[dim] * shape[dim + 1]] + shape[dim + 2:])
 
 
 def shard_linear(linear: Any, layout: Layout, native_mesh: MLXMesh) -> Any:

@@ -27,8 +27,8 @@ def main() -> None:
     report: dict[str, object] = {"rank": rank, "native": type(native).__name__}
     shard = unimesh.distribute(x, layout, backend)
     rows, cols = layout.shard_slices(x.shape, rank)
-    report["shards"] = bool(np.array_equal(np.array(shard), x[rows, cols]))
-    partial = shard @ mx.array(w[cols])
+    report["shards"] = bool(np.array_equal(np.array(shard.local), x[rows, cols]))
+    partial = shard.local @ mx.array(w[cols])
     if mesh.ndim > 1:
         partial = native.axis_group(mesh.axis_names[1]).all_sum(partial)
     report["result"] = bool(np.allclose(np.array(partial), (x @ w)[rows], rtol=1e-5, atol=1e-4))

@@ -26,8 +26,9 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh._validate import short
+from unimesh.parallel import AxisEnv
 
-__all__ = ["TorchBackend", "TorchLayout", "axis_mesh"]
+__all__ = ["TorchAxisEnv", "TorchBackend", "TorchLayout", "axis_mesh"]
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -70,6 +71,15 @@ def _dist() -> Any:
     return dist
 
 
+def _finish_process_group() -> None:
+    """At exit, for a process group this backend started: leave together, then destroy it (a
+    rank gone early can make gloo abort the others)."""
+    dist = _dist()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _plain(mesh: Mesh) -> Mesh:
     """The mesh as torch can hold it: no axis types, no process layout (ranks are devices)."""
     if mesh.axis_types is None and mesh.devices_per_process is None:
@@ -95,7 +105,7 @@ class TorchBackend(Backend):
     extra = "torch"
     native_modules = ("torch", "unimesh_torch")
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
-                              "partial", "axis_groups", "multi_process"})
+                              "partial", "axis_groups", "multi_process", "shard_map"})
 
     def __init__(self) -> None:
         # DeviceMeshes built in this process under the current world group:
@@ -166,6 +176,9 @@ class TorchBackend(Backend):
                     "torchrun --standalone --nproc-per-node 4 -m pytest --pyargs "
                     "unimesh.conformance --unimesh-backend torch")
             dist.init_process_group("gloo")
+            import atexit
+
+            atexit.register(_finish_process_group)
         return int(dist.get_world_size())
 
     # -- meshes --------------------------------------------------------------------------------
@@ -355,6 +368,134 @@ class TorchBackend(Backend):
         if array.device_mesh.get_coordinate() is None:
             return {}
         return {_dist().get_rank(): array.to_local().detach().cpu().numpy()}
+
+
+    # -- programs --------------------------------------------------------------------------------
+    def _block(self, array: Any, layout: Layout, native: Any, rank: int) -> Any:
+        """This rank's block of a shard_map argument: a DTensor's local tensor (redistributed
+        to ``layout`` first when it is laid out otherwise), or the slice of a global tensor."""
+        torch = _torch()
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(array, DTensor):
+            have = self.from_native(array)
+            if have.mesh != layout.mesh:
+                raise ConversionError(f"a shard_map argument is a DTensor on {have.mesh!r}, not "
+                                      f"on the shard_map's {layout.mesh!r}")
+            if have != layout:
+                array = array.redistribute(native.device_mesh, list(native.placements))
+            return array.to_local()
+        if not torch.is_tensor(array):
+            array = torch.as_tensor(np.asarray(array))
+        if array.ndim < len(layout.spec):
+            raise ConversionError(f"a shard_map argument of shape {tuple(array.shape)} has fewer "
+                                  f"dims than its in_spec {layout.spec!r}")
+        return array[layout.shard_slices(tuple(array.shape), rank)]
+
+    def shard_map(self, body: Any, mesh: Mesh, in_layouts: tuple[Layout, ...],
+                  out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
+        """Runs ``body`` on this rank's local tensors and wraps its results as DTensors
+        (``DTensor.from_local``); the collectives are torch's functional collectives (they
+        have autograd) over the DeviceMesh's per-axis groups."""
+        for layout in in_layouts + out_layouts:
+            self._check_order(layout)
+
+        def run(*args: Any) -> Any:
+            torch = _torch()
+            from torch.distributed.tensor import DTensor
+
+            rank = _dist().get_rank()
+            if not (mesh.device_ids == rank).any():
+                raise MeshMismatchError(f"rank {rank} is not a device of {mesh!r}; shard_map runs "
+                                        "on the mesh's ranks: call it there only")
+            ins = [self.layout_to_native(lay) for lay in in_layouts]
+            env = TorchAxisEnv(mesh, rank, ins[0].device_mesh if ins else
+                               self.mesh_to_native(mesh))
+            blocks = [self._block(a, lay, nat, rank) for a, lay, nat in zip(args, in_layouts, ins)]
+            result = body(env, *blocks)
+            results = (result,) if single_out else result
+            outs = []
+            for block, layout in zip(results, out_layouts):
+                block = block if torch.is_tensor(block) else torch.as_tensor(block)
+                native = self.layout_to_native(layout)
+                shape = list(block.shape)
+                for d, entry in enumerate(layout.spec):
+                    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+                    shape[d] *= math.prod(mesh.axis_size(a) for a in axes)
+                stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+                outs.append(DTensor.from_local(block, native.device_mesh, list(native.placements),
+                                               run_check=False, shape=torch.Size(shape),
+                                               stride=tuple(stride)))
+            return outs[0] if single_out else tuple(outs)
+
+        return run
+
+    def full_array(self, array: Any) -> Any:
+        """numpy of a DTensor's whole value (``full_tensor()``, a collective) or of a tensor."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(array, DTensor):
+            array = array.full_tensor()
+        return array.detach().cpu().numpy()
+
+    def shard_params(self, model: Any, resolve: Any) -> Any:
+        """Every parameter of an ``nn.Module`` becomes a DTensor parameter laid out as
+        ``resolve(name, shape)`` says (names from ``named_parameters``; tied parameters stay
+        tied). In place; returns the module."""
+        torch = _torch()
+        if not isinstance(model, torch.nn.Module):
+            raise ConversionError(f"the torch backend shards the parameters of an nn.Module, "
+                                  f"not {short(model)}")
+        new: dict[int, Any] = {}
+        for path, param in model.named_parameters():
+            layout = resolve(path, tuple(param.shape))
+            placed = self.distribute(param.detach(), layout)
+            new[id(param)] = torch.nn.Parameter(placed, requires_grad=param.requires_grad)
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if id(param) in new:
+                    module.register_parameter(name, new[id(param)])
+        return model
+
+
+class TorchAxisEnv(AxisEnv):
+    """Axis collectives on this rank's groups of the DeviceMesh (one group per mesh axis); a
+    tuple of axes runs one axis after another."""
+
+    def __init__(self, mesh: Mesh, device: int, device_mesh: Any) -> None:
+        super().__init__(mesh, device)
+        self.device_mesh = device_mesh
+
+    def reduce_one(self, x: Any, axis: str, op: str) -> Any:
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(_torch().as_tensor(x), op, self.device_mesh.get_group(axis))
+
+    def _gather_one(self, x: Any, axis: str) -> list[Any]:
+        """Every member's ``x`` along ``axis``, in coordinate order (torch's group order is by
+        global rank, which a permuted mesh does not follow)."""
+        from torch.distributed import _functional_collectives as funcol
+
+        group = self.device_mesh.get_group(axis)
+        x = _torch().as_tensor(x).contiguous()
+        ranks = list(_dist().get_process_group_ranks(group))
+        gathered = funcol.all_gather_single(x.unsqueeze(0), 0, group)
+        rows = self.mesh.groups_array(axis)
+        row = rows[(rows == self.device).any(axis=1)][0]
+        return [gathered[ranks.index(int(m))] for m in row]
+
+    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        torch = _torch()
+        out = x
+        for k, axis in enumerate(reversed(axes)):  # minor axis first: row-major over axes
+            pieces = self._gather_one(out, axis)
+            if tiled:
+                out = torch.cat(pieces, dim)
+            else:
+                out = torch.stack(pieces, dim)
+                if k:
+                    out = out.flatten(dim, dim + 1)
+        return out
 
 
 def _to_torch(p: Any) -> Any:

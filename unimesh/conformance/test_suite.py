@@ -222,6 +222,139 @@ def test_layout_map_round_trip(backend: unimesh.Backend, devices: int) -> None:
     assert [(k, v.spec) for k, v in back.items()] == [(k, v.spec) for k, v in lm.items()]
 
 
+# -- programs: shard_map and the axis collectives ---------------------------------------------
+def _assemble(mesh: Mesh, spec: P, block_of: Callable[[int], np.ndarray]) -> np.ndarray:
+    """The global array whose block on each device (under ``spec``) is ``block_of(device)``."""
+    first = block_of(int(mesh.device_ids.flat[0]))
+    shape = list(first.shape)
+    for d, entry in enumerate(spec):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        shape[d] *= math.prod(mesh.axis_size(a) for a in axes)
+    out = np.zeros(shape, dtype=first.dtype)
+    lay = Layout(mesh, spec)
+    for device in mesh.device_ids.ravel().tolist():
+        out[lay.shard_slices(tuple(shape), device)] = block_of(device)
+    return out
+
+
+def _axis_sets(mesh: Mesh) -> list[tuple[str, ...]]:
+    names = mesh.axis_names
+    sets: list[tuple[str, ...]] = [(a,) for a in names]
+    if len(names) > 1:
+        sets += [(names[0], names[-1]), (names[-1], names[0])]
+    return sets
+
+
+@capability("shard_map")
+@pytest.mark.parametrize("mesh_key", ["1d", "1d-reversed", "2d", "2d-permuted", "3d"])
+def test_shard_map_collectives(backend: unimesh.Backend, devices: int, mesh_key: str) -> None:
+    """psum / pmean / pmax / pmin / axis_index / all_gather over every axis and over pairs of
+    axes in both orders, against the core's groups (members in row-major order of the axes)."""
+    mesh = _mesh(mesh_key, devices)
+    spec = P(*mesh.axis_names)
+    shape = tuple(2 * n for n in mesh.shape) + (3,)
+    x = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    lay = Layout(mesh, spec)
+    placed = _refused(lambda: unimesh.distribute(x, lay, backend))
+
+    def block(device: int) -> np.ndarray:
+        return x[lay.shard_slices(shape, device)]
+
+    stacked = P(None, *spec)
+    for axes in _axis_sets(mesh):
+        def body(b: Any, axes: tuple[str, ...] = axes) -> tuple[Any, ...]:
+            return (unimesh.psum(b, axes), unimesh.pmean(b, axes), unimesh.pmax(b, axes),
+                    unimesh.pmin(b, axes), b * 0 + unimesh.axis_index(axes),
+                    b * 0 + unimesh.axis_size(axes), unimesh.all_gather(b, axes),
+                    unimesh.all_gather(b, axes, dim=1), unimesh.all_gather(b, axes, tiled=False))
+
+        program = _refused(lambda: unimesh.shard_map(
+            body, mesh, spec, (spec,) * 8 + (stacked,), backend=backend))
+        got = [np.asarray(unimesh.full_array(a, backend=backend)) for a in program(placed)]
+
+        def members(device: int, axes: tuple[str, ...] = axes) -> list[np.ndarray]:
+            rows = mesh.groups_array(axes)
+            row = rows[(rows == device).any(axis=1)][0]
+            return [block(int(m)) for m in row]
+
+        def index(device: int, axes: tuple[str, ...] = axes) -> int:
+            rows = mesh.groups_array(axes)
+            return int(np.flatnonzero(rows[(rows == device).any(axis=1)][0] == device)[0])
+
+        size = math.prod(mesh.axis_size(a) for a in axes)
+        want = [
+            _assemble(mesh, spec, lambda d: np.sum(members(d), axis=0)),
+            _assemble(mesh, spec, lambda d: np.sum(members(d), axis=0) / size),
+            _assemble(mesh, spec, lambda d: np.max(members(d), axis=0)),
+            _assemble(mesh, spec, lambda d: np.min(members(d), axis=0)),
+            _assemble(mesh, spec, lambda d: np.full_like(block(d), index(d))),
+            _assemble(mesh, spec, lambda d: np.full_like(block(d), size)),
+            _assemble(mesh, spec, lambda d: np.concatenate(members(d), axis=0)),
+            _assemble(mesh, spec, lambda d: np.concatenate(members(d), axis=1)),
+            _assemble(mesh, stacked, lambda d: np.stack(members(d), axis=0)),
+        ]
+        names = ["psum", "pmean", "pmax", "pmin", "axis_index", "axis_size", "all_gather",
+                 "all_gather(dim=1)", "all_gather(tiled=False)"]
+        for name, g, w in zip(names, got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"{name} over {axes}")
+
+
+@capability("shard_map")
+@pytest.mark.parametrize("mesh_key", ["1d-reversed", "2d-permuted", "transposed"])
+def test_all_gather_follows_the_axis_index(backend: unimesh.Backend, devices: int,
+                                          mesh_key: str) -> None:
+    """On meshes whose device order is not increasing, the k-th piece of an all_gather comes
+    from the device at index k along the axes (not from the k-th lowest device id)."""
+    mesh = _mesh(mesh_key, devices)
+    for axes in _axis_sets(mesh):
+        others = tuple(a for a in mesh.axis_names if a not in axes)
+
+        def body(b: Any, axes: tuple[str, ...] = axes, others: tuple[str, ...] = others) -> Any:
+            pieces = unimesh.all_gather(b * 0 + unimesh.axis_index(axes), axes)
+            return unimesh.pmean(pieces, others) if others else pieces
+
+        program = _refused(lambda: unimesh.shard_map(body, mesh, P(), P(), backend=backend))
+        got = np.asarray(unimesh.full_array(program(np.zeros(1, np.float32)), backend=backend))
+        np.testing.assert_array_equal(got, np.arange(math.prod(mesh.axis_size(a) for a in axes)),
+                                      err_msg=f"all_gather over {axes}")
+
+
+@capability("shard_map")
+def test_collectives_over_axes_where_the_value_is_equal(backend: unimesh.Backend,
+                                                        devices: int) -> None:
+    """A value equal along an axis still counts once per device there: psum gives size times
+    the value, all_gather repeats it (the classic shard_map meaning, on every backend)."""
+    mesh = _mesh("2d", devices)
+    a, b = mesh.axis_names
+    x = np.arange(2.0 * mesh.axis_size(a), dtype=np.float32)
+
+    def body(xb: Any) -> tuple[Any, Any]:
+        return unimesh.psum(xb, (a, b)), unimesh.all_gather(xb, b)
+
+    program = _refused(lambda: unimesh.shard_map(body, mesh, P(a), (P(), P(a)), backend=backend))
+    total, gathered = (np.asarray(unimesh.full_array(r, backend=backend)) for r in program(x))
+    np.testing.assert_allclose(total, x.reshape(mesh.axis_size(a), 2).sum(0) * mesh.axis_size(b))
+    np.testing.assert_allclose(gathered, np.concatenate(
+        [np.tile(block, mesh.axis_size(b)) for block in x.reshape(mesh.axis_size(a), 2)]))
+
+
+@capability("shard_map")
+def test_shard_map_takes_global_arrays(backend: unimesh.Backend, devices: int) -> None:
+    """Global (host) arguments are cut into the in_specs' blocks; results are whole again."""
+    mesh = _mesh("2d", devices)
+    a, b = mesh.axis_names
+    x = np.arange(4.0 * mesh.size, dtype=np.float32).reshape(2 * mesh.shape[0], -1)
+    w = np.arange(x.shape[1] * 3.0, dtype=np.float32).reshape(x.shape[1], 3)
+
+    def matmul(xb: Any, wb: Any) -> Any:  # x split by rows over a, contraction over b
+        return unimesh.psum(xb @ wb, b)
+
+    program = _refused(lambda: unimesh.shard_map(matmul, mesh, (P(a, b), P(b, None)),
+                                                 P(a, None), backend=backend))
+    got = np.asarray(unimesh.full_array(program(x, w), backend=backend))
+    np.testing.assert_allclose(got, x @ w, rtol=1e-5)
+
+
 # -- what a backend does not declare, it must refuse with UnsupportedError ----------------------
 @capability("tuple_axes", refusal=True)
 def test_refuses_tuple_axes(backend: unimesh.Backend, devices: int) -> None:
@@ -244,6 +377,12 @@ def test_refuses_uneven_shards(backend: unimesh.Backend, devices: int) -> None:
         pytest.skip("one device cannot hold uneven shards")
     with pytest.raises(UnsupportedError):
         unimesh.distribute(np.zeros(mesh.size + 1), Layout(mesh, P("x")), backend)
+
+
+@capability("shard_map", refusal=True)
+def test_refuses_shard_map(backend: unimesh.Backend, devices: int) -> None:
+    with pytest.raises(UnsupportedError):
+        unimesh.shard_map(lambda x: x, _mesh("1d", devices), P(), P(), backend=backend)
 
 
 @capability("layout_map", refusal=True)

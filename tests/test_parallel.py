@@ -1,0 +1,161 @@
+"""shard_map, the axis collectives and shard_params: the core's checks, and parameter sharding of a
+JAX pytree and a Keras model compared with JAX's own NamedSharding (torch and MLX parameter
+sharding run in their multi-process workers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import unimesh
+from unimesh import (
+    AxisContextError,
+    AxisRules,
+    Layout,
+    LayoutError,
+    LayoutMap,
+    MeshSpecError,
+    P,
+    UnsupportedError,
+)
+
+jax = pytest.importorskip("jax")
+MESH = unimesh.make_mesh({"dp": 2, "tp": 4})
+
+
+@pytest.mark.parametrize("call", [
+    lambda: unimesh.psum(1.0, "dp"), lambda: unimesh.pmean(1.0, "dp"),
+    lambda: unimesh.pmax(1.0, "dp"), lambda: unimesh.pmin(1.0, "dp"),
+    lambda: unimesh.all_gather(np.zeros(2), "dp"), lambda: unimesh.axis_index("dp"),
+    lambda: unimesh.axis_size("dp")])
+def test_collectives_outside_shard_map_say_where_to_call_them(call) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(AxisContextError, match=r"outside unimesh.shard_map.*'dp'|'dp'.*outside"):
+        call()
+
+
+def run(f, in_specs, out_specs, *args):  # type: ignore[no-untyped-def]
+    return unimesh.shard_map(f, MESH, in_specs, out_specs, backend="jax")(*args)
+
+
+def test_bad_axes_and_dims_inside_shard_map() -> None:
+    with pytest.raises(MeshSpecError, match="'pp'"):
+        run(lambda x: unimesh.psum(x, "pp"), P(), P(), np.zeros(2))
+    with pytest.raises(MeshSpecError, match="repeats"):
+        run(lambda x: unimesh.psum(x, ("dp", "dp")), P(), P(), np.zeros(2))
+    with pytest.raises(LayoutError, match="dim must be an int in \\[-2, 1\\].*got 5"):
+        run(lambda x: unimesh.all_gather(x, "tp", dim=5), P(), P(), np.zeros((2, 2)))
+    with pytest.raises(LayoutError, match="tiled=False for scalars"):
+        run(lambda x: unimesh.all_gather(x.sum(), "tp"), P(), P(), np.zeros(2))
+
+
+def test_bad_shard_map_arguments() -> None:
+    with pytest.raises(LayoutError, match="needs a function, got 3"):
+        unimesh.shard_map(3, MESH, P(), P(), backend="jax")  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="needs a unimesh.Mesh, got 'dp=2'"):
+        unimesh.shard_map(abs, "dp=2", P(), P(), backend="jax")  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="in_specs must be a P.*got 'dp'"):
+        unimesh.shard_map(abs, MESH, "dp", P(), backend="jax")
+    with pytest.raises(LayoutError, match=r"in_specs\[1\] must be a P.*got 'tp'"):
+        unimesh.shard_map(abs, MESH, (P(), "tp"), P(), backend="jax")
+    with pytest.raises(LayoutError, match="'pp'"):
+        unimesh.shard_map(abs, MESH, P("pp"), P(), backend="jax")
+    other = Layout(unimesh.make_mesh({"x": 8}), P("x"))
+    with pytest.raises(LayoutError, match=r"out_specs\[0\] is a layout on"):
+        unimesh.shard_map(abs, MESH, P(), (other,), backend="jax")
+    program = unimesh.shard_map(lambda x, y: x, MESH, (P(), P()), P(), backend="jax")
+    with pytest.raises(LayoutError, match="takes 2 argument.*got 1"):
+        program(np.zeros(2))
+    with pytest.raises(LayoutError, match="names 2 results"):
+        run(lambda x: x, P(), (P(), P()), np.zeros(2))
+
+
+def test_tensorflow_refuses_shard_map() -> None:
+    pytest.importorskip("tensorflow")
+    with pytest.raises(UnsupportedError, match="tensorflow.*shard_map"):
+        unimesh.shard_map(abs, MESH, P(), P(), backend="tensorflow")
+
+
+def test_shard_map_result_is_a_jax_array_with_the_out_spec_and_jits() -> None:
+    native = unimesh.to_native(MESH, "jax")
+    program = jax.jit(unimesh.shard_map(lambda x: unimesh.psum(x, "tp") * 2, MESH,
+                                        P("dp", "tp"), P("dp")))
+    x = np.arange(8.0 * 4).reshape(8, 4)
+    out = program(x)
+    assert out.sharding.is_equivalent_to(jax.sharding.NamedSharding(native, jax.P("dp")), 2)
+    np.testing.assert_allclose(np.asarray(out), x.sum(1, keepdims=True) * 2)
+
+
+def tree() -> dict:
+    rng = np.random.default_rng(1)
+    return {"w1": rng.standard_normal((8, 16)).astype(np.float32),
+            "w2": rng.standard_normal((16, 4)).astype(np.float32),
+            "block": {"bias": np.zeros(16, np.float32), "scale": [np.ones(4, np.float32)]}}
+
+
+def assert_placed(leaf, host: np.ndarray, spec: P) -> None:  # type: ignore[no-untyped-def]
+    native = unimesh.to_native(MESH, "jax")
+    want = jax.sharding.NamedSharding(native, jax.P(*spec))
+    assert leaf.sharding.is_equivalent_to(want, host.ndim), (leaf.sharding, want)
+    np.testing.assert_array_equal(np.asarray(leaf), host)
+
+
+def test_shard_params_of_a_jax_pytree_by_layout_map() -> None:
+    params = tree()
+    rules = LayoutMap(MESH, {"w1": P(None, "tp"), "w2": P("tp", None), "block/b.*": P("tp")})
+    placed = unimesh.shard_params(params, rules, backend="jax")
+    assert_placed(placed["w1"], params["w1"], P(None, "tp"))
+    assert_placed(placed["w2"], params["w2"], P("tp", None))
+    assert_placed(placed["block"]["bias"], params["block"]["bias"], P("tp"))
+    assert_placed(placed["block"]["scale"][0], params["block"]["scale"][0], P())  # unmatched
+
+
+def test_shard_params_of_a_jax_pytree_by_axis_rules() -> None:
+    params = tree()
+    rules = AxisRules([("embed", None), ("mlp", "tp"), ("batch", "dp")])
+    names = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
+    placed = unimesh.shard_params(params, rules, mesh=MESH, logical_axes=names, backend="jax")
+    assert_placed(placed["w1"], params["w1"], P(None, "tp"))
+    assert_placed(placed["w2"], params["w2"], P("tp", None))
+    placed = unimesh.shard_params(params, rules, mesh=MESH, backend="jax",
+                                  logical_axes=lambda path: names.get(path))
+    assert_placed(placed["w2"], params["w2"], P("tp", None))
+
+
+def test_shard_params_errors_name_the_parameter() -> None:
+    params = tree()
+    with pytest.raises(LayoutError, match="'block/scale/0' of shape \\(4,\\) does not divide "
+                                          "evenly.*'jax' needs even shards"):
+        unimesh.shard_params(params, LayoutMap(MESH, {"w2": P(None, "tp"), ".*scale.*":
+                                                      P(("dp", "tp"))}), backend="jax")
+    with pytest.raises(LayoutError, match="'block/bias' has shape \\(16,\\).*names 2 dims"):
+        unimesh.shard_params(params, LayoutMap(MESH, {"block/bias": P("dp", "tp")}),
+                             backend="jax")
+    with pytest.raises(LayoutError, match="LayoutMap or unimesh.AxisRules, got"):
+        unimesh.shard_params(params, {"w1": P("tp")}, backend="jax")  # type: ignore[arg-type]
+    rules = AxisRules([("mlp", "tp")])
+    with pytest.raises(LayoutError, match="needs mesh="):
+        unimesh.shard_params(params, rules, logical_axes={}, backend="jax")
+    with pytest.raises(LayoutError, match="needs logical_axes"):
+        unimesh.shard_params(params, rules, mesh=MESH, backend="jax")
+    with pytest.raises(LayoutError, match="not on mesh="):
+        unimesh.shard_params(params, LayoutMap(MESH, {}), mesh=unimesh.make_mesh({"x": 8}),
+                             backend="jax")
+
+
+def test_shard_params_of_a_keras_model() -> None:
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras.distribution needs KERAS_BACKEND=jax")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up"),
+                              keras.layers.Dense(4, name="down")])
+    before = {v.path: np.asarray(v.value) for v in model.variables}
+    rules = LayoutMap(MESH, {".*up/kernel": P(None, "tp"), ".*down/kernel": P("tp", None)})
+    assert unimesh.shard_params(model, rules, backend="keras") is model
+    specs = {"up/kernel": P(None, "tp"), "down/kernel": P("tp", None)}
+    for v in model.variables:
+        spec = next((s for k, s in specs.items() if v.path.endswith(k)), P())
+        assert_placed(v.value, before[v.path], spec)
+    x = np.ones((2, 8), np.float32)
+    want = x @ before[model.variables[0].path] + before[model.variables[1].path]
+    want = want @ before[model.variables[2].path] + before[model.variables[3].path]
+    np.testing.assert_allclose(np.asarray(model(x)), want, rtol=1e-5, atol=1e-5)
