@@ -49,6 +49,17 @@ class AxisEnv:
         self.mesh = mesh
         #: this process's logical device id, where one device runs the function (torch, MLX)
         self.device = device
+        self._checked: dict[Any, tuple[str, ...]] = {}
+
+    def axes(self, axis: Any, call: str) -> tuple[str, ...]:
+        """``axis`` (a name or a sequence of names) checked against the mesh, as a tuple."""
+        try:
+            return self._checked[axis]
+        except (KeyError, TypeError):  # TypeError: an unhashable sequence (a list)
+            names = self.mesh._axes(axis, f"{call}() axis")
+            if isinstance(axis, (str, tuple)):
+                self._checked[axis] = names
+            return names
 
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         """``op`` ("sum", "max" or "min") over the devices that differ only along ``axes``."""
@@ -83,7 +94,7 @@ def _env(call: str, axis: object) -> tuple[AxisEnv, tuple[str, ...]]:
         raise AxisContextError(
             f"unimesh.{call}({axis!r}) was called outside unimesh.shard_map; call it inside the "
             "function given to unimesh.shard_map(f, mesh, in_specs, out_specs)")
-    return env, env.mesh._axes(axis, f"{call}() axis")
+    return env, env.axes(axis, call)
 
 
 def psum(x: Any, axis: str | Sequence[str]) -> Any:

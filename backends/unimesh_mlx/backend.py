@@ -34,10 +34,16 @@ _LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but w
 _REGISTERED = False
 
 
-def _mx() -> Any:
-    import mlx.core as mx
+_MX: Any = None
 
-    return mx
+
+def _mx() -> Any:
+    global _MX
+    if _MX is None:
+        import mlx.core as mx
+
+        _MX = mx
+    return _MX
 
 
 def _release_groups() -> None:
@@ -151,9 +157,9 @@ class MLXMesh:
     def axis_group(self, axes: str | tuple[str, ...]) -> AxisGroup:
         """The group along ``axes`` holding this rank (built on first use, by every rank)."""
         names = (axes,) if isinstance(axes, str) else tuple(axes)
-        rows = self.mesh.groups_array(names)  # validates the names
         if names in self._groups:
             return self._groups[names]
+        rows = self.mesh.groups_array(names)  # validates the names
         row = int(np.flatnonzero((rows == self.rank).any(axis=1))[0])
         members = tuple(int(d) for d in rows[row])
         group = None
@@ -267,7 +273,7 @@ class MLXBackend(Backend):
     def _block(self, array: Any, layout: Layout, rank: int) -> Any:
         mx = _mx()
         if isinstance(array, MLXArray):
-            if array.layout == layout:
+            if array.layout is layout or array.layout == layout:
                 return array.local
             array = self.full_array(array)
         host = np.asarray(array)
@@ -281,20 +287,26 @@ class MLXBackend(Backend):
         """Runs ``body`` on this process's blocks (arguments: global arrays, the same on every
         process, or :class:`MLXArray`), with the axis groups; returns :class:`MLXArray`."""
 
+        factors = [[int(np.prod([mesh.axis_size(a) for a in
+                                 (() if e is None else (e,) if isinstance(e, str) else e)]))
+                    for e in layout.spec] for layout in out_layouts]
+        envs: list[MLXAxisEnv] = []
+
         def run(*args: Any) -> Any:
             mx = _mx()
-            native = self._program_mesh(mesh)
-            env = MLXAxisEnv(mesh, native.rank, native)
-            blocks = [self._block(a, lay, native.rank) for a, lay in zip(args, in_layouts)]
+            if not envs:
+                native = self._program_mesh(mesh)
+                envs.append(MLXAxisEnv(mesh, native.rank, native))
+            env = envs[0]
+            blocks = [self._block(a, lay, env.native.rank) for a, lay in zip(args, in_layouts)]
             result = body(env, *blocks)
             results = (result,) if single_out else result
             outs = []
-            for block, layout in zip(results, out_layouts):
+            for block, layout, factor in zip(results, out_layouts, factors):
                 block = block if isinstance(block, mx.array) else mx.array(block)
                 shape = list(block.shape)
-                for d, entry in enumerate(layout.spec):
-                    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-                    shape[d] *= int(np.prod([mesh.axis_size(a) for a in axes]))
+                for d, f in enumerate(factor):
+                    shape[d] *= f
                 outs.append(MLXArray(block, layout, tuple(shape)))
             return outs[0] if single_out else tuple(outs)
 
@@ -365,10 +377,9 @@ class MLXAxisEnv(AxisEnv):
         self.native = native
 
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
-        group = self.native.axis_group(axes)
         mx = _mx()
         x = x if isinstance(x, mx.array) else mx.array(x)
-        return {"sum": group.all_sum, "max": group.all_max, "min": group.all_min}[op](x)
+        return getattr(self.native.axis_group(axes), "all_" + op)(x)
 
     def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
         mx = _mx()

@@ -378,6 +378,9 @@ class TorchBackend(Backend):
         from torch.distributed.tensor import DTensor
 
         if isinstance(array, DTensor):
+            if array.device_mesh is native.device_mesh and \
+                    tuple(array.placements) == native.placements:
+                return array.to_local()  # the usual case, checked without conversions
             have = self.from_native(array)
             if have.mesh != layout.mesh:
                 raise ConversionError(f"a shard_map argument is a DTensor on {have.mesh!r}, not "
@@ -396,37 +399,45 @@ class TorchBackend(Backend):
                   out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
         """Runs ``body`` on this rank's local tensors and wraps its results as DTensors
         (``DTensor.from_local``); the collectives are torch's functional collectives (they
-        have autograd) over the DeviceMesh's per-axis groups."""
+        have autograd) over the DeviceMesh's per-axis groups. The DeviceMesh and placements
+        are built on the first call (every rank calls together) and reused."""
         for layout in in_layouts + out_layouts:
             self._check_order(layout)
+        factors = [[math.prod(mesh.axis_size(a) for a in
+                              (() if e is None else (e,) if isinstance(e, str) else e))
+                    for e in layout.spec] for layout in out_layouts]
+        state: list[Any] = []
 
-        def run(*args: Any) -> Any:
-            torch = _torch()
-            from torch.distributed.tensor import DTensor
-
+        def setup() -> tuple[int, list[Any], list[Any], TorchAxisEnv]:
             rank = _dist().get_rank()
             if not (mesh.device_ids == rank).any():
                 raise MeshMismatchError(f"rank {rank} is not a device of {mesh!r}; shard_map runs "
                                         "on the mesh's ranks: call it there only")
             ins = [self.layout_to_native(lay) for lay in in_layouts]
-            env = TorchAxisEnv(mesh, rank, ins[0].device_mesh if ins else
-                               self.mesh_to_native(mesh))
+            outs = [self.layout_to_native(lay) for lay in out_layouts]
+            env = TorchAxisEnv(mesh, rank, self.mesh_to_native(mesh))
+            state.append((rank, ins, outs, env))
+            return state[0]  # type: ignore[no-any-return]
+
+        def run(*args: Any) -> Any:
+            torch = _torch()
+            from torch.distributed.tensor import DTensor
+
+            rank, ins, outs, env = state[0] if state else setup()
             blocks = [self._block(a, lay, nat, rank) for a, lay, nat in zip(args, in_layouts, ins)]
             result = body(env, *blocks)
             results = (result,) if single_out else result
-            outs = []
-            for block, layout in zip(results, out_layouts):
+            wrapped = []
+            for block, native, factor in zip(results, outs, factors):
                 block = block if torch.is_tensor(block) else torch.as_tensor(block)
-                native = self.layout_to_native(layout)
                 shape = list(block.shape)
-                for d, entry in enumerate(layout.spec):
-                    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-                    shape[d] *= math.prod(mesh.axis_size(a) for a in axes)
+                for d, f in enumerate(factor):
+                    shape[d] *= f
                 stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-                outs.append(DTensor.from_local(block, native.device_mesh, list(native.placements),
-                                               run_check=False, shape=torch.Size(shape),
-                                               stride=tuple(stride)))
-            return outs[0] if single_out else tuple(outs)
+                wrapped.append(DTensor.from_local(block, native.device_mesh,
+                                                  list(native.placements), run_check=False,
+                                                  shape=torch.Size(shape), stride=tuple(stride)))
+            return wrapped[0] if single_out else tuple(wrapped)
 
         return run
 

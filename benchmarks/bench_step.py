@@ -1,0 +1,212 @@
+"""One dp x tp MLP training step through unimesh.shard_map vs the same step written natively.
+
+    python benchmarks/bench_step.py                      # runs all three below, prints a table
+    python benchmarks/bench_step.py --backend jax        # 8 CPU devices, jitted, in process
+    torchrun --standalone --nproc-per-node 4 benchmarks/bench_step.py --backend torch
+    mpirun --allow-run-as-root --oversubscribe -np 4 python benchmarks/bench_step.py --backend mlx
+
+The step is examples/mlp_step.py's (Megatron column/row split over "tp", batch over "dp", a
+manual backward, SGD). Native versions: JAX ``jax.shard_map`` with ``lax.psum``; torch local
+tensors of the DTensors, ``_functional_collectives.all_reduce`` on the DeviceMesh's groups and
+``DTensor.from_local``; MLX ``mx.distributed.all_sum`` on ``Group.split`` groups. The two are
+timed alternately in one run; the ratio of medians is the figure (goal <= 1.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+import mlp_step  # noqa: E402
+
+import unimesh  # noqa: E402
+from unimesh import Layout, P  # noqa: E402
+
+SPECS_IN = (P("dp", None), P("dp", None), P(None, "tp"), P("tp", None))
+SPECS_OUT = (P(), P(None, "tp"), P("tp", None))
+
+
+def sizes(scale: int) -> None:
+    mlp_step.BATCH, mlp_step.D_IN, mlp_step.HIDDEN, mlp_step.D_OUT = (
+        16 * scale, 8 * scale, 32 * scale, 4 * scale)
+
+
+def timed(pairs: dict[str, Callable[[], Any]], repeat: int, sync: Callable[[Any], Any]
+          ) -> dict[str, float]:
+    for f in pairs.values():  # warm up: compile, build groups
+        sync(f())
+    times: dict[str, list[float]] = {k: [] for k in pairs}
+    order = list(pairs.items())
+    for i in range(repeat):
+        for name, f in order if i % 2 else order[::-1]:  # alternate who goes first
+            start = time.perf_counter()
+            sync(f())
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_jax(repeat: int) -> dict[str, float]:
+    backend = unimesh.get_backend("jax")
+    n = backend.prepare_devices(8)
+    import jax
+    from jax import lax
+
+    mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
+    jmesh = unimesh.to_native(mesh, backend)
+    x, t, w1, w2 = (unimesh.distribute(a, Layout(mesh, s), backend=backend)
+                    for a, s in zip(mlp_step.data(), SPECS_IN))
+
+    def native_step(x: Any, t: Any, w1: Any, w2: Any) -> Any:
+        pre = x @ w1
+        mask = pre > 0
+        h = pre * mask
+        y = lax.psum(h @ w2, "tp")
+        n = x.shape[0] * lax.axis_size("dp")
+        diff = y - t
+        loss = lax.psum((diff * diff).sum(), "dp") / n
+        dy = diff * (2.0 / n)
+        dw2 = lax.psum(h.T @ dy, "dp")
+        dw1 = lax.psum(x.T @ ((dy @ w2.T) * mask), "dp")
+        return loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2
+
+    native = jax.jit(jax.shard_map(native_step, mesh=jmesh, in_specs=tuple(
+        jax.P(*s) for s in SPECS_IN), out_specs=tuple(jax.P(*s) for s in SPECS_OUT)))
+    ours = jax.jit(unimesh.shard_map(mlp_step.step, mesh, SPECS_IN, SPECS_OUT, backend=backend))
+    return timed({"native": lambda: native(x, t, w1, w2), "unimesh": lambda: ours(x, t, w1, w2)},
+                 repeat, jax.block_until_ready)
+
+
+def bench_torch(repeat: int) -> dict[str, float]:
+    backend = unimesh.get_backend("torch")
+    n = backend.prepare_devices(4)
+    import torch
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed.tensor import DTensor
+
+    mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
+    placed = [unimesh.distribute(torch.as_tensor(a), Layout(mesh, s), backend=backend)
+              for a, s in zip(mlp_step.data(), SPECS_IN)]
+    dm = placed[0].device_mesh
+    outs = [unimesh.to_native(Layout(mesh, s), backend) for s in SPECS_OUT]
+
+    def native() -> Any:
+        x, t, w1, w2 = (a.to_local() for a in placed)
+        dp, tp = dm.get_group("dp"), dm.get_group("tp")
+        pre = x @ w1
+        mask = pre > 0
+        h = pre * mask
+        y = funcol.all_reduce(h @ w2, "sum", tp)
+        n = x.shape[0] * dm.size(0)
+        diff = y - t
+        loss = funcol.all_reduce((diff * diff).sum(), "sum", dp) / n
+        dy = diff * (2.0 / n)
+        dw2 = funcol.all_reduce(h.T @ dy, "sum", dp)
+        dw1 = funcol.all_reduce(x.T @ ((dy @ w2.T) * mask), "sum", dp)
+        results = (loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2)
+        return tuple(DTensor.from_local(r, dm, list(o.placements), run_check=False)
+                     for r, o in zip(results, outs))
+
+    ours = unimesh.shard_map(mlp_step.step, mesh, SPECS_IN, SPECS_OUT, backend=backend)
+
+    def sync(out: Any) -> Any:
+        return [o.to_local().wait() if hasattr(o.to_local(), "wait") else o.to_local()
+                for o in out]
+
+    return timed({"native": native, "unimesh": lambda: ours(*placed)}, repeat, sync)
+
+
+def bench_mlx(repeat: int) -> dict[str, float]:
+    backend = unimesh.get_backend("mlx")
+    n = backend.prepare_devices(4)
+    import mlx.core as mx
+
+    mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
+    placed = [unimesh.distribute(a, Layout(mesh, s), backend=backend)
+              for a, s in zip(mlp_step.data(), SPECS_IN)]
+    native_mesh = unimesh.to_native(mesh, backend)
+    dp, tp = native_mesh.axis_group("dp").group, native_mesh.axis_group("tp").group
+    if dp is None:
+        raise SystemExit("the MLX benchmark needs split groups: run it under mpirun")
+
+    def native() -> Any:
+        x, t, w1, w2 = (a.local for a in placed)
+        pre = x @ w1
+        mask = pre > 0
+        h = pre * mask
+        y = mx.distributed.all_sum(h @ w2, group=tp)
+        n = x.shape[0] * dp.size()
+        diff = y - t
+        loss = mx.distributed.all_sum((diff * diff).sum(), group=dp) / n
+        dy = diff * (2.0 / n)
+        dw2 = mx.distributed.all_sum(h.T @ dy, group=dp)
+        dw1 = mx.distributed.all_sum(x.T @ ((dy @ w2.T) * mask), group=dp)
+        return loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2
+
+    ours = unimesh.shard_map(mlp_step.step, mesh, SPECS_IN, SPECS_OUT, backend=backend)
+
+    def sync(out: Any) -> Any:
+        mx.eval(*[o.local if hasattr(o, "local") else o for o in out])
+
+    return timed({"native": native, "unimesh": lambda: ours(*placed)}, repeat, sync)
+
+
+def report(backend: str, scale: int, medians: dict[str, float]) -> str:
+    ratio = medians["unimesh"] / medians["native"]
+    return (f"BENCH {backend:6s} scale={scale:<3d} native={medians['native'] * 1e3:8.3f} ms "
+            f"unimesh={medians['unimesh'] * 1e3:8.3f} ms ratio={ratio:.3f}")
+
+
+def launch_all(repeat: int, scales: list[int]) -> None:
+    here = str(Path(__file__).resolve())
+    extra = ["--repeat", str(repeat), "--scales", ",".join(map(str, scales))]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs = {
+        "jax": [sys.executable, here, "--backend", "jax", *extra],
+        "torch": [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node", "4", here, "--backend", "torch", *extra],
+        "mlx": ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4",
+                sys.executable, here, "--backend", "mlx", *extra],
+    }
+    print("step time, median of alternating runs; ratio = unimesh / native (goal <= 1.02)")
+    for name, cmd in runs.items():
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                                 check=False).stdout
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"{name}: not run ({exc})")
+            continue
+        lines = [ln for ln in out.splitlines() if ln.startswith("BENCH")]
+        print("\n".join(lines) if lines else f"{name}: no result\n{out[-2000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=["jax", "torch", "mlx"])
+    parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--scales", default="1,8", help="sizes: 1 = the example's, k = k times")
+    args = parser.parse_args()
+    scales = [int(s) for s in args.scales.split(",")]
+    if args.backend is None:
+        launch_all(args.repeat, scales)
+        return
+    run = {"jax": bench_jax, "torch": bench_torch, "mlx": bench_mlx}[args.backend]
+    rank = next((int(os.environ[v]) for v in ("RANK", "OMPI_COMM_WORLD_RANK") if v in os.environ),
+                0)
+    for scale in scales:
+        sizes(scale)
+        medians = run(args.repeat)
+        if rank == 0:
+            print(report(args.backend, scale, medians), flush=True)
+
+
+if __name__ == "__main__":
+    main()
