@@ -50,3 +50,50 @@ def test_bad_spec_is_one_line_and_exit_2():
 def test_backends_command():
     proc = run("backends")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_show_draws_the_grid_and_each_device_block():
+    proc = run("show", "dp=2,tp=4", "--layout", "dp,tp", "--shape", "6,8")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "dp \\ tp" in out and "tp=3" in out and "dp=1" in out
+    for cell in ("[0:3, 0:2]", "[3:6, 6:8]", "tensor (6, 8) as P('dp', 'tp')", "cols 6:8"):
+        assert cell in out, cell
+
+
+def test_show_marks_processes_and_splits_leading_axes():
+    proc = run("show", "pp=2,dp=2,tp=2;ids=7,6,5,4,3,2,1,0;per_process=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "pp=0" in proc.stdout and "pp=1" in proc.stdout
+    assert "7 p3" in proc.stdout and "0 p0" in proc.stdout
+
+
+def test_show_json_gives_the_core_answers():
+    import json
+
+    from unimesh import Layout, Mesh, P
+
+    proc = run("show", "dp=2,tp=2;ids=3,1,2,0", "--layout", "dp+tp,None", "--shape", "9,2",
+               "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    mesh = Mesh.from_string("dp=2,tp=2;ids=3,1,2,0")
+    lay = Layout(mesh, P(("dp", "tp"), None))
+    assert Mesh.from_dict(data["mesh"]) == mesh and data["spec"] == repr(lay.spec)
+    assert len(data["devices"]) == 4
+    for dev in data["devices"]:
+        assert dev["coords"] == mesh.coords(dev["id"])
+        want = [[s.start, s.stop] for s in lay.shard_slices((9, 2), dev["id"])]
+        assert dev["block"] == want
+
+
+def test_show_bad_input_is_one_line_and_exit_2():
+    for args, words in [(("dp=2,tp=x",), "cannot read axis 'tp=x'"),
+                        (("dp=2,tp=2", "--layout", "dp,pp", "--shape", "4,4"), "'pp'"),
+                        (("dp=2,tp=2", "--layout", "dp", "--shape", "4,x"), "'4,x'"),
+                        (("dp=2,tp=2", "--layout", "dp,tp"), "--layout needs --shape"),
+                        (("dp=2,tp=2", "--layout", "dp,tp", "--shape", "4"), "has 1 dims")]:
+        proc = run("show", *args)
+        assert proc.returncode == 2, (args, proc.stdout)
+        assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -6,6 +6,7 @@ Commands: ``demo`` (the main job), ``backends``. User errors print one line and 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -208,6 +209,18 @@ def _backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show(args: argparse.Namespace) -> int:
+    from ._show import check_layout_args, describe, draw
+
+    mesh = Mesh.from_string(args.spec)
+    layout, shape = check_layout_args(mesh, args.layout, args.shape)
+    if args.json:
+        print(json.dumps(describe(mesh, layout, shape), indent=2))
+    else:
+        draw(mesh, layout, shape)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unimesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -217,6 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="comma-separated backends to run (default: all known and installed)")
     demo.set_defaults(run=_demo)
     sub.add_parser("backends", help="list installed backends").set_defaults(run=_backends)
+    show = sub.add_parser("show", help="draw a mesh (and a layout's blocks) in the terminal")
+    show.add_argument("spec", help="mesh spec, e.g. 'dp=2,tp=4' or 'dp=2,tp=2;ids=3,2,1,0'")
+    show.add_argument("--layout", help="a spec: axis names by tensor dim, a+b for several axes, "
+                                       "None for replicated, e.g. 'dp,None'")
+    show.add_argument("--shape", help="the tensor's shape for --layout, e.g. 8,4")
+    show.add_argument("--json", action="store_true", help="print JSON instead of drawing")
+    show.set_defaults(run=_show)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
