@@ -97,3 +97,46 @@ def test_show_bad_input_is_one_line_and_exit_2():
         assert proc.returncode == 2, (args, proc.stdout)
         assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_convert_prints_the_native_mesh():
+    proc = run("convert", "dp=2,tp=2;ids=3,1,2,0", "--to", "jax")
+    assert proc.returncode == 0, proc.stderr
+    assert "axis_names=('dp', 'tp')" in proc.stdout and "id=3" in proc.stdout
+
+
+def test_convert_code_builds_the_same_mesh_when_run():
+    """The hand-written native code that --code prints, executed, gives back the neutral mesh."""
+    spec = "dp=2,tp=2;ids=3,1,2,0"
+    for backend, prelude in [("jax", "import os\nos.environ['XLA_FLAGS'] = "
+                                     "'--xla_force_host_platform_device_count=4'\n"),
+                             ("keras", "import os\nos.environ['XLA_FLAGS'] = "
+                                       "'--xla_force_host_platform_device_count=4'\n"
+                                       "os.environ['KERAS_BACKEND'] = 'jax'\n"),
+                             ("tensorflow", "import unimesh_tensorflow\n"
+                                            "unimesh_tensorflow.configure_cpu_devices(4)\n")]:
+        proc = run("convert", spec, "--to", backend, "--code")
+        assert proc.returncode == 0, proc.stderr
+        program = (prelude + proc.stdout + "\nimport unimesh\n"
+                   f"assert unimesh.from_native(mesh) == unimesh.Mesh.from_string({spec!r}), "
+                   "unimesh.from_native(mesh)\nprint('SAME')\n")
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                              timeout=170, check=False)
+        assert done.returncode == 0 and "SAME" in done.stdout, (backend, program, done.stderr)
+
+
+def test_convert_code_for_torch_and_mlx_names_every_group():
+    torch_code = run("convert", "dp=2,tp=2;ids=3,1,2,0", "--to", "torch", "--code").stdout
+    assert "DeviceMesh(\"cpu\", torch.tensor([[3, 1], [2, 0]]), mesh_dim_names=('dp', 'tp'))" \
+        in torch_code
+    mlx_code = run("convert", "dp=2,tp=2", "--to", "mlx", "--code").stdout
+    assert "rows = [(0, 2), (1, 3)]" in mlx_code and "tp_group = world.split" in mlx_code
+
+
+def test_convert_bad_input_is_one_line_and_exit_2():
+    for args, words in [(("dp=2", "--to", "nope"), "no backend named 'nope'"),
+                        (("dp=2", "--to", "torch"), "needs a process group"),
+                        (("dp=0", "--to", "jax"), "must be >= 1, got 0")]:
+        proc = run("convert", *args)
+        assert proc.returncode == 2, (args, proc.stdout)
+        assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr

@@ -221,6 +221,63 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def native_code(mesh: Mesh, backend: str) -> str:
+    """The native Python that builds ``mesh`` by hand on ``backend`` (for porting)."""
+    ids = mesh.device_ids.tolist()
+    flat = mesh.device_ids.ravel().tolist()
+    names = tuple(mesh.axis_names)
+    if backend == "torch":
+        return ("import torch\nfrom torch.distributed.device_mesh import DeviceMesh\n\n"
+                "# every rank runs this, after torch.distributed.init_process_group\n"
+                f"mesh = DeviceMesh(\"cpu\", torch.tensor({ids}), mesh_dim_names={names})")
+    if backend == "jax":
+        return ("import jax\nimport numpy as np\n\n"
+                "# unimesh's device ids are positions in this order\n"
+                "devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))\n"
+                f"mesh = jax.sharding.Mesh(np.array(devices, dtype=object)[np.array({ids})], "
+                f"{names})")
+    if backend == "keras":
+        return ("import keras\nimport numpy as np\n\n"
+                "devices = keras.distribution.list_devices()\n"
+                f"mesh = keras.distribution.DeviceMesh({mesh.shape}, {list(names)}, "
+                f"devices=np.array(devices, dtype=object)[np.array({ids})])")
+    if backend == "tensorflow":
+        n = mesh.size
+        return ("import numpy as np\nfrom tensorflow.experimental import dtensor\n\n"
+                "# DTensor's global ids are 0..N-1; the device order is the local_devices order\n"
+                f"local = [f\"/job:localhost/replica:0/task:0/device:CPU:{{i}}\" for i in {flat}]\n"
+                f"mesh = dtensor.Mesh({list(names)}, np.arange({n}).reshape({mesh.shape}), "
+                f"list(range({n})), local)")
+    if backend == "mlx":
+        lines = ["import mlx.core as mx\n", "world = mx.distributed.init()  # one process per device",
+                 "rank = world.rank()"]
+        for axis in names:
+            lines.append(f"# {axis!r} groups: {mesh.groups(axis)}")
+            lines.append(f"rows = {mesh.groups(axis)}")
+            lines.append("row = next(i for i, g in enumerate(rows) if rank in g)")
+            lines.append(f"{axis}_group = world.split(row, rows[row].index(rank))  # MPI backend")
+        return "\n".join(lines)
+    raise UnimeshError(f"no native code template for backend {backend!r}; "
+                       "known: torch, jax, keras, tensorflow, mlx")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .registry import get_backend, to_native
+
+    mesh = Mesh.from_string(args.spec)
+    if args.code:
+        print(native_code(mesh, args.to))
+        return 0
+    backend = get_backend(args.to)
+    backend.prepare_devices(int(mesh.device_ids.max()) + 1)
+    native = to_native(mesh, backend)
+    print(repr(native))
+    devices = getattr(native, "devices", None)
+    if devices is not None and not callable(devices):
+        print(f"devices:\n{devices}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unimesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -237,6 +294,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("--shape", help="the tensor's shape for --layout, e.g. 8,4")
     show.add_argument("--json", action="store_true", help="print JSON instead of drawing")
     show.set_defaults(run=_show)
+    convert = sub.add_parser("convert", help="build a mesh on a backend and print the native "
+                                             "object (or, with --code, the native code)")
+    convert.add_argument("spec", help="mesh spec, e.g. 'dp=2,tp=4'")
+    convert.add_argument("--to", required=True, help="backend: torch, jax, keras, tensorflow, mlx")
+    convert.add_argument("--code", action="store_true",
+                         help="print the native Python that builds it by hand")
+    convert.set_defaults(run=_convert)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))

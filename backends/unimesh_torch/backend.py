@@ -173,8 +173,8 @@ class TorchBackend(Backend):
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
                 raise MeshMismatchError(
                     "the torch backend needs a process group: run under a launcher, e.g. "
-                    "torchrun --standalone --nproc-per-node 4 -m pytest --pyargs "
-                    "unimesh.conformance --unimesh-backend torch")
+                    "torchrun --standalone --nproc-per-node 4 script.py (RANK and WORLD_SIZE "
+                    "are not set)")
             dist.init_process_group("gloo")
             import atexit
 
