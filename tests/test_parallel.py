@@ -78,7 +78,7 @@ def test_tensorflow_refuses_shard_map() -> None:
 def test_shard_map_result_is_a_jax_array_with_the_out_spec_and_jits() -> None:
     native = unimesh.to_native(MESH, "jax")
     program = jax.jit(unimesh.shard_map(lambda x: unimesh.psum(x, "tp") * 2, MESH,
-                                        P("dp", "tp"), P("dp")))
+                                        P("dp", "tp"), P("dp"), backend="jax"))
     x = np.arange(8.0 * 4).reshape(8, 4)
     out = program(x)
     assert out.sharding.is_equivalent_to(jax.sharding.NamedSharding(native, jax.P("dp")), 2)

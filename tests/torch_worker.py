@@ -42,8 +42,9 @@ def main() -> None:
             check("ranks disagree about the mesh" in str(exc), f"disagreement raised: {exc}")
         dist.barrier()  # leave together: a rank gone early makes gloo abort the others
         check.done(f"RANK {rank}")
-        dist.destroy_process_group()
-        return
+        # gloo's teardown after this path sometimes aborts ("terminate called without an active
+        # exception", about 1 run in 10 on 2 cores): every check has printed, so leave without it
+        os._exit(0)
     mesh = Mesh.from_string(sys.argv[1])
     check(mesh.size == world, f"mesh {mesh!r} fills the world of {world}")
     check(unimesh.get_backend().name == "torch", "the backend is detected from the import")
