@@ -104,6 +104,20 @@ def test_device_slices_and_bounds():
                                               for d in PERM.device_ids.ravel().tolist()]
 
 
+def test_shard_counts_and_global_shape():
+    assert Layout(M24, P("dp", None, "tp")).shard_counts() == (2, 1, 4)
+    assert Layout(M24, P(None, ("tp", "dp"))).shard_counts() == (1, 8)
+    assert Layout(M24, P()).shard_counts() == ()
+    lay = Layout(M24, P(None, "tp"))
+    assert lay.global_shape((3, 2, 5)) == (3, 8, 5)
+    for device in lay.device_slices((3, 8, 5)):
+        assert lay.shard_shape((3, 8, 5), device) == (3, 2, 5)
+    with pytest.raises(LayoutError, match=r"2 entries but the tensor shape \(3,\) has only 1"):
+        lay.global_shape((3,))
+    with pytest.raises(LayoutError, match="global_shape must be a tuple of ints, got '3'"):
+        lay.global_shape("3")
+
+
 def test_is_even():
     assert Layout(M24, P("dp", "tp")).is_even((4, 8))
     assert not Layout(M24, P("dp", "tp")).is_even((4, 6))

@@ -345,11 +345,21 @@ class Layout:
         return {d: tuple(slice(a, b) for a, b in zip(r0, r1))
                 for d, r0, r1 in zip(ids, lo.tolist(), hi.tolist())}
 
+    def shard_counts(self) -> tuple[int, ...]:
+        """How many blocks each dim named by the spec is cut into (1 where replicated)."""
+        return tuple(math.prod(self._mesh.axis_size(a) for a in _axes_of(e)) for e in self._spec)
+
     def is_even(self, global_shape: Sequence[int]) -> bool:
         """True when every sharded dim divides evenly (what JAX, Keras and DTensor-TF require)."""
         shape = self._shape(global_shape)
-        return all(shape[d] % math.prod(self._mesh.axis_size(a) for a in _axes_of(e)) == 0
-                   for d, e in enumerate(self._spec))
+        return all(shape[d] % n == 0 for d, n in enumerate(self.shard_counts()))
+
+    def global_shape(self, block_shape: Sequence[int]) -> tuple[int, ...]:
+        """The global shape whose even blocks have ``block_shape`` (how shard_map puts equal
+        blocks back together)."""
+        block = self._shape(block_shape)
+        counts = self.shard_counts()
+        return tuple(n * (counts[d] if d < len(counts) else 1) for d, n in enumerate(block))
 
     # -- placements ----------------------------------------------------------------------------
     def placements(self) -> tuple[Placement, ...]:

@@ -257,6 +257,8 @@ def full_array(array: Any, backend: str | Backend | None = None) -> Any:
 
 def _resolver(rules: LayoutMap | AxisRules, mesh: Mesh | None,
               logical_axes: Any, be: Backend) -> Callable[[str, tuple[int, ...]], Layout]:
+    from .registry import _check_layout
+
     if isinstance(rules, LayoutMap):
         if mesh is not None and mesh != rules.mesh:
             raise LayoutError(f"the layout map is on {rules.mesh!r}, not on mesh={mesh!r}")
@@ -286,8 +288,6 @@ def _resolver(rules: LayoutMap | AxisRules, mesh: Mesh | None,
         if len(layout.spec) > len(shape):
             raise LayoutError(f"parameter {path!r} has shape {shape}, but its layout "
                               f"{layout.spec!r} names {len(layout.spec)} dims")
-        from .registry import _check_layout
-
         _check_layout(be, layout)
         if not layout.is_even(shape) and not be.supports("uneven_shards"):
             raise LayoutError(

@@ -287,9 +287,6 @@ class MLXBackend(Backend):
         """Runs ``body`` on this process's blocks (arguments: global arrays, the same on every
         process, or :class:`MLXArray`), with the axis groups; returns :class:`MLXArray`."""
 
-        factors = [[int(np.prod([mesh.axis_size(a) for a in
-                                 (() if e is None else (e,) if isinstance(e, str) else e)]))
-                    for e in layout.spec] for layout in out_layouts]
         envs: list[MLXAxisEnv] = []
 
         def run(*args: Any) -> Any:
@@ -302,12 +299,9 @@ class MLXBackend(Backend):
             result = body(env, *blocks)
             results = (result,) if single_out else result
             outs = []
-            for block, layout, factor in zip(results, out_layouts, factors):
+            for block, layout in zip(results, out_layouts):
                 block = block if isinstance(block, mx.array) else mx.array(block)
-                shape = list(block.shape)
-                for d, f in enumerate(factor):
-                    shape[d] *= f
-                outs.append(MLXArray(block, layout, tuple(shape)))
+                outs.append(MLXArray(block, layout, layout.global_shape(tuple(block.shape))))
             return outs[0] if single_out else tuple(outs)
 
         return run

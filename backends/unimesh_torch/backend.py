@@ -403,9 +403,6 @@ class TorchBackend(Backend):
         are built on the first call (every rank calls together) and reused."""
         for layout in in_layouts + out_layouts:
             self._check_order(layout)
-        factors = [[math.prod(mesh.axis_size(a) for a in
-                              (() if e is None else (e,) if isinstance(e, str) else e))
-                    for e in layout.spec] for layout in out_layouts]
         state: list[Any] = []
 
         def setup() -> tuple[int, list[Any], list[Any], TorchAxisEnv]:
@@ -428,11 +425,9 @@ class TorchBackend(Backend):
             result = body(env, *blocks)
             results = (result,) if single_out else result
             wrapped = []
-            for block, native, factor in zip(results, outs, factors):
+            for block, native, layout in zip(results, outs, out_layouts):
                 block = block if torch.is_tensor(block) else torch.as_tensor(block)
-                shape = list(block.shape)
-                for d, f in enumerate(factor):
-                    shape[d] *= f
+                shape = layout.global_shape(tuple(block.shape))
                 stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
                 wrapped.append(DTensor.from_local(block, native.device_mesh,
                                                   list(native.placements), run_check=False,

@@ -226,14 +226,11 @@ def test_layout_map_round_trip(backend: unimesh.Backend, devices: int) -> None:
 def _assemble(mesh: Mesh, spec: P, block_of: Callable[[int], np.ndarray]) -> np.ndarray:
     """The global array whose block on each device (under ``spec``) is ``block_of(device)``."""
     first = block_of(int(mesh.device_ids.flat[0]))
-    shape = list(first.shape)
-    for d, entry in enumerate(spec):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        shape[d] *= math.prod(mesh.axis_size(a) for a in axes)
-    out = np.zeros(shape, dtype=first.dtype)
     lay = Layout(mesh, spec)
+    shape = lay.global_shape(first.shape)
+    out = np.zeros(shape, dtype=first.dtype)
     for device in mesh.device_ids.ravel().tolist():
-        out[lay.shard_slices(tuple(shape), device)] = block_of(device)
+        out[lay.shard_slices(shape, device)] = block_of(device)
     return out
 
 
