@@ -6,6 +6,11 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=150, deadline=None,
@@ -13,3 +18,18 @@ settings.register_profile("ci", max_examples=150, deadline=None,
 settings.register_profile("thorough", max_examples=2000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/conformance_example pip-installed into a directory (for PYTHONPATH): a third-party
+    backend package found through its entry point, and its broken twin."""
+    target = tmp_path_factory.mktemp("site")
+    build = tmp_path_factory.mktemp("build")
+    example = Path(__file__).with_name("conformance_example")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "--no-build-isolation", "--target", str(target), str(example)],
+                          capture_output=True, text=True, cwd=build, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert any(p.name.startswith("unimesh_example_backend") for p in target.iterdir())
+    return target

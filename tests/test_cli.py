@@ -140,3 +140,60 @@ def test_convert_bad_input_is_one_line_and_exit_2():
         proc = run("convert", *args)
         assert proc.returncode == 2, (args, proc.stdout)
         assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
+
+
+def check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    return subprocess.run([sys.executable, "-m", "unimesh", "check", *args], capture_output=True,
+                          text=True, timeout=400, check=False, env={**base, **(env or {})})
+
+
+def test_check_runs_the_suite_and_prints_the_matrix(example_site, tmp_path):
+    """A third-party backend that passes and its broken twin: the matrix says which
+    capabilities passed, the failures are named, the exit code is 1."""
+    import json
+
+    out = tmp_path / "matrix.json"
+    proc = check("example", "example_broken", "--json", str(out), "--markdown",
+                 str(tmp_path / "m.md"), env={"PYTHONPATH": str(example_site)})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "unimesh capability matrix" in proc.stdout
+    assert "example_broken: the suite failed" in proc.stdout
+    assert "FAILED" in proc.stdout and "test_mesh_round_trip" in proc.stdout
+    matrix = json.loads(out.read_text())
+    assert matrix["example"]["processes"] == "1 process"
+    good, bad = matrix["example"]["matrix"], matrix["example_broken"]["matrix"]
+    assert good["mesh"] == good["distribute"] == good["uneven_shards"] == "pass"
+    assert good["partial"] == "not declared"
+    assert bad["mesh"] == bad["distribute"] == "fail"
+    assert (tmp_path / "m.md").read_text().splitlines()[2].startswith("| example (1 process) |")
+
+
+def test_check_a_launched_backend(tmp_path):
+    """torch runs under torchrun: every rank reports, the matrix is what torch declares."""
+    import json
+
+    import pytest
+
+    import unimesh
+
+    pytest.importorskip("torch.distributed")
+    out = tmp_path / "matrix.json"
+    proc = check("torch", "--processes", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())["torch"]
+    assert result["processes"] == "2 processes (torchrun)"
+    declared = unimesh.get_backend("torch").capabilities
+    for cap, verdict in result["matrix"].items():
+        assert verdict == ("pass" if cap in declared else "not declared"), (cap, verdict)
+
+
+def test_check_bad_input_is_one_line():
+    for args, named in ((["nosuchbackend"], "'nosuchbackend'"),
+                        (["torch", "--processes", "0"], "--processes")):
+        proc = check(*args)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and named in lines[0] and "Traceback" not in proc.stderr, lines

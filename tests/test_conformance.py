@@ -18,7 +18,6 @@ import unimesh
 
 from .launch import require_mpirun, run_bounded
 
-EXAMPLE = Path(__file__).with_name("conformance_example")
 LIMIT = 300
 IN_PROCESS = ("jax", "keras", "tensorflow")
 
@@ -70,18 +69,6 @@ def test_suite_in_every_torchrun_rank(tmp_path: Path) -> None:
     assert len(summaries) == 4 and len(set(summaries)) == 1, out[-3000:]
     assert int(summaries[0][0]) >= 40
     assert out.count("unimesh capability matrix") == 4  # every rank checked and reported
-
-
-@pytest.fixture(scope="module")
-def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    target = tmp_path_factory.mktemp("site")
-    build = tmp_path_factory.mktemp("build")
-    rc, out = run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                   "--no-build-isolation", "--target", str(target), str(EXAMPLE)],
-                  clean_env(), build)
-    assert rc == 0, out[-3000:]
-    assert any(p.name.startswith("unimesh_example_backend") for p in target.iterdir())
-    return target
 
 
 def test_third_party_backend_is_found_and_passes(example_site: Path, tmp_path: Path) -> None:

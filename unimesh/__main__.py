@@ -1,6 +1,6 @@
 """``unimesh`` / ``python -m unimesh``: the command line.
 
-Commands: ``demo`` (the main job), ``backends``. User errors print one line and exit 2.
+Commands: ``demo`` (the main job), ``backends``, ``show``, ``convert``, ``check``. User errors print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -160,16 +160,14 @@ def _launched_row(name: str, spec: str, size: int, mark: Any) -> tuple[str, ...]
 
     if size > 16:
         return (name, "[dim]skipped[/dim]", "-", "-", f"{size} processes is too many here")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if name == "torch":
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={size}", "-m", "unimesh_torch.demo_worker", spec]
-        how = "torchrun, gloo"
-    else:
-        cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(size), "--backend",
-               "ring", "--", sys.executable, "-m", "unimesh_mlx.demo_worker", spec]
-        how = "mlx.launch, ring"
+    from .registry import get_backend
+
+    be = get_backend(name)
+    prefix, extra = be.launcher(size) or ([sys.executable], {})
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    package = type(be).__module__.rsplit(".", 1)[0]  # its demo worker: <package>.demo_worker
+    cmd = [*prefix, "-m", f"{package}.demo_worker", spec]
+    how = {"torch": "torchrun, gloo", "mlx": "mlx.launch, ring"}.get(name, Path(prefix[0]).name)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
@@ -278,6 +276,13 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from ._check import check
+
+    return check(list(args.backends), processes=args.processes, timeout=args.timeout,
+                 json_path=args.json, markdown_path=args.markdown)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="unimesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -301,6 +306,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     convert.add_argument("--code", action="store_true",
                          help="print the native Python that builds it by hand")
     convert.set_defaults(run=_convert)
+    chk = sub.add_parser("check", help="run the conformance suite on backends and print the "
+                                        "capability matrix")
+    chk.add_argument("backends", nargs="*", metavar="BACKEND",
+                     help="backends to check (default: every installed one)")
+    chk.add_argument("--processes", type=int, default=4,
+                     help="processes for backends that run under a launcher (default 4)")
+    chk.add_argument("--timeout", type=float, default=900.0,
+                     help="seconds one backend's suite may take before it is killed")
+    chk.add_argument("--json", metavar="PATH", help="also write the matrix as JSON")
+    chk.add_argument("--markdown", metavar="PATH", help="also write the matrix as Markdown")
+    chk.set_defaults(run=_check)
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))

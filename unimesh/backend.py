@@ -143,6 +143,13 @@ class Backend:
         the conformance suite; the default claims nothing beyond one device."""
         return 1
 
+    def launcher(self, processes: int) -> tuple[list[str], dict[str, str]] | None:
+        """How to run Python in ``processes`` processes of this framework's distributed runtime:
+        a command prefix that ``-m module args...`` completes, and environment additions. None
+        (the default) when the backend runs in one process. Used by ``unimesh check`` and the
+        demo."""
+        return None
+
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         """For each of this process's devices in the native mesh, the members of its
         communication group along ``axis``, as the framework orders them (``axis_groups``)."""

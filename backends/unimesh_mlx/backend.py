@@ -210,6 +210,14 @@ class MLXBackend(Backend):
     def _world(self) -> Any:
         return _init_world()
 
+    def launcher(self, processes: int) -> tuple[list[str], dict[str, str]]:
+        """``mlx.launch -n N --backend ring -- python`` (the ring backend needs no MPI)."""
+        import sys
+        from pathlib import Path
+
+        launch = Path(sys.executable).with_name("mlx.launch")
+        return [str(launch), "-n", str(processes), "--backend", "ring", "--", sys.executable], {}
+
     def prepare_devices(self, count: int) -> int:
         return int(self._world().size())
 

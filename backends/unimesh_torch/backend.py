@@ -162,6 +162,15 @@ class TorchBackend(Backend):
             "rank's own submesh, convert the whole mesh first and then its submesh "
             "(unimesh_torch.axis_mesh(mesh, axes))")
 
+    def launcher(self, processes: int) -> tuple[list[str], dict[str, str]]:
+        """torchrun (``python -m torch.distributed.run --standalone``), gloo over loopback."""
+        import os
+        import sys
+
+        return ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={processes}"],
+                {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
+
     def prepare_devices(self, count: int) -> int:
         """The world size: under a launcher (torchrun sets RANK/WORLD_SIZE) the gloo process
         group is started if it is not; with no launcher and no process group, an error that

@@ -25,9 +25,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write the capability matrix as JSON here")
     group.addoption("--unimesh-matrix-md", metavar="PATH", default=None,
                     help="write the capability matrix as Markdown here")
+    group.addoption("--unimesh-progress", metavar="PATH", default=None,
+                    help="append one line per finished test to PATH (for unimesh check)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _config["config"] = config
     config.addinivalue_line("markers", "unimesh_capability(name): the capability a conformance "
                                        "test exercises")
 
@@ -54,6 +57,37 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 _results: dict[tuple[str, str], list[str]] = {}
+_progress = {"done": 0, "total": 0}
+
+
+def _report(config: pytest.Config, kind: str, payload: object) -> None:
+    """One JSON line for ``unimesh check`` (appended: every process of a launch shares it)."""
+    path = config.getoption("--unimesh-progress", None)
+    if path:
+        line = json.dumps({"pid": os.getpid(), "kind": kind, "data": payload}) + "\n"
+        with open(path, "a") as fh:
+            fh.write(line)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _progress["total"] = len(session.items)
+    _report(session.config, "total", len(session.items))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    config = _config.get("config")
+    if config is None:
+        return
+    if report.failed:
+        message = str(report.longrepr).strip().splitlines()
+        _report(config, "failed", {"test": report.nodeid,
+                                   "why": message[-1][:300] if message else ""})
+    if report.when == "teardown":
+        _progress["done"] += 1
+        _report(config, "done", _progress["done"])
+
+
+_config: dict[str, pytest.Config] = {}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -103,6 +137,7 @@ def _markdown(m: dict[str, dict[str, str]]) -> str:
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
                             config: pytest.Config) -> None:
     m = matrix()
+    _report(config, "matrix", m)
     if not m:
         return
     terminalreporter.section("unimesh capability matrix")

@@ -1,0 +1,226 @@
+"""``unimesh check [BACKEND ...]``: the conformance suite run as a user runs it (pytest, under
+the backend's own launcher where it has one), with a progress bar, then the capability matrix."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import conformance
+from .errors import UnimeshError
+
+#: Worst first: the verdict a capability gets when the processes of one launch disagree.
+_ORDER = ("fail", "skipped", "not declared", "pass")
+_STYLE = {"pass": "green", "fail": "bold red", "not declared": "dim", "skipped": "yellow"}
+
+
+@dataclass
+class Run:
+    """One backend's suite: its processes' progress lines, merged."""
+
+    backend: str
+    processes: int
+    how: str
+    totals: dict[int, int] = field(default_factory=dict)
+    done: dict[int, int] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    matrices: list[dict[str, dict[str, str]]] = field(default_factory=list)
+    returncode: int | None = None
+    output: str = ""
+    seconds: float = 0.0
+
+    def read(self, lines: list[str]) -> None:
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a process that was killed
+            pid, kind, data = rec.get("pid"), rec.get("kind"), rec.get("data")
+            if kind == "total":
+                self.totals[pid] = int(data)
+            elif kind == "done":
+                self.done[pid] = int(data)
+            elif kind == "failed":
+                self.failed.setdefault(data["test"], data["why"])
+            elif kind == "matrix":
+                self.matrices.append(data)
+
+    @property
+    def total(self) -> int:
+        known = list(self.totals.values())
+        return max(known, default=0) * self.processes
+
+    @property
+    def completed(self) -> int:
+        return sum(self.done.values())
+
+    def matrix(self) -> dict[str, str]:
+        """capability -> verdict, the worst any process saw."""
+        out: dict[str, str] = {}
+        for m in self.matrices:
+            for cap, verdict in m.get(self.backend, {}).items():
+                have = out.get(cap, "pass")
+                out[cap] = min(have, verdict, key=_ORDER.index)
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return (self.returncode == 0 and not self.failed
+                and len(self.matrices) == self.processes)
+
+
+def _command(backend: Any, processes: int, progress: Path) -> tuple[list[str], dict[str, str],
+                                                                    int, str]:
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", "--pyargs",
+            "unimesh.conformance", "--unimesh-backend", backend.name,
+            "--unimesh-progress", str(progress)]
+    env = {k: v for k, v in os.environ.items() if k not in ("UNIMESH_CONFORMANCE_BACKENDS",)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    launch = backend.launcher(processes)
+    if launch is None:
+        return [sys.executable, *args], env, 1, "1 process"
+    prefix, extra = launch
+    env.update(extra)
+    tool = "torchrun" if "torch.distributed.run" in prefix else Path(prefix[0]).name
+    return [*prefix, *args], env, processes, f"{processes} processes ({tool})"
+
+
+def run_suite(name: str, processes: int, timeout: float, tick: Any = None) -> Run:
+    """Run the suite on backend ``name``; ``tick(run)`` is called as progress lines arrive."""
+    from .registry import get_backend
+
+    backend = get_backend(name)
+    with tempfile.TemporaryDirectory(prefix="unimesh-check-") as tmp:
+        progress = Path(tmp) / "progress.jsonl"
+        progress.touch()
+        cmd, env, nproc, how = _command(backend, processes, progress)
+        run = Run(name, nproc, how)
+        log = Path(tmp) / "output.txt"
+        t0 = time.perf_counter()
+        with open(log, "w") as out, open(progress) as feed:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp,
+                                    start_new_session=True)
+            try:
+                while proc.poll() is None:
+                    if time.perf_counter() - t0 > timeout:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        run.failed.setdefault("(timeout)", f"the suite did not finish within "
+                                                           f"{timeout:.0f} s and was killed")
+                        break
+                    run.read(feed.readlines())
+                    if tick is not None:
+                        tick(run)
+                    time.sleep(0.2)
+            except BaseException:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                raise
+            run.read(feed.readlines())
+        run.returncode = proc.returncode
+        run.seconds = time.perf_counter() - t0
+        run.output = log.read_text(errors="replace")
+        if tick is not None:
+            tick(run)
+    return run
+
+
+def check(names: list[str], processes: int = 4, timeout: float = 900.0,
+          json_path: str | None = None, markdown_path: str | None = None) -> int:
+    """The ``unimesh check`` command: 0 when every chosen backend passes, 1 otherwise."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import TimeElapsedColumn
+    from rich.table import Table
+
+    from .registry import backends, get_backend
+
+    installed = backends()
+    if not names or names == ["all"]:
+        names = installed
+    if not names:
+        raise UnimeshError('no backends installed; e.g. pip install "unimesh[jax]"')
+    for name in names:
+        if name not in installed:
+            raise UnimeshError(f"backend {name!r} is not installed (installed: "
+                               f"{', '.join(installed) or 'none'}); "
+                               f"pip install \"unimesh[{name}]\" or choose one of those")
+        get_backend(name)  # unusable (framework missing): its own clear error, before any run
+    if processes < 1:
+        raise UnimeshError(f"--processes must be >= 1, got {processes}")
+    console = Console(stderr=False)
+    runs: list[Run] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=console,
+                  transient=not console.is_terminal) as bar:
+        for name in names:
+            task = bar.add_task(f"{name:<12}", total=None, note="starting")
+
+            def tick(run: Run, task: Any = task) -> None:
+                bad = f"[red]{len(run.failed)} failed[/red]" if run.failed else ""
+                bar.update(task, total=run.total or None, completed=run.completed,
+                           note=f"{run.how} {bad}")
+
+            runs.append(run_suite(name, processes, timeout, tick))
+    console.print(matrix_table(runs))
+    failures = 0
+    for run in runs:
+        if run.ok:
+            continue
+        failures += 1
+        console.print(f"[bold red]{run.backend}: the suite failed[/] (exit {run.returncode}, "
+                      f"{len(run.matrices)} of {run.processes} processes reported)")
+        for test, why in run.failed.items():
+            console.print(f"  FAILED {escape(test)}: {escape(why)}")
+        if not run.failed:
+            console.print(escape("\n".join(run.output.strip().splitlines()[-15:])))
+    if json_path:
+        Path(json_path).write_text(json.dumps(
+            {r.backend: {"processes": r.how, "matrix": r.matrix()} for r in runs},
+            indent=2, sort_keys=True) + "\n")
+    if markdown_path:
+        Path(markdown_path).write_text(markdown(runs))
+    return 1 if failures else 0
+
+
+_CELL = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "not declared": "[dim]·[/]",
+         "skipped": "[yellow]skipped[/]"}
+
+
+def matrix_table(runs: list[Run]) -> Any:
+    """The capability matrix as a rich table: a row per capability, a column per backend."""
+    from rich.table import Table
+
+    table = Table(title="unimesh capability matrix",
+                  caption="pass: checked and passed; ·: not declared, its refusal checked")
+    table.add_column("capability")
+    for run in runs:
+        table.add_column(run.backend, justify="center")
+    matrices = [run.matrix() for run in runs]
+    for cap in conformance.CHECKED:
+        table.add_row(cap, *(_CELL.get(m.get(cap, "-"), "-") for m in matrices))
+    table.add_section()
+    table.add_row("processes", *(run.how.split(" (")[0] for run in runs))
+    table.add_row("time", *(f"{run.seconds:.0f} s" for run in runs))
+    return table
+
+
+def markdown(runs: list[Run]) -> str:
+    """The matrix as a Markdown table (for the docs)."""
+    lines = ["| backend | " + " | ".join(conformance.CHECKED) + " |",
+             "| --- |" + " --- |" * len(conformance.CHECKED)]
+    for run in runs:
+        m = run.matrix()
+        lines.append(f"| {run.backend} ({run.how}) | "
+                     + " | ".join(m.get(c, "-") for c in conformance.CHECKED) + " |")
+    return "\n".join(lines) + "\n"
