@@ -99,6 +99,56 @@ def test_distribution_helper_and_fit():
         kd.set_distribution(None)
 
 
+CONFIG = """
+# one neutral file: the mesh, the variable layouts, the batch axis
+mesh = "batch=2,model=4;ids=7,6,5,4,3,2,1,0"
+batch_axis = "batch"
+
+[layout]
+".*up/kernel" = "_,model"
+".*up/bias" = ["model"]
+".*down/kernel" = ["model", "_"]
+".*down/bias" = "_"
+"""
+
+
+def test_distribution_from_a_toml_config(tmp_path):
+    """A TOML config file -> Keras ModelParallel: the same objects Keras builds by hand, and a
+    fit whose variables JAX places on the config's blocks."""
+    path = tmp_path / "dist.toml"
+    path.write_text(CONFIG)
+    config = unimesh.load_config(path)
+    dist = distribution(config)
+    assert isinstance(dist, kd.ModelParallel)
+    assert dist.batch_dim_name == "batch"
+    native = dist._layout_map
+    devs = np.array(keras.distribution.list_devices(), dtype=object)[::-1].reshape(2, 4)
+    by_hand = kd.DeviceMesh((2, 4), ["batch", "model"], devices=devs)
+    assert np.array_equal(native.device_mesh.devices, by_hand.devices)
+    assert native[".*up/kernel"].axes == (None, "model")
+    assert native[".*down/kernel"].axes == ("model", None)
+    assert native[".*down/bias"].axes == (None,)
+    kd.set_distribution(dist)
+    try:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up"),
+                                  keras.layers.Dense(4, name="down")])
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.ones((16, 8), "float32")
+        model.fit(x, np.zeros((16, 4), "float32"), batch_size=8, epochs=1, verbose=0)
+        devices = global_devices()
+        for v in model.weights:
+            layout = config.layout_map.get(v.path)
+            theirs = {devices.index(d): tuple(s.indices(n)[:2] for s, n in zip(idx, v.shape))
+                      for d, idx in v.value.sharding.devices_indices_map(tuple(v.shape)).items()}
+            ours = {d: tuple((s.start, s.stop) for s in sl)
+                    for d, sl in layout.device_slices(tuple(v.shape)).items()}
+            assert theirs == ours, v.path
+    finally:
+        kd.set_distribution(None)
+    with pytest.raises(unimesh.ConversionError, match="from the config"):
+        distribution(config, batch_dim_name="batch")
+
+
 def test_bad_helper_inputs():
     with pytest.raises(unimesh.LayoutError, match="batch_dim_name 'batch' is not an axis"):
         distribution(MESH, batch_dim_name="batch")

@@ -12,6 +12,7 @@ from .errors import (
     BackendNotFoundError,
     BackendRegistrationError,
     BackendUnavailableError,
+    ConfigError,
     ConversionError,
     LayoutError,
     MeshMismatchError,
@@ -19,6 +20,7 @@ from .errors import (
     UnimeshError,
     UnsupportedError,
 )
+from .config import Config, load_config
 from .layout import (
     AxisRules,
     Layout,
@@ -65,6 +67,8 @@ __all__ = [
     "BackendRegistrationError",
     "BackendUnavailableError",
     "CAPABILITIES",
+    "Config",
+    "ConfigError",
     "ConversionError",
     "Layout",
     "LayoutError",
@@ -96,6 +100,7 @@ __all__ = [
     "distribute",
     "from_native",
     "get_backend",
+    "load_config",
     "make_mesh",
     "refresh_backends",
     "register_backend",

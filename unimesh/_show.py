@@ -17,18 +17,10 @@ _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red")
 
 
 def parse_spec(text: str) -> PartitionSpec:
-    """A spec from the command line: entries split by ``,``; an entry is an axis name, ``a+b``
-    for several axes on one dim, or ``None`` / ``_`` / nothing for a replicated dim."""
-    entries: list[Any] = []
-    for raw in text.split(","):
-        item = raw.strip()
-        if item in ("", "_", "None", "none"):
-            entries.append(None)
-        elif "+" in item:
-            entries.append(tuple(part.strip() for part in item.split("+")))
-        else:
-            entries.append(item)
-    return PartitionSpec(*entries)
+    """A spec from the command line (see :func:`unimesh._text.parse_spec_text`)."""
+    from ._text import parse_spec_text
+
+    return PartitionSpec(*parse_spec_text(text))
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

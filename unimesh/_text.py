@@ -129,3 +129,19 @@ def parse_dtensor_string(s: str) -> dict[str, Any]:
         out["device_ids"] = _reshape(global_ids, tuple(shape))
         out["devices_per_process"] = len(local_ids)
     return out
+
+
+def parse_spec_text(text: str) -> list[Any]:
+    """Spec entries from text: split by ``,``; an entry is an axis name, ``a+b`` for several
+    axes on one dim, or ``None`` / ``_`` / nothing for a replicated dim (names are checked
+    later, against the mesh)."""
+    entries: list[Any] = []
+    for raw in text.split(","):
+        item = raw.strip()
+        if item in ("", "_", "None", "none"):
+            entries.append(None)
+        elif "+" in item:
+            entries.append(tuple(part.strip() for part in item.split("+")))
+        else:
+            entries.append(item)
+    return entries

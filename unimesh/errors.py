@@ -18,6 +18,7 @@ __all__ = [
     "ConversionError",
     "BackendRegistrationError",
     "AxisContextError",
+    "ConfigError",
 ]
 
 
@@ -64,3 +65,7 @@ class BackendRegistrationError(UnimeshError, ValueError):
 
 class AxisContextError(UnimeshError, RuntimeError):
     """An axis collective (``unimesh.psum``, ...) was called outside ``unimesh.shard_map``."""
+
+
+class ConfigError(UnimeshError, ValueError):
+    """A config file (TOML/JSON) is unreadable or its structure is wrong."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from unimesh import (
     Backend,
+    Config,
     ConversionError,
     Layout,
     LayoutError,
@@ -190,14 +191,23 @@ def _version() -> str:
     return str(keras.__version__)
 
 
-def distribution(mesh: Mesh, layout_map: LayoutMap | None = None, *,
+def distribution(mesh: Mesh | Config, layout_map: LayoutMap | None = None, *,
                  batch_dim_name: str | None = None) -> Any:
     """The Keras distribution for a neutral mesh: ``DataParallel`` over a 1-axis mesh with no
     layout map, else ``ModelParallel(layout_map=..., batch_dim_name=...)`` (batch axis: the
-    given name, else the mesh's first axis)."""
+    given name, else the mesh's first axis). A :class:`unimesh.Config` (from
+    ``unimesh.load_config("dist.toml")``) gives the mesh, the layout rules and the batch axis."""
     be = KerasBackend()
+    if isinstance(mesh, Config):
+        if layout_map is not None or batch_dim_name is not None:
+            raise ConversionError("distribution(config) takes the layout map and batch axis "
+                                  "from the config; pass no layout_map/batch_dim_name with it")
+        config = mesh
+        mesh, batch_dim_name = config.mesh, config.batch_axis
+        layout_map = config.layout_map if len(config.layout_map) else None
     if not isinstance(mesh, Mesh):
-        raise ConversionError(f"distribution() needs a unimesh.Mesh, got {short(mesh)}")
+        raise ConversionError(f"distribution() needs a unimesh.Mesh or unimesh.Config, got "
+                              f"{short(mesh)}")
     if layout_map is not None and layout_map.mesh != mesh:
         raise LayoutError(f"the layout map is on {layout_map.mesh!r}, not on {mesh!r}")
     if batch_dim_name is not None and batch_dim_name not in mesh.axis_names:
