@@ -102,6 +102,13 @@ def test_registration_errors_leave_no_state(ref):
         unimesh.register_backend(make_backend("bad name", "numpy"))
     with pytest.raises(BackendRegistrationError, match="must set `framework`"):
         unimesh.register_backend(make_backend("nofw", ""))
+    odd = make_backend("odd", "numpy")
+    odd.native_api = {"teleporter": "numpy.teleport"}  # type: ignore[misc]
+    with pytest.raises(BackendRegistrationError, match="unknown concepts \\['teleporter'\\]"):
+        unimesh.register_backend(odd)
+    odd.native_api = {"mesh": 3}  # type: ignore[misc,dict-item]
+    with pytest.raises(BackendRegistrationError, match="native_api must map concept names"):
+        unimesh.register_backend(odd)
     assert unimesh.backends() == before
     new = RefBackend()
     assert unimesh.register_backend(new, replace=True) is new
@@ -235,3 +242,20 @@ def test_entry_point_discovery_is_lazy(tmp_path: Path) -> None:
     assert "no_such_module_q" in out["broken"][1]
     assert out["liar"][0] == "BackendNotFoundError"
     assert "provides no backend named 'liar'" in out["liar"][1]
+
+
+def test_installed_backends_declare_native_apis_for_what_they_do():
+    """The cross-framework table in the docs comes from these declarations: every concept a
+    backend names is one it implements (its capability is declared)."""
+    needs = {"layout_map": "layout_map", "distribute": "distribute", "shard_map": "shard_map",
+             "psum": "shard_map", "all_gather": "shard_map", "axis_index": "shard_map",
+             "shard_params": "distribute", "layout": "layout", "mesh": "mesh"}
+    for name in unimesh.backends():
+        be = unimesh.get_backend(name)
+        assert set(be.native_api) <= set(unimesh.CONCEPTS), name
+        for concept in be.native_api:
+            if concept in needs:
+                assert needs[concept] in be.capabilities, (name, concept)
+        for cap in ("mesh", "layout", "distribute", "layout_map", "shard_map"):
+            if cap in be.capabilities:
+                assert cap in be.native_api, (name, cap)

@@ -6,7 +6,7 @@ a backend needs it.
 
 from __future__ import annotations
 
-from .backend import CAPABILITIES, Backend
+from .backend import CAPABILITIES, CONCEPTS, Backend
 from .errors import (
     AxisContextError,
     BackendNotFoundError,
@@ -67,6 +67,7 @@ __all__ = [
     "BackendRegistrationError",
     "BackendUnavailableError",
     "CAPABILITIES",
+    "CONCEPTS",
     "Config",
     "ConfigError",
     "ConversionError",

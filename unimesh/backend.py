@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from .errors import UnsupportedError
 
-__all__ = ["Backend", "CAPABILITIES"]
+__all__ = ["Backend", "CAPABILITIES", "CONCEPTS"]
 
 #: Capabilities a backend may declare, with what each promises.
 CAPABILITIES: dict[str, str] = {
@@ -26,6 +26,22 @@ CAPABILITIES: dict[str, str] = {
     "axis_groups": "a communication group per mesh axis",
     "multi_process": "meshes spanning several processes",
     "shard_map": "unimesh.shard_map runs per-shard functions",
+}
+
+#: The concepts a backend maps to native APIs (:attr:`Backend.native_api`), with the neutral API
+#: of each; the docs' cross-framework table is generated from these declarations.
+CONCEPTS: dict[str, str] = {
+    "mesh": "unimesh.Mesh",
+    "layout": "unimesh.Layout (mesh + PartitionSpec)",
+    "layout_map": "unimesh.LayoutMap",
+    "distribute": "unimesh.distribute(array, layout)",
+    "axis_group": "Mesh.groups(axis)",
+    "shard_map": "unimesh.shard_map(f, mesh, in_specs, out_specs)",
+    "psum": "unimesh.psum(x, axis)",
+    "all_gather": "unimesh.all_gather(x, axis)",
+    "axis_index": "unimesh.axis_index(axis)",
+    "shard_params": "unimesh.shard_params(model, rules)",
+    "launch": "Backend.launcher(n) / unimesh check",
 }
 
 
@@ -43,6 +59,8 @@ class Backend:
             ``(framework,)``).
         wraps: frameworks this one runs on (Keras: jax, tensorflow, torch); when both are
             imported, auto-detection picks this backend.
+        native_api: for each concept of :data:`CONCEPTS` this backend implements, the native
+            API it translates to (documentation; generates the cross-framework table).
     """
 
     name: ClassVar[str] = ""
@@ -51,6 +69,7 @@ class Backend:
     capabilities: ClassVar[frozenset[str]] = frozenset()
     native_modules: ClassVar[tuple[str, ...]] = ()
     wraps: ClassVar[tuple[str, ...]] = ()
+    native_api: ClassVar[dict[str, str]] = {}
 
     # -- facts, answered without importing the framework ----------------------------------------
     @property

@@ -13,7 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ._validate import short
-from .backend import CAPABILITIES, Backend
+from .backend import CAPABILITIES, CONCEPTS, Backend
 from .errors import (
     BackendNotFoundError,
     BackendRegistrationError,
@@ -172,6 +172,14 @@ def _validated(backend: object) -> Backend:
     if unknown:
         raise BackendRegistrationError(f"backend {name!r} declares unknown capabilities {unknown}; known "
                             f"capabilities are {sorted(CAPABILITIES)}")
+    api = backend.native_api
+    if not isinstance(api, dict) or not all(isinstance(v, str) for v in api.values()):
+        raise BackendRegistrationError(f"backend {name!r}: native_api must map concept names to "
+                                       f"str, got {short(api)}")
+    unknown = sorted(set(api) - set(CONCEPTS))
+    if unknown:
+        raise BackendRegistrationError(f"backend {name!r} maps unknown concepts {unknown} in "
+                                       f"native_api; known concepts are {sorted(CONCEPTS)}")
     return backend
 
 

@@ -60,6 +60,18 @@ class JaxBackend(Backend):
     native_modules = ("jax",)
     capabilities = frozenset({"mesh", "layout", "distribute", "tuple_axes", "partial", "shard_map",
                               "axis_types", "multi_process"})
+    native_api = {
+        "mesh": "jax.sharding.Mesh (AbstractMesh from_native)",
+        "layout": "jax.sharding.NamedSharding(mesh, PartitionSpec)",
+        "distribute": "jax.make_array_from_callback",
+        "axis_group": "named axis inside shard_map (no group object)",
+        "shard_map": "jax.shard_map",
+        "psum": "jax.lax.psum",
+        "all_gather": "jax.lax.all_gather(tiled=...)",
+        "axis_index": "jax.lax.axis_index",
+        "shard_params": "tree_map_with_path + distribute per leaf",
+        "launch": "jax.distributed.initialize (JAX_COORDINATOR_ADDRESS, ...)",
+    }
 
     def prepare_devices(self, count: int) -> int:
         """Before jax is imported: ``count`` virtual CPU devices (XLA_FLAGS), shared out over

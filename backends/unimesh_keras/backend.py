@@ -49,6 +49,17 @@ class KerasBackend(Backend):
     native_modules = ("keras",)
     wraps = ("jax", "tensorflow", "torch")
     capabilities = frozenset({"mesh", "layout", "layout_map", "distribute", "shard_map"})
+    native_api = {
+        "mesh": "keras.distribution.DeviceMesh",
+        "layout": "keras.distribution.TensorLayout",
+        "layout_map": "keras.distribution.LayoutMap (ModelParallel)",
+        "distribute": "keras.distribution.distribute_tensor",
+        "shard_map": "the JAX backend's (KERAS_BACKEND=jax)",
+        "psum": "jax.lax.psum (through the JAX backend)",
+        "all_gather": "jax.lax.all_gather (through the JAX backend)",
+        "axis_index": "jax.lax.axis_index (through the JAX backend)",
+        "shard_params": "variable.assign(distributed value) per variable.path",
+    }
 
     def _require_distribution(self, what: str) -> None:
         kb = _keras_backend()

@@ -206,6 +206,18 @@ class MLXBackend(Backend):
     native_modules = ("mlx", "unimesh_mlx")
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
                               "axis_groups", "multi_process", "shard_map"})
+    native_api = {
+        "mesh": "unimesh_mlx.MLXMesh (mx.distributed world group + this mx.Device)",
+        "layout": "unimesh_mlx.MLXLayout",
+        "distribute": "this process's block (unimesh_mlx.MLXArray)",
+        "axis_group": "mx.distributed.Group.split (MPI); emulated on ring",
+        "shard_map": "the function on this process's blocks",
+        "psum": "mx.distributed.all_sum(x, group=axis group)",
+        "all_gather": "mx.distributed.all_gather(x, group=axis group)",
+        "axis_index": "the process's mesh coordinate (its axis group rank on MPI)",
+        "shard_params": "model.update(blocks)",
+        "launch": "mlx.launch -n N --backend ring, or mpirun -np N",
+    }
 
     def _world(self) -> Any:
         return _init_world()

@@ -64,6 +64,12 @@ class TensorFlowBackend(Backend):
     extra = "tensorflow"
     native_modules = ("tensorflow",)
     capabilities = frozenset({"mesh", "layout", "distribute"})
+    native_api = {
+        "mesh": "tf.experimental.dtensor.Mesh",
+        "layout": "tf.experimental.dtensor.Layout",
+        "distribute": "dtensor.copy_to_mesh + dtensor.relayout",
+        "launch": "one client; tf.config.set_logical_device_configuration for CPU devices",
+    }
 
     def prepare_devices(self, count: int) -> int:
         """``count`` logical CPU devices if TensorFlow's runtime has not started; returns how

@@ -106,6 +106,18 @@ class TorchBackend(Backend):
     native_modules = ("torch", "unimesh_torch")
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
                               "partial", "axis_groups", "multi_process", "shard_map"})
+    native_api = {
+        "mesh": "torch.distributed.device_mesh.DeviceMesh",
+        "layout": "DTensor placements: Shard(d), Replicate(), Partial(op), _StridedShard",
+        "distribute": "torch.distributed.tensor.distribute_tensor",
+        "axis_group": "DeviceMesh.get_group(axis)",
+        "shard_map": "DTensor.to_local / DTensor.from_local around the function",
+        "psum": "_functional_collectives.all_reduce(x, 'sum', group)",
+        "all_gather": "_functional_collectives.all_gather_single (reordered to coordinates)",
+        "axis_index": "the rank's mesh coordinate (like DeviceMesh.get_local_rank(axis))",
+        "shard_params": "nn.Parameter(distribute_tensor(param, mesh, placements))",
+        "launch": "torchrun --standalone --nproc-per-node N (gloo)",
+    }
 
     def __init__(self) -> None:
         # DeviceMeshes built in this process under the current world group:
