@@ -165,7 +165,8 @@ def report(backend: str, scale: int, medians: dict[str, float]) -> str:
             f"unimesh={medians['unimesh'] * 1e3:8.3f} ms ratio={ratio:.3f}")
 
 
-def launch_all(repeat: int, scales: list[int]) -> None:
+def collect(repeat: int, scales: list[int]) -> dict[str, list[str] | str]:
+    """Run every backend's step benchmark under its launcher; its BENCH lines, or why none."""
     here = str(Path(__file__).resolve())
     extra = ["--repeat", str(repeat), "--scales", ",".join(map(str, scales))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -176,16 +177,23 @@ def launch_all(repeat: int, scales: list[int]) -> None:
         "mlx": ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4",
                 sys.executable, here, "--backend", "mlx", *extra],
     }
-    print("step time, median of alternating runs; ratio = unimesh / native (goal <= 1.02)")
+    results: dict[str, list[str] | str] = {}
     for name, cmd in runs.items():
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
                                  check=False).stdout
         except (OSError, subprocess.TimeoutExpired) as exc:
-            print(f"{name}: not run ({exc})")
+            results[name] = f"not run ({exc})"
             continue
         lines = [ln for ln in out.splitlines() if ln.startswith("BENCH")]
-        print("\n".join(lines) if lines else f"{name}: no result\n{out[-2000:]}")
+        results[name] = lines or f"no result: {out[-300:]}"
+    return results
+
+
+def launch_all(repeat: int, scales: list[int]) -> None:
+    print("step time, median of alternating runs; ratio = unimesh / native (goal <= 1.02)")
+    for name, lines in collect(repeat, scales).items():
+        print("\n".join(lines) if isinstance(lines, list) else f"{name}: {lines}")
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ the ratio (goal <= 1.05). A second conversion of the same mesh is a cache hit; s
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -28,7 +29,9 @@ NAMES = ("dp", "cp", "tp")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--json", help="also write the rows as JSON here")
     args = parser.parse_args()
+    rows = []
     print(f"{'world':>6s} {'shape':>12s} {'DeviceMesh':>12s} {'to_native':>12s} {'ratio':>7s} "
           f"{'cached':>10s}")
     for world, shape in SHAPES.items():
@@ -52,7 +55,12 @@ def main() -> None:
         d, o, c = (statistics.median(x) * 1e3 for x in (direct, ours, cached))
         label = "x".join(map(str, shape))
         print(f"{world:6d} {label:>12s} {d:10.2f}ms {o:10.2f}ms {o / d:6.3f}x {c * 1e3:8.1f}us")
+        rows.append({"world": world, "shape": label, "native_ms": d, "unimesh_ms": o,
+                     "ratio": o / d, "cached_us": c * 1e3})
     dist.destroy_process_group()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
 
 
 if __name__ == "__main__":

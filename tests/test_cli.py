@@ -162,8 +162,9 @@ def test_check_runs_the_suite_and_prints_the_matrix(example_site, tmp_path):
     assert "unimesh capability matrix" in proc.stdout
     assert "example_broken: the suite failed" in proc.stdout
     assert "FAILED" in proc.stdout and "test_mesh_round_trip" in proc.stdout
-    matrix = json.loads(out.read_text())
+    matrix = json.loads(out.read_text())["backends"]
     assert matrix["example"]["processes"] == "1 process"
+    assert matrix["example"]["ok"] and not matrix["example_broken"]["ok"]
     good, bad = matrix["example"]["matrix"], matrix["example_broken"]["matrix"]
     assert good["mesh"] == good["distribute"] == good["uneven_shards"] == "pass"
     assert good["partial"] == "not declared"
@@ -183,7 +184,7 @@ def test_check_a_launched_backend(tmp_path):
     out = tmp_path / "matrix.json"
     proc = check("torch", "--processes", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())["torch"]
+    result = json.loads(out.read_text())["backends"]["torch"]
     assert result["processes"] == "2 processes (torchrun)"
     declared = unimesh.get_backend("torch").capabilities
     for cap, verdict in result["matrix"].items():

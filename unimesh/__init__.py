@@ -14,6 +14,7 @@ from .errors import (
     BackendUnavailableError,
     ConfigError,
     ConversionError,
+    LaunchError,
     LayoutError,
     MeshMismatchError,
     MeshSpecError,
@@ -46,6 +47,7 @@ from .parallel import (
     shard_map,
     shard_params,
 )
+from .runtime import initialize, verify
 from .registry import (
     backends,
     distribute,
@@ -71,6 +73,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConversionError",
+    "LaunchError",
     "Layout",
     "LayoutError",
     "LayoutMap",
@@ -101,10 +104,12 @@ __all__ = [
     "distribute",
     "from_native",
     "get_backend",
+    "initialize",
     "load_config",
     "make_mesh",
     "refresh_backends",
     "register_backend",
     "to_native",
     "unregister_backend",
+    "verify",
 ]

@@ -158,7 +158,9 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
         get_backend(name)  # unusable (framework missing): its own clear error, before any run
     if processes < 1:
         raise UnimeshError(f"--processes must be >= 1, got {processes}")
-    console = Console(stderr=False)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 110))
     runs: list[Run] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=console,
@@ -185,9 +187,7 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
         if not run.failed:
             console.print(escape("\n".join(run.output.strip().splitlines()[-15:])))
     if json_path:
-        Path(json_path).write_text(json.dumps(
-            {r.backend: {"processes": r.how, "matrix": r.matrix()} for r in runs},
-            indent=2, sort_keys=True) + "\n")
+        Path(json_path).write_text(json.dumps(report(runs), indent=2) + "\n")
     if markdown_path:
         Path(markdown_path).write_text(markdown(runs))
     return 1 if failures else 0
@@ -213,6 +213,27 @@ def matrix_table(runs: list[Run]) -> Any:
     table.add_row("processes", *(run.how.split(" (")[0] for run in runs))
     table.add_row("time", *(f"{run.seconds:.0f} s" for run in runs))
     return table
+
+
+def report(runs: list[Run]) -> dict[str, Any]:
+    """The JSON form: the run (command, machine, date, framework versions) and each backend's
+    verdicts (what the docs' capability matrix is generated from)."""
+    import platform
+
+    from . import __version__
+    from .registry import get_backend
+
+    return {
+        "run": {"command": "unimesh check " + " ".join(r.backend for r in runs),
+                "machine": f"{platform.system()} {platform.machine()}, "
+                           f"{os.cpu_count()} cores, Python {platform.python_version()}",
+                "date": time.strftime("%Y-%m-%d"), "unimesh": __version__},
+        "backends": {r.backend: {"processes": r.how, "ok": r.ok,
+                                 "framework": f"{get_backend(r.backend).framework} "
+                                              f"{get_backend(r.backend).framework_version()}",
+                                 "seconds": round(r.seconds, 1), "matrix": r.matrix()}
+                     for r in runs},
+    }
 
 
 def markdown(runs: list[Run]) -> str:

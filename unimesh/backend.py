@@ -169,6 +169,18 @@ class Backend:
         demo."""
         return None
 
+    def initialize(self, timeout: float) -> tuple[int, int]:
+        """Start the framework's distributed runtime from the launcher's environment (once;
+        later calls return the same), peers joining within ``timeout`` seconds. Returns (this
+        process's index, the number of processes); the default is one process."""
+        return 0, 1
+
+    def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
+        """Every process's ``payload``, in process order, through the framework's collective;
+        :class:`~unimesh.MeshMismatchError` saying a peer is gone if one does not take part
+        within ``timeout`` seconds (used by :func:`unimesh.verify`). Default: one process."""
+        return [payload]
+
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         """For each of this process's devices in the native mesh, the members of its
         communication group along ``axis``, as the framework orders them (``axis_groups``)."""

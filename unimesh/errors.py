@@ -19,6 +19,7 @@ __all__ = [
     "BackendRegistrationError",
     "AxisContextError",
     "ConfigError",
+    "LaunchError",
 ]
 
 
@@ -69,3 +70,8 @@ class AxisContextError(UnimeshError, RuntimeError):
 
 class ConfigError(UnimeshError, ValueError):
     """A config file (TOML/JSON) is unreadable or its structure is wrong."""
+
+
+class LaunchError(MeshMismatchError):
+    """The launcher's environment is incomplete, or the distributed runtime could not start
+    (a variable is missing, a peer never joined)."""

@@ -15,6 +15,7 @@ import numpy as np
 from unimesh import (
     Backend,
     ConversionError,
+    LaunchError,
     Layout,
     Mesh,
     MeshMismatchError,
@@ -51,6 +52,10 @@ def request_cpu_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
 
 
+_JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+_EXCHANGES = [0]
+
+
 class JaxBackend(Backend):
     """JAX (>= 0.5): ``jax.sharding.Mesh``, ``NamedSharding`` and ``jax.Array``."""
 
@@ -81,22 +86,75 @@ class JaxBackend(Backend):
         devices."""
         import os
 
-        address = os.environ.get("JAX_COORDINATOR_ADDRESS")
         procs = os.environ.get("JAX_NUM_PROCESSES")
-        pid = os.environ.get("JAX_PROCESS_ID")
-        multi = bool(address and procs and pid)
+        multi = all(os.environ.get(v) for v in _JAX_ENV)
         request_cpu_devices(max(1, count // int(procs)) if multi and procs else count)
-        if multi and procs and pid:
-            jax = _jax()
+        self.initialize(300.0)
+        return len(global_devices())
+
+    def initialize(self, timeout: float) -> tuple[int, int]:
+        """``jax.distributed.initialize`` (gloo CPU collectives) from ``JAX_COORDINATOR_ADDRESS``,
+        ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, every process joining within ``timeout``
+        seconds (and leaving at exit within it). None of the three: one process."""
+        import os
+
+        given = {v: os.environ.get(v) for v in _JAX_ENV}
+        missing = [v for v, value in given.items() if not value]
+        if len(missing) not in (0, len(_JAX_ENV)):
+            raise LaunchError(
+                f"a multi-process JAX run needs {', '.join(_JAX_ENV)}; "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set (the others "
+                "are): set them on every process (process ids 0..N-1), or none for one process")
+        jax = _jax()
+        if not missing and not jax.distributed.is_initialized():
+            address = str(given["JAX_COORDINATOR_ADDRESS"])
+            try:
+                procs, pid = int(str(given["JAX_NUM_PROCESSES"])), int(str(given["JAX_PROCESS_ID"]))
+            except ValueError:
+                raise LaunchError(f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got "
+                                  f"{given['JAX_NUM_PROCESSES']!r} and "
+                                  f"{given['JAX_PROCESS_ID']!r}") from None
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             try:
-                jax.distributed.initialize(address, num_processes=int(procs),
-                                           process_id=int(pid))
+                jax.distributed.initialize(address, num_processes=procs, process_id=pid,
+                                           initialization_timeout=max(1, int(timeout)),
+                                           shutdown_timeout_seconds=max(1, int(timeout)))
             except RuntimeError as exc:
                 if "once" not in str(exc):
-                    raise MeshMismatchError(f"jax.distributed.initialize({address!r}, "
-                                            f"{procs}, {pid}) failed: {exc}") from exc
-        return len(global_devices())
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                    raise LaunchError(
+                        f"jax.distributed.initialize({address!r}, num_processes={procs}, "
+                        f"process_id={pid}) failed within {timeout:.0f} s (a peer process may "
+                        f"be gone, or JAX already ran a computation): {first}") from exc
+        return int(jax.process_index()), int(jax.process_count())
+
+    def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
+        """Through the ``jax.distributed`` coordination service's key-value store: each process
+        sets its payload, then reads every other one with a deadline."""
+        import time
+
+        from jax._src import distributed
+
+        index, count = self.initialize(timeout)
+        if count == 1:
+            return [payload]
+        client: Any = distributed.global_state.client
+        _EXCHANGES[0] += 1
+        key = f"unimesh/exchange/{_EXCHANGES[0]}/"
+        client.key_value_set_bytes(f"{key}{index}", payload)
+        deadline = time.monotonic() + timeout
+        out = []
+        for other in range(count):
+            left = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                out.append(bytes(client.blocking_key_value_get_bytes(f"{key}{other}", left)))
+            except Exception as exc:  # JaxRuntimeError: deadline exceeded, service gone
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                raise MeshMismatchError(
+                    f"process {index} of {count}: process {other} did not take part in the check "
+                    f"within {timeout:.0f} s; a peer process is gone or stuck ({first[:200]})"
+                ) from exc
+        return out
 
     # -- meshes --------------------------------------------------------------------------------
     def _devices_for(self, mesh: Mesh) -> np.ndarray:

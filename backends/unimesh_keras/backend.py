@@ -161,6 +161,24 @@ class KerasBackend(Backend):
 
         return unimesh.get_backend("jax")
 
+    def _runtime(self) -> Backend | None:
+        """The backend of the framework Keras runs on, for the distributed runtime."""
+        import keras
+
+        import unimesh
+
+        name = keras.backend.backend()
+        return unimesh.get_backend(name) if name in ("jax", "torch") else None
+
+    def initialize(self, timeout: float) -> tuple[int, int]:
+        """The runtime of the framework Keras runs on (JAX: ``jax.distributed``)."""
+        runtime = self._runtime()
+        return (0, 1) if runtime is None else runtime.initialize(timeout)
+
+    def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
+        runtime = self._runtime()
+        return [payload] if runtime is None else runtime.exchange(payload, timeout)
+
     def shard_map(self, body: Any, mesh: Mesh, in_layouts: tuple[Layout, ...],
                   out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
         """``jax.shard_map`` (Keras on JAX; the device order of ``list_devices()`` is JAX's)."""

@@ -9,7 +9,10 @@ before MPI finalizes. mlx is imported inside the functions, never at module impo
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -17,6 +20,7 @@ import numpy as np
 from unimesh import (
     Backend,
     ConversionError,
+    LaunchError,
     Layout,
     LayoutError,
     Mesh,
@@ -32,6 +36,7 @@ __all__ = ["AxisGroup", "MLXArray", "MLXAxisEnv", "MLXBackend", "MLXLayout", "ML
 _LIVE: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
 _LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but weakly referable
 _REGISTERED = False
+_STARTED: list[Any] = []  # the world group, once initialize() checked it
 
 
 _MX: Any = None
@@ -76,6 +81,52 @@ def _init_world() -> Any:
         atexit.register(_release_groups)
         _REGISTERED = True
     return world
+
+
+def launcher_world_size() -> tuple[int, str] | None:
+    """How many processes the launcher says it started, and the variable that says so:
+    mpirun's ``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE``, ``MLX_WORLD_SIZE``, or the number of
+    hosts in mlx.launch's ring ``MLX_HOSTFILE``. None outside a launcher."""
+    import json
+
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MLX_WORLD_SIZE"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value), f"{var}={value}"
+    path = os.environ.get("MLX_HOSTFILE")
+    if path:
+        try:
+            with open(path) as fh:
+                text = fh.read().strip()
+            hosts = json.loads(text) if text else []
+        except (OSError, ValueError):
+            return None
+        if isinstance(hosts, list) and hosts:
+            return len(hosts), f"MLX_HOSTFILE lists {len(hosts)} hosts"
+    return None
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, what: str) -> Iterator[None]:
+    """MLX collectives cannot be interrupted: if ``what`` does not finish within ``seconds``,
+    say so on stderr and end this process (status 1) instead of hanging."""
+    import sys
+    import threading
+
+    def fire() -> None:
+        sys.stderr.write(f"unimesh: {what} did not finish within {seconds:.0f} s: a peer process "
+                         "is gone or stuck; MLX collectives cannot be interrupted, so this "
+                         "process exits (status 1)\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 class AxisGroup:
@@ -220,7 +271,54 @@ class MLXBackend(Backend):
     }
 
     def _world(self) -> Any:
-        return _init_world()
+        if _STARTED:
+            return _STARTED[0]
+        self.initialize(300.0)
+        return _STARTED[0]
+
+    def initialize(self, timeout: float) -> tuple[int, int]:
+        """``mx.distributed.init()`` (within ``timeout`` seconds, see :func:`watchdog`), checked
+        against the process count the launcher says it started: MLX silently falls back to a
+        1-process group when it finds no distributed backend."""
+        if not _STARTED:
+            rank_hint = next((os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "MLX_RANK")
+                              if v in os.environ), "?")
+            with watchdog(timeout, f"mx.distributed.init() on rank {rank_hint}"):
+                world = _init_world()
+            expected = launcher_world_size()
+            if expected is not None and expected[0] != int(world.size()):
+                raise LaunchError(
+                    f"the launcher started {expected[0]} processes ({expected[1]}) but "
+                    f"mx.distributed.init() gave a group of {int(world.size())}: MLX found no "
+                    "distributed backend for this launcher (mpirun: is openmpi's libmpi "
+                    "installed, apt-get install libopenmpi-dev; mlx.launch: is the ring "
+                    "hostfile readable?)")
+            _STARTED.append(world)
+        world = _STARTED[0]
+        return int(world.rank()), int(world.size())
+
+    def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
+        """``mx.distributed.all_gather`` of the lengths, then of the padded bytes, over the
+        world group, under :func:`watchdog`."""
+        mx = _mx()
+        rank, world_size = self.initialize(timeout)
+        if world_size == 1:
+            return [payload]
+        world = _STARTED[0]
+        with watchdog(timeout, f"the mesh check on rank {rank} of {world_size}"):
+            try:
+                sizes = mx.distributed.all_gather(mx.array([len(payload)], dtype=mx.int32),
+                                                  group=world)
+                longest = int(mx.max(sizes).item())
+                mine = np.zeros(longest, dtype=np.int32)
+                mine[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                every = mx.distributed.all_gather(mx.array(mine), group=world)
+                mx.eval(every)
+            except RuntimeError as exc:
+                raise MeshMismatchError(f"rank {rank} of {world_size}: a peer process is gone "
+                                        f"({exc})") from exc
+        rows = np.array(every).reshape(world_size, longest)
+        return [bytes(rows[r, :int(n)].astype(np.uint8)) for r, n in enumerate(np.array(sizes))]
 
     def launcher(self, processes: int) -> tuple[list[str], dict[str, str]]:
         """``mlx.launch -n N --backend ring -- python`` (the ring backend needs no MPI)."""
@@ -231,7 +329,7 @@ class MLXBackend(Backend):
         return [str(launch), "-n", str(processes), "--backend", "ring", "--", sys.executable], {}
 
     def prepare_devices(self, count: int) -> int:
-        return int(self._world().size())
+        return self.initialize(300.0)[1]
 
     def mesh_to_native(self, mesh: Mesh, **options: Any) -> MLXMesh:
         self.reject_options(options)

@@ -16,6 +16,7 @@ import numpy as np
 from unimesh import (
     Backend,
     ConversionError,
+    LaunchError,
     Layout,
     Mesh,
     MeshMismatchError,
@@ -71,12 +72,17 @@ def _dist() -> Any:
     return dist
 
 
+_BROKEN = {"peer_gone": False}
+
+
 def _finish_process_group() -> None:
     """At exit, for a process group this backend started: leave together, then destroy it (a
-    rank gone early can make gloo abort the others)."""
+    rank gone early can make gloo abort the others). After a peer was found gone, no barrier:
+    it would wait for that peer until the group's timeout."""
     dist = _dist()
     if dist.is_initialized():
-        dist.barrier()
+        if not _BROKEN["peer_gone"]:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -183,24 +189,66 @@ class TorchBackend(Backend):
                  f"--nproc-per-node={processes}"],
                 {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
 
-    def prepare_devices(self, count: int) -> int:
-        """The world size: under a launcher (torchrun sets RANK/WORLD_SIZE) the gloo process
-        group is started if it is not; with no launcher and no process group, an error that
-        names the launcher. ``count`` cannot change it: the launcher decides."""
+    def initialize(self, timeout: float) -> tuple[int, int]:
+        """``init_process_group`` (gloo; gloo + nccl when CUDA is there) from the launcher's
+        ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, every rank joining within
+        ``timeout`` seconds. A process group already started (by the user or torchrun code) is
+        used as it is."""
         import os
+        from datetime import timedelta
 
         dist = _dist()
         if not dist.is_initialized():
-            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-                raise MeshMismatchError(
-                    "the torch backend needs a process group: run under a launcher, e.g. "
-                    "torchrun --standalone --nproc-per-node 4 script.py (RANK and WORLD_SIZE "
-                    "are not set)")
-            dist.init_process_group("gloo")
+            needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+            missing = [v for v in needed if v not in os.environ]
+            if missing:
+                raise LaunchError(
+                    f"the torch backend needs a process group, and the launcher's "
+                    f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: run "
+                    "under torchrun (torchrun --standalone --nproc-per-node 4 script.py), or "
+                    f"set {', '.join(needed)}")
+            kind = "cpu:gloo,cuda:nccl" if _torch().cuda.is_available() else "gloo"
+            try:
+                dist.init_process_group(kind, timeout=timedelta(seconds=timeout))
+            except (RuntimeError, ValueError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                raise LaunchError(
+                    f"torch.distributed.init_process_group({kind!r}) failed for RANK="
+                    f"{os.environ['RANK']} of WORLD_SIZE={os.environ['WORLD_SIZE']} at "
+                    f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                    f"{timeout:.0f} s (a peer process may be gone): {first}") from exc
             import atexit
 
             atexit.register(_finish_process_group)
-        return int(dist.get_world_size())
+        return int(dist.get_rank()), int(dist.get_world_size())
+
+    def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
+        """A gloo ``monitored_barrier`` first (a rank that is gone or stuck is reported within
+        ``timeout`` instead of hanging), then fixed-size ``all_gather`` calls."""
+        from datetime import timedelta
+
+        dist = _dist()
+        rank, world = self.initialize(timeout)
+        if world == 1 or str(dist.get_backend()).lower() == "fake":
+            return [payload] * world
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+            texts = _gather_texts(payload.hex(), "cpu")
+        except (RuntimeError, dist.DistError) as exc:
+            _BROKEN["peer_gone"] = True
+            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+            raise MeshMismatchError(
+                f"rank {rank} of {world}: a peer process is gone or stuck (it did not take part "
+                f"in the check within {timeout:.0f} s): {lines[0] if lines else repr(exc)}"
+            ) from exc
+        return [bytes.fromhex(t) for t in texts]
+
+    def prepare_devices(self, count: int) -> int:
+        """The world size: under a launcher (torchrun sets RANK/WORLD_SIZE) the gloo process
+        group is started if it is not (:meth:`initialize`); with no launcher and no process
+        group, a :class:`~unimesh.LaunchError` that names the launcher. ``count`` cannot change
+        it: the launcher decides."""
+        return self.initialize(1800.0)[1]
 
     # -- meshes --------------------------------------------------------------------------------
     def mesh_to_native(self, mesh: Mesh, *, device_type: str | None = None,

@@ -1,0 +1,91 @@
+"""Generates the docs' tables (``docs/_generated/*.md``) from real runs and declarations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+#: The built-in backends, in table order, and the classes that declare their native APIs.
+BACKENDS = {"torch": "unimesh_torch.backend:TorchBackend", "jax": "unimesh_jax.backend:JaxBackend",
+            "keras": "unimesh_keras.backend:KerasBackend",
+            "tensorflow": "unimesh_tensorflow.backend:TensorFlowBackend",
+            "mlx": "unimesh_mlx.backend:MLXBackend"}
+
+
+def _cls(path: str) -> type:
+    import importlib
+
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)  # no framework is imported
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def api_table() -> str:
+    """concept -> unimesh API -> each backend's native API (from ``Backend.native_api``)."""
+    import unimesh
+
+    classes = {name: _cls(path) for name, path in BACKENDS.items()}
+    head = ["concept", "unimesh", *classes]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for concept, neutral in unimesh.CONCEPTS.items():
+        cells = [concept, f"`{neutral}`"]
+        for cls in classes.values():
+            api = cls.native_api.get(concept)  # type: ignore[attr-defined]
+            cells.append(_cell(api) if api else "—")
+        lines.append("| " + " | ".join(_cell(c) if i < 2 else c for i, c in enumerate(cells))
+                     + " |")
+    return "\n".join(lines) + "\n"
+
+
+def capability_table(data: dict) -> str:
+    """The matrix of the last ``unimesh check --json`` run committed to ``_data``."""
+    from unimesh.conformance import CHECKED
+
+    runs = data["backends"]
+    head = ["capability", *(f"{b} ({r['processes']})" for b, r in runs.items())]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for cap in CHECKED:
+        lines.append(f"| {cap} | " + " | ".join(r["matrix"].get(cap, "-")
+                                               for r in runs.values()) + " |")
+    meta = data.get("run", {})
+    lines.append("")
+    lines.append(f"Run: `{meta.get('command', 'unimesh check')}` on {meta.get('machine', '?')}, "
+                 f"{meta.get('date', '?')}.")
+    return "\n".join(lines) + "\n"
+
+
+def benchmark_table(data: dict) -> str:
+    """The figures of the last ``benchmarks/gather.py`` run committed to ``_data``."""
+    out: list[str] = []
+    for section in data["sections"]:
+        out.append(f"## {section['title']}\n")
+        if section.get("note"):
+            out.append(section["note"] + "\n")
+        cols = section["columns"]
+        out.append("| " + " | ".join(cols) + " |")
+        out.append("|" + " --- |" * len(cols))
+        for row in section["rows"]:
+            out.append("| " + " | ".join(_cell(str(row.get(c, ""))) for c in cols) + " |")
+        out.append("")
+    meta = data.get("run", {})
+    out.append(f"Run: `{meta.get('command', 'python benchmarks/gather.py')}` on "
+               f"{meta.get('machine', '?')}, {meta.get('date', '?')}.")
+    return "\n".join(out) + "\n"
+
+
+def generate(docs: Path) -> None:
+    out = docs / "_generated"
+    out.mkdir(exist_ok=True)
+    tables = {"api-table.md": api_table()}
+    data = docs / "_data"
+    tables["capabilities-table.md"] = capability_table(
+        json.loads((data / "capabilities.json").read_text()))
+    tables["benchmarks-table.md"] = benchmark_table(
+        json.loads((data / "benchmarks.json").read_text()))
+    for name, text in tables.items():
+        path = out / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)

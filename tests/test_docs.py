@@ -1,0 +1,168 @@
+"""The docs: Sphinx builds them with warnings as errors; the code in the quickstart, the porting
+guide and the config page runs (under the launcher each block names) and prints what numpy says;
+the generated capability matrix agrees with what the backends declare."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import unimesh
+
+from .launch import require_mpirun, run_bounded
+
+DOCS = Path(__file__).parents[1] / "docs"
+X = np.arange(32.0).reshape(8, 4)
+
+
+def blocks(page: str, lang: str) -> list[str]:
+    text = (DOCS / page).read_text()
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    out.update(OMP_NUM_THREADS="1", **extra)
+    return out
+
+
+def test_sphinx_builds_without_warnings(tmp_path):
+    if os.environ.get("CI") is None:
+        pytest.importorskip("sphinx")
+        pytest.importorskip("myst_parser")
+    rc, out = run_bounded([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
+                           "html", str(DOCS), str(tmp_path / "html")], env(), 300, tmp_path)
+    assert rc == 0, out[-5000:]
+    page = (tmp_path / "html" / "api-mapping.html").read_text()
+    assert "jax.lax.psum" in page and "DeviceMesh.get_group" in page
+    api = (tmp_path / "html" / "api.html").read_text()
+    assert "shard_map" in api and "load_config" in api and "MeshMismatchError" in api
+
+
+def test_generated_matrix_matches_what_backends_declare():
+    """docs/_data/capabilities.json comes from a real `unimesh check` run; a backend whose
+    declared capabilities changed since then makes this fail until the run is repeated."""
+    data = json.loads((DOCS / "_data" / "capabilities.json").read_text())
+    from unimesh.conformance import CHECKED
+
+    assert set(data["backends"]) == {"torch", "jax", "keras", "tensorflow", "mlx"}
+    for name, run in data["backends"].items():
+        assert run["ok"], name
+        if name not in unimesh.backends():
+            continue
+        declared = unimesh.get_backend(name).capabilities
+        for cap in CHECKED:
+            want = "pass" if cap in declared else "not declared"
+            assert run["matrix"][cap] == want, (name, cap, run["matrix"][cap])
+
+
+def test_benchmark_data_has_every_section():
+    data = json.loads((DOCS / "_data" / "benchmarks.json").read_text())
+    titles = [s["title"] for s in data["sections"]]
+    assert titles == ["Import cost", "to_native overhead", "The core at 1,048,576 devices",
+                      "Program step overhead"]
+    assert all(s["rows"] for s in data["sections"])
+
+
+def test_quickstart_runs(tmp_path):
+    pytest.importorskip("jax")
+    code = "\n".join(blocks("quickstart.md", "python"))
+    code += ("\nassert unimesh.from_native(x.sharding) == layout\n"
+             "print(json.dumps(unimesh.full_array(row_sums(x)).ravel().tolist()))\n")
+    script = tmp_path / "quickstart.py"
+    script.write_text("import json\n" + code)
+    rc, out = run_bounded([sys.executable, str(script)],
+                          env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), 120, tmp_path)
+    assert rc == 0, out[-3000:]
+    assert json.loads(out.strip().splitlines()[-1]) == X.sum(axis=1).tolist()
+
+
+def _porting(tmp_path: Path, index: int) -> Path:
+    code = blocks("porting.md", "python")[index]
+    ast.parse(code)
+    path = tmp_path / f"porting_{index}.py"
+    path.write_text(code)
+    return path
+
+
+def _rank_sums(out: str, nproc: int) -> None:
+    """Every rank printed its rows' sums over tp: rank r holds rows 4*(r//4) .. +4."""
+    found = dict(re.findall(r"rank (\d+) sums (\[[^\]]*\])", out))
+    assert sorted(map(int, found)) == list(range(nproc)), out[-3000:]
+    for rank, sums in found.items():
+        dp = int(rank) // 4
+        assert json.loads(sums) == X[4 * dp:4 * dp + 4].sum(axis=1).tolist(), (rank, sums)
+
+
+def test_porting_torch(tmp_path):
+    pytest.importorskip("torch.distributed")
+    rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=8", str(_porting(tmp_path, 0))],
+                          env(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")), 240,
+                          tmp_path)
+    assert rc == 0, out[-3000:]
+    _rank_sums(out, 8)
+
+
+def test_porting_jax(tmp_path):
+    pytest.importorskip("jax")
+    rc, out = run_bounded([sys.executable, str(_porting(tmp_path, 1))],
+                          env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), 120, tmp_path)
+    assert rc == 0, out[-3000:]
+    (sums,) = re.findall(r"sums (\[[^\]]*\])", out)
+    assert json.loads(sums) == X.sum(axis=1).tolist()
+
+
+def test_porting_mlx(tmp_path):
+    pytest.importorskip("mlx.core")
+    mpirun = require_mpirun()
+    rc, out = run_bounded([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "8",
+                           sys.executable, str(_porting(tmp_path, 2))], env(), 240, tmp_path)
+    assert rc == 0, out[-3000:]
+    _rank_sums(out, 8)
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch", "mlx"])
+def test_porting_unimesh_version_on_every_backend(backend, tmp_path):
+    """The unimesh block, unchanged, under each framework's launcher: every process prints the
+    whole result (full_array), the row sums."""
+    script = str(_porting(tmp_path, 3))
+    if backend == "jax":
+        pytest.importorskip("jax")
+        cmd, nproc = [sys.executable, script, "--backend", "jax"], 1
+        extra = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    elif backend == "torch":
+        pytest.importorskip("torch.distributed")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=8", script, "--backend", "torch"]
+        nproc, extra = 8, {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    else:
+        pytest.importorskip("mlx.core")
+        launch = Path(sys.executable).with_name("mlx.launch")
+        cmd = [str(launch), "-n", "8", "--backend", "ring", "--", sys.executable, script,
+               "--backend", "mlx"]
+        nproc, extra = 8, {}
+    rc, out = run_bounded(cmd, env(**extra), 240, tmp_path)
+    assert rc == 0, out[-3000:]
+    sums = re.findall(r"sums (\[[^\]]*\])", out)
+    assert len(sums) == nproc, out[-3000:]
+    assert all(json.loads(s) == X.sum(axis=1).tolist() for s in sums), sums
+
+
+def test_config_page_example(tmp_path):
+    (toml,) = blocks("configs.md", "toml")
+    path = tmp_path / "dist.toml"
+    path.write_text(toml)
+    config = unimesh.load_config(path)
+    assert config.mesh == unimesh.Mesh((2, 4), ("batch", "model"))
+    assert config.layout_map.get("block_1/dense/kernel").spec == unimesh.P(None, "model")
+    assert config.axis_rules.spec(("batch", "mlp")) == unimesh.P("batch", "model")
+    assert unimesh.Config.from_json(config.to_json()) == config
+
