@@ -36,3 +36,36 @@ def require_mpirun() -> str:
             pytest.fail(hint + " (.ci/run does)")
         pytest.skip(hint)
     return mpirun
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(cmd: list[str], envs: list[dict[str, str]], limit: float,
+              cwd: Path | None = None) -> tuple[list[int], list[str], float]:
+    """Start one process per env (each in its own session), wait for all within ``limit``
+    seconds; return exit codes, outputs and the seconds it took. On timeout every process
+    group is killed and the test fails with what each printed."""
+    import time
+
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, cwd=cwd, start_new_session=True) for env in envs]
+    outs: list[str] = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, limit - (time.monotonic() - t0)))
+            outs.append(out)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        rest = [p.communicate()[0] for p in procs[len(outs):]]
+        pytest.fail(f"{cmd} did not finish within {limit} s; outputs:\n"
+                    + "\n---\n".join(o[-1500:] for o in outs + rest))
+    return [p.returncode for p in procs], outs, time.monotonic() - t0

@@ -95,7 +95,9 @@ class JaxBackend(Backend):
     def initialize(self, timeout: float) -> tuple[int, int]:
         """``jax.distributed.initialize`` (gloo CPU collectives) from ``JAX_COORDINATOR_ADDRESS``,
         ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, every process joining within ``timeout``
-        seconds (and leaving at exit within it). None of the three: one process."""
+        seconds; a peer that stops sending heartbeats for ``timeout`` seconds (at least 10, at
+        most JAX's default 100) is gone, and JAX ends the others. None of the three: one
+        process."""
         import os
 
         given = {v: os.environ.get(v) for v in _JAX_ENV}
@@ -116,9 +118,13 @@ class JaxBackend(Backend):
                                   f"{given['JAX_PROCESS_ID']!r}") from None
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             try:
+                # a peer silent for longer than this is gone (JAX's default: 100 s), and the
+                # exit barrier waits no longer for it
+                patience = max(10, min(100, int(timeout)))
                 jax.distributed.initialize(address, num_processes=procs, process_id=pid,
                                            initialization_timeout=max(1, int(timeout)),
-                                           shutdown_timeout_seconds=max(1, int(timeout)))
+                                           heartbeat_timeout_seconds=patience,
+                                           shutdown_timeout_seconds=patience)
             except RuntimeError as exc:
                 if "once" not in str(exc):
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)

@@ -1,0 +1,46 @@
+"""One process of a unimesh.verify run: python verify_worker.py BACKEND MODE [WORLD].
+
+clean: every process builds the same mesh; verify passes; exit 0.
+disagree: process 1 builds the mesh with its device order reversed; every process must raise
+    MeshMismatchError (exit 3).
+die: process 1 kills itself (SIGKILL) after the runtime started; the others' verify must say a
+    peer is gone (exit 4).
+small: the mesh needs one device more than the world has (exit 5).
+stuck: process 1 sleeps 40 s before its check; the others must say a peer is gone or stuck
+    within their 15 s timeout instead of waiting (exit 4).
+Each process prints one VERIFY line saying what it checked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import unimesh
+
+backend, mode = sys.argv[1], sys.argv[2]
+t0 = time.monotonic()
+rank, world = unimesh.initialize(backend, timeout=20)
+size = world
+mesh = unimesh.Mesh((2, size // 2), ("dp", "tp"))
+if mode == "disagree" and rank == 1:
+    mesh = unimesh.Mesh((2, size // 2), ("dp", "tp"), np.arange(size)[::-1].reshape(2, -1))
+if mode == "small":
+    mesh = unimesh.Mesh((2, size // 2 + 1), ("dp", "tp"))
+if mode == "die" and rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "stuck" and rank == 1:
+    time.sleep(40)
+try:
+    unimesh.verify(mesh, backend, layout=unimesh.Layout(mesh, unimesh.P("dp")), timeout=15)
+except unimesh.MeshMismatchError as exc:
+    kind = "gone" if "gone" in str(exc) else "devices" if "uses device" in str(exc) else "mismatch"
+    print(f"VERIFY rank {rank} of {world} {kind} after {time.monotonic() - t0:.1f}s: {exc}",
+          flush=True)
+    time.sleep(1.0)  # let every rank print before the first exit makes a launcher end the rest
+    sys.exit({"mismatch": 3, "gone": 4, "devices": 5}[kind])
+print(f"VERIFY rank {rank} of {world} ok after {time.monotonic() - t0:.1f}s", flush=True)
