@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import reprlib
 from collections.abc import Iterable
 from typing import NoReturn
 
@@ -23,11 +24,18 @@ def fail(message: str, cls: type[Exception] = MeshSpecError) -> NoReturn:
     raise cls(message)
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 12
+_REPR.maxstring = _REPR.maxother = 100
+_REPR.maxlevel = 4
+
+
 def short(value: object, limit: int = 80) -> str:
-    """``repr`` of a value, cut to ``limit`` characters so that messages stay readable."""
+    """``repr`` of a value, cut to ``limit`` characters so that messages stay readable; a huge
+    or deep container costs no more than its first few items."""
     try:
-        text = repr(value)
-    except Exception:  # pragma: no cover - a repr that raises
+        text = repr(value) if type(value) in (str, int, float, bool) else _REPR.repr(value)
+    except Exception:  # a repr that raises, or an int of more than 4300 digits
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -62,9 +70,14 @@ def as_tuple(value: object, what: str, cls: type[Exception] = MeshSpecError) -> 
 
 
 def check_size(shape: tuple[int, ...], what: str = "mesh") -> int:
+    """The device count of ``shape``, refused above 2**26 before anything is allocated (and
+    before a product of thousands of digits is ever written out)."""
+    if sum(int(n).bit_length() for n in shape) > 200:
+        fail(f"{what} of shape {short(shape)} has more than 10**60 devices, more than unimesh "
+             f"supports ({MAX_DEVICES} = 2**26); use smaller axis sizes")
     size = math.prod(shape)
     if size > MAX_DEVICES:
-        fail(f"{what} of shape {shape} has {size} devices, more than unimesh supports "
+        fail(f"{what} of shape {short(shape)} has {size} devices, more than unimesh supports "
              f"({MAX_DEVICES} = 2**26); use smaller axis sizes")
     return size
 

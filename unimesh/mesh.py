@@ -34,8 +34,32 @@ def current_mesh() -> Mesh | None:
     return stack[-1] if stack else None
 
 
+def _check_nesting(value: object, shape: tuple[int, ...], depth: int = 0) -> None:
+    """Nested lists of ids must have ``shape``: checked top-down before numpy sees them, so a
+    huge, deep or ragged input fails after at most ``prod(shape)`` steps."""
+    if not isinstance(value, (list, tuple)):
+        return  # a scalar where a list belongs, or an ndarray: numpy's shape check says so
+    if depth == len(shape):
+        fail(f"device_ids nest deeper than the mesh's {len(shape)} dims: {short(value)} stands "
+             "where one id belongs")
+    if len(value) != shape[depth]:
+        seen = str(shape[:depth] + (len(value),))
+        if value and isinstance(value[0], (list, tuple)):
+            seen = seen.rstrip(",)") + ", ...)"
+        fail(f"device_ids has shape {seen} but the mesh shape is {shape}; give one id per "
+             "device as an array of the mesh's shape")
+    lengths = {len(v) for v in value if isinstance(v, (list, tuple))}
+    if len(lengths) > 1 or (lengths and len(lengths) == 1 and any(
+            not isinstance(v, (list, tuple)) for v in value)):
+        fail(f"device_ids {short(value)} is not a rectangular array of ints (rows of different "
+             "lengths)")
+    for v in value:
+        _check_nesting(v, shape, depth + 1)
+
+
 def _ids_array(device_ids: object, shape: tuple[int, ...]) -> np.ndarray:
     """Validate user device ids (ndarray or nested lists) into a fresh int64 array of ``shape``."""
+    _check_nesting(device_ids, shape)
     try:
         arr = np.array(device_ids)
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
