@@ -235,15 +235,36 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
     body = _Body(f, len(outs), single_out)
     run = be.shard_map(body, mesh, ins, outs, single_out)
 
+    checked: set[tuple[int, tuple[int, ...]]] = set()
+
     def call(*args: Any) -> Any:
         if len(args) != len(ins):
             raise LayoutError(f"the shard_map of {getattr(f, '__name__', 'f')} takes "
                               f"{len(ins)} argument(s) (one per in_spec), got {len(args)}")
+        for i, arg in enumerate(args):  # global shapes; each (argument, shape) checked once
+            shape = getattr(arg, "shape", None)
+            if shape is not None and (i, tuple(shape)) not in checked:
+                _check_even(ins[i], tuple(shape), i)
+                checked.add((i, tuple(shape)))
         return run(*args)
 
     call.__name__ = getattr(f, "__name__", "shard_map")
     call.__doc__ = getattr(f, "__doc__", None)
     return call
+
+
+def _check_even(layout: Layout, shape: tuple[int, ...], index: int) -> None:
+    """shard_map splits every argument into equal blocks (JAX's rule, on every backend)."""
+    if len(layout.spec) > len(shape):
+        raise LayoutError(f"shard_map argument {index} has shape {shape}, fewer dims than its "
+                          f"in_spec {layout.spec!r}")
+    if not layout.is_even(shape):
+        counts = layout.shard_counts()
+        bad = next(d for d, n in enumerate(shape[:len(counts)]) if n % counts[d])
+        raise LayoutError(
+            f"shard_map argument {index} has shape {shape}: dim {bad} ({shape[bad]}) does not "
+            f"split evenly into {counts[bad]} blocks under {layout.spec!r} on {layout.mesh!r}; "
+            f"shard_map needs equal blocks: pad dim {bad} to a multiple of {counts[bad]}")
 
 
 def full_array(array: Any, backend: str | Backend | None = None) -> Any:

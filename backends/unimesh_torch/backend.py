@@ -137,8 +137,9 @@ class TorchBackend(Backend):
         dist = _dist()
         if not dist.is_available() or not dist.is_initialized():
             raise MeshMismatchError(
-                "torch.distributed is not initialized: run under torchrun (or call "
-                "torch.distributed.init_process_group) before converting a mesh to torch")
+                "torch.distributed is not initialized: run under torchrun and call "
+                "unimesh.initialize() (or torch.distributed.init_process_group) before "
+                "converting a mesh to torch")
         return dist.get_rank(), dist.get_world_size()
 
     def _device_type(self, device_type: str | None) -> str:
