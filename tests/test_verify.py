@@ -58,29 +58,31 @@ def check_mode(mode: str, verdicts: dict[int, str], codes: dict[int, int]) -> No
         assert seconds < LIMIT, text
 
 
-# -- torch ------------------------------------------------------------------------------------
-def torch_ranks(mode: str, tmp_path: Path) -> tuple[dict[int, str], dict[int, int], str]:
-    port = str(free_port())
-    envs = [base_env(RANK=str(r), WORLD_SIZE=str(N), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port) for r in range(N)]
-    codes, outs, took = run_ranks([sys.executable, WORKER, "torch", mode], envs, LIMIT + 30,
+def plain_processes(backend: str, mode: str, envs: list[dict[str, str]],
+                    tmp_path: Path) -> None:
+    """The worker in N processes started here (the engine's own rendezvous, no launcher that
+    could end the survivors itself); every rank's verdict and exit code checked."""
+    codes, outs, took = run_ranks([sys.executable, WORKER, backend, mode], envs, LIMIT + 30,
                                   tmp_path)
     assert took < LIMIT + 10, f"took {took:.0f} s"
     verdicts: dict[int, str] = {}
     for out in outs:
         verdicts.update(lines(out))
+    if mode == "die":
+        assert codes[1] == -9, codes
     if mode == "stuck":
         verdicts.pop(1, None)  # it wakes up after the others left; its own failure is not checked
-    return verdicts, dict(enumerate(codes)), "\n".join(outs)
+    check_mode(mode, verdicts, dict(enumerate(codes)))
 
 
+# -- torch ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["clean", "disagree", "die", "small", "stuck"])
 def test_torch_gloo_processes(mode, tmp_path):
     pytest.importorskip("torch.distributed")
-    verdicts, codes, out = torch_ranks(mode, tmp_path)
-    if mode == "die":
-        assert codes[1] == -9, codes
-    check_mode(mode, verdicts, codes)
+    port = str(free_port())
+    plain_processes("torch", mode, [base_env(RANK=str(r), WORLD_SIZE=str(N), LOCAL_RANK=str(r),
+                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                                    for r in range(N)], tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["clean", "disagree"])
@@ -113,17 +115,9 @@ def test_torchrun_with_a_killed_worker_stops_every_rank(tmp_path):
 def test_jax_distributed_processes(mode, tmp_path):
     pytest.importorskip("jax")
     address = f"127.0.0.1:{free_port()}"
-    envs = [base_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(N),
-                     JAX_PROCESS_ID=str(r), JAX_PLATFORMS="cpu") for r in range(N)]
-    codes, outs, took = run_ranks([sys.executable, WORKER, "jax", mode], envs, LIMIT + 30,
-                                  tmp_path)
-    assert took < LIMIT + 10, f"took {took:.0f} s"
-    verdicts: dict[int, str] = {}
-    for out in outs:
-        verdicts.update(lines(out))
-    if mode == "stuck":
-        verdicts.pop(1, None)
-    check_mode(mode, verdicts, dict(enumerate(codes)))
+    plain_processes("jax", mode, [base_env(JAX_COORDINATOR_ADDRESS=address,
+                                           JAX_NUM_PROCESSES=str(N), JAX_PROCESS_ID=str(r),
+                                           JAX_PLATFORMS="cpu") for r in range(N)], tmp_path)
 
 
 # -- MLX --------------------------------------------------------------------------------------
