@@ -227,6 +227,15 @@ def test_initialize_names_missing_variables(monkeypatch):
     assert isinstance(unimesh.LaunchError("x"), unimesh.MeshMismatchError)
 
 
+def test_tensorflow_is_one_client(monkeypatch):
+    pytest.importorskip("tensorflow")
+    assert unimesh.initialize("tensorflow") == (0, 1)
+    monkeypatch.setenv("DTENSOR_NUM_CLIENTS", "2")
+    with pytest.raises(unimesh.UnsupportedError, match="DTENSOR_NUM_CLIENTS=2: the tensorflow "
+                                                       "backend runs one DTensor client"):
+        unimesh.initialize("tensorflow")
+
+
 def test_single_process_verify_and_its_bad_input():
     pytest.importorskip("jax")
     mesh = unimesh.Mesh((2, 4), ("dp", "tp"))

@@ -68,8 +68,23 @@ class TensorFlowBackend(Backend):
         "mesh": "tf.experimental.dtensor.Mesh",
         "layout": "tf.experimental.dtensor.Layout",
         "distribute": "dtensor.copy_to_mesh + dtensor.relayout",
-        "launch": "one client; tf.config.set_logical_device_configuration for CPU devices",
+        "launch": "one client (DTENSOR_NUM_CLIENTS=1); tf.config.set_logical_device_configuration "
+                  "for CPU devices",
     }
+
+    def initialize(self, timeout: float) -> tuple[int, int]:
+        """One DTensor client: nothing to start. A multi-client launch (DTensor's
+        ``DTENSOR_NUM_CLIENTS`` above 1) is refused instead of running each client alone."""
+        import os
+
+        clients = os.environ.get("DTENSOR_NUM_CLIENTS", "1").strip() or "1"
+        if clients != "1":
+            raise UnsupportedError(
+                f"DTENSOR_NUM_CLIENTS={clients}: the tensorflow backend runs one DTensor client "
+                "(multi-client DTensor is not supported); unset DTENSOR_NUM_CLIENTS, or use the "
+                "jax or torch backend for several processes", backend=self.name,
+                capability="multi_process")
+        return 0, 1
 
     def prepare_devices(self, count: int) -> int:
         """``count`` logical CPU devices if TensorFlow's runtime has not started; returns how
