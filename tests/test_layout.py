@@ -205,3 +205,19 @@ def test_axis_rules_first_unused_wins():
     with pytest.raises(LayoutError, match="names axis 'fsdp', which is not in"):
         rules.spec(("embed",), M24)
     assert AxisRules({"batch": "dp"}).spec(("batch",)) == P("dp")
+
+
+def test_layout_equality_is_by_meaning():
+    """Trailing replicated dims do not change a layout (JAX's NamedSharding compares the same
+    way); the spec itself stays exact."""
+    m = Mesh((2, 4), ("dp", "tp"))
+    assert Layout(m, P()) == Layout(m, P(None)) == Layout(m, P(None, None))
+    assert Layout(m, P("dp")) == Layout(m, P("dp", None))
+    assert hash(Layout(m, P("dp"))) == hash(Layout(m, P("dp", None)))
+    assert Layout(m, P("dp")) != Layout(m, P(None, "dp"))
+    assert Layout(m, P("dp")) != Layout(m, P("dp", partial={"tp": "sum"}))
+    assert P("dp") != P("dp", None)
+    assert len({Layout(m, P()), Layout(m, P(None)), Layout(m, P("tp"))}) == 2
+    for shape in [(8, 4), (3, 5, 2)]:
+        assert Layout(m, P("dp")).device_slices(shape) == Layout(m, P("dp", None)).device_slices(
+            shape)

@@ -282,13 +282,23 @@ class Layout:
     def spec(self) -> PartitionSpec:
         return self._spec
 
+    def _meaning(self) -> tuple[Any, ...]:
+        """The spec without trailing replicated dims: ``P('dp')`` and ``P('dp', None)`` lay a
+        tensor out the same way (as JAX's NamedSharding compares them)."""
+        entries = list(self._spec.entries)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return tuple(entries), frozenset(self._spec.partial.items())
+
     def __eq__(self, other: object) -> bool:
+        """Equal when on the same mesh with the same meaning: trailing replicated entries of
+        the spec do not count (``Layout(m, P())  == Layout(m, P(None))``)."""
         if not isinstance(other, Layout):
             return NotImplemented
-        return self._mesh == other._mesh and self._spec == other._spec
+        return self._mesh == other._mesh and self._meaning() == other._meaning()
 
     def __hash__(self) -> int:
-        return hash((self._mesh, self._spec))
+        return hash((self._mesh, self._meaning()))
 
     def __repr__(self) -> str:
         return f"Layout({self._mesh!r}, {self._spec!r})"
