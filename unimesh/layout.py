@@ -252,10 +252,11 @@ class Layout:
     ``spec`` may be a PartitionSpec or a tuple/list of entries.
     """
 
-    __slots__ = ("_mesh", "_spec")
+    __slots__ = ("_mesh", "_spec", "_key")
 
     _mesh: Mesh
     _spec: PartitionSpec
+    _key: tuple[Any, ...]
 
     def __init__(self, mesh: Mesh, spec: PartitionSpec | Sequence[object]) -> None:
         if not isinstance(mesh, Mesh):
@@ -270,6 +271,10 @@ class Layout:
                        f"the axes are {mesh.axis_names}")
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_spec", spec)
+        entries = list(spec.entries)
+        while entries and entries[-1] is None:
+            entries.pop()
+        object.__setattr__(self, "_key", (tuple(entries), frozenset(spec.partial.items())))
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Layout is immutable")
@@ -282,23 +287,18 @@ class Layout:
     def spec(self) -> PartitionSpec:
         return self._spec
 
-    def _meaning(self) -> tuple[Any, ...]:
-        """The spec without trailing replicated dims: ``P('dp')`` and ``P('dp', None)`` lay a
-        tensor out the same way (as JAX's NamedSharding compares them)."""
-        entries = list(self._spec.entries)
-        while entries and entries[-1] is None:
-            entries.pop()
-        return tuple(entries), frozenset(self._spec.partial.items())
-
     def __eq__(self, other: object) -> bool:
         """Equal when on the same mesh with the same meaning: trailing replicated entries of
         the spec do not count (``Layout(m, P())  == Layout(m, P(None))``)."""
+        if other is self:
+            return True
         if not isinstance(other, Layout):
             return NotImplemented
-        return self._mesh == other._mesh and self._meaning() == other._meaning()
+        return self._key == other._key and (self._mesh is other._mesh
+                                            or self._mesh == other._mesh)
 
     def __hash__(self) -> int:
-        return hash((self._mesh, self._meaning()))
+        return hash((self._mesh, self._key))
 
     def __repr__(self) -> str:
         return f"Layout({self._mesh!r}, {self._spec!r})"
@@ -308,6 +308,9 @@ class Layout:
 
     # -- shards --------------------------------------------------------------------------------
     def _shape(self, global_shape: object) -> tuple[int, ...]:
+        if type(global_shape) is tuple and len(global_shape) >= len(self._spec) and all(
+                type(n) is int and n >= 0 for n in global_shape):
+            return global_shape  # the common case, checked without building messages
         if isinstance(global_shape, (str, bytes)) or not isinstance(global_shape, Sequence):
             _lfail(f"global_shape must be a tuple of ints, got {short(global_shape)}")
         shape = tuple(check_int(s, f"global_shape entry {short(s)}", minimum=0, cls=LayoutError)

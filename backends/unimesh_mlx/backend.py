@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import weakref
 from collections.abc import Iterator
@@ -406,6 +407,7 @@ class MLXBackend(Backend):
         process, or :class:`MLXArray`), with the axis groups; returns :class:`MLXArray`."""
 
         envs: list[MLXAxisEnv] = []
+        shapes: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}  # (output, block) -> global
 
         def run(*args: Any) -> Any:
             mx = _mx()
@@ -417,9 +419,13 @@ class MLXBackend(Backend):
             result = body(env, *blocks)
             results = (result,) if single_out else result
             outs = []
-            for block, layout in zip(results, out_layouts):
+            for i, (block, layout) in enumerate(zip(results, out_layouts)):
                 block = block if isinstance(block, mx.array) else mx.array(block)
-                outs.append(MLXArray(block, layout, layout.global_shape(tuple(block.shape))))
+                key = (i, tuple(block.shape))
+                shape = shapes.get(key)
+                if shape is None:
+                    shape = shapes[key] = layout.global_shape(key[1])
+                outs.append(MLXArray(block, layout, shape))
             return outs[0] if single_out else tuple(outs)
 
         return run
@@ -487,11 +493,22 @@ class MLXAxisEnv(AxisEnv):
     def __init__(self, mesh: Mesh, device: int, native: MLXMesh) -> None:
         super().__init__(mesh, device)
         self.native = native
+        self._ops: dict[tuple[tuple[str, ...], str], Any] = {}
 
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         mx = _mx()
         x = x if isinstance(x, mx.array) else mx.array(x)
-        return getattr(self.native.axis_group(axes), "all_" + op)(x)
+        try:
+            collective = self._ops[axes, op]
+        except KeyError:  # once per (axes, op): the group's collective, bound
+            group = self.native.axis_group(axes)
+            if group.group is not None:
+                collective = functools.partial(getattr(mx.distributed, "all_" + op),
+                                               group=group.group)
+            else:
+                collective = getattr(group, "all_" + op)
+            self._ops[axes, op] = collective
+        return collective(x)
 
     def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
         mx = _mx()
