@@ -20,16 +20,15 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-import mlp_step  # noqa: E402
+import mlp_step
 
-import unimesh  # noqa: E402
-from unimesh import Layout, P  # noqa: E402
+import unimesh
+from unimesh import Layout, P
 
 SPECS_IN = (P("dp", None), P("dp", None), P(None, "tp"), P("tp", None))
 SPECS_OUT = (P(), P(None, "tp"), P("tp", None))

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests import fuzzing  # noqa: E402
+from tests import fuzzing
 
 LIMIT_MS = 50.0
 

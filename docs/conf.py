@@ -13,7 +13,7 @@ sys.path.insert(0, str(HERE))
 
 project = "unimesh"
 author = "the unimesh developers"
-copyright = "2026, the unimesh developers"  # noqa: A001
+copyright = "2026, the unimesh developers"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build", "_data", "_generated"]

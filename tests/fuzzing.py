@@ -29,13 +29,13 @@ FORBIDDEN = ("exec", "compile", "pickle.find_class", "marshal.loads", "os.system
 TEXT_SEEDS = [
     "dp=2,tp=4", "a=1", "dp=2,tp=2;ids=3,2,1,0", "x=2,y=3;types=explicit,auto",
     "dp=4;per_process=2", "a=2,b=2,c=2;ids=7,6,5,4,3,2,1,0;types=auto,auto,manual;per_process=4",
-    "|x=2,y=2|0,1,2,3|0,1,2,3|/job:localhost/replica:0/task:0/device:CPU:0,"
-    "/job:localhost/replica:0/task:0/device:CPU:1,/job:localhost/replica:0/task:0/device:CPU:2,"
-    "/job:localhost/replica:0/task:0/device:CPU:3",
+    ("|x=2,y=2|0,1,2,3|0,1,2,3|/job:localhost/replica:0/task:0/device:CPU:0,"
+     "/job:localhost/replica:0/task:0/device:CPU:1,/job:localhost/replica:0/task:0/device:CPU:2,"
+     "/job:localhost/replica:0/task:0/device:CPU:3"),
 ]
 TOML_SEEDS = [
-    'mesh = "dp=2,tp=4"\nbatch_axis = "dp"\n[layout]\n"enc/.*/kernel" = "_,tp"\n'
-    '"enc/.*/bias" = ["tp"]\n[axis_rules]\nbatch = "dp"\nmlp = "tp"\n',
+    ('mesh = "dp=2,tp=4"\nbatch_axis = "dp"\n[layout]\n"enc/.*/kernel" = "_,tp"\n'
+     '"enc/.*/bias" = ["tp"]\n[axis_rules]\nbatch = "dp"\nmlp = "tp"\n'),
     '[mesh]\naxes = {a = 2, b = 2}\ndevice_ids = [[3, 2], [1, 0]]\n',
     'mesh = "x=8"\n[layout]\n".*" = [["x"]]\n',
 ]

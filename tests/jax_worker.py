@@ -19,11 +19,11 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 address, n, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 jax.distributed.initialize(address, num_processes=n, process_id=pid)
 
-from unimesh_jax import global_devices  # noqa: E402
-from worker_checks import Checks  # noqa: E402
+from unimesh_jax import global_devices
+from worker_checks import Checks
 
-import unimesh  # noqa: E402
-from unimesh import Layout, Mesh, P, make_mesh  # noqa: E402
+import unimesh
+from unimesh import Layout, Mesh, P, make_mesh
 
 check = Checks(f"process {pid}")
 

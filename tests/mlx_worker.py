@@ -50,7 +50,7 @@ for mesh in (Mesh((2, 2), ("dp", "tp")), Mesh((2, 2), ("dp", "tp"), [[3, 1], [2,
               f"distribute {spec} of {shape}: this rank's shard is the reference block")
 
 if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
-    import mlx.nn as nn
+    from mlx import nn
     from unimesh_mlx import shard_linear
 
     mesh = Mesh((2, 2), ("dp", "tp"))
@@ -69,8 +69,8 @@ if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
     check(np.allclose(got, want, atol=1e-5), "shard_linear P(None, 'tp'): the full output")
 
 # parameter sharding by rule: every parameter becomes this rank's reference block
-import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+from mlx import nn
+from mlx.utils import tree_flatten
 
 mesh = Mesh((2, 2), ("dp", "tp"))
 mx.random.seed(1)

@@ -108,13 +108,13 @@ def test_convert_prints_the_native_mesh():
 def test_convert_code_builds_the_same_mesh_when_run():
     """The hand-written native code that --code prints, executed, gives back the neutral mesh."""
     spec = "dp=2,tp=2;ids=3,1,2,0"
-    for backend, prelude in [("jax", "import os\nos.environ['XLA_FLAGS'] = "
-                                     "'--xla_force_host_platform_device_count=4'\n"),
-                             ("keras", "import os\nos.environ['XLA_FLAGS'] = "
-                                       "'--xla_force_host_platform_device_count=4'\n"
-                                       "os.environ['KERAS_BACKEND'] = 'jax'\n"),
-                             ("tensorflow", "import unimesh_tensorflow\n"
-                                            "unimesh_tensorflow.configure_cpu_devices(4)\n")]:
+    for backend, prelude in [("jax", ("import os\nos.environ['XLA_FLAGS'] = "
+                                      "'--xla_force_host_platform_device_count=4'\n")),
+                             ("keras", ("import os\nos.environ['XLA_FLAGS'] = "
+                                        "'--xla_force_host_platform_device_count=4'\n"
+                                        "os.environ['KERAS_BACKEND'] = 'jax'\n")),
+                             ("tensorflow", ("import unimesh_tensorflow\n"
+                                             "unimesh_tensorflow.configure_cpu_devices(4)\n"))]:
         proc = run("convert", spec, "--to", backend, "--code")
         assert proc.returncode == 0, proc.stderr
         program = (prelude + proc.stdout + "\nimport unimesh\n"

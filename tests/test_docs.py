@@ -24,7 +24,7 @@ X = np.arange(32.0).reshape(8, 4)
 
 def blocks(page: str, lang: str) -> list[str]:
     text = (DOCS / page).read_text()
-    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.DOTALL)
 
 
 def env(**extra: str) -> dict[str, str]:

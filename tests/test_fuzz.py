@@ -59,7 +59,7 @@ def test_the_audit_hook_would_see_an_evaluation():
     fuzzing._install_hook()
     fuzzing._WATCH["on"], fuzzing._WATCH["seen"] = True, []
     try:
-        eval("1 + 1")  # noqa: S307 - the event under test
+        eval("1 + 1")
     finally:
         fuzzing._WATCH["on"] = False
     assert "exec" in fuzzing._WATCH["seen"] or "compile" in fuzzing._WATCH["seen"]

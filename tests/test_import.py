@@ -14,7 +14,7 @@ def _run(code: str) -> dict:
     env = dict(os.environ)
     env.pop("UNIMESH_BACKEND", None)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=120)
+                          timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -15,10 +15,10 @@ from unimesh import Layout, Mesh, MeshMismatchError, P, UnsupportedError
 from .strategies import meshes, specs
 
 jax = pytest.importorskip("jax")
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import Mesh as JMesh  # noqa: E402
-from jax.sharding import PartitionSpec as JP  # noqa: E402
-from unimesh_jax import global_devices, use_mesh  # noqa: E402
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import Mesh as JMesh
+from jax.sharding import PartitionSpec as JP
+from unimesh_jax import global_devices, use_mesh
 
 if len(jax.devices()) < 8:  # pragma: no cover - XLA_FLAGS came too late
     pytest.skip("needs 8 CPU devices (XLA_FLAGS set before jax is imported)",

@@ -21,10 +21,10 @@ from .strategies import meshes, specs
 keras = pytest.importorskip("keras")
 if keras.backend.backend() != "jax":  # pragma: no cover - KERAS_BACKEND came too late
     pytest.skip("these tests run Keras on JAX", allow_module_level=True)
-import jax  # noqa: E402
-from keras import distribution as kd  # noqa: E402
-from unimesh_jax import global_devices  # noqa: E402
-from unimesh_keras import distribution  # noqa: E402
+import jax
+from keras import distribution as kd
+from unimesh_jax import global_devices
+from unimesh_keras import distribution
 
 MESH = Mesh((2, 4), ("dp", "tp"), np.arange(8)[::-1].reshape(2, 4))
 

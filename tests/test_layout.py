@@ -58,7 +58,7 @@ def test_shard_slices_even():
 
 def test_shard_slices_uneven_follow_torch_chunk():
     lay = Layout(Mesh((4,), ("x",)), P("x"))
-    for n in range(0, 11):
+    for n in range(11):
         got = [(s[0].start, s[0].stop) for s in (lay.shard_slices((n,), d) for d in range(4))]
         assert got == chunk_ref(n, 4), n
     # 5 over 4: torch.chunk gives 2,2,1 and an empty fourth shard

@@ -238,9 +238,8 @@ def test_context_manager_nests():
             assert unimesh.current_mesh() is b
         assert unimesh.current_mesh() is a
     assert unimesh.current_mesh() is None
-    with pytest.raises(RuntimeError):
-        with a:
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), a:
+        raise RuntimeError("boom")
     assert unimesh.current_mesh() is None
 
 

@@ -11,7 +11,7 @@ from unimesh import Layout, LayoutError, Mesh, MeshMismatchError, MeshSpecError,
 mx = pytest.importorskip("mlx.core")
 nn = pytest.importorskip("mlx.nn")
 
-from unimesh_mlx import MLXArray, MLXLayout, MLXMesh, shard_linear  # noqa: E402
+from unimesh_mlx import MLXArray, MLXLayout, MLXMesh, shard_linear
 
 ONE = Mesh((1,), ("x",))
 

@@ -18,8 +18,8 @@ from unimesh import Layout, Mesh, MeshMismatchError, P, UnsupportedError
 from .strategies import meshes, specs
 
 tf = pytest.importorskip("tensorflow")
-from tensorflow.experimental import dtensor  # noqa: E402
-from unimesh_tensorflow import configure_cpu_devices  # noqa: E402
+from tensorflow.experimental import dtensor
+from unimesh_tensorflow import configure_cpu_devices
 
 configure_cpu_devices(8)
 

@@ -17,19 +17,19 @@ from .strategies import NAMES
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
-from torch.distributed.tensor.placement_types import (  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.placement_types import (
     Partial as TPartial,
 )
-from torch.distributed.tensor.placement_types import (  # noqa: E402
+from torch.distributed.tensor.placement_types import (
     Replicate as TReplicate,
 )
-from torch.distributed.tensor.placement_types import (  # noqa: E402
+from torch.distributed.tensor.placement_types import (
     Shard as TShard,
 )
-from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
-from unimesh_torch import TorchLayout, axis_mesh  # noqa: E402
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from unimesh_torch import TorchLayout, axis_mesh
 
 
 def fake_world(rank: int, world: int) -> None:

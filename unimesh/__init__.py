@@ -7,6 +7,7 @@ a backend needs it.
 from __future__ import annotations
 
 from .backend import CAPABILITIES, CONCEPTS, Backend
+from .config import Config, load_config
 from .errors import (
     AxisContextError,
     BackendNotFoundError,
@@ -21,7 +22,6 @@ from .errors import (
     UnimeshError,
     UnsupportedError,
 )
-from .config import Config, load_config
 from .layout import (
     AxisRules,
     Layout,
@@ -47,7 +47,6 @@ from .parallel import (
     shard_map,
     shard_params,
 )
-from .runtime import initialize, verify
 from .registry import (
     backends,
     distribute,
@@ -58,18 +57,19 @@ from .registry import (
     to_native,
     unregister_backend,
 )
+from .runtime import initialize, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CAPABILITIES",
+    "CONCEPTS",
     "AxisContextError",
     "AxisRules",
     "Backend",
     "BackendNotFoundError",
     "BackendRegistrationError",
     "BackendUnavailableError",
-    "CAPABILITIES",
-    "CONCEPTS",
     "Config",
     "ConfigError",
     "ConversionError",
@@ -93,22 +93,22 @@ __all__ = [
     "axis_index",
     "axis_size",
     "backends",
-    "full_array",
-    "pmax",
-    "pmean",
-    "pmin",
-    "psum",
-    "shard_map",
-    "shard_params",
     "current_mesh",
     "distribute",
     "from_native",
+    "full_array",
     "get_backend",
     "initialize",
     "load_config",
     "make_mesh",
+    "pmax",
+    "pmean",
+    "pmin",
+    "psum",
     "refresh_backends",
     "register_backend",
+    "shard_map",
+    "shard_params",
     "to_native",
     "unregister_backend",
     "verify",

@@ -139,9 +139,7 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
     """The ``unimesh check`` command: 0 when every chosen backend passes, 1 otherwise."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-    from rich.progress import TimeElapsedColumn
-    from rich.table import Table
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .registry import backends, get_backend
 

@@ -35,7 +35,7 @@ def short(value: object, limit: int = 80) -> str:
     or deep container costs no more than its first few items."""
     try:
         text = repr(value) if type(value) in (str, int, float, bool) else _REPR.repr(value)
-    except Exception:  # a repr that raises, or an int of more than 4300 digits
+    except Exception:  # noqa: BLE001 - a repr that raises, or an int of > 4300 digits
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from .errors import UnsupportedError
 
-__all__ = ["Backend", "CAPABILITIES", "CONCEPTS"]
+__all__ = ["CAPABILITIES", "CONCEPTS", "Backend"]
 
 #: Capabilities a backend may declare, with what each promises.
 CAPABILITIES: dict[str, str] = {

@@ -46,7 +46,7 @@ class Config:
         axis_rules: :class:`~unimesh.AxisRules` from ``[axis_rules]``, or None.
     """
 
-    __slots__ = ("mesh", "layout_map", "batch_axis", "axis_rules")
+    __slots__ = ("axis_rules", "batch_axis", "layout_map", "mesh")
 
     def __init__(self, mesh: Mesh, layout_map: LayoutMap | None = None,
                  batch_axis: str | None = None, axis_rules: AxisRules | None = None) -> None:
@@ -93,7 +93,7 @@ class Config:
         layout_map = LayoutMap(mesh)
         for pattern, spec in rules.items():
             _in(f"[layout] rule {short(pattern)}",
-                lambda: layout_map.__setitem__(pattern, _spec(spec)))
+                lambda p=pattern, s=spec: layout_map.__setitem__(p, _spec(s)))
         batch = d.get("batch_axis")
         if batch is not None and not isinstance(batch, str):
             raise ConfigError(f"batch_axis must be an axis name (str), got {short(batch)}")

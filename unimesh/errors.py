@@ -8,18 +8,18 @@ the builtin exception a Python user would expect (``ValueError``, ``LookupError`
 from __future__ import annotations
 
 __all__ = [
-    "UnimeshError",
-    "MeshSpecError",
-    "LayoutError",
-    "BackendNotFoundError",
-    "BackendUnavailableError",
-    "UnsupportedError",
-    "MeshMismatchError",
-    "ConversionError",
-    "BackendRegistrationError",
     "AxisContextError",
+    "BackendNotFoundError",
+    "BackendRegistrationError",
+    "BackendUnavailableError",
     "ConfigError",
+    "ConversionError",
     "LaunchError",
+    "LayoutError",
+    "MeshMismatchError",
+    "MeshSpecError",
+    "UnimeshError",
+    "UnsupportedError",
 ]
 
 

@@ -18,23 +18,23 @@ from .errors import LayoutError
 from .mesh import Mesh
 
 __all__ = [
-    "PartitionSpec",
-    "P",
-    "Placement",
-    "Shard",
-    "StridedShard",
-    "Replicate",
-    "Partial",
+    "REDUCE_OPS",
+    "AxisRules",
     "Layout",
     "LayoutMap",
-    "AxisRules",
-    "REDUCE_OPS",
+    "P",
+    "Partial",
+    "PartitionSpec",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "StridedShard",
 ]
 
 #: Reduce ops a pending (partial) value may carry.
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
-Entry = Union[None, str, tuple[str, ...]]
+Entry = Union[None, str, tuple[str, ...]]  # noqa: UP007 - a runtime alias on Python 3.10
 
 
 def _lfail(message: str) -> NoReturn:
@@ -233,7 +233,7 @@ class Partial(_Value):
         super().__init__(op)
 
 
-Placement = Union[Shard, StridedShard, Replicate, Partial]
+Placement = Union[Shard, StridedShard, Replicate, Partial]  # noqa: UP007 - as Entry
 
 
 def _chunk(start: np.ndarray, stop: np.ndarray, n: int, k: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -252,7 +252,7 @@ class Layout:
     ``spec`` may be a PartitionSpec or a tuple/list of entries.
     """
 
-    __slots__ = ("_mesh", "_spec", "_key")
+    __slots__ = ("_key", "_mesh", "_spec")
 
     _mesh: Mesh
     _spec: PartitionSpec

@@ -19,7 +19,7 @@ from ._validate import (
     short,
 )
 
-__all__ = ["Mesh", "make_mesh", "current_mesh"]
+__all__ = ["Mesh", "current_mesh", "make_mesh"]
 
 _CURRENT: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
     "unimesh_current_mesh", default=()
@@ -98,7 +98,7 @@ class Mesh:
         devices_per_process: None (unknown / one process), or k: device i lives on process i // k.
     """
 
-    __slots__ = ("_shape", "_names", "_ids", "_types", "_dpp", "_cache")
+    __slots__ = ("_cache", "_dpp", "_ids", "_names", "_shape", "_types")
 
     _shape: tuple[int, ...]
     _names: tuple[str, ...]
@@ -193,7 +193,7 @@ class Mesh:
         return f"Mesh({', '.join(parts)})"
 
     # -- context manager -----------------------------------------------------------------------
-    def __enter__(self) -> Mesh:
+    def __enter__(self) -> Mesh:  # noqa: PYI034 - typing.Self needs Python 3.11
         _CURRENT.set(_CURRENT.get() + (self,))
         return self
 

@@ -18,7 +18,7 @@ from typing import Any
 from ._validate import short
 from .backend import Backend
 from .errors import AxisContextError, LayoutError
-from .layout import Layout, LayoutMap, AxisRules, PartitionSpec
+from .layout import AxisRules, Layout, LayoutMap, PartitionSpec
 from .mesh import Mesh
 
 __all__ = [

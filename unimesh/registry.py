@@ -30,13 +30,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "backends",
-    "get_backend",
-    "register_backend",
-    "unregister_backend",
-    "refresh_backends",
-    "to_native",
-    "from_native",
     "distribute",
+    "from_native",
+    "get_backend",
+    "refresh_backends",
+    "register_backend",
+    "to_native",
+    "unregister_backend",
 ]
 
 ENV_VAR = "UNIMESH_BACKEND"

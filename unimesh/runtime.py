@@ -12,7 +12,7 @@ from ._validate import short
 from .errors import LayoutError, MeshMismatchError, UnimeshError
 from .mesh import Mesh
 
-__all__ = ["initialize", "verify", "fingerprint"]
+__all__ = ["fingerprint", "initialize", "verify"]
 
 #: The fields compared by :func:`verify`, in the order a mismatch message names them.
 FIELDS = ("shape", "axis_names", "device_order", "axis_types", "devices_per_process", "layout")

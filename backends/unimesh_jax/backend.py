@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from unimesh import (
 from unimesh._validate import short
 from unimesh.parallel import AxisEnv
 
-__all__ = ["JaxBackend", "global_devices", "request_cpu_devices", "use_mesh", "JaxAxisEnv", "key_path"]
+__all__ = ["JaxAxisEnv", "JaxBackend", "global_devices", "key_path", "request_cpu_devices", "use_mesh"]
 
 _TYPES = {"auto": "Auto", "explicit": "Explicit", "manual": "Manual"}
 
@@ -65,7 +65,7 @@ class JaxBackend(Backend):
     native_modules = ("jax",)
     capabilities = frozenset({"mesh", "layout", "distribute", "tuple_axes", "partial", "shard_map",
                               "axis_types", "multi_process"})
-    native_api = {
+    native_api: ClassVar[dict[str, str]] = {
         "mesh": "jax.sharding.Mesh (AbstractMesh from_native)",
         "layout": "jax.sharding.NamedSharding(mesh, PartitionSpec)",
         "distribute": "jax.make_array_from_callback",

@@ -7,7 +7,7 @@ keras is imported inside the functions, never at module import.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class KerasBackend(Backend):
     native_modules = ("keras",)
     wraps = ("jax", "tensorflow", "torch")
     capabilities = frozenset({"mesh", "layout", "layout_map", "distribute", "shard_map"})
-    native_api = {
+    native_api: ClassVar[dict[str, str]] = {
         "mesh": "keras.distribution.DeviceMesh",
         "layout": "keras.distribution.TensorLayout",
         "layout_map": "keras.distribution.LayoutMap (ModelParallel)",

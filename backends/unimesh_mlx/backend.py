@@ -14,7 +14,7 @@ import functools
 import os
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -258,7 +258,7 @@ class MLXBackend(Backend):
     native_modules = ("mlx", "unimesh_mlx")
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
                               "axis_groups", "multi_process", "shard_map"})
-    native_api = {
+    native_api: ClassVar[dict[str, str]] = {
         "mesh": "unimesh_mlx.MLXMesh (mx.distributed world group + this mx.Device)",
         "layout": "unimesh_mlx.MLXLayout",
         "distribute": "this process's block (unimesh_mlx.MLXArray)",

@@ -8,7 +8,7 @@ functions, never at module import.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -64,7 +64,7 @@ class TensorFlowBackend(Backend):
     extra = "tensorflow"
     native_modules = ("tensorflow",)
     capabilities = frozenset({"mesh", "layout", "distribute"})
-    native_api = {
+    native_api: ClassVar[dict[str, str]] = {
         "mesh": "tf.experimental.dtensor.Mesh",
         "layout": "tf.experimental.dtensor.Layout",
         "distribute": "dtensor.copy_to_mesh + dtensor.relayout",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -112,7 +112,7 @@ class TorchBackend(Backend):
     native_modules = ("torch", "unimesh_torch")
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
                               "partial", "axis_groups", "multi_process", "shard_map"})
-    native_api = {
+    native_api: ClassVar[dict[str, str]] = {
         "mesh": "torch.distributed.device_mesh.DeviceMesh",
         "layout": "DTensor placements: Shard(d), Replicate(), Partial(op), _StridedShard",
         "distribute": "torch.distributed.tensor.distribute_tensor",

@@ -281,11 +281,11 @@ def test_shard_map_collectives(backend: unimesh.Backend, devices: int, mesh_key:
         size = math.prod(mesh.axis_size(a) for a in axes)
         want = [
             _assemble(mesh, spec, lambda d: np.sum(members(d), axis=0)),
-            _assemble(mesh, spec, lambda d: np.sum(members(d), axis=0) / size),
+            _assemble(mesh, spec, lambda d: np.sum(members(d), axis=0) / size),  # noqa: B023
             _assemble(mesh, spec, lambda d: np.max(members(d), axis=0)),
             _assemble(mesh, spec, lambda d: np.min(members(d), axis=0)),
             _assemble(mesh, spec, lambda d: np.full_like(block(d), index(d))),
-            _assemble(mesh, spec, lambda d: np.full_like(block(d), size)),
+            _assemble(mesh, spec, lambda d: np.full_like(block(d), size)),  # noqa: B023
             _assemble(mesh, spec, lambda d: np.concatenate(members(d), axis=0)),
             _assemble(mesh, spec, lambda d: np.concatenate(members(d), axis=1)),
             _assemble(mesh, stacked, lambda d: np.stack(members(d), axis=0)),
