@@ -18,7 +18,6 @@ the batch axis and logical axis rules. One file, every framework (e.g. a Keras
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -116,6 +115,8 @@ class Config:
     @classmethod
     def from_json(cls, text: str | bytes) -> Config:
         """Parse JSON text."""
+        import json
+
         _check_text(text, "JSON")
         try:
             d = json.loads(text)
@@ -158,6 +159,8 @@ class Config:
         return d
 
     def to_json(self) -> str:
+        import json
+
         return json.dumps(self.to_dict(), indent=2)
 
 

@@ -4,8 +4,6 @@ on a disagreement. Framework-free; each backend exchanges the bytes with its own
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from ._validate import short
@@ -44,6 +42,8 @@ def initialize(backend: Any = None, *, timeout: float = 300.0) -> tuple[int, int
 
 def fingerprint(mesh: Mesh, layout: Any = None) -> dict[str, Any]:
     """What :func:`verify` compares across processes: small, whatever the mesh's size."""
+    import hashlib
+
     if not isinstance(mesh, Mesh):
         raise MeshMismatchError(f"verify() needs a unimesh.Mesh, got {short(mesh)}")
     ids = mesh.device_ids
@@ -68,6 +68,8 @@ def fingerprint(mesh: Mesh, layout: Any = None) -> dict[str, Any]:
 
 def _describe(prints: list[dict[str, Any]]) -> str:
     """Which processes differ from the largest group of agreeing ones, field by field."""
+    import json
+
     groups: dict[str, list[int]] = {}
     for rank, fp in enumerate(prints):
         groups.setdefault(json.dumps(fp, sort_keys=True), []).append(rank)
@@ -98,6 +100,8 @@ def verify(mesh: Mesh, backend: Any = None, *, layout: Any = None,
     Also checks that the runtime has every device the mesh uses. Starts the runtime with
     :func:`initialize` if needed.
     """
+    import json
+
     from .registry import get_backend
 
     seconds = _timeout(timeout, "timeout")
