@@ -128,6 +128,7 @@ def watchdog(seconds: float, what: str) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+        timer.join()  # no thread of ours may still run when MPI is finalized at exit
 
 
 class AxisGroup:
