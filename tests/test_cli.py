@@ -198,3 +198,48 @@ def test_check_bad_input_is_one_line():
         assert proc.returncode == 2, proc.stdout + proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and named in lines[0] and "Traceback" not in proc.stderr, lines
+
+
+def test_check_without_names_skips_backends_whose_framework_is_missing(monkeypatch, capsys):
+    """`unimesh check` alone checks what can run here and names the rest with the pip extra
+    (the suite runs themselves are replaced: only the choice of backends is under test)."""
+    import unimesh
+    from unimesh import _check
+
+    ghost = type("Ghost", (unimesh.Backend,), {"name": "ghost", "framework": "no_such_fw_xyz",
+                                                "extra": "ghost",
+                                                "capabilities": frozenset({"mesh"})})()
+    unimesh.register_backend(ghost)
+    ran: list[str] = []
+
+    def fake_suite(name, processes, timeout, tick=None):
+        ran.append(name)
+        run = _check.Run(name, 1, "1 process", returncode=0)
+        run.matrices.append({name: {"mesh": "pass"}})
+        return run
+
+    monkeypatch.setattr(_check, "run_suite", fake_suite)
+    try:
+        assert _check.check([]) == 0
+    finally:
+        unimesh.unregister_backend("ghost")
+    out = capsys.readouterr().out
+    assert "ghost" not in ran and ran, ran
+    assert 'ghost: not checked, its framework is not installed (pip install "unimesh[ghost]")' \
+        in out
+    assert set(ran) == {n for n in unimesh.backends() if unimesh.get_backend(n).available()}
+
+
+def test_demo_names_a_backend_whose_framework_is_missing():
+    """The demo's row for such a backend says what is missing and the pip extra; no crash."""
+    code = ("import sys, unimesh\nfrom unimesh.__main__ import main\n"
+            "ghost = type('Ghost', (unimesh.Backend,), {'name': 'ghost', 'framework': "
+            "'no_such_fw_xyz', 'extra': 'ghost', 'capabilities': frozenset({'mesh'})})()\n"
+            "unimesh.register_backend(ghost)\n"
+            "sys.exit(main(['demo', '--backends', 'jax,ghost']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=170, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = row(proc.stdout, "ghost")
+    assert "no_such_fw_xyz not" in line and "pip install" in line, proc.stdout
+    assert "Traceback" not in proc.stderr

@@ -47,7 +47,7 @@ def _demo(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from .registry import backends, distribute, get_backend, to_native
+    from .registry import _REGISTRY, backends, distribute, get_backend, to_native
 
     console = Console(width=120)
     mesh = Mesh.from_string(args.mesh)
@@ -103,6 +103,11 @@ def _demo(args: argparse.Namespace) -> int:
         if name not in installed:
             table.add_row(name, "[dim]backend not installed[/dim]", "-", "-",
                           escape(f'pip install "unimesh[{name}]"'))
+            continue
+        plugin = _REGISTRY.load(name)
+        if not plugin.available():
+            table.add_row(name, f"[dim]{plugin.framework} not installed[/dim]", "-", "-",
+                          escape(plugin.install_hint()))
             continue
         if name in LAUNCHED:
             cells = _launched_row(name, args.mesh, mesh.size, mark)

@@ -141,13 +141,17 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .registry import backends, get_backend
+    from .registry import _REGISTRY, backends, get_backend
 
     installed = backends()
-    if not names or names == ["all"]:
-        names = installed
+    missing: list[str] = []
+    if not names or names == ["all"]:  # every backend whose framework is there; name the rest
+        names = []
+        for name in installed:
+            (names if _REGISTRY.load(name).available() else missing).append(name)
     if not names:
-        raise UnimeshError('no backends installed; e.g. pip install "unimesh[jax]"')
+        raise UnimeshError('no backend has its framework installed; e.g. pip install '
+                           '"unimesh[jax]"')
     for name in names:
         if name not in installed:
             raise UnimeshError(f"backend {name!r} is not installed (installed: "
@@ -173,6 +177,9 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
 
             runs.append(run_suite(name, processes, timeout, tick))
     console.print(matrix_table(runs))
+    for name in missing:
+        console.print(escape(f"{name}: not checked, its framework is not installed "
+                             f"({_REGISTRY.load(name).install_hint()})"))
     failures = 0
     for run in runs:
         if run.ok:
