@@ -44,6 +44,7 @@ def test_sphinx_builds_without_warnings(tmp_path):
     assert "jax.lax.psum" in page and "DeviceMesh.get_group" in page
     api = (tmp_path / "html" / "api.html").read_text()
     assert "shard_map" in api and "load_config" in api and "MeshMismatchError" in api
+    assert "unimesh.verify" in api and "unimesh.initialize" in api and "LaunchError" in api
 
 
 def test_generated_matrix_matches_what_backends_declare():
