@@ -131,6 +131,10 @@ def parse_dtensor_string(s: str) -> dict[str, Any]:
     return out
 
 
+#: How text spells a replicated dim (the command line's specs, config files).
+REPLICATED = ("", "_", "None", "none")
+
+
 def parse_spec_text(text: str) -> list[Any]:
     """Spec entries from text: split by ``,``; an entry is an axis name, ``a+b`` for several
     axes on one dim, or ``None`` / ``_`` / nothing for a replicated dim (names are checked
@@ -138,7 +142,7 @@ def parse_spec_text(text: str) -> list[Any]:
     entries: list[Any] = []
     for raw in text.split(","):
         item = raw.strip()
-        if item in ("", "_", "None", "none"):
+        if item in REPLICATED:
             entries.append(None)
         elif "+" in item:
             entries.append(tuple(part.strip() for part in item.split("+")))

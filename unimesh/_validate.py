@@ -40,6 +40,15 @@ def short(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (framework errors run to pages), or
+    its repr when the message is empty."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()
+    return repr(exc)
+
+
 def check_int(value: object, what: str, *, minimum: int | None = None,
               cls: type[Exception] = MeshSpecError) -> int:
     """Return ``value`` as an int, refusing bools, floats and strings."""

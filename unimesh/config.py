@@ -32,7 +32,6 @@ __all__ = ["Config", "load_config"]
 KEYS = ("mesh", "layout", "batch_axis", "axis_rules")
 #: Largest config text accepted (characters); a config is a few lines.
 MAX_TEXT = 1_000_000
-_NONE = ("_", "None", "none", "")
 
 
 class Config:
@@ -228,7 +227,9 @@ def _mesh(value: object) -> Mesh:
 
 def _axes(value: object) -> Any:
     """One entry: a name, a list of names, or replicated (null, "_", "None", "")."""
-    if value is None or (isinstance(value, str) and value in _NONE):
+    from ._text import REPLICATED
+
+    if value is None or (isinstance(value, str) and value in REPLICATED):
         return None
     if isinstance(value, list):
         return tuple(value)

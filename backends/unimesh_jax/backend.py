@@ -22,7 +22,7 @@ from unimesh import (
     P,
     UnsupportedError,
 )
-from unimesh._validate import short
+from unimesh._validate import first_line, short
 from unimesh.parallel import AxisEnv
 
 __all__ = ["JaxAxisEnv", "JaxBackend", "global_devices", "key_path", "request_cpu_devices", "use_mesh"]
@@ -127,7 +127,7 @@ class JaxBackend(Backend):
                                            shutdown_timeout_seconds=patience)
             except RuntimeError as exc:
                 if "once" not in str(exc):
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                    first = first_line(exc)
                     raise LaunchError(
                         f"jax.distributed.initialize({address!r}, num_processes={procs}, "
                         f"process_id={pid}) failed within {timeout:.0f} s (a peer process may "
@@ -155,7 +155,7 @@ class JaxBackend(Backend):
             try:
                 out.append(bytes(client.blocking_key_value_get_bytes(f"{key}{other}", left)))
             except Exception as exc:  # JaxRuntimeError: deadline exceeded, service gone
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                first = first_line(exc)
                 raise MeshMismatchError(
                     f"process {index} of {count}: process {other} did not take part in the check "
                     f"within {timeout:.0f} s; a peer process is gone or stuck ({first[:200]})"

@@ -26,7 +26,7 @@ from unimesh import (
     StridedShard,
     UnsupportedError,
 )
-from unimesh._validate import short
+from unimesh._validate import first_line, short
 from unimesh.parallel import AxisEnv
 
 __all__ = ["TorchAxisEnv", "TorchBackend", "TorchLayout", "axis_mesh"]
@@ -212,7 +212,7 @@ class TorchBackend(Backend):
             try:
                 dist.init_process_group(kind, timeout=timedelta(seconds=timeout))
             except (RuntimeError, ValueError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                first = first_line(exc)
                 raise LaunchError(
                     f"torch.distributed.init_process_group({kind!r}) failed for RANK="
                     f"{os.environ['RANK']} of WORLD_SIZE={os.environ['WORLD_SIZE']} at "
@@ -237,11 +237,9 @@ class TorchBackend(Backend):
             texts = _gather_texts(payload.hex(), "cpu")
         except (RuntimeError, dist.DistError) as exc:
             _BROKEN["peer_gone"] = True
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
             raise MeshMismatchError(
                 f"rank {rank} of {world}: a peer process is gone or stuck (it did not take part "
-                f"in the check within {timeout:.0f} s): {lines[0] if lines else repr(exc)}"
-            ) from exc
+                f"in the check within {timeout:.0f} s): {first_line(exc)}") from exc
         return [bytes.fromhex(t) for t in texts]
 
     def prepare_devices(self, count: int) -> int:
