@@ -8,8 +8,11 @@ Written once against unimesh; the same file runs on every backend that declares 
 
 The first layer's weight is split by columns over "tp" and the second's by rows (Megatron), so
 each device computes a partial output that a psum over "tp" completes; the batch is split over
-"dp", and the weight gradients are summed over "dp". Every process checks the loss and the updated
-weights against a single-device numpy computation and prints ``RANK r OK ...``.
+"dp". Only the loss is written: ``unimesh.value_and_grad`` differentiates it with the backend's
+own autodiff (the weight gradients come back sharded like the weights, summed over "dp"), and a
+second small program applies the SGD update. Every process checks the loss and the updated
+weights against a single-device numpy computation (float64, hand-derived gradients) and prints
+``RANK r OK ...``.
 """
 
 from __future__ import annotations
@@ -26,20 +29,20 @@ from unimesh import P
 BATCH, D_IN, HIDDEN, D_OUT, LR = 16, 8, 32, 4, 0.1
 
 
-def step(x, t, w1, w2):  # type: ignore[no-untyped-def]
+SPECS = {"w1": P(None, "tp"), "w2": P("tp", None)}
+
+
+def loss(x, t, params):  # type: ignore[no-untyped-def]
     """Runs on each device's blocks: x, t (batch/dp, ...), w1 (D_IN, HIDDEN/tp), w2 (HIDDEN/tp, ...)."""
-    pre = x @ w1                                   # this device's hidden columns
-    mask = pre > 0
-    h = pre * mask                                 # relu
-    y = unimesh.psum(h @ w2, "tp")                 # row-parallel layer: sum the partial outputs
-    n = x.shape[0] * unimesh.axis_size("dp")       # the global batch
+    pre = x @ params["w1"]                         # this device's hidden columns
+    h = pre * (pre > 0)                            # relu
+    y = unimesh.psum(h @ params["w2"], "tp")       # row-parallel layer: sum the partial outputs
     diff = y - t
-    loss = unimesh.psum((diff * diff).sum(), "dp") / n
-    dy = diff * (2.0 / n)
-    dw2 = unimesh.psum(h.T @ dy, "dp")
-    dh = (dy @ w2.T) * mask
-    dw1 = unimesh.psum(x.T @ dh, "dp")
-    return loss, w1 - LR * dw1, w2 - LR * dw2
+    return unimesh.pmean((diff * diff).sum() / x.shape[0], "dp")   # the mean over the global batch
+
+
+def sgd(params, grads):  # type: ignore[no-untyped-def]
+    return {k: params[k] - LR * grads[k] for k in params}
 
 
 def reference(x, t, w1, w2):  # type: ignore[no-untyped-def]
@@ -78,18 +81,23 @@ def main(argv: list[str] | None = None) -> int:
                  if v in os.environ), 0)
 
     x, t, w1, w2 = data()
-    program = unimesh.shard_map(
-        step, mesh,
-        in_specs=(P("dp", None), P("dp", None), P(None, "tp"), P("tp", None)),
-        out_specs=(P(), P(None, "tp"), P("tp", None)),
-        backend=backend)
-    placed = [unimesh.distribute(a, unimesh.Layout(mesh, spec), backend=backend)
-              for a, spec in ((x, P("dp", None)), (t, P("dp", None)),
-                              (w1, P(None, "tp")), (w2, P("tp", None)))]
-    loss, new_w1, new_w2 = program(*placed)
+    loss_program = unimesh.shard_map(loss, mesh, in_specs=(P("dp", None), P("dp", None), SPECS),
+                                     out_specs=P(), backend=backend)
+    update = unimesh.shard_map(sgd, mesh, in_specs=(SPECS, SPECS), out_specs=SPECS,
+                               backend=backend)
+
+    def place(array, spec):  # type: ignore[no-untyped-def]
+        return unimesh.distribute(array, unimesh.Layout(mesh, spec), backend=backend)
+
+    xs, ts = place(x, P("dp", None)), place(t, P("dp", None))
+    params = {"w1": place(w1, SPECS["w1"]), "w2": place(w2, SPECS["w2"])}
+    value, grads = unimesh.value_and_grad(
+        lambda p: loss_program(xs, ts, p), backend=backend)(params)
+    params = update(params, grads)
+    loss_value, new_w1, new_w2 = value, params["w1"], params["w2"]
 
     want = reference(x, t, w1, w2)
-    got = [unimesh.full_array(a, backend=backend) for a in (loss, new_w1, new_w2)]
+    got = [unimesh.full_array(a, backend=backend) for a in (loss_value, new_w1, new_w2)]
     errors = [float(np.max(np.abs(np.asarray(g, np.float64) - w))) for g, w in zip(got, want)]
     ok = all(e <= 1e-5 for e in errors)
     print(f"RANK {rank} {'OK' if ok else 'FAIL'} backend={backend.name} mesh={mesh.to_string()} "

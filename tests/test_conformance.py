@@ -81,6 +81,10 @@ def test_third_party_backend_is_found_and_passes(example_site: Path, tmp_path: P
     assert matrix["example"]["distribute"] == "pass"
     assert matrix["example"]["uneven_shards"] == "pass"
     assert matrix["example"]["partial"] == "not declared"
+    # its programs run on the core's per-process engine (a thread per device): the primitive
+    # set of docs/writing-a-backend.md is enough for every collective
+    assert matrix["example"]["shard_map"] == "pass"
+    assert matrix["example"]["grad"] == "not declared"
 
 
 def test_broken_backend_fails_named_tests(example_site: Path, tmp_path: Path) -> None:

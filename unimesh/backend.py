@@ -26,6 +26,7 @@ CAPABILITIES: dict[str, str] = {
     "axis_groups": "a communication group per mesh axis",
     "multi_process": "meshes spanning several processes",
     "shard_map": "unimesh.shard_map runs per-shard functions",
+    "grad": "unimesh.value_and_grad differentiates programs (the global function's gradient)",
 }
 
 #: The concepts a backend maps to native APIs (:attr:`Backend.native_api`), with the neutral API
@@ -39,6 +40,10 @@ CONCEPTS: dict[str, str] = {
     "shard_map": "unimesh.shard_map(f, mesh, in_specs, out_specs)",
     "psum": "unimesh.psum(x, axis)",
     "all_gather": "unimesh.all_gather(x, axis)",
+    "psum_scatter": "unimesh.psum_scatter(x, axis)",
+    "all_to_all": "unimesh.all_to_all(x, axis, split_axis, concat_axis)",
+    "ppermute": "unimesh.ppermute(x, axis, perm)",
+    "value_and_grad": "unimesh.value_and_grad(fn, argnums)",
     "axis_index": "unimesh.axis_index(axis)",
     "shard_params": "unimesh.shard_params(model, rules)",
     "launch": "Backend.launcher(n) / unimesh check",
@@ -193,12 +198,18 @@ class Backend:
         out: dict[int, Any] = self._missing("distribute")
         return out
 
-    def shard_map(self, body: Any, mesh: Any, in_layouts: tuple[Any, ...],
-                  out_layouts: tuple[Any, ...], single_out: bool) -> Any:
+    def shard_map(self, body: Any, mesh: Any, ins: Any, outs: Any) -> Any:
         """A function of the global arguments that runs ``body(env, *blocks)`` on every device
         with an :class:`~unimesh.parallel.AxisEnv` ``env`` and returns the native distributed
-        results (``shard_map``). ``body`` returns one block, or a tuple when not
-        ``single_out``."""
+        results (``shard_map``). ``ins`` and ``outs`` are :class:`~unimesh.parallel.SpecTree`
+        (pytree prefixes of Layouts). Backends that run one device per process derive from
+        :class:`unimesh.spmd.ProcessBackend`, which implements this."""
+        return self._missing("shard_map")
+
+    def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
+        """A function of ``fn``'s arguments returning ``(value, grads)`` with the framework's
+        autodiff, ``grads`` a tuple with one tree per entry of ``argnums``, each gradient laid
+        out like its argument (:func:`unimesh.value_and_grad`)."""
         return self._missing("shard_map")
 
     def full_array(self, array: Any) -> Any:

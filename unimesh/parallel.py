@@ -1,11 +1,15 @@
-"""Programs on a mesh: ``shard_map``, axis collectives, parameter sharding, gathering.
+"""Programs on a mesh: ``shard_map``, axis collectives, gradients, parameter sharding, gathering.
 
 The meaning is JAX's ``jax.shard_map``: the function sees each device's block of every input
 (the block :meth:`Layout.shard_slices` names), and the blocks it returns are put back together
 as ``out_specs`` say; a mesh axis missing from an output spec promises the value is the same
-along that axis. Inside the function, :func:`psum`, :func:`pmean`, :func:`pmax`, :func:`pmin`,
-:func:`all_gather`, :func:`axis_index` and :func:`axis_size` work over mesh axes by name, on
-every backend that declares ``shard_map``.
+along that axis. Arguments, results and specs are pytrees (optree: tuples, lists, dicts,
+namedtuples, None), a spec standing for every array leaf below it. Inside the function the
+collectives (:func:`psum`, :func:`pmean`, :func:`pmax`, :func:`pmin`, :func:`psum_scatter`,
+:func:`all_gather`, :func:`all_to_all`, :func:`ppermute`, :func:`pbroadcast`,
+:func:`axis_index`, :func:`axis_size`) work over mesh axes by name with ``jax.lax``'s meaning,
+on every backend that declares ``shard_map``. :func:`value_and_grad` and :func:`grad`
+differentiate a function of global arrays with the backend's own autodiff.
 """
 
 from __future__ import annotations
@@ -24,25 +28,31 @@ from .mesh import Mesh
 __all__ = [
     "AxisEnv",
     "all_gather",
+    "all_to_all",
     "axis_index",
     "axis_size",
     "full_array",
+    "grad",
+    "pbroadcast",
     "pmax",
     "pmean",
     "pmin",
+    "ppermute",
     "psum",
+    "psum_scatter",
     "shard_map",
     "shard_params",
+    "value_and_grad",
 ]
 
 
 class AxisEnv:
     """What a backend provides inside :func:`shard_map`: the collectives over mesh axes.
 
-    ``axes`` is always a non-empty tuple of distinct axis names of :attr:`mesh` (checked by the
-    core). A backend overrides :meth:`reduce`, :meth:`all_gather` and, where it is not this
-    device's coordinate, :meth:`axis_index`. The default :meth:`reduce` of several axes reduces
-    over one axis after another (sum, max and min are associative).
+    Every argument reaching these methods has been checked by the core: ``axes`` is a non-empty
+    tuple of distinct axis names of :attr:`mesh`, dims are in range and divide as the
+    collective needs, ``perm`` is a partial permutation of ``0..n-1``. JAX implements them
+    with ``jax.lax``; per-process backends get them from :class:`unimesh.spmd.ProcessAxisEnv`.
     """
 
     def __init__(self, mesh: Mesh, device: int | None = None) -> None:
@@ -61,17 +71,29 @@ class AxisEnv:
                 self._checked[axis] = names
             return names
 
+    def size(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.mesh.axis_size(a) for a in axes)
+
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         """``op`` ("sum", "max" or "min") over the devices that differ only along ``axes``."""
-        for axis in axes:
-            x = self.reduce_one(x, axis, op)
-        return x
-
-    def reduce_one(self, x: Any, axis: str, op: str) -> Any:
         raise NotImplementedError
 
-    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool,
+                   invariant: bool) -> Any:
         """Every member's ``x`` in the order of their index along ``axes`` (row-major)."""
+        raise NotImplementedError
+
+    def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        raise NotImplementedError
+
+    def all_to_all(self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int,
+                   tiled: bool) -> Any:
+        raise NotImplementedError
+
+    def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
+        raise NotImplementedError
+
+    def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
         raise NotImplementedError
 
     def axis_index(self, axes: tuple[str, ...]) -> Any:
@@ -92,9 +114,33 @@ def _env(call: str, axis: object) -> tuple[AxisEnv, tuple[str, ...]]:
     env = _ENV.get()
     if env is None:
         raise AxisContextError(
-            f"unimesh.{call}({axis!r}) was called outside unimesh.shard_map; call it inside the "
-            "function given to unimesh.shard_map(f, mesh, in_specs, out_specs)")
+            f"unimesh.{call}({short(axis)}) was called outside unimesh.shard_map; call it inside "
+            "the function given to unimesh.shard_map(f, mesh, in_specs, out_specs)")
     return env, env.axes(axis, call)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in getattr(x, "shape", ()))
+
+
+def _dim(value: object, ndim: int, what: str, call: str) -> int:
+    """``value`` as a dim of an array with ``ndim`` dims (negative counts from the end)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -ndim <= value < ndim:
+        raise LayoutError(f"{call}() {what} must be an int in [{-ndim}, {ndim - 1}] for an array "
+                          f"of {ndim} dims, got {short(value)}")
+    return value % ndim
+
+
+def _divides(x: Any, dim: int, n: int, tiled: bool, call: str, axes: tuple[str, ...],
+             what: str) -> None:
+    size = _shape(x)[dim]
+    if tiled and size % n:
+        raise LayoutError(f"{call}() over {axes} splits {what} {dim} (size {size}) into {n} "
+                          f"blocks, one per device: {size} is not a multiple of {n}")
+    if not tiled and size != n:
+        raise LayoutError(f"{call}(tiled=False) over {axes} needs {what} {dim} to have one entry "
+                          f"per device ({n}), got size {size}; pass tiled=True to split it into "
+                          "blocks")
 
 
 def psum(x: Any, axis: str | Sequence[str]) -> Any:
@@ -106,39 +152,110 @@ def psum(x: Any, axis: str | Sequence[str]) -> Any:
 def pmean(x: Any, axis: str | Sequence[str]) -> Any:
     """The mean of ``x`` over the devices along ``axis``."""
     env, axes = _env("pmean", axis)
-    return env.reduce(x, axes, "sum") / math.prod(env.mesh.axis_size(a) for a in axes)
+    return env.reduce(x, axes, "sum") / env.size(axes)
 
 
 def pmax(x: Any, axis: str | Sequence[str]) -> Any:
-    """The elementwise maximum of ``x`` over the devices along ``axis``."""
+    """The elementwise maximum of ``x`` over the devices along ``axis``. Like ``jax.lax.pmax``
+    it has no derivative: stop the gradient before it (``.detach()``, ``stop_gradient``)."""
     env, axes = _env("pmax", axis)
     return env.reduce(x, axes, "max")
 
 
 def pmin(x: Any, axis: str | Sequence[str]) -> Any:
-    """The elementwise minimum of ``x`` over the devices along ``axis``."""
+    """The elementwise minimum of ``x`` over the devices along ``axis`` (no derivative)."""
     env, axes = _env("pmin", axis)
     return env.reduce(x, axes, "min")
 
 
-def all_gather(x: Any, axis: str | Sequence[str], dim: int = 0, tiled: bool = True) -> Any:
+def all_gather(x: Any, axis: str | Sequence[str], dim: int = 0, tiled: bool = True,
+               to: str = "varying") -> Any:
     """Every device's ``x`` along ``axis``, in the order of their index along it.
 
     ``tiled=True`` concatenates the pieces along ``dim``; ``tiled=False`` stacks them in a new
-    dimension at ``dim`` (``jax.lax.all_gather``'s meaning).
+    dimension at ``dim`` (``jax.lax.all_gather``'s meaning). ``to="varying"`` (JAX's default)
+    differentiates to a reduce-scatter; ``to="invarying"`` tells JAX the result is equal along
+    ``axis``, so an out_spec may leave the axis out (``jax.lax.all_gather(..., to=...)``).
     """
     env, axes = _env("all_gather", axis)
-    ndim = len(getattr(x, "shape", ()))
-    top = ndim if not tiled else ndim - 1
+    ndim = len(_shape(x))
     if tiled and ndim == 0:
         raise LayoutError("all_gather(tiled=True) needs an array with at least one dim to "
                           "concatenate along; use tiled=False for scalars")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -top - 1 <= dim <= top:
-        raise LayoutError(f"all_gather dim must be an int in [{-top - 1}, {top}] for an array of "
-                          f"{ndim} dims (tiled={tiled}), got {short(dim)}")
-    if dim < 0:
-        dim += top + 1
-    return env.all_gather(x, axes, dim, bool(tiled))
+    if to not in ("varying", "invarying"):
+        raise LayoutError(f"all_gather to= must be 'varying' or 'invarying', got {short(to)}")
+    d = _dim(dim, ndim if tiled else ndim + 1, "dim", "all_gather")
+    return env.all_gather(x, axes, d, bool(tiled), to == "invarying")
+
+
+def psum_scatter(x: Any, axis: str | Sequence[str], scatter_dimension: int = 0,
+                 tiled: bool = False) -> Any:
+    """The sum over ``axis`` of ``x``, of which each device keeps its own block of dim
+    ``scatter_dimension`` (a reduce-scatter, ``jax.lax.psum_scatter``'s meaning): with
+    ``tiled=False`` that dim has one entry per device and disappears; with ``tiled=True`` it is
+    split into equal blocks, the device at index ``i`` keeping block ``i``."""
+    env, axes = _env("psum_scatter", axis)
+    ndim = len(_shape(x))
+    if ndim == 0:
+        raise LayoutError("psum_scatter() needs an array with a dim to scatter, got a scalar")
+    d = _dim(scatter_dimension, ndim, "scatter_dimension", "psum_scatter")
+    _divides(x, d, env.size(axes), bool(tiled), "psum_scatter", axes, "scatter_dimension")
+    return env.psum_scatter(x, axes, d, bool(tiled))
+
+
+def all_to_all(x: Any, axis: str | Sequence[str], split_axis: int, concat_axis: int,
+               tiled: bool = False) -> Any:
+    """Each device splits dim ``split_axis`` into one block per device along ``axis``, sends
+    block ``j`` to the device at index ``j``, and puts what it receives along ``concat_axis`` in
+    the senders' order (``jax.lax.all_to_all``'s meaning: with ``tiled=False`` the split dim
+    has one entry per device and a new dim of that size appears at ``concat_axis``)."""
+    env, axes = _env("all_to_all", axis)
+    ndim = len(_shape(x))
+    if ndim == 0:
+        raise LayoutError("all_to_all() needs an array with a dim to split, got a scalar")
+    s = _dim(split_axis, ndim, "split_axis", "all_to_all")
+    c = _dim(concat_axis, ndim, "concat_axis", "all_to_all")
+    _divides(x, s, env.size(axes), bool(tiled), "all_to_all", axes, "split_axis")
+    return env.all_to_all(x, axes, s, c, bool(tiled))
+
+
+def _perm(perm: object, n: int) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple((src, dst) for src, dst in perm)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise LayoutError(f"ppermute perm must be a sequence of (source, destination) index "
+                          f"pairs, got {short(perm)}") from None
+    for src, dst in pairs:
+        for v in (src, dst):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
+                raise LayoutError(f"ppermute perm pair {short((src, dst))}: indices must be ints "
+                                  f"in [0, {n - 1}] (the axis has {n} devices)")
+    for k, what in ((0, "source"), (1, "destination")):
+        seen = [p[k] for p in pairs]
+        if len(set(seen)) != len(seen):
+            dup = next(v for v in seen if seen.count(v) > 1)
+            raise LayoutError(f"ppermute perm is not a permutation: {what} {dup} appears more "
+                              f"than once in {short(perm)}")
+    return pairs
+
+
+def ppermute(x: Any, axis: str | Sequence[str], perm: Sequence[tuple[int, int]]) -> Any:
+    """Send ``x`` from the device at index ``src`` to the one at ``dst`` for every pair of
+    ``perm`` (indices along ``axis``); a device no pair sends to gets zeros
+    (``jax.lax.ppermute``'s meaning)."""
+    env, axes = _env("ppermute", axis)
+    return env.ppermute(x, axes, _perm(perm, env.size(axes)))
+
+
+def pbroadcast(x: Any, axis: str | Sequence[str], source: int) -> Any:
+    """The value of ``x`` on the device at index ``source`` along ``axis``, on every device of
+    the axis (``jax.lax.pbroadcast``'s meaning; its gradient flows back to the source)."""
+    env, axes = _env("pbroadcast", axis)
+    n = env.size(axes)
+    if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < n:
+        raise LayoutError(f"pbroadcast source must be an index in [0, {n - 1}] along {axes}, "
+                          f"got {short(source)}")
+    return env.pbroadcast(x, axes, source)
 
 
 def axis_index(axis: str | Sequence[str]) -> Any:
@@ -151,55 +268,84 @@ def axis_index(axis: str | Sequence[str]) -> Any:
 def axis_size(axis: str | Sequence[str]) -> int:
     """The number of devices along ``axis`` (the product over a tuple of names)."""
     env, axes = _env("axis_size", axis)
-    return math.prod(env.mesh.axis_size(a) for a in axes)
+    return env.size(axes)
 
 
-def _layouts(mesh: Mesh, specs: Any, what: str) -> tuple[tuple[Layout, ...], bool]:
-    """One Layout per argument/result from a spec or a tuple/list of specs; the flag says
-    whether a single spec was given."""
-    if isinstance(specs, (PartitionSpec, Layout)) or specs is None:
-        specs = (specs,)
-        single = True
-    elif isinstance(specs, (tuple, list)):
-        single = False
-    else:
-        raise LayoutError(f"{what} must be a P(...) or a tuple of them (one per "
-                          f"{'argument' if what == 'in_specs' else 'result'}), got {short(specs)}")
-    out = []
-    for i, spec in enumerate(specs):
-        if isinstance(spec, Layout):
-            if spec.mesh != mesh:
-                raise LayoutError(f"{what}[{i}] is a layout on {spec.mesh!r}, not on {mesh!r}")
-            out.append(spec)
-        elif isinstance(spec, PartitionSpec) or spec is None:
-            out.append(Layout(mesh, spec if spec is not None else PartitionSpec()))
-        else:
-            raise LayoutError(f"{what}[{i}] must be a P(...) (None for replicated), got "
-                              f"{short(spec)}")
-    return tuple(out), single
+# -- spec trees -------------------------------------------------------------------------------
+def _is_spec(x: object) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, Layout))
 
 
-class _Body:
-    """The user's function, run with the backend's :class:`AxisEnv` as the current one."""
+class SpecTree:
+    """``in_specs`` or ``out_specs``: a pytree prefix whose leaves are specs (``P``, a Layout,
+    or None for replicated), each turned into a :class:`Layout` on the mesh."""
 
-    def __init__(self, f: Callable[..., Any], n_out: int, single_out: bool) -> None:
+    def __init__(self, mesh: Mesh, specs: Any, what: str) -> None:
+        import optree
+
+        self.what = what
+        self.mesh = mesh
+        leaves, self.treedef = optree.tree_flatten(specs, is_leaf=_is_spec, none_is_leaf=True)
+        layouts = []
+        for path, spec in zip(optree.treespec_paths(self.treedef), leaves):
+            where = what + "".join(f"[{p!r}]" for p in path)
+            if isinstance(spec, Layout):
+                if spec.mesh != mesh:
+                    raise LayoutError(f"{where} is a layout on {spec.mesh!r}, not on {mesh!r}")
+                layouts.append(spec)
+            elif isinstance(spec, PartitionSpec) or spec is None:
+                layouts.append(Layout(mesh, spec if spec is not None else PartitionSpec()))
+            else:
+                raise LayoutError(f"{where} must be a P(...) (None for replicated), got "
+                                  f"{short(spec)}")
+        self.layouts = tuple(layouts)
+        self.tree = optree.tree_unflatten(self.treedef, list(self.layouts))
+        self._per_leaf: dict[Any, tuple[Layout, ...]] = {}
+
+    def map(self, fn: Callable[[Layout], Any]) -> Any:
+        """The spec tree with every layout replaced by ``fn(layout)`` (same containers)."""
+        import optree
+
+        return optree.tree_unflatten(self.treedef, [fn(lay) for lay in self.layouts])
+
+    def for_leaves(self, tree: Any, treedef: Any) -> tuple[Layout, ...]:
+        """The layout of every leaf of ``tree`` (whose structure is ``treedef``), by prefix."""
+        try:
+            return self._per_leaf[treedef]
+        except KeyError:
+            pass
+        import optree
+
+        try:
+            full = optree.tree_broadcast_prefix(self.tree, tree, is_leaf=_is_spec)
+        except ValueError as exc:
+            raise LayoutError(
+                f"{self.what} {short(self.tree)} is not a prefix of the "
+                f"{'arguments' if self.what == 'in_specs' else 'results'} {short(tree)}: "
+                f"{str(exc).splitlines()[0]}") from None
+        layouts = tuple(optree.tree_leaves(full, is_leaf=_is_spec))
+        self._per_leaf[treedef] = layouts
+        return layouts
+
+
+class Body:
+    """The user's function, run with the backend's :class:`AxisEnv` as the current one; its
+    result must have ``out_specs`` as a prefix (checked here, for every backend)."""
+
+    def __init__(self, f: Callable[..., Any], outs: SpecTree) -> None:
         self.f = f
-        self.n_out = n_out
-        self.single_out = single_out
+        self.outs = outs
 
     def __call__(self, env: AxisEnv, *blocks: Any) -> Any:
+        import optree
+
         token = _ENV.set(env)
         try:
             result = self.f(*blocks)
         finally:
             _ENV.reset(token)
-        if self.single_out:
-            return result
-        if not isinstance(result, (tuple, list)) or len(result) != self.n_out:
-            raise LayoutError(f"{getattr(self.f, '__name__', 'f')} returned {short(result)}, but "
-                              f"out_specs names {self.n_out} results; return a tuple of "
-                              f"{self.n_out} arrays")
-        return tuple(result)
+        self.outs.for_leaves(result, optree.tree_structure(result))
+        return result
 
 
 def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
@@ -207,18 +353,20 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
     """``f`` run on every device's blocks (``jax.shard_map``'s meaning), on any backend.
 
     Args:
-        f: takes one block per argument and returns one block (or a tuple of them) per spec of
-            ``out_specs``; it may call :func:`psum` and the other axis collectives.
+        f: takes one block per array leaf of the arguments and returns a pytree of blocks; it
+            may call :func:`psum` and the other axis collectives.
         mesh: the neutral mesh.
-        in_specs: a ``P(...)`` per positional argument (a tuple of them), or one ``P`` for a
-            single argument. Arguments are global arrays, or the backend's distributed arrays.
-        out_specs: a ``P`` or a tuple of them; a mesh axis an output spec leaves out promises
-            that the blocks along it are equal.
+        in_specs: a pytree prefix of the argument tuple with ``P(...)`` leaves (None means
+            ``P()``): one ``P`` for all arguments, a tuple with one per argument, or deeper
+            (a dict of specs for a dict of parameters). Arguments are global arrays, or the
+            backend's distributed arrays.
+        out_specs: a pytree prefix of the result with ``P`` leaves; a mesh axis an output spec
+            leaves out promises that the blocks along it are equal.
         backend: a name or Backend; None detects it (see :func:`unimesh.get_backend`).
 
     Returns:
         A function of the global arguments that returns the backend's distributed arrays
-        (``jax.Array``, torch ``DTensor``, ``unimesh_mlx.MLXArray``).
+        (``jax.Array``, torch ``DTensor``, ``unimesh_mlx.MLXArray``) in the result's tree.
     """
     from .registry import _check_layout, get_backend
 
@@ -226,25 +374,27 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
         raise LayoutError(f"shard_map() needs a function, got {short(f)}")
     if not isinstance(mesh, Mesh):
         raise LayoutError(f"shard_map() needs a unimesh.Mesh, got {short(mesh)}")
-    ins, _ = _layouts(mesh, in_specs, "in_specs")
-    outs, single_out = _layouts(mesh, out_specs, "out_specs")
+    ins = SpecTree(mesh, in_specs, "in_specs")
+    outs = SpecTree(mesh, out_specs, "out_specs")
     be = get_backend(backend)
     be.require("shard_map")
-    for layout in ins + outs:
+    for layout in set(ins.layouts + outs.layouts):
         _check_layout(be, layout)
-    body = _Body(f, len(outs), single_out)
-    run = be.shard_map(body, mesh, ins, outs, single_out)
-
+    run = be.shard_map(Body(f, outs), mesh, ins, outs)
+    n_in = len(in_specs) if isinstance(in_specs, (tuple, list)) else None
     checked: set[tuple[int, tuple[int, ...]]] = set()
 
     def call(*args: Any) -> Any:
-        if len(args) != len(ins):
+        if n_in is not None and len(args) != n_in:
             raise LayoutError(f"the shard_map of {getattr(f, '__name__', 'f')} takes "
-                              f"{len(ins)} argument(s) (one per in_spec), got {len(args)}")
-        for i, arg in enumerate(args):  # global shapes; each (argument, shape) checked once
-            shape = getattr(arg, "shape", None)
+                              f"{n_in} argument(s) (one per in_spec), got {len(args)}")
+        import optree
+
+        leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
+        for i, (leaf, layout) in enumerate(zip(leaves, ins.for_leaves(args, treedef))):
+            shape = getattr(leaf, "shape", None)  # global shapes; each checked once
             if shape is not None and (i, tuple(shape)) not in checked:
-                _check_even(ins[i], tuple(shape), i)
+                _check_even(layout, tuple(shape), i)
                 checked.add((i, tuple(shape)))
         return run(*args)
 
@@ -265,6 +415,65 @@ def _check_even(layout: Layout, shape: tuple[int, ...], index: int) -> None:
             f"shard_map argument {index} has shape {shape}: dim {bad} ({shape[bad]}) does not "
             f"split evenly into {counts[bad]} blocks under {layout.spec!r} on {layout.mesh!r}; "
             f"shard_map needs equal blocks: pad dim {bad} to a multiple of {counts[bad]}")
+
+
+# -- gradients --------------------------------------------------------------------------------
+def _argnums(argnums: object) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) and not isinstance(argnums, bool) else argnums
+    if (not isinstance(nums, tuple) or not nums
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nums)
+            or len(set(nums)) != len(nums)):
+        raise LayoutError(f"argnums must be a non-negative int or a tuple of distinct ones, got "
+                          f"{short(argnums)}")
+    return nums
+
+
+def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *,
+                   has_aux: bool = False,
+                   backend: str | Backend | None = None) -> Callable[..., Any]:
+    """``fn``'s value and its gradient with respect to the arguments ``argnums``, with the
+    backend's own autodiff (``jax.value_and_grad``, torch autograd, ``mx.value_and_grad``).
+
+    ``fn`` takes global arrays or the backend's distributed arrays (pytrees of them) and returns
+    a scalar (with ``has_aux``: a pair ``(scalar, aux)``). Through :func:`shard_map` programs
+    the gradient is that of the global function the program computes, as ``jax.grad`` gives
+    it. Each gradient is laid out like its argument: a sharded parameter gets a gradient
+    sharded the same way, a global array a global gradient. Returns ``(value, grads)`` (with
+    ``has_aux``: ``((value, aux), grads)``); ``grads`` is one tree, or a tuple of them when
+    ``argnums`` is a tuple.
+    """
+    from .registry import get_backend
+
+    if not callable(fn):
+        raise LayoutError(f"value_and_grad() needs a function, got {short(fn)}")
+    nums = _argnums(argnums)
+    be = get_backend(backend)
+    be.require("shard_map")
+    run = be.value_and_grad(fn, nums, bool(has_aux))
+    single = isinstance(argnums, int)
+
+    def call(*args: Any) -> Any:
+        if max(nums) >= len(args):
+            raise LayoutError(f"argnums {argnums} names argument {max(nums)}, but "
+                              f"{getattr(fn, '__name__', 'fn')} was given {len(args)}")
+        value, grads = run(*args)
+        return value, grads[0] if single else grads
+
+    call.__name__ = getattr(fn, "__name__", "value_and_grad")
+    return call
+
+
+def grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
+         backend: str | Backend | None = None) -> Callable[..., Any]:
+    """The gradient of ``fn`` (see :func:`value_and_grad`); with ``has_aux``, ``(grads, aux)``."""
+    vg = value_and_grad(fn, argnums, has_aux=has_aux, backend=backend)
+
+    def call(*args: Any) -> Any:
+        value, grads = vg(*args)
+        return (grads, value[1]) if has_aux else grads
+
+    call.__name__ = getattr(fn, "__name__", "grad")
+    return call
 
 
 def full_array(array: Any, backend: str | Backend | None = None) -> Any:

@@ -64,7 +64,7 @@ class JaxBackend(Backend):
     extra = "jax"
     native_modules = ("jax",)
     capabilities = frozenset({"mesh", "layout", "distribute", "tuple_axes", "partial", "shard_map",
-                              "axis_types", "multi_process"})
+                              "axis_types", "multi_process", "grad"})
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "jax.sharding.Mesh (AbstractMesh from_native)",
         "layout": "jax.sharding.NamedSharding(mesh, PartitionSpec)",
@@ -72,6 +72,10 @@ class JaxBackend(Backend):
         "axis_group": "named axis inside shard_map (no group object)",
         "shard_map": "jax.shard_map",
         "psum": "jax.lax.psum",
+        "psum_scatter": "jax.lax.psum_scatter",
+        "all_to_all": "jax.lax.all_to_all",
+        "ppermute": "jax.lax.ppermute",
+        "value_and_grad": "jax.value_and_grad",
         "all_gather": "jax.lax.all_gather(tiled=...)",
         "axis_index": "jax.lax.axis_index",
         "shard_params": "tree_map_with_path + distribute per leaf",
@@ -295,16 +299,31 @@ class JaxBackend(Backend):
 
 
     # -- programs --------------------------------------------------------------------------------
-    def shard_map(self, body: Any, mesh: Mesh, in_layouts: tuple[Layout, ...],
-                  out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
+    def shard_map(self, body: Any, mesh: Mesh, ins: Any, outs: Any) -> Any:
         """``jax.shard_map`` over the converted mesh (``check_vma`` on: JAX checks that an
         output is equal along the axes its spec leaves out). Jit the result as usual."""
         jax = _jax()
         env = JaxAxisEnv(mesh)
-        outs = [self._spec(lay) for lay in out_layouts]
         return jax.shard_map(lambda *blocks: body(env, *blocks), mesh=self.mesh_to_native(mesh),
-                             in_specs=tuple(self._spec(lay) for lay in in_layouts),
-                             out_specs=outs[0] if single_out else tuple(outs))
+                             in_specs=ins.map(self._spec), out_specs=outs.map(self._spec))
+
+    def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
+        """``jax.value_and_grad``; each gradient is placed like its argument."""
+        jax = _jax()
+        vg = jax.value_and_grad(fn, argnums=argnums, has_aux=has_aux)
+
+        def placed(g: Any, a: Any) -> Any:
+            sharding = getattr(a, "sharding", None)
+            if sharding is None or isinstance(g, jax.core.Tracer) or g.sharding == sharding:
+                return g
+            return jax.device_put(g, sharding)
+
+        def run(*args: Any) -> Any:
+            value, grads = vg(*args)
+            return value, tuple(jax.tree_util.tree_map(placed, g, args[i])
+                                for g, i in zip(grads, argnums))
+
+        return run
 
     def full_array(self, array: Any) -> Any:
         """numpy of a ``jax.Array``; gathered from every process when not all addressable."""
@@ -360,11 +379,53 @@ class JaxAxisEnv(AxisEnv):
         return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](
             self._varying(x, axes), axes)
 
-    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
-        """``lax.all_gather`` whose result JAX knows to be equal along ``axes`` (``to=
-        "invarying"``), as it is: so an out_spec may leave those axes out, as after a psum."""
+    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool,
+                   invariant: bool) -> Any:
+        """``lax.all_gather``; ``invariant``: JAX knows the result is equal along ``axes``
+        (``to="invarying"``), so an out_spec may leave those axes out, as after a psum."""
         return _jax().lax.all_gather(self._varying(x, axes), axes, axis=dim, tiled=tiled,
-                                     to="invarying")
+                                     to="invarying" if invariant else "varying")
+
+    def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        return _jax().lax.psum_scatter(self._varying(x, axes), axes, scatter_dimension=dim,
+                                       tiled=tiled)
+
+    def all_to_all(self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int,
+                   tiled: bool) -> Any:
+        """``lax.all_to_all``; untiled as the tiled one on the split dim moved to the front
+        (JAX 0.10's transpose of an untiled all_to_all with split != concat fails with a
+        cotangent shape error)."""
+        jax = _jax()
+        x = self._varying(x, axes)
+        if tiled:
+            return jax.lax.all_to_all(x, axes, split_axis, concat_axis, tiled=True)
+        front = jax.numpy.moveaxis(x, split_axis, 0)
+        return jax.numpy.moveaxis(jax.lax.all_to_all(front, axes, 0, 0, tiled=True), 0,
+                                  concat_axis)
+
+    def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
+        """``lax.ppermute``. JAX numbers the devices of a tuple of axes in mesh order there
+        (unlike its own ``axis_index`` and ``all_gather``, which follow the tuple's order), so
+        indices are translated when the tuple is not in mesh order."""
+        ordered = tuple(sorted(axes, key=self.mesh.axis_names.index))
+        if ordered != axes:
+            sizes = [self.mesh.axis_size(a) for a in axes]
+
+            def in_mesh_order(index: int) -> int:
+                coords = dict(zip(axes, np.unravel_index(index, sizes)))
+                return int(np.ravel_multi_index([coords[a] for a in ordered],
+                                                [self.mesh.axis_size(a) for a in ordered]))
+
+            perm = tuple((in_mesh_order(a), in_mesh_order(b)) for a, b in perm)
+        return _jax().lax.ppermute(self._varying(x, ordered), ordered, perm)
+
+    def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
+        """A psum of the source's value and zeros elsewhere (``lax.pbroadcast`` has no CPU
+        lowering in JAX 0.10); JAX differentiates it to a sum at the source."""
+        jax = _jax()
+        x = self._varying(x, axes)
+        mine = jax.numpy.where(jax.lax.axis_index(axes) == source, x, jax.numpy.zeros_like(x))
+        return jax.lax.psum(mine, axes)
 
     def axis_index(self, axes: tuple[str, ...]) -> Any:
         return _jax().lax.axis_index(axes)

@@ -48,7 +48,7 @@ class KerasBackend(Backend):
     extra = "keras"
     native_modules = ("keras",)
     wraps = ("jax", "tensorflow", "torch")
-    capabilities = frozenset({"mesh", "layout", "layout_map", "distribute", "shard_map"})
+    capabilities = frozenset({"mesh", "layout", "layout_map", "distribute", "shard_map", "grad"})
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "keras.distribution.DeviceMesh",
         "layout": "keras.distribution.TensorLayout",
@@ -179,10 +179,13 @@ class KerasBackend(Backend):
         runtime = self._runtime()
         return [payload] if runtime is None else runtime.exchange(payload, timeout)
 
-    def shard_map(self, body: Any, mesh: Mesh, in_layouts: tuple[Layout, ...],
-                  out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
+    def shard_map(self, body: Any, mesh: Mesh, ins: Any, outs: Any) -> Any:
         """``jax.shard_map`` (Keras on JAX; the device order of ``list_devices()`` is JAX's)."""
-        return self._jax("shard_map").shard_map(body, mesh, in_layouts, out_layouts, single_out)
+        return self._jax("shard_map").shard_map(body, mesh, ins, outs)
+
+    def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
+        """``jax.value_and_grad`` (Keras on JAX)."""
+        return self._jax("shard_map").value_and_grad(fn, argnums, has_aux)
 
     def full_array(self, array: Any) -> Any:
         if hasattr(array, "value") and not hasattr(array, "sharding"):

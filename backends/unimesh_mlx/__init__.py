@@ -10,12 +10,11 @@ from __future__ import annotations
 from .backend import (
     AxisGroup,
     MLXArray,
-    MLXAxisEnv,
     MLXBackend,
     MLXLayout,
     MLXMesh,
     shard_linear,
 )
 
-__all__ = ["AxisGroup", "MLXArray", "MLXAxisEnv", "MLXBackend", "MLXLayout", "MLXMesh",
+__all__ = ["AxisGroup", "MLXArray", "MLXBackend", "MLXLayout", "MLXMesh",
            "shard_linear"]

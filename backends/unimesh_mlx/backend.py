@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import os
 import weakref
 from collections.abc import Iterator
@@ -19,7 +18,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from unimesh import (
-    Backend,
     ConversionError,
     LaunchError,
     Layout,
@@ -29,9 +27,9 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh._validate import short
-from unimesh.parallel import AxisEnv
+from unimesh.spmd import ProcessBackend
 
-__all__ = ["AxisGroup", "MLXArray", "MLXAxisEnv", "MLXBackend", "MLXLayout", "MLXMesh",
+__all__ = ["AxisGroup", "MLXArray", "MLXBackend", "MLXLayout", "MLXMesh",
            "shard_linear"]
 
 _LIVE: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
@@ -250,7 +248,7 @@ class MLXLayout:
         return f"MLXLayout({self.layout.spec!r} on {self.native_mesh!r})"
 
 
-class MLXBackend(Backend):
+class MLXBackend(ProcessBackend):
     """MLX: one device per process, groups per mesh axis."""
 
     name = "mlx"
@@ -258,7 +256,9 @@ class MLXBackend(Backend):
     extra = "mlx"
     native_modules = ("mlx", "unimesh_mlx")
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
-                              "axis_groups", "multi_process", "shard_map"})
+                              "axis_groups", "multi_process", "shard_map", "grad"})
+    # mx.distributed.sum_scatter raises "not yet implemented" on MPI: the engine builds it
+    native_primitives = frozenset({"all_reduce", "all_gather", "split"})
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "unimesh_mlx.MLXMesh (mx.distributed world group + this mx.Device)",
         "layout": "unimesh_mlx.MLXLayout",
@@ -381,53 +381,122 @@ class MLXBackend(Backend):
         return {native_mesh.rank: native_mesh.axis_group(axis).members}
 
 
-    # -- programs --------------------------------------------------------------------------------
-    def _program_mesh(self, mesh: Mesh) -> MLXMesh:
-        """One MLXMesh per neutral mesh for shard_map programs, so that its axis groups are split
-        once (every rank builds them in the same order: on first use inside the program)."""
-        cache: dict[Mesh, MLXMesh] = self.__dict__.setdefault("_programs", {})
-        if mesh not in cache:
-            cache[mesh] = self.mesh_to_native(mesh)
-        return cache[mesh]
+    # -- programs: the core's per-process engine on MLX groups -------------------------------------
+    def process_index(self) -> int:
+        return int(self._world().rank())
 
-    def _block(self, array: Any, layout: Layout, rank: int) -> Any:
+    def world_group(self) -> Any:
+        return self._world()
+
+    def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
+        """``Group.split`` (MPI): colour = the row, key = the place in it; None where the
+        distributed backend cannot split (ring), and the engine emulates the group."""
+        world = self._world()
+        members = tuple(int(m) for m in rows[row])
+        try:
+            group = world.split(row, members.index(int(world.rank())))
+        except RuntimeError:
+            return None
+        return AxisGroup((), members, world, group)
+
+    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
+        return getattr(_mx().distributed, "all_" + op)(x, group=_native_group(group))
+
+    def group_all_gather(self, x: Any, group: Any) -> Any:
         mx = _mx()
-        if isinstance(array, MLXArray):
-            if array.layout is layout or array.layout == layout:
-                return array.local
-            array = self.full_array(array)
-        host = np.asarray(array)
-        if host.ndim < len(layout.spec):
-            raise ConversionError(f"a shard_map argument of shape {host.shape} has fewer dims "
-                                  f"than its in_spec {layout.spec!r}")
-        return mx.array(host[layout.shard_slices(host.shape, rank)])
+        return mx.distributed.all_gather(mx.expand_dims(x, 0), group=_native_group(group))
 
-    def shard_map(self, body: Any, mesh: Mesh, in_layouts: tuple[Layout, ...],
-                  out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
-        """Runs ``body`` on this process's blocks (arguments: global arrays, the same on every
-        process, or :class:`MLXArray`), with the axis groups; returns :class:`MLXArray`."""
+    def as_array(self, value: Any) -> Any:
+        mx = _mx()
+        return value if isinstance(value, mx.array) else mx.array(value)
 
-        envs: list[MLXAxisEnv] = []
-        shapes: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}  # (output, block) -> global
+    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
+        return _mx().moveaxis(x, source, destination)
 
-        def run(*args: Any) -> Any:
-            mx = _mx()
-            if not envs:
-                native = self._program_mesh(mesh)
-                envs.append(MLXAxisEnv(mesh, native.rank, native))
-            env = envs[0]
-            blocks = [self._block(a, lay, env.native.rank) for a, lay in zip(args, in_layouts)]
-            result = body(env, *blocks)
-            results = (result,) if single_out else result
-            outs = []
-            for i, (block, layout) in enumerate(zip(results, out_layouts)):
-                block = block if isinstance(block, mx.array) else mx.array(block)
-                key = (i, tuple(block.shape))
-                shape = shapes.get(key)
-                if shape is None:
-                    shape = shapes[key] = layout.global_shape(key[1])
-                outs.append(MLXArray(block, layout, shape))
-            return outs[0] if single_out else tuple(outs)
+    def take(self, x: Any, index: list[int]) -> Any:
+        mx = _mx()
+        return x[mx.array(index)] if len(index) > 1 else x[index[0]:index[0] + 1]
+
+    def reduce_stack(self, x: Any, op: str) -> Any:
+        return getattr(_mx(), op)(x, axis=0)
+
+    def zeros_like(self, x: Any) -> Any:
+        return _mx().zeros_like(x)
+
+    def after(self, x: Any, done: Any) -> Any:
+        return _mx().depends(x, done)
+
+    def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
+        function = _mx().custom_function(fwd)
+
+        def transpose(primals: Any, cotangent: Any, output: Any) -> Any:
+            return bwd(cotangent)
+
+        function.vjp(transpose)
+        return function
+
+    def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
+        """An :class:`MLXArray`'s local block (gathered and cut again when laid out
+        otherwise), or a global array (numpy and lists become ``mx.array``)."""
+        mx = _mx()
+        if isinstance(arg, MLXArray):
+            if arg.layout is layout or arg.layout == layout:
+                return arg.local, False
+            arg = self.full_array(arg)
+        return (arg if isinstance(arg, mx.array) else mx.array(np.asarray(arg))), True
+
+    def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
+        return MLXArray(block, layout, shape)
+
+    def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
+        """``mx.value_and_grad`` over the local blocks of :class:`MLXArray` arguments (and the
+        global ``mx.array`` ones); gradients come back as :class:`MLXArray` with the
+        argument's layout, or global arrays."""
+        import optree
+
+        mx = _mx()
+
+        def run(*given: Any) -> Any:
+            args = list(given)
+            layouts = {}
+            locals_ = []
+            for i in argnums:
+                flat, treedef = optree.tree_flatten(args[i])
+                layouts[i] = (treedef, [(a.layout, a.shape) if isinstance(a, MLXArray) else None
+                                        for a in flat])
+                locals_.append(optree.tree_unflatten(treedef, [
+                    a.local if isinstance(a, MLXArray) else a for a in flat]))
+
+            def inner(*chosen: Any) -> Any:
+                full = list(args)
+                for i, tree in zip(argnums, chosen):
+                    treedef, kinds = layouts[i]
+                    full[i] = optree.tree_unflatten(treedef, [
+                        MLXArray(a, *kind) if kind is not None else a
+                        for a, kind in zip(optree.tree_leaves(tree), kinds)])
+                out = fn(*full)
+                value, aux = out if has_aux else (out, None)
+                value = value.local if isinstance(value, MLXArray) else value
+                if not isinstance(value, mx.array) or value.size != 1:
+                    raise ConversionError(
+                        f"value_and_grad needs {getattr(fn, '__name__', 'fn')} to return a "
+                        f"scalar, got {short(value)}")
+                return (value.reshape(()), aux) if has_aux else value.reshape(())
+
+            positions = tuple(range(len(argnums)))
+            if has_aux:
+                value, grads = _with_aux(mx, inner, positions, locals_)
+            else:
+                value, grads = mx.value_and_grad(inner, argnums=positions)(*locals_)
+            if len(argnums) == 1 and not isinstance(grads, tuple):
+                grads = (grads,)
+            out = []
+            for i, g in zip(argnums, grads):
+                treedef, kinds = layouts[i]
+                out.append(optree.tree_unflatten(treedef, [
+                    MLXArray(leaf, *kind) if kind is not None else leaf
+                    for leaf, kind in zip(optree.tree_leaves(g), kinds)]))
+            return value, tuple(out)
 
         return run
 
@@ -488,37 +557,23 @@ class MLXArray:
                 f"spec={self.layout.spec!r})")
 
 
-class MLXAxisEnv(AxisEnv):
-    """Axis collectives on this process's :class:`AxisGroup` for the axes."""
+def _native_group(group: Any) -> Any:
+    """The ``mx.distributed.Group`` of a handle (a split :class:`AxisGroup` or the world)."""
+    return group.group if isinstance(group, AxisGroup) else group
 
-    def __init__(self, mesh: Mesh, device: int, native: MLXMesh) -> None:
-        super().__init__(mesh, device)
-        self.native = native
-        self._ops: dict[tuple[tuple[str, ...], str], Any] = {}
 
-    def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
-        mx = _mx()
-        x = x if isinstance(x, mx.array) else mx.array(x)
-        try:
-            collective = self._ops[axes, op]
-        except KeyError:  # once per (axes, op): the group's collective, bound
-            group = self.native.axis_group(axes)
-            if group.group is not None:
-                collective = functools.partial(getattr(mx.distributed, "all_" + op),
-                                               group=group.group)
-            else:
-                collective = getattr(group, "all_" + op)
-            self._ops[axes, op] = collective
-        return collective(x)
+def _with_aux(mx: Any, inner: Any, positions: tuple[int, ...], locals_: list[Any]) -> Any:
+    """``mx.value_and_grad`` of a function returning (value, aux): aux rides along as the
+    second output, which MLX does not differentiate."""
+    box: list[Any] = []
 
-    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
-        mx = _mx()
-        stacked = self.native.axis_group(axes).all_gather(mx.expand_dims(x, 0))
-        moved = mx.moveaxis(stacked, 0, dim)
-        if not tiled:
-            return moved
-        shape = list(moved.shape)
-        return moved.reshape(shape[:dim] + [shape[dim] * shape[dim + 1]] + shape[dim + 2:])
+    def value_only(*chosen: Any) -> Any:
+        value, aux = inner(*chosen)
+        box.append(aux)
+        return value
+
+    value, grads = mx.value_and_grad(value_only, argnums=positions)(*locals_)
+    return (value, box[-1]), grads
 
 
 def shard_linear(linear: Any, layout: Layout, native_mesh: MLXMesh) -> Any:

@@ -14,7 +14,6 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 
 from unimesh import (
-    Backend,
     ConversionError,
     LaunchError,
     Layout,
@@ -27,9 +26,9 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh._validate import first_line, short
-from unimesh.parallel import AxisEnv
+from unimesh.spmd import ProcessBackend
 
-__all__ = ["TorchAxisEnv", "TorchBackend", "TorchLayout", "axis_mesh"]
+__all__ = ["TorchBackend", "TorchLayout", "axis_mesh"]
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -103,7 +102,7 @@ def _non_increasing_axes(mesh: Mesh, axes: tuple[str, ...]) -> list[str]:
     return bad
 
 
-class TorchBackend(Backend):
+class TorchBackend(ProcessBackend):
     """PyTorch: ``DeviceMesh`` and DTensor placements (torch >= 2.6)."""
 
     name = "torch"
@@ -111,7 +110,9 @@ class TorchBackend(Backend):
     extra = "torch"
     native_modules = ("torch", "unimesh_torch")
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
-                              "partial", "axis_groups", "multi_process", "shard_map"})
+                              "partial", "axis_groups", "multi_process", "shard_map", "grad"})
+    native_primitives = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                   "permute", "broadcast", "split"})
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "torch.distributed.device_mesh.DeviceMesh",
         "layout": "DTensor placements: Shard(d), Replicate(), Partial(op), _StridedShard",
@@ -438,69 +439,194 @@ class TorchBackend(Backend):
         return {_dist().get_rank(): array.to_local().detach().cpu().numpy()}
 
 
-    # -- programs --------------------------------------------------------------------------------
-    def _block(self, array: Any, layout: Layout, native: Any, rank: int) -> Any:
-        """This rank's block of a shard_map argument: a DTensor's local tensor (redistributed
-        to ``layout`` first when it is laid out otherwise), or the slice of a global tensor."""
+    # -- programs: the core's per-process engine on gloo/NCCL process groups -----------------------
+    def process_index(self) -> int:
+        return int(_dist().get_rank())
+
+    def world_group(self) -> Any:
+        return _TorchGroup(_dist().group.WORLD, tuple(range(_dist().get_world_size())))
+
+    def group_cache_key(self) -> Any:
+        return _dist().group.WORLD
+
+    def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
+        """The DeviceMesh's own group along ``axes`` (``get_group``; for several axes the
+        group of the dims flattened with ``_flatten``), so torch makes and names it as for
+        any DeviceMesh."""
+        device_mesh = self.mesh_to_native(mesh)
+        ordered = tuple(sorted(axes, key=mesh.axis_names.index))
+        if len(ordered) == 1:
+            pg = device_mesh.get_group(ordered[0])
+        else:
+            pg = device_mesh[ordered]._flatten("unimesh_" + "_".join(ordered)).get_group()
+        return _TorchGroup(pg, tuple(int(m) for m in rows[row]))
+
+    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
+        dist = _dist()
+        out = x.detach().clone(memory_format=_torch().contiguous_format)
+        dist.all_reduce(out, op=_OPS[op](), group=group.pg)
+        return out
+
+    def group_all_gather(self, x: Any, group: Any) -> Any:
+        torch = _torch()
+        flat = x.detach().contiguous().reshape(-1)  # gloo gathers into one flat buffer
+        out = torch.empty(group.size * flat.numel(), dtype=x.dtype, device=x.device)
+        _dist().all_gather_into_tensor(out, flat, group=group.pg)
+        out = out.reshape((group.size,) + tuple(x.shape))
+        return out if group.order is None else out[group.order]
+
+    def group_reduce_scatter(self, x: Any, group: Any) -> Any:
+        torch = _torch()
+        x = x.detach()
+        if group.inverse is not None:
+            x = x[group.inverse]
+        flat = x.contiguous().reshape(-1)
+        out = torch.empty(flat.numel() // group.size, dtype=x.dtype, device=x.device)
+        _dist().reduce_scatter_tensor(out, flat, group=group.pg)
+        return out.reshape(tuple(x.shape[1:]))
+
+    def group_all_to_all(self, x: Any, group: Any) -> Any:
+        torch = _torch()
+        x = x.detach()
+        if group.inverse is not None:
+            x = x[group.inverse]
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        _dist().all_to_all_single(out, x, group=group.pg)
+        return out if group.order is None else out[group.order]
+
+    def group_permute(self, x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
+        """One ``all_to_all_single`` in which each rank sends ``x`` whole to one rank."""
+        torch = _torch()
+        me = group.members.index(group.rank)
+        dest = next((i for i, s in enumerate(sources) if s == me), None)
+        src = sources[me]
+        ranks = group.ranks
+        flat = x.detach().contiguous().reshape(1, -1)
+        send = [1 if dest is not None and ranks[k] == group.members[dest] else 0
+                for k in range(group.size)]
+        recv = [1 if src is not None and ranks[k] == group.members[src] else 0
+                for k in range(group.size)]
+        out = torch.empty((sum(recv), flat.shape[1]), dtype=x.dtype, device=x.device)
+        _dist().all_to_all_single(out, flat[:sum(send)], recv, send, group=group.pg)
+        return out.reshape(x.shape) if src is not None else torch.zeros_like(x)
+
+    def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
+        out = x.detach().clone(memory_format=_torch().contiguous_format)
+        _dist().broadcast(out, src=group.members[root], group=group.pg)
+        return out
+
+    def as_array(self, value: Any) -> Any:
+        torch = _torch()
+        return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
+        return _torch().movedim(x, source, destination)
+
+    def take(self, x: Any, index: list[int]) -> Any:
+        return x[index]
+
+    def reduce_stack(self, x: Any, op: str) -> Any:
+        return x.sum(0) if op == "sum" else x.amax(0) if op == "max" else x.amin(0)
+
+    def zeros_like(self, x: Any) -> Any:
+        return _torch().zeros_like(x)
+
+    def needs_grad(self, x: Any) -> bool:
+        return bool(x.requires_grad) and _torch().is_grad_enabled()
+
+    def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
+        function = _vjp_function()
+        return lambda x: function.apply(x, fwd, bwd)
+
+    def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
+        """A DTensor's local tensor (redistributed to ``layout`` first when it is laid out
+        otherwise), or a global tensor (numpy and lists become tensors) for the engine to cut."""
         torch = _torch()
         from torch.distributed.tensor import DTensor
 
-        if isinstance(array, DTensor):
-            if array.device_mesh is native.device_mesh and \
-                    tuple(array.placements) == native.placements:
-                return array.to_local()  # the usual case, checked without conversions
-            have = self.from_native(array)
+        if isinstance(arg, DTensor):
+            native = self._native_layout(layout)
+            if arg.device_mesh is native.device_mesh and \
+                    tuple(arg.placements) == native.placements:
+                return arg.to_local(), False  # the usual case, checked without conversions
+            have = self.from_native(arg)
             if have.mesh != layout.mesh:
                 raise ConversionError(f"a shard_map argument is a DTensor on {have.mesh!r}, not "
                                       f"on the shard_map's {layout.mesh!r}")
             if have != layout:
-                array = array.redistribute(native.device_mesh, list(native.placements))
-            return array.to_local()
-        if not torch.is_tensor(array):
-            array = torch.as_tensor(np.asarray(array))
-        if array.ndim < len(layout.spec):
-            raise ConversionError(f"a shard_map argument of shape {tuple(array.shape)} has fewer "
-                                  f"dims than its in_spec {layout.spec!r}")
-        return array[layout.shard_slices(tuple(array.shape), rank)]
+                arg = arg.redistribute(native.device_mesh, list(native.placements))
+            return arg.to_local(), False
+        if not torch.is_tensor(arg):
+            arg = torch.as_tensor(np.asarray(arg))
+        return arg, True
 
-    def shard_map(self, body: Any, mesh: Mesh, in_layouts: tuple[Layout, ...],
-                  out_layouts: tuple[Layout, ...], single_out: bool) -> Any:
-        """Runs ``body`` on this rank's local tensors and wraps its results as DTensors
-        (``DTensor.from_local``); the collectives are torch's functional collectives (they
-        have autograd) over the DeviceMesh's per-axis groups. The DeviceMesh and placements
-        are built on the first call (every rank calls together) and reused."""
-        for layout in in_layouts + out_layouts:
+    def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
+        """``DTensor.from_local`` with the layout's placements and the global shape."""
+        torch = _torch()
+        from torch.distributed.tensor import DTensor
+
+        native = self._native_layout(layout)
+        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+        return DTensor.from_local(block, native.device_mesh, list(native.placements),
+                                  run_check=False, shape=torch.Size(shape), stride=stride)
+
+    def _native_layout(self, layout: Layout) -> TorchLayout:
+        cache: dict[Layout, TorchLayout] = self.__dict__.setdefault("_native_layouts", {})
+        native = cache.get(layout)
+        if native is None or self._world_group is not _dist().group.WORLD:
+            if self._world_group is not _dist().group.WORLD:
+                cache.clear()
+            native = cache[layout] = self.layout_to_native(layout)
+        return native
+
+    def prepare_program(self, mesh: Mesh, layouts: tuple[Layout, ...]) -> None:
+        """The DeviceMesh and placements of every in/out layout, built by every rank together
+        before the first run (DTensor needs them; building one is collective)."""
+        for layout in layouts:
             self._check_order(layout)
-        state: list[Any] = []
+        for layout in layouts:
+            self._native_layout(layout)
 
-        def setup() -> tuple[int, list[Any], list[Any], TorchAxisEnv]:
-            rank = _dist().get_rank()
-            if not (mesh.device_ids == rank).any():
-                raise MeshMismatchError(f"rank {rank} is not a device of {mesh!r}; shard_map runs "
-                                        "on the mesh's ranks: call it there only")
-            ins = [self.layout_to_native(lay) for lay in in_layouts]
-            outs = [self.layout_to_native(lay) for lay in out_layouts]
-            env = TorchAxisEnv(mesh, rank, self.mesh_to_native(mesh))
-            state.append((rank, ins, outs, env))
-            return state[0]  # type: ignore[no-any-return]
+    def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
+        """torch autograd: the differentiated leaves are detached copies that require grad;
+        ``torch.autograd.grad`` of the scalar value gives their gradients (DTensors for DTensor
+        arguments)."""
+        import optree
 
-        def run(*args: Any) -> Any:
-            torch = _torch()
-            from torch.distributed.tensor import DTensor
+        torch = _torch()
+        from torch.distributed.tensor import DTensor
 
-            rank, ins, outs, env = state[0] if state else setup()
-            blocks = [self._block(a, lay, nat, rank) for a, lay, nat in zip(args, in_layouts, ins)]
-            result = body(env, *blocks)
-            results = (result,) if single_out else result
-            wrapped = []
-            for block, native, layout in zip(results, outs, out_layouts):
-                block = block if torch.is_tensor(block) else torch.as_tensor(block)
-                shape = layout.global_shape(tuple(block.shape))
-                stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-                wrapped.append(DTensor.from_local(block, native.device_mesh,
-                                                  list(native.placements), run_check=False,
-                                                  shape=torch.Size(shape), stride=tuple(stride)))
-            return wrapped[0] if single_out else tuple(wrapped)
+        def run(*given: Any) -> Any:
+            args = list(given)
+            leaves: list[Any] = []
+            trees = []
+            for i in argnums:
+                flat, treedef = optree.tree_flatten(args[i])
+                fresh = [leaf.detach().requires_grad_(True) if torch.is_tensor(leaf)
+                         and (leaf.is_floating_point() or leaf.is_complex()) else leaf
+                         for leaf in flat]
+                trees.append((treedef, fresh))
+                leaves += [leaf for leaf in fresh if torch.is_tensor(leaf) and leaf.requires_grad]
+                args[i] = optree.tree_unflatten(treedef, fresh)
+            with torch.enable_grad():
+                out = fn(*args)
+                value, aux = out if has_aux else (out, None)
+                scalar = value
+                if isinstance(value, DTensor):
+                    scalar = value.full_tensor() if any(
+                        not p.is_replicate() for p in value.placements) else value.to_local()
+                if not torch.is_tensor(scalar) or scalar.numel() != 1:
+                    raise ConversionError(
+                        f"value_and_grad needs {getattr(fn, '__name__', 'fn')} to return a "
+                        f"scalar, got {short(value)}")
+                found = torch.autograd.grad(scalar.reshape(()), leaves, allow_unused=True)
+            by_id = {id(leaf): g for leaf, g in zip(leaves, found)}
+            grads = tuple(optree.tree_unflatten(treedef, [
+                (by_id[id(leaf)] if by_id.get(id(leaf)) is not None else torch.zeros_like(leaf))
+                if id(leaf) in by_id else None for leaf in fresh]) for treedef, fresh in trees)
+            value = value.detach()
+            return ((value, aux) if has_aux else value), grads
 
         return run
 
@@ -532,44 +658,53 @@ class TorchBackend(Backend):
         return model
 
 
-class TorchAxisEnv(AxisEnv):
-    """Axis collectives on this rank's groups of the DeviceMesh (one group per mesh axis); a
-    tuple of axes runs one axis after another."""
+class _TorchGroup:
+    """A process group with its members in the neutral order. torch has its own order of a
+    group's ranks (by global rank), so ``order`` / ``inverse`` re-index the pieces when the
+    two differ."""
 
-    def __init__(self, mesh: Mesh, device: int, device_mesh: Any) -> None:
-        super().__init__(mesh, device)
-        self.device_mesh = device_mesh
+    __slots__ = ("inverse", "members", "order", "pg", "rank", "ranks", "size")
 
-    def reduce_one(self, x: Any, axis: str, op: str) -> Any:
-        from torch.distributed import _functional_collectives as funcol
+    def __init__(self, pg: Any, members: tuple[int, ...]) -> None:
+        self.pg = pg
+        self.members = members
+        self.size = len(members)
+        self.ranks = tuple(int(r) for r in _dist().get_process_group_ranks(pg))
+        if sorted(self.ranks) != sorted(members):  # pragma: no cover - a torch change
+            raise MeshMismatchError(f"torch's group has ranks {self.ranks}, unimesh expects "
+                                    f"{members}")
+        self.rank = int(_dist().get_rank())
+        if self.ranks == members:
+            self.order: list[int] | None = None
+            self.inverse: list[int] | None = None
+        else:  # piece k in torch's order is member ranks[k]
+            self.order = [self.ranks.index(m) for m in members]
+            self.inverse = [members.index(r) for r in self.ranks]
 
-        return funcol.all_reduce(_torch().as_tensor(x), op, self.device_mesh.get_group(axis))
 
-    def _gather_one(self, x: Any, axis: str) -> list[Any]:
-        """Every member's ``x`` along ``axis``, in coordinate order (torch's group order is by
-        global rank, which a permuted mesh does not follow)."""
-        from torch.distributed import _functional_collectives as funcol
+_OPS = {"sum": lambda: _dist().ReduceOp.SUM, "max": lambda: _dist().ReduceOp.MAX,
+        "min": lambda: _dist().ReduceOp.MIN}
+_VJP: list[Any] = []
 
-        group = self.device_mesh.get_group(axis)
-        x = _torch().as_tensor(x).contiguous()
-        ranks = list(_dist().get_process_group_ranks(group))
-        gathered = funcol.all_gather_single(x.unsqueeze(0), 0, group)
-        rows = self.mesh.groups_array(axis)
-        row = rows[(rows == self.device).any(axis=1)][0]
-        return [gathered[ranks.index(int(m))] for m in row]
 
-    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+def _vjp_function() -> Any:
+    """One ``torch.autograd.Function`` running a forward and a backward given per call."""
+    if not _VJP:
         torch = _torch()
-        out = x
-        for k, axis in enumerate(reversed(axes)):  # minor axis first: row-major over axes
-            pieces = self._gather_one(out, axis)
-            if tiled:
-                out = torch.cat(pieces, dim)
-            else:
-                out = torch.stack(pieces, dim)
-                if k:
-                    out = out.flatten(dim, dim + 1)
-        return out
+
+        class Vjp(torch.autograd.Function):  # type: ignore[name-defined,misc]
+            @staticmethod
+            def forward(ctx: Any, x: Any, fwd: Any, bwd: Any) -> Any:
+                ctx.bwd = bwd
+                y = fwd(x)
+                return y.view_as(y) if y is x else y
+
+            @staticmethod
+            def backward(ctx: Any, ct: Any) -> Any:
+                return ctx.bwd(ct), None, None
+
+        _VJP.append(Vjp)
+    return _VJP[0]
 
 
 def _to_torch(p: Any) -> Any:

@@ -307,7 +307,7 @@ def test_all_gather_follows_the_axis_index(backend: unimesh.Backend, devices: in
         others = tuple(a for a in mesh.axis_names if a not in axes)
 
         def body(b: Any, axes: tuple[str, ...] = axes, others: tuple[str, ...] = others) -> Any:
-            pieces = unimesh.all_gather(b * 0 + unimesh.axis_index(axes), axes)
+            pieces = unimesh.all_gather(b * 0 + unimesh.axis_index(axes), axes, to="invarying")
             return unimesh.pmean(pieces, others) if others else pieces
 
         program = _refused(lambda: unimesh.shard_map(body, mesh, P(), P(), backend=backend))
@@ -326,7 +326,7 @@ def test_collectives_over_axes_where_the_value_is_equal(backend: unimesh.Backend
     x = np.arange(2.0 * mesh.axis_size(a), dtype=np.float32)
 
     def body(xb: Any) -> tuple[Any, Any]:
-        return unimesh.psum(xb, (a, b)), unimesh.all_gather(xb, b)
+        return unimesh.psum(xb, (a, b)), unimesh.all_gather(xb, b, to="invarying")
 
     program = _refused(lambda: unimesh.shard_map(body, mesh, P(a), (P(), P(a)), backend=backend))
     total, gathered = (np.asarray(unimesh.full_array(r, backend=backend)) for r in program(x))
@@ -350,6 +350,152 @@ def test_shard_map_takes_global_arrays(backend: unimesh.Backend, devices: int) -
                                                  P(a, None), backend=backend))
     got = np.asarray(unimesh.full_array(program(x, w), backend=backend))
     np.testing.assert_allclose(got, x @ w, rtol=1e-5)
+
+
+def _members(mesh: Mesh, axes: tuple[str, ...], device: int) -> tuple[list[int], int]:
+    """The group along ``axes`` holding ``device`` (in index order) and the device's index."""
+    rows = mesh.groups_array(axes)
+    row = [int(m) for m in rows[(rows == device).any(axis=1)][0]]
+    return row, row.index(device)
+
+
+def _chunk(a: np.ndarray, dim: int, n: int, i: int) -> np.ndarray:
+    return np.split(a, n, axis=dim)[i]
+
+
+# collective name -> (program body on a block, numpy reference from (members' blocks, index))
+def _collective_table(axes: tuple[str, ...], n: int) -> dict[str, tuple[Any, Any]]:
+    shift = [(i, (i + 1) % n) for i in range(n)]
+    partial = [(i, i + 1) for i in range(n - 1)]
+    last = -1
+    return {
+        "psum": (lambda b: unimesh.psum(b, axes), lambda blocks, i: np.sum(blocks, axis=0)),
+        "pmean": (lambda b: unimesh.pmean(b, axes), lambda blocks, i: np.mean(blocks, axis=0)),
+        "all_gather": (lambda b: unimesh.all_gather(b, axes, dim=last),
+                       lambda blocks, i: np.concatenate(blocks, axis=last)),
+        "psum_scatter": (
+            lambda b: unimesh.psum_scatter(b, axes, scatter_dimension=last, tiled=True),
+            lambda blocks, i: _chunk(np.sum(blocks, axis=0), last, n, i)),
+        "all_to_all": (
+            lambda b: unimesh.all_to_all(b, axes, split_axis=last, concat_axis=0, tiled=True),
+            lambda blocks, i: np.concatenate([_chunk(x, last, n, i) for x in blocks], axis=0)),
+        "ppermute(shift)": (lambda b: unimesh.ppermute(b, axes, shift),
+                            lambda blocks, i: blocks[(i - 1) % n]),
+        "ppermute(partial)": (
+            lambda b: unimesh.ppermute(b, axes, partial),
+            lambda blocks, i: blocks[i - 1] if i > 0 else np.zeros_like(blocks[0])),
+        "pbroadcast": (lambda b: unimesh.pbroadcast(b, axes, n - 1),
+                       lambda blocks, i: blocks[n - 1]),
+    }
+
+
+def _collective_setup(mesh: Mesh) -> tuple[P, tuple[int, ...], np.ndarray]:
+    """Every axis sharding a dim, and a last dim every group size divides."""
+    spec = P(*mesh.axis_names)
+    shape = tuple(2 * n for n in mesh.shape) + (2 * mesh.size,)
+    x = np.random.default_rng(11).standard_normal(shape).astype(np.float32)
+    return spec, shape, x
+
+
+def _reference(mesh: Mesh, spec: P, x: np.ndarray, axes: tuple[str, ...], ref: Any) -> np.ndarray:
+    lay = Layout(mesh, spec)
+
+    def result(device: int) -> np.ndarray:
+        row, i = _members(mesh, axes, device)
+        return np.asarray(ref([x[lay.shard_slices(x.shape, m)] for m in row], i))
+
+    return _assemble(mesh, spec, result)
+
+
+@capability("shard_map")
+@pytest.mark.parametrize("mesh_key", ["1d", "1d-reversed", "2d", "2d-permuted", "3d"])
+def test_collectives_against_the_reference(backend: unimesh.Backend, devices: int,
+                                           mesh_key: str) -> None:
+    """psum, pmean, all_gather, psum_scatter, all_to_all, ppermute and pbroadcast over every
+    axis and pairs of axes in both orders, each device's result against numpy on the core's
+    groups (members in the order of their index along the axes)."""
+    mesh = _mesh(mesh_key, devices)
+    spec, _, x = _collective_setup(mesh)
+    placed = _refused(lambda: unimesh.distribute(x, Layout(mesh, spec), backend))
+    for axes in _axis_sets(mesh):
+        n = math.prod(mesh.axis_size(a) for a in axes)
+        table = _collective_table(axes, n)
+        program = _refused(lambda: unimesh.shard_map(
+            lambda b: {k: op(b) for k, (op, _) in table.items()}, mesh, spec, spec,  # noqa: B023
+            backend=backend))
+        got = program(placed)
+        for name, (_, ref) in table.items():
+            want = _reference(mesh, spec, x, axes, ref)
+            np.testing.assert_allclose(np.asarray(unimesh.full_array(got[name], backend=backend)),
+                                       want, rtol=1e-5, atol=1e-5, err_msg=f"{name} over {axes}")
+
+
+@capability("shard_map", "grad")
+@pytest.mark.parametrize("mesh_key", ["1d-reversed", "2d-permuted", "3d"])
+def test_collective_gradients_are_the_global_gradients(backend: unimesh.Backend, devices: int,
+                                                       mesh_key: str) -> None:
+    """For L(x) = sum over devices of <w_d, c(x)_d> (each collective c, weights w varying by
+    device), unimesh.value_and_grad must give the gradient of that global function: L is
+    linear, so <grad, probe> equals L(probe) computed by the numpy reference, for any probe.
+    One program per axis set takes a dict of inputs, one per collective."""
+    mesh = _mesh(mesh_key, devices)
+    spec, shape, x = _collective_setup(mesh)
+    lay = Layout(mesh, spec)
+    rng = np.random.default_rng(12)
+    probes = [rng.standard_normal(shape) for _ in range(2)]
+    for axes in _axis_sets(mesh)[:3]:
+        table = _collective_table(axes, math.prod(mesh.axis_size(a) for a in axes))
+        weights = {name: rng.standard_normal(_reference(mesh, spec, x, axes, ref).shape)
+                   .astype(np.float32) for name, (_, ref) in table.items()}
+
+        def body(xb: dict[str, Any], wb: dict[str, Any],
+                 table: dict[str, Any] = table) -> Any:
+            total = sum((wb[k] * op(xb[k])).sum() for k, (op, _) in table.items())
+            return unimesh.psum(total, mesh.axis_names)
+
+        program = _refused(lambda: unimesh.shard_map(
+            body, mesh, (spec, spec), P(), backend=backend))
+        xs = _refused(lambda: {k: unimesh.distribute(x, lay, backend) for k in table})  # noqa: B023
+        ws = {k: unimesh.distribute(w, lay, backend) for k, w in weights.items()}
+        value, grads = unimesh.value_and_grad(program, backend=backend)(xs, ws)
+
+        def loss(a: np.ndarray, name: str, axes: tuple[str, ...] = axes,
+                 table: dict[str, Any] = table, weights: dict[str, Any] = weights) -> float:
+            return float((weights[name].astype(np.float64)
+                          * _reference(mesh, spec, a, axes, table[name][1])).sum())
+
+        total = sum(loss(x.astype(np.float64), k) for k in table)
+        assert float(np.asarray(unimesh.full_array(value, backend=backend))) == \
+            pytest.approx(total, rel=1e-4, abs=1e-4), f"loss over {axes}"
+        for name in table:
+            grad = np.asarray(unimesh.full_array(grads[name], backend=backend), np.float64)
+            for probe in probes:
+                assert float((grad * probe).sum()) == pytest.approx(
+                    loss(probe, name), rel=1e-4, abs=1e-4), f"gradient of {name} over {axes}"
+
+
+@capability("shard_map")
+def test_pytrees_of_arguments_and_results(backend: unimesh.Backend, devices: int) -> None:
+    """A dict of arguments with a dict of specs, a spec standing for a whole tuple, None as an
+    argument, and a list of results under one spec: jax.shard_map's prefix rules."""
+    mesh = _mesh("2d", devices)
+    a, b = mesh.axis_names
+    shape = (2 * mesh.shape[0], 2 * mesh.shape[1])
+    x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+
+    def body(params: dict[str, Any], pair: tuple[Any, Any], nothing: None) -> Any:
+        assert nothing is None
+        return {"sum": [unimesh.psum(params["w"], b), pair[0] + pair[1]]}
+
+    program = _refused(lambda: unimesh.shard_map(
+        body, mesh, ({"w": P(a, b)}, P(a), None), {"sum": P(a)}, backend=backend))
+    got = program({"w": x}, (x, 2 * x), None)
+    total, pair = (np.asarray(unimesh.full_array(r, backend=backend)) for r in got["sum"])
+    lay = Layout(mesh, P(a, b))
+    want = _assemble(mesh, P(a), lambda d: np.sum(
+        [x[lay.shard_slices(shape, m)] for m in _members(mesh, (b,), d)[0]], axis=0))
+    np.testing.assert_allclose(total, want)
+    np.testing.assert_allclose(pair, 3 * x)
 
 
 # -- what a backend does not declare, it must refuse with UnsupportedError ----------------------

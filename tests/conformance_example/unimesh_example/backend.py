@@ -3,13 +3,15 @@ of per-device numpy blocks. It translates only; the meaning comes from unimesh."
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 import unimesh
-from unimesh import Backend, Layout, Mesh
+from unimesh import Layout, Mesh
+from unimesh.spmd import ProcessBackend
 
 
 @dataclass
@@ -30,7 +32,7 @@ class ExampleArray:
     blocks: dict[int, np.ndarray]
 
 
-class ExampleBackend(Backend):
+class ExampleBackend(ProcessBackend):
     name = "example"
     framework = "numpy"
     extra = "example"
@@ -65,3 +67,143 @@ class ExampleBackend(Backend):
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         return dict(array.blocks)
+
+
+# -- programs: the core's per-process engine, with one thread per device ------------------------
+class _Board:
+    """Where the members of one group meet: a slot each and a barrier."""
+
+    def __init__(self, size: int) -> None:
+        self.slots: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=60)
+
+    def exchange(self, index: int, x: np.ndarray) -> np.ndarray:
+        self.slots[index] = x
+        self.barrier.wait()
+        out = np.stack(self.slots)
+        self.barrier.wait()  # nobody writes the next round before everyone has read this one
+        return out
+
+
+@dataclass
+class _Group:
+    members: tuple[int, ...]
+    board: _Board
+
+
+class ThreadedExampleBackend(ExampleBackend):
+    """The example backend with programs: a thread per device runs the core's engine, and the
+    only primitives written here are all-gather and all-reduce over a group (the engine builds
+    reduce-scatter, all-to-all, permute and broadcast from them)."""
+
+    capabilities = ExampleBackend.capabilities | {"shard_map"}
+    native_primitives = frozenset({"all_reduce", "all_gather", "split"})
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._boards: dict[tuple[int, ...], _Board] = {}
+
+    def _board(self, members: tuple[int, ...]) -> _Board:
+        with self._lock:
+            return self._boards.setdefault(members, _Board(len(members)))
+
+    # the "process" is the thread
+    def process_index(self) -> int:
+        return int(self._local.device)
+
+    def group_cache_key(self) -> Any:
+        return self._local.device  # one engine (and set of groups) per device, i.e. thread
+
+    def world_group(self) -> Any:
+        members = tuple(range(self._local.world))
+        return _Group(members, self._board(members))
+
+    def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
+        members = tuple(int(m) for m in rows[row])
+        return _Group(members, self._board(members))
+
+    def group_all_gather(self, x: Any, group: Any) -> Any:
+        return group.board.exchange(group.members.index(self.process_index()), np.asarray(x))
+
+    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
+        return self.reduce_stack(self.group_all_gather(x, group), op)
+
+    # array glue: numpy, no autodiff
+    def as_array(self, value: Any) -> Any:
+        return np.asarray(value)
+
+    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
+        return np.moveaxis(x, source, destination)
+
+    def take(self, x: Any, index: list[int]) -> Any:
+        return x[index]
+
+    def reduce_stack(self, x: Any, op: str) -> Any:
+        return {"sum": np.sum, "max": np.max, "min": np.min}[op](x, axis=0)
+
+    def zeros_like(self, x: Any) -> Any:
+        return np.zeros_like(x)
+
+    def needs_grad(self, x: Any) -> bool:
+        return False
+
+    def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
+        if isinstance(arg, ExampleArray):
+            return arg.blocks[device], False
+        return np.asarray(arg), True
+
+    def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
+        return block
+
+    def shard_map(self, body: Any, mesh: Mesh, ins: Any, outs: Any) -> Any:
+        """Runs the engine's program on a thread per device of the mesh; results are
+        ExampleArrays of every device's block."""
+        import optree
+
+        from unimesh.spmd import ProcessBackend
+
+        def run(*args: Any) -> Any:
+            results: dict[int, Any] = {}
+            errors: list[BaseException] = []
+
+            def device(d: int) -> None:
+                self._local.device, self._local.world = d, mesh.size
+                try:
+                    results[d] = program_for[d](*args)
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                    errors.append(exc)
+                    for board in list(self._boards.values()):
+                        board.barrier.abort()
+
+            program_for = {int(d): ProcessBackend.shard_map(self, body, mesh, ins, outs)
+                           for d in mesh.device_ids.ravel()}
+            threads = [threading.Thread(target=device, args=(int(d),))
+                       for d in mesh.device_ids.ravel()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                self._boards.clear()
+                raise errors[0]
+            first = results[int(mesh.device_ids.flat[0])]
+            treedef = optree.tree_structure(first)
+            layouts = outs.for_leaves(first, treedef)
+            per_device = {d: optree.tree_leaves(r) for d, r in results.items()}
+            return optree.tree_unflatten(treedef, [
+                ExampleArray(self.layout_to_native(lay), {d: per_device[d][i] for d in results})
+                for i, lay in enumerate(layouts)])
+
+        return run
+
+    def full_array(self, array: Any) -> Any:
+        if not isinstance(array, ExampleArray):
+            return np.asarray(array)
+        layout = self.from_native(array.layout)
+        first = next(iter(array.blocks.values()))
+        shape = layout.global_shape(first.shape)
+        out = np.zeros(shape, first.dtype)
+        for d, block in array.blocks.items():
+            out[layout.shard_slices(shape, d)] = block
+        return out

@@ -1,8 +1,8 @@
 from unimesh.plugin import hookimpl
 
-from .backend import ExampleBackend
+from .backend import ThreadedExampleBackend
 
 
 @hookimpl
-def unimesh_backend() -> ExampleBackend:
-    return ExampleBackend()
+def unimesh_backend() -> ThreadedExampleBackend:
+    return ThreadedExampleBackend()

@@ -1,0 +1,201 @@
+"""shard_map programs written once against unimesh, each a scalar loss of its arguments.
+
+JAX computes the reference (``jax.grad`` through ``jax.shard_map`` with ``check_vma``) in the
+test process; torch (torchrun) and MLX (mpirun, mlx.launch) run the very same functions in
+``program_worker.py`` and must give the same value and gradients. The bodies use only what
+jax, torch and MLX arrays share (``@``, ``*``, ``.sum()``, ``.T``, comparisons).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import unimesh
+from unimesh import Layout, P
+
+MESH = "dp=2,tp=2"
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _data(seed: int, *shapes: tuple[int, ...]) -> list[np.ndarray]:
+    rng = _rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def _weighted(y: Any) -> Any:
+    """A loss that weighs every element and device differently, so cotangents vary."""
+    k = 1.0 + unimesh.axis_index(("dp", "tp"))
+    n = 1
+    for s in y.shape:
+        n *= s
+    return (y * y * 0.5 + y * k).sum() / n
+
+
+def _total(local: Any) -> Any:
+    return unimesh.psum(local, ("dp", "tp"))
+
+
+class Case:
+    """``fn(mesh, backend)`` -> a loss function of ``args``; ``specs`` lay the arguments out
+    (None: passed as global arrays) and ``argnums`` are differentiated."""
+
+    def __init__(self, name: str, build: Callable[[unimesh.Mesh, str], Callable[..., Any]],
+                 args: list[Any], specs: list[Any], argnums: tuple[int, ...]) -> None:
+        self.name = name
+        self.build = build
+        self.args = args
+        self.specs = specs
+        self.argnums = argnums
+
+
+def _collective_case(name: str, op: Callable[[Any], Any], in_spec: P, shape: tuple[int, ...],
+                     seed: int) -> Case:
+    def build(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
+        program = unimesh.shard_map(lambda b: _total(_weighted(op(b))), mesh, in_spec, P(),
+                                    backend=backend)
+        return program
+
+    return Case(name, build, _data(seed, shape), [in_spec], (0,))
+
+
+CASES: list[Case] = [
+    _collective_case("psum", lambda b: unimesh.psum(b, "tp"), P("dp", "tp"), (4, 6), 1),
+    _collective_case("psum-tuple", lambda b: unimesh.psum(b, ("tp", "dp")), P("dp", "tp"),
+                     (4, 6), 2),
+    _collective_case("pmean", lambda b: unimesh.pmean(b * b, "dp"), P("dp", "tp"), (4, 6), 3),
+    _collective_case("psum-replicated", lambda b: unimesh.psum(b, "tp"), P("dp"), (4, 6), 4),
+    _collective_case("all_gather", lambda b: unimesh.all_gather(b, "tp"), P("dp", "tp"),
+                     (4, 6), 5),
+    _collective_case("all_gather-dim1-untiled",
+                     lambda b: unimesh.all_gather(b, "dp", dim=1, tiled=False), P("dp", "tp"),
+                     (4, 6), 6),
+    _collective_case("all_gather-tuple", lambda b: unimesh.all_gather(b, ("tp", "dp")),
+                     P(("tp", "dp")), (8, 3), 7),
+    _collective_case("psum_scatter-tiled",
+                     lambda b: unimesh.psum_scatter(b, "tp", scatter_dimension=1, tiled=True),
+                     P("dp"), (4, 6), 8),
+    _collective_case("psum_scatter-untiled",
+                     lambda b: unimesh.psum_scatter(b, "dp", scatter_dimension=0),
+                     P(None, "tp"), (2, 6), 9),
+    _collective_case("all_to_all-tiled",
+                     lambda b: unimesh.all_to_all(b, "tp", 1, 0, tiled=True), P("dp"), (4, 6), 10),
+    _collective_case("all_to_all-untiled",
+                     lambda b: unimesh.all_to_all(b, "dp", 0, 1), P(None, "tp"), (2, 6, 3), 11),
+    _collective_case("all_to_all-tuple",
+                     lambda b: unimesh.all_to_all(b, ("dp", "tp"), 0, 1, tiled=True), P(),
+                     (8, 2), 12),
+    _collective_case("ppermute-ring",
+                     lambda b: unimesh.ppermute(b, "tp", [(0, 1), (1, 0)]) * 2.0 + b,
+                     P("dp", "tp"), (4, 6), 13),
+    _collective_case("ppermute-shift",
+                     lambda b: unimesh.ppermute(b, ("dp", "tp"), [(0, 1), (1, 2), (2, 3)]),
+                     P(("dp", "tp")), (8, 3), 14),
+    _collective_case("pbroadcast",
+                     lambda b: unimesh.pbroadcast(b, "tp", 1) * b, P("dp", "tp"), (4, 6), 15),
+]
+
+
+def _issue_example(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
+    """The gradient that was wrong on torch (32 instead of 16)."""
+
+    def loss_fn(x: Any, y: Any, w: Any) -> Any:
+        pred = unimesh.psum(x @ w, "tp")
+        return unimesh.pmean(((pred - y) ** 2).mean(), "dp")
+
+    return unimesh.shard_map(loss_fn, mesh, in_specs=(P("dp", "tp"), P("dp", None),
+                                                      P("tp", None)),
+                             out_specs=P(), backend=backend)
+
+
+CASES.append(Case("issue-example", _issue_example,
+                  [np.ones((16, 8), np.float32), np.zeros((16, 1), np.float32),
+                   np.ones((8, 1), np.float32)],
+                  [P("dp", "tp"), P("dp", None), P("tp", None)], (0, 2)))
+
+
+def _tree_program(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
+    """Pytrees: a dict of parameters with a dict of specs, a namedtuple sharing one spec, a
+    None leaf, and a tuple of results whose specs are a prefix."""
+
+    def body(params: dict[str, Any], batch: Any, nothing: None) -> Any:
+        h = batch.a @ params["w1"]                           # (B/dp, H/tp)
+        h = h * (h > 0)
+        out = unimesh.psum(h @ params["w2"], "tp")           # (B/dp, O)
+        loss = ((out - batch.b) ** 2).sum()
+        return unimesh.psum(loss, "dp"), {"out": out}
+
+    program = unimesh.shard_map(
+        body, mesh,
+        in_specs=({"w1": P(None, "tp"), "w2": P("tp", None)}, P("dp"), None),
+        out_specs=(P(), {"out": P("dp")}), backend=backend)
+
+    def loss(params: dict[str, Any], batch: Any) -> Any:
+        total, _extra = program(params, batch, None)
+        return total
+
+    return loss
+
+
+_W1, _W2, _XA, _XB = _data(20, (6, 4), (4, 3), (4, 6), (4, 3))
+CASES.append(Case("pytree", _tree_program,
+                  [{"w1": _W1, "w2": _W2}, Pair(_XA, _XB)],
+                  [{"w1": P(None, "tp"), "w2": P("tp", None)}, None], (0, 1)))
+
+
+def _layout(mesh: unimesh.Mesh, spec: P) -> Layout:
+    return Layout(mesh, spec)
+
+
+def global_array(a: np.ndarray, backend: str) -> Any:
+    """``a`` as the backend's own (undistributed) array."""
+    if backend == "torch":
+        import torch
+
+        return torch.as_tensor(a)
+    if backend == "mlx":
+        import mlx.core as mx
+
+        return mx.array(a)
+    import jax.numpy as jnp
+
+    return jnp.asarray(a)
+
+
+def arguments(case: Case, mesh: unimesh.Mesh, backend: str) -> list[Any]:
+    """The case's arguments: distributed by their specs, or global arrays where None."""
+    import optree
+
+    out = []
+    for value, spec in zip(case.args, case.specs):
+        if spec is None:
+            out.append(optree.tree_map(lambda a: global_array(a, backend), value))
+        else:
+            specs = optree.tree_broadcast_prefix(spec, value, is_leaf=lambda s: isinstance(s, P))
+            out.append(optree.tree_map(
+                lambda a, s: unimesh.distribute(a, Layout(mesh, s), backend=backend),
+                value, specs))
+    return out
+
+
+def run(case: Case, mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
+    """The loss and every gradient, whole, as numpy (every process gets the same)."""
+    import optree
+
+    loss = case.build(mesh, backend)
+    value, grads = unimesh.value_and_grad(loss, argnums=case.argnums, backend=backend)(
+        *arguments(case, mesh, backend))
+    out = {"value": np.asarray(unimesh.full_array(value, backend=backend), np.float64)}
+    for n, g in zip(case.argnums, grads):
+        leaves, treedef = optree.tree_flatten(g)
+        for path, leaf in zip(optree.treespec_paths(treedef), leaves):
+            key = f"grad{n}" + "".join(f"/{p}" for p in path)
+            out[key] = np.asarray(unimesh.full_array(leaf, backend=backend), np.float64)
+    return out

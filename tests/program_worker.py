@@ -1,0 +1,53 @@
+"""One process of a real run of the shard_map programs of program_cases.py (torchrun, mpirun or
+mlx.launch). Started by tests/test_programs.py.
+
+    python tests/program_worker.py BACKEND REFERENCE.npz OUT_DIR
+
+Every process runs every case with unimesh.value_and_grad, compares the loss and each gradient
+with JAX's (from REFERENCE.npz) to 1e-5 (relative where they exceed 1), and writes OUT_DIR/rank-R.json: {case: max error or
+the error text}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import program_cases
+
+import unimesh
+
+
+def main() -> int:
+    backend, reference, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    rank, _ = unimesh.initialize(backend)
+    mesh = unimesh.Mesh.from_string(program_cases.MESH)
+    want = np.load(reference)
+    report: dict[str, object] = {}
+    for case in program_cases.CASES:
+        if os.environ.get("UNIMESH_DEBUG"):
+            print(f"rank {rank}: {case.name}", flush=True)
+        try:
+            got = program_cases.run(case, mesh, backend)
+            keys = sorted(k for k in want.files if k.startswith(case.name + ":"))
+            missing = sorted({k.split(":", 1)[1] for k in keys} ^ set(got))
+            if missing:
+                report[case.name] = f"outputs differ from JAX's: {missing}"
+                continue
+            report[case.name] = max(  # relative to the size of the value, at least 1
+                float(np.max(np.abs(got[k.split(":", 1)[1]] - want[k])
+                             / np.maximum(1.0, np.abs(want[k])), initial=0.0))
+                for k in keys)
+        except Exception:  # noqa: BLE001 - any failure is reported for this case
+            report[case.name] = traceback.format_exc(limit=6)
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
+    print(f"RANK {rank} done {len(report)} cases", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

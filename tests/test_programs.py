@@ -1,0 +1,85 @@
+"""The programs of program_cases.py, written once: JAX (jax.grad through jax.shard_map) gives
+the reference loss and gradients; torch under torchrun and MLX under mpirun and mlx.launch (4
+processes each) must give the same on every process, to 1e-5."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .launch import require_mpirun, run_bounded
+
+HERE = Path(__file__).parent
+WORKER = HERE / "program_worker.py"
+LIMIT = 300  # seconds for one launcher run (about 25 s here); the kill must come before pytest's
+pytestmark = pytest.mark.timeout(2 * LIMIT + 120)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("jax")
+    sys.path.insert(0, str(HERE))
+    import program_cases
+
+    import unimesh
+
+    mesh = unimesh.Mesh.from_string(program_cases.MESH)
+    arrays = {}
+    for case in program_cases.CASES:
+        for key, value in program_cases.run(case, mesh, "jax").items():
+            arrays[f"{case.name}:{key}"] = value
+    path = tmp_path_factory.mktemp("programs") / "reference.npz"
+    np.savez(path, **arrays)
+    return path
+
+
+def test_issue_example_gradient_on_jax(reference: Path) -> None:
+    """The reference itself: the true gradient of the issue's program is 16 everywhere."""
+    want = np.load(reference)
+    np.testing.assert_allclose(want["issue-example:grad2"], np.full((8, 1), 16.0))
+
+
+def _check(out_dir: Path, ranks: int, output: str) -> None:
+    import program_cases
+
+    reports = {int(p.stem.split("-")[1]): json.loads(p.read_text())
+               for p in out_dir.glob("rank-*.json")}
+    assert sorted(reports) == list(range(ranks)), output[-4000:]
+    for rank, report in reports.items():
+        assert sorted(report) == sorted(c.name for c in program_cases.CASES)
+        bad = {k: v for k, v in report.items() if not isinstance(v, float) or v > 1e-5}
+        assert not bad, f"rank {rank}: {json.dumps(bad, indent=1)[:6000]}"
+
+
+def _run(cmd: list[str], ranks: int, out_dir: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    rc, out = run_bounded(cmd, env, LIMIT)
+    assert rc == 0, out[-6000:]
+    _check(out_dir, ranks, out)
+
+
+def test_torchrun_four_processes(reference: Path, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+          str(WORKER), "torch", str(reference), str(tmp_path)], 4, tmp_path)
+
+
+def test_mpirun_four_processes(reference: Path, tmp_path: Path) -> None:
+    pytest.importorskip("mlx.core")
+    mpirun = require_mpirun()
+    _run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable,
+          str(WORKER), "mlx", str(reference), str(tmp_path)], 4, tmp_path)
+
+
+def test_mlx_launch_ring_four_processes(reference: Path, tmp_path: Path) -> None:
+    pytest.importorskip("mlx.core")
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    rc_out = [str(launcher), "-n", "4", "--backend", "ring", "--", sys.executable, str(WORKER),
+              "mlx", str(reference), str(tmp_path)]
+    _run(rc_out, 4, tmp_path)

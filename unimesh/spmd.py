@@ -1,0 +1,468 @@
+"""The per-process SPMD engine: ``shard_map`` for frameworks that run one device per process.
+
+torch, MLX and third-party backends whose processes each hold one device of the mesh derive
+from :class:`ProcessBackend` and supply a few primitives on a group of processes (all-reduce,
+all-gather, and where the framework has them reduce-scatter, all-to-all, permute, broadcast,
+splitting a group) plus array glue. Everything else lives here, once: cutting arguments into
+blocks, pytrees, assembling results, the collectives with ``jax.lax``'s meaning (member order
+along the axis index, tuple axes), collectives the framework lacks (built from all-gather),
+groups a framework cannot split (emulated over the world), and the gradient rules.
+
+Gradients follow the global function the program computes. The engine does not type values
+as varying or invariant (JAX's ``check_vma``), so it differentiates as JAX does without that
+check: every collective transposes to its adjoint collective (``psum`` to ``psum``,
+``all_gather`` to ``psum_scatter``, ``all_to_all`` to the reverse ``all_to_all``, ``ppermute``
+to the inverse permutation, ``pbroadcast`` to a sum at the source); an input replicated over
+some axes gets its gradient summed over them; an output replicated over some axes counts once
+(its cotangent is divided by their size). The numbers are those of ``jax.grad``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .backend import Backend
+from .errors import LayoutError, MeshMismatchError, UnsupportedError
+from .layout import Layout
+from .mesh import Mesh
+from .parallel import AxisEnv, Body, SpecTree
+
+__all__ = ["PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
+
+#: The primitives a per-process backend may implement natively (``native_primitives``);
+#: ``all_reduce`` and ``all_gather`` are required, the engine builds the others from them.
+PRIMITIVES: dict[str, str] = {
+    "all_reduce": "group_all_reduce(x, group, op): op in sum/max/min over the members",
+    "all_gather": "group_all_gather(x, group): the members' x stacked on a new dim 0",
+    "reduce_scatter": "group_reduce_scatter(x, group): sum over members of x[my index]",
+    "all_to_all": "group_all_to_all(x, group): y[j] = member j's x[my index]",
+    "permute": "group_permute(x, group, sources): member sources[i]'s x (None: zeros)",
+    "broadcast": "group_broadcast(x, group, root): member root's x",
+    "split": "split_group(mesh, axes, rows, row): a group per row, this process's returned",
+}
+
+_REDUCE = ("sum", "max", "min")
+
+
+class Group:
+    """This process's communication group along some axes: ``members`` (logical device ids)
+    in the order of their index along the axes, this process's ``index`` among them, and the
+    backend's ``handle`` (None: emulated over the world group)."""
+
+    __slots__ = ("handle", "index", "members", "size")
+
+    def __init__(self, members: tuple[int, ...], index: int, handle: Any) -> None:
+        self.members = members
+        self.index = index
+        self.size = len(members)
+        self.handle = handle
+
+    def __repr__(self) -> str:
+        how = "emulated over the world" if self.handle is None else "native group"
+        return f"Group(members={self.members}, index={self.index}, {how})"
+
+
+class ProcessBackend(Backend):
+    """A backend whose processes each run one device (logical device id = process index).
+
+    Override the ``group_*`` primitives named in :attr:`native_primitives` (members of a group
+    handle come in the order :meth:`split_group` was given them) and the array glue; the
+    engine provides :meth:`shard_map` and the collectives.
+    """
+
+    #: primitives of :data:`PRIMITIVES` this backend implements; the engine builds the others
+    native_primitives: ClassVar[frozenset[str]] = frozenset({"all_reduce", "all_gather"})
+
+    # -- the process world --------------------------------------------------------------------
+    def process_index(self) -> int:
+        """This process's logical device id (its rank)."""
+        raise NotImplementedError
+
+    def world_group(self) -> Any:
+        """The handle of the group of every process, members in rank order."""
+        raise NotImplementedError
+
+    def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
+        """Called by every process of ``mesh`` together: one group per row of ``rows``
+        (``mesh.groups_array(axes)``: logical ids, members in the order given), returning the
+        handle of row ``row`` (this process's); None if the framework cannot make one."""
+        raise NotImplementedError
+
+    def group_cache_key(self) -> Any:
+        """Groups stay valid while this is unchanged (e.g. the world group object)."""
+        return None
+
+    # -- primitives on a group handle ----------------------------------------------------------
+    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
+        raise NotImplementedError
+
+    def group_all_gather(self, x: Any, group: Any) -> Any:
+        raise NotImplementedError
+
+    def group_reduce_scatter(self, x: Any, group: Any) -> Any:
+        raise NotImplementedError
+
+    def group_all_to_all(self, x: Any, group: Any) -> Any:
+        raise NotImplementedError
+
+    def group_permute(self, x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
+        raise NotImplementedError
+
+    def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
+        raise NotImplementedError
+
+    # -- array glue ---------------------------------------------------------------------------
+    def as_array(self, value: Any) -> Any:
+        """``value`` (an array, or a Python/numpy number or array) as the framework's array."""
+        raise NotImplementedError
+
+    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
+        raise NotImplementedError
+
+    def take(self, x: Any, index: list[int]) -> Any:
+        """``x[index]`` along dim 0 for a list of indices."""
+        raise NotImplementedError
+
+    def reduce_stack(self, x: Any, op: str) -> Any:
+        """``op`` (sum/max/min) over dim 0."""
+        raise NotImplementedError
+
+    def zeros_like(self, x: Any) -> Any:
+        raise NotImplementedError
+
+    def after(self, x: Any, done: Any) -> Any:
+        """``x``, computed only after ``done`` (lazy frameworks drop a collective whose result
+        is unused on one process, and its peers would wait for it forever)."""
+        return x
+
+    def needs_grad(self, x: Any) -> bool:
+        """Whether a gradient may flow through ``x`` (False lets the engine skip its rules)."""
+        return True
+
+    def custom_vjp(self, fwd: Callable[[Any], Any],
+                   bwd: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """A differentiable function of one array: ``fwd`` forward, ``bwd`` maps the output's
+        cotangent to the input's. Both run collectives; neither needs to be differentiable."""
+        raise NotImplementedError
+
+    # -- arguments and results ------------------------------------------------------------------
+    def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
+        """``(block, False)`` when ``arg`` is the framework's distributed array (its local
+        block, laid out as ``layout``, redistributed first if needed, differentiable), or
+        ``(array, True)`` for a global array the engine slices itself."""
+        raise NotImplementedError
+
+    def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
+        """This process's ``block`` of a result laid out as ``layout``, of global ``shape``,
+        as the framework's distributed array."""
+        raise NotImplementedError
+
+    def prepare_program(self, mesh: Mesh, layouts: tuple[Layout, ...]) -> None:
+        """Called once per program on its first run, by every process (e.g. build the
+        framework's mesh for the layouts)."""
+
+    # -- the engine ------------------------------------------------------------------------------
+    def shard_map(self, body: Body, mesh: Mesh, ins: SpecTree, outs: SpecTree) -> Any:
+        """Runs ``body`` on this process's blocks; the engine does the rest."""
+        return _Program(self, body, mesh, ins, outs)
+
+    def axis_env(self, mesh: Mesh) -> ProcessAxisEnv:
+        """The (cached) collectives of this process on ``mesh``."""
+        key = (self.group_cache_key(), mesh)
+        envs: dict[Any, ProcessAxisEnv] = self.__dict__.setdefault("_axis_envs", {})
+        env = envs.get(key)
+        if env is None:
+            device = self.process_index()
+            if not (mesh.device_ids == device).any():
+                raise MeshMismatchError(
+                    f"process {device} is not a device of {mesh!r}; shard_map runs on the "
+                    "mesh's processes: call it there only")
+            env = envs[key] = ProcessAxisEnv(self, mesh, device)
+        return env
+
+
+class _Program:
+    """One shard_map program on a per-process backend."""
+
+    def __init__(self, be: ProcessBackend, body: Body, mesh: Mesh, ins: SpecTree,
+                 outs: SpecTree) -> None:
+        self.be = be
+        self.body = body
+        self.mesh = mesh
+        self.ins = ins
+        self.outs = outs
+        self.env: ProcessAxisEnv | None = None
+        self._shapes: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        import optree
+
+        env = self.env
+        if env is None:
+            env = self.env = self.be.axis_env(self.mesh)
+            self.be.prepare_program(self.mesh, self.ins.layouts + self.outs.layouts)
+        leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
+        layouts = self.ins.for_leaves(args, treedef)
+        blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]
+        result = self.body(env, *optree.tree_unflatten(treedef, blocks))
+        out_leaves, out_def = optree.tree_flatten(result)
+        out_layouts = self.outs.for_leaves(result, out_def)
+        wrapped = []
+        for block, layout in zip(out_leaves, out_layouts):
+            block = env.leave(block, layout)
+            key = (layout, tuple(block.shape))
+            shape = self._shapes.get(key)
+            if shape is None:
+                shape = self._shapes[key] = layout.global_shape(key[1])
+            wrapped.append(self.be.wrap_result(block, layout, shape))
+        return optree.tree_unflatten(out_def, wrapped)
+
+
+def _replicated_axes(layout: Layout) -> tuple[str, ...]:
+    """Mesh axes of size > 1 along which ``layout`` says the value is the same."""
+    used = set(layout.spec.axes()) | set(layout.spec.partial)
+    return tuple(a for a in layout.mesh.axis_names
+                 if a not in used and layout.mesh.axis_size(a) > 1)
+
+
+class ProcessAxisEnv(AxisEnv):
+    """The collectives of one process on one mesh, from its backend's primitives, with their
+    gradient rules."""
+
+    def __init__(self, be: ProcessBackend, mesh: Mesh, device: int) -> None:
+        super().__init__(mesh, device)
+        self.be = be
+        self.native = be.native_primitives
+        self._groups: dict[tuple[str, ...], Group] = {}
+        self._world: Group | None = None
+        self._can_split: bool | None = None if "split" in self.native else False
+        self._fns: dict[Any, Callable[[Any], Any]] = {}
+        self._in: dict[Layout, tuple[tuple[str, ...], tuple[tuple[int, tuple[str, ...]], ...]]] = {}
+        self._out: dict[Layout, int] = {}
+
+    # -- groups -----------------------------------------------------------------------------------
+    def group(self, axes: tuple[str, ...]) -> Group:
+        """This process's group along ``axes`` (made on first use, by every process)."""
+        try:
+            return self._groups[axes]
+        except KeyError:
+            pass
+        rows = self.mesh.groups_array(axes)
+        row = int(np.flatnonzero((rows == self.device).any(axis=1))[0])
+        members = tuple(int(d) for d in rows[row])
+        handle = None
+        if len(members) > 1 and self._can_split is not False:
+            handle = self.be.split_group(self.mesh, axes, rows, row)
+            self._can_split = handle is not None
+        made = self._groups[axes] = Group(members, members.index(self.device), handle)
+        return made
+
+    def world(self) -> Any:
+        if self._world is None:
+            self._world = self.be.world_group()
+        return self._world
+
+    # -- primitives, native or built -----------------------------------------------------------
+    def _gather_members(self, x: Any, g: Group) -> Any:
+        """The members' ``x`` stacked on dim 0, in member order."""
+        if g.handle is not None:
+            return self.be.group_all_gather(x, g.handle)
+        every = self.be.group_all_gather(x, self.world())
+        return self.be.take(every, list(g.members))
+
+    def all_reduce_raw(self, x: Any, g: Group, op: str) -> Any:
+        if g.size == 1:
+            return x
+        if g.handle is not None:
+            return self.be.group_all_reduce(x, g.handle, op)
+        return self.be.reduce_stack(self._gather_members(x, g), op)
+
+    def reduce_scatter_raw(self, x: Any, g: Group) -> Any:
+        """``x`` of shape (n, ...): the sum over members of their ``x[my index]``."""
+        if g.size == 1:
+            return self.be.take(x, [0]).reshape(tuple(x.shape[1:]))
+        if g.handle is not None and "reduce_scatter" in self.native:
+            return self.be.group_reduce_scatter(x, g.handle)
+        total = self.all_reduce_raw(x, g, "sum")
+        return self.be.take(total, [g.index]).reshape(tuple(x.shape[1:]))
+
+    def all_to_all_raw(self, x: Any, g: Group) -> Any:
+        """``x`` of shape (n, ...): ``y[j]`` = member j's ``x[my index]``."""
+        if g.size == 1:
+            return x
+        if g.handle is not None and "all_to_all" in self.native:
+            return self.be.group_all_to_all(x, g.handle)
+        every = self._gather_members(x, g)  # (n, n, ...): every[j] = member j's x
+        return self.be.moveaxis(self.be.take(self.be.moveaxis(every, 1, 0), [g.index]),
+                                0, 0).reshape(tuple(x.shape))
+
+    def permute_raw(self, x: Any, g: Group, sources: tuple[int | None, ...]) -> Any:
+        """Member ``sources[i]``'s ``x`` on member i (zeros where None)."""
+        if g.handle is not None and "permute" in self.native:
+            return self.be.group_permute(x, g.handle, sources)
+        src = sources[g.index]
+        every = self._gather_members(x, g)
+        if src is None:
+            return self.be.after(self.be.zeros_like(x), every)
+        return self.be.take(every, [src]).reshape(tuple(x.shape))
+
+    def broadcast_raw(self, x: Any, g: Group, root: int) -> Any:
+        if g.size == 1:
+            return x
+        if g.handle is not None and "broadcast" in self.native:
+            return self.be.group_broadcast(x, g.handle, root)
+        return self.all_reduce_raw(x if g.index == root else self.be.zeros_like(x), g, "sum")
+
+    # -- shapes around the primitives -----------------------------------------------------------
+    def _stacked_to(self, stacked: Any, dim: int, tiled: bool) -> Any:
+        """(n, *s) -> the pieces stacked at ``dim``, or concatenated along it when tiled."""
+        moved = self.be.moveaxis(stacked, 0, dim)
+        if not tiled:
+            return moved
+        shape = tuple(moved.shape)
+        return moved.reshape(shape[:dim] + (shape[dim] * shape[dim + 1],) + shape[dim + 2:])
+
+    def _split_to_front(self, x: Any, dim: int, n: int, tiled: bool) -> Any:
+        """Dim ``dim`` split into n blocks (tiled) or taken as n entries, moved to the front."""
+        shape = tuple(x.shape)
+        if tiled:
+            x = x.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1:])
+        return self.be.moveaxis(x, dim, 0)
+
+    def gather_raw(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        g = self.group(axes)
+        return self._stacked_to(self._gather_members(x, g), dim, tiled)
+
+    def scatter_raw(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        g = self.group(axes)
+        return self.reduce_scatter_raw(self._split_to_front(x, dim, g.size, tiled), g)
+
+    def a2a_raw(self, x: Any, axes: tuple[str, ...], split: int, concat: int,
+                tiled: bool) -> Any:
+        g = self.group(axes)
+        y = self.all_to_all_raw(self._split_to_front(x, split, g.size, tiled), g)
+        return self._stacked_to(y, concat, tiled)
+
+    def permute_pairs_raw(self, x: Any, axes: tuple[str, ...],
+                          perm: tuple[tuple[int, int], ...]) -> Any:
+        g = self.group(axes)
+        sources: list[int | None] = [None] * g.size
+        for src, dst in perm:
+            sources[dst] = src
+        return self.permute_raw(x, g, tuple(sources))
+
+    # -- differentiable collectives ---------------------------------------------------------------
+    def _diff(self, key: Any, x: Any, fwd: Callable[[Any], Any],
+              bwd: Callable[[Any], Any]) -> Any:
+        """``fwd(x)`` with ``bwd`` as its transpose (a custom vjp made once per key)."""
+        x = self.be.as_array(x)
+        if not self.be.needs_grad(x):
+            return fwd(x)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self.be.custom_vjp(fwd, bwd)
+        return fn(x)
+
+    def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
+        g = self.group(axes)
+        if op == "sum":
+            return self._diff(("psum", axes), x, lambda v: self.all_reduce_raw(v, g, "sum"),
+                              lambda ct: self.all_reduce_raw(ct, g, "sum"))
+
+        def no_derivative(ct: Any) -> Any:
+            raise UnsupportedError(
+                f"p{op}() over {axes} has no derivative (jax.lax.p{op} has none either): stop "
+                "the gradient before it (torch: .detach(), MLX: mx.stop_gradient)",
+                backend=self.be.name, capability="shard_map")
+
+        return self._diff(("p" + op, axes), x, lambda v: self.all_reduce_raw(v, g, op),
+                          no_derivative)
+
+    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool,
+                   invariant: bool) -> Any:
+        return self._diff(("all_gather", axes, dim, tiled), x,
+                          lambda v: self.gather_raw(v, axes, dim, tiled),
+                          lambda ct: self.scatter_raw(ct, axes, dim, tiled))
+
+    def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        return self._diff(("psum_scatter", axes, dim, tiled), x,
+                          lambda v: self.scatter_raw(v, axes, dim, tiled),
+                          lambda ct: self.gather_raw(ct, axes, dim, tiled))
+
+    def all_to_all(self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int,
+                   tiled: bool) -> Any:
+        return self._diff(("all_to_all", axes, split_axis, concat_axis, tiled), x,
+                          lambda v: self.a2a_raw(v, axes, split_axis, concat_axis, tiled),
+                          lambda ct: self.a2a_raw(ct, axes, concat_axis, split_axis, tiled))
+
+    def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
+        inverse = tuple((dst, src) for src, dst in perm)
+        return self._diff(("ppermute", axes, perm), x,
+                          lambda v: self.permute_pairs_raw(v, axes, perm),
+                          lambda ct: self.permute_pairs_raw(ct, axes, inverse))
+
+    def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
+        g = self.group(axes)
+
+        def back(ct: Any) -> Any:
+            total = self.all_reduce_raw(ct, g, "sum")
+            return total if g.index == source else self.be.after(self.be.zeros_like(total), total)
+
+        return self._diff(("pbroadcast", axes, source), x,
+                          lambda v: self.broadcast_raw(v, g, source), back)
+
+    # -- the program's edges ----------------------------------------------------------------------
+    def _input_plan(self, layout: Layout) -> tuple[tuple[str, ...],
+                                                   tuple[tuple[int, tuple[str, ...]], ...]]:
+        """(axes an input is replicated over, (dim, axes) it is sharded over)."""
+        plan = self._in.get(layout)
+        if plan is None:
+            sharded = tuple((d, (e,) if isinstance(e, str) else tuple(e))
+                            for d, e in enumerate(layout.spec) if e)
+            plan = self._in[layout] = (_replicated_axes(layout), sharded)
+        return plan
+
+    def enter(self, arg: Any, layout: Layout) -> Any:
+        """This process's block of a shard_map argument. Gradient: summed over the axes the
+        input is replicated on; for a global array, assembled whole on every process."""
+        if arg is None:
+            return None
+        assert self.device is not None
+        block, is_global = self.be.local_block(arg, layout, self.device)
+        replicated, sharded = self._input_plan(layout)
+        if is_global:
+            shape = tuple(int(n) for n in block.shape)
+            if len(shape) < len(layout.spec):
+                raise LayoutError(f"a shard_map argument of shape {shape} has fewer dims than "
+                                  f"its in_spec {layout.spec!r}")
+            slices = layout.shard_slices(shape, self.device)
+            if not self.be.needs_grad(block):
+                return block[slices]
+
+            def whole(ct: Any) -> Any:
+                if replicated:
+                    ct = self.all_reduce_raw(ct, self.group(replicated), "sum")
+                for dim, axes in sharded:
+                    ct = self.gather_raw(ct, axes, dim, True)
+                return ct
+
+            return self._diff(("enter", layout, shape), block, lambda v: v[slices], whole)
+        if not replicated or not self.be.needs_grad(block):
+            return block
+        return self._diff(("replicated", replicated), block, lambda v: v,
+                          lambda ct: self.all_reduce_raw(ct, self.group(replicated), "sum"))
+
+    def leave(self, block: Any, layout: Layout) -> Any:
+        """A result block; replicated over some axes, it counts once in the gradient."""
+        block = self.be.as_array(block)
+        copies = self._out.get(layout)
+        if copies is None:
+            copies = self._out[layout] = math.prod(
+                self.mesh.axis_size(a) for a in _replicated_axes(layout))
+        if copies == 1 or not self.be.needs_grad(block):
+            return block
+        return self._diff(("leave", copies), block, lambda v: v, lambda ct: ct / copies)
