@@ -5,8 +5,13 @@
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_step.py --backend torch
     mpirun --allow-run-as-root --oversubscribe -np 4 python benchmarks/bench_step.py --backend mlx
 
-The step is examples/mlp_step.py's model (Megatron column/row split over "tp", batch over
-"dp", SGD) with a hand-written backward (``manual_step``). Native versions: JAX ``jax.shard_map`` with ``lax.psum``; torch local
+Two steps of examples/mlp_step.py's model (Megatron column/row split over "tp", batch over
+"dp"): ``manual`` with a hand-written backward (``manual_step``), and ``grad``, the loss
+differentiated by ``unimesh.value_and_grad`` against the framework's own autodiff idiom (JAX
+``jax.value_and_grad`` of ``jax.shard_map``; torch Megatron-style autograd functions and a
+DistributedDataParallel-style all-reduce of the gradients; MLX ``mx.value_and_grad`` with
+``all_sum`` and an ``average_gradients``-style all-reduce). Each native step is checked to compute
+the same loss and gradients as unimesh's before it is timed. Native versions: JAX ``jax.shard_map`` with ``lax.psum``; torch local
 tensors of the DTensors, ``_functional_collectives.all_reduce`` on the DeviceMesh's groups and
 ``DTensor.from_local``; MLX ``mx.distributed.all_sum`` on ``Group.split`` groups. The two are
 timed alternately in one run; the ratio of medians is the figure (goal <= 1.02).
@@ -26,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import mlp_step
+import numpy as np
 
 import unimesh
 from unimesh import Layout, P
@@ -96,8 +102,25 @@ def bench_jax(repeat: int) -> dict[str, float]:
     native = jax.jit(jax.shard_map(native_step, mesh=jmesh, in_specs=tuple(
         jax.P(*s) for s in SPECS_IN), out_specs=tuple(jax.P(*s) for s in SPECS_OUT)))
     ours = jax.jit(unimesh.shard_map(manual_step, mesh, SPECS_IN, SPECS_OUT, backend=backend))
-    return timed({"native": lambda: native(x, t, w1, w2), "unimesh": lambda: ours(x, t, w1, w2)},
-                 repeat, jax.block_until_ready)
+
+    def native_loss(x: Any, t: Any, p: Any) -> Any:
+        pre = x @ p["w1"]
+        h = pre * (pre > 0)
+        diff = lax.psum(h @ p["w2"], "tp") - t
+        return lax.pmean((diff * diff).sum() / x.shape[0], "dp")
+
+    specs = {k: jax.P(*v) for k, v in mlp_step.SPECS.items()}
+    native_program = jax.shard_map(native_loss, mesh=jmesh, in_specs=(
+        jax.P("dp", None), jax.P("dp", None), specs), out_specs=jax.P())
+    native_grad = jax.jit(jax.value_and_grad(lambda p: native_program(x, t, p)))
+    our_program = unimesh.shard_map(mlp_step.loss, mesh, (P("dp", None), P("dp", None),
+                                                          mlp_step.SPECS), P(), backend=backend)
+    our_grad = jax.jit(unimesh.value_and_grad(lambda p: our_program(x, t, p), backend=backend))
+    params = {"w1": w1, "w2": w2}
+    same(native_grad(params), our_grad(params))
+    return timed({"native": lambda: native(x, t, w1, w2), "unimesh": lambda: ours(x, t, w1, w2),
+                  "native_grad": lambda: native_grad(params),
+                  "unimesh_grad": lambda: our_grad(params)}, repeat, jax.block_until_ready)
 
 
 def bench_torch(repeat: int) -> dict[str, float]:
@@ -136,7 +159,46 @@ def bench_torch(repeat: int) -> dict[str, float]:
         return [o.to_local().wait() if hasattr(o.to_local(), "wait") else o.to_local()
                 for o in out]
 
-    return timed({"native": native, "unimesh": lambda: ours(*placed)}, repeat, sync)
+    class Sum(torch.autograd.Function):  # Megatron's "g": all-reduce forward, identity backward
+        @staticmethod
+        def forward(ctx: Any, x: Any, group: Any) -> Any:
+            out = x.clone()
+            torch.distributed.all_reduce(out, group=group)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            return g, None
+
+    def native_grad() -> Any:
+        x, t = placed[0].to_local(), placed[1].to_local()
+        w1, w2 = (a.to_local().detach().requires_grad_(True) for a in placed[2:])
+        dp, tp = dm.get_group("dp"), dm.get_group("tp")
+        pre = x @ w1
+        diff = Sum.apply((pre * (pre > 0)) @ w2, tp) - t
+        loss = Sum.apply((diff * diff).sum() / x.shape[0], dp) / dm.size(0)
+        grads = torch.autograd.grad(loss, (w1, w2))
+        for g in grads:  # what DistributedDataParallel does: sum over the data-parallel group
+            torch.distributed.all_reduce(g, group=dp)
+        return (loss, *(DTensor.from_local(g, dm, list(a.placements), run_check=False)
+                        for g, a in zip(grads, placed[2:])))
+
+    our_program = unimesh.shard_map(mlp_step.loss, mesh, (P("dp", None), P("dp", None),
+                                                          mlp_step.SPECS), P(), backend=backend)
+    params = {"w1": placed[2], "w2": placed[3]}
+    our_vg = unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p),
+                                    backend=backend)
+
+    def our_grad() -> Any:
+        value, grads = our_vg(params)
+        return value, grads["w1"], grads["w2"]
+
+    def local(out: Any) -> Any:
+        return [o.to_local() if isinstance(o, DTensor) else o for o in out]
+
+    same(local(native_grad()), local(our_grad()))
+    return timed({"native": native, "unimesh": lambda: ours(*placed),
+                  "native_grad": native_grad, "unimesh_grad": our_grad}, repeat, sync_all)
 
 
 def bench_mlx(repeat: int) -> dict[str, float]:
@@ -171,13 +233,59 @@ def bench_mlx(repeat: int) -> dict[str, float]:
     def sync(out: Any) -> Any:
         mx.eval(*[o.local if hasattr(o, "local") else o for o in out])
 
-    return timed({"native": native, "unimesh": lambda: ours(*placed)}, repeat, sync)
+    x_local, t_local = placed[0].local, placed[1].local
+
+    def native_loss(w1: Any, w2: Any) -> Any:  # mx.distributed.all_sum differentiates to itself
+        pre = x_local @ w1                       # only where the cotangent is whole: Megatron's g
+        diff = mx.distributed.all_sum((pre * (pre > 0)) @ w2, group=tp) - t_local
+        loss = mx.distributed.all_sum((diff * diff).sum() / x_local.shape[0], group=dp)
+        return loss / dp.size()
+
+    native_vg = mx.value_and_grad(native_loss, argnums=(0, 1))
+
+    def native_grad() -> Any:
+        loss, grads = native_vg(placed[2].local, placed[3].local)
+        return (loss, *(mx.distributed.all_sum(g, group=dp) for g in grads))  # average_gradients
+
+    our_program = unimesh.shard_map(mlp_step.loss, mesh, (P("dp", None), P("dp", None),
+                                                          mlp_step.SPECS), P(), backend=backend)
+    params = {"w1": placed[2], "w2": placed[3]}
+    our_vg = unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p),
+                                    backend=backend)
+
+    def our_grad() -> Any:
+        value, grads = our_vg(params)
+        return value, grads["w1"].local, grads["w2"].local
+
+    same([np.array(a) for a in native_grad()], [np.array(a) for a in our_grad()])
+    return timed({"native": native, "unimesh": lambda: ours(*placed),
+                  "native_grad": native_grad, "unimesh_grad": our_grad}, repeat, sync)
+
+
+def same(native: Any, ours: Any) -> None:
+    """The native program computes what unimesh's does (loss and gradients), or no timing."""
+    import optree
+
+    for a, b in zip(optree.tree_leaves(native), optree.tree_leaves(ours), strict=True):
+        a, b = (np.asarray(unimesh.full_array(v) if not isinstance(v, np.ndarray) else v)
+                for v in (a, b))
+        if not np.allclose(a, b, rtol=1e-4, atol=1e-5):
+            raise SystemExit(f"the native step and unimesh's differ: {a} vs {b}")
+
+
+def sync_all(out: Any) -> Any:
+    return out
 
 
 def report(backend: str, scale: int, medians: dict[str, float]) -> str:
-    ratio = medians["unimesh"] / medians["native"]
-    return (f"BENCH {backend:6s} scale={scale:<3d} native={medians['native'] * 1e3:8.3f} ms "
-            f"unimesh={medians['unimesh'] * 1e3:8.3f} ms ratio={ratio:.3f}")
+    lines = []
+    for step, (a, b) in {"manual": ("native", "unimesh"),
+                         "grad": ("native_grad", "unimesh_grad")}.items():
+        ratio = medians[b] / medians[a]
+        lines.append(f"BENCH {backend:6s} step={step:6s} scale={scale:<3d} "
+                     f"native={medians[a] * 1e3:8.3f} ms unimesh={medians[b] * 1e3:8.3f} ms "
+                     f"ratio={ratio:.3f}")
+    return "\n".join(lines)
 
 
 def collect(repeat: int, scales: list[int]) -> dict[str, list[str] | str]:

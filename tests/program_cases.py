@@ -199,3 +199,30 @@ def run(case: Case, mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
             key = f"grad{n}" + "".join(f"/{p}" for p in path)
             out[key] = np.asarray(unimesh.full_array(leaf, backend=backend), np.float64)
     return out
+
+
+def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
+    """The issue's example differentiated by the framework's own autodiff, not
+    unimesh.value_and_grad: torch ``.backward()`` through the program's DTensor output (w is a
+    DTensor parameter), MLX ``mx.value_and_grad`` of a function of w's local block. Returns
+    w's whole gradient, to compare with JAX's ``issue-example:grad2``."""
+    case = next(c for c in CASES if c.name == "issue-example")
+    program = case.build(mesh, backend)
+    x, y, w = case.args
+    w_layout = Layout(mesh, P("tp", None))
+    if backend == "torch":
+        xs, ys = (unimesh.distribute(a, Layout(mesh, s), backend="torch")
+                  for a, s in ((x, P("dp", "tp")), (y, P("dp", None))))
+        wd = unimesh.distribute(w, w_layout, backend="torch").requires_grad_(True)
+        program(xs, ys, wd).full_tensor().backward()
+        return {"grad2": np.asarray(wd.grad.full_tensor(), np.float64)}
+    import mlx.core as mx
+    from unimesh_mlx import MLXArray
+
+    wm = unimesh.distribute(w, w_layout, backend="mlx")
+
+    def loss(w_local: Any) -> Any:
+        return program(x, y, MLXArray(w_local, w_layout, w.shape)).local
+
+    _, g = mx.value_and_grad(loss)(wm.local)
+    return {"grad2": np.asarray(unimesh.full_array(MLXArray(g, w_layout, w.shape)), np.float64)}

@@ -44,6 +44,11 @@ def main() -> int:
                 for k in keys)
         except Exception:  # noqa: BLE001 - any failure is reported for this case
             report[case.name] = traceback.format_exc(limit=6)
+    try:  # the framework's own autodiff through a program
+        got = program_cases.native_autodiff(mesh, backend)["grad2"]
+        report["native-autodiff"] = float(np.max(np.abs(got - want["issue-example:grad2"])))
+    except Exception:  # noqa: BLE001 - any failure is reported
+        report["native-autodiff"] = traceback.format_exc(limit=6)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
     print(f"RANK {rank} done {len(report)} cases", flush=True)
     return 0

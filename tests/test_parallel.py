@@ -159,3 +159,105 @@ def test_shard_params_of_a_keras_model() -> None:
     want = x @ before[model.variables[0].path] + before[model.variables[1].path]
     want = want @ before[model.variables[2].path] + before[model.variables[3].path]
     np.testing.assert_allclose(np.asarray(model(x)), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: unimesh.psum_scatter(np.zeros(4), "dp"),
+    lambda: unimesh.all_to_all(np.zeros(4), "dp", 0, 0),
+    lambda: unimesh.ppermute(np.zeros(4), "dp", [(0, 1)]),
+    lambda: unimesh.pbroadcast(np.zeros(4), "dp", 0)])
+def test_new_collectives_outside_shard_map(call) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(AxisContextError, match="outside unimesh.shard_map"):
+        call()
+
+
+@pytest.mark.parametrize(("body", "error", "match"), [
+    (lambda x: unimesh.psum_scatter(x.sum(), "tp"), LayoutError, "needs an array with a dim"),
+    (lambda x: unimesh.psum_scatter(x, "tp", scatter_dimension=2), LayoutError,
+     r"scatter_dimension must be an int in \[-2, 1\].*got 2"),
+    (lambda x: unimesh.psum_scatter(x, "tp", scatter_dimension=1, tiled=True), LayoutError,
+     r"splits scatter_dimension 1 \(size 6\) into 4 blocks.*not a multiple of 4"),
+    (lambda x: unimesh.psum_scatter(x, "tp"), LayoutError,
+     r"tiled=False.*one entry per device \(4\), got size 8"),
+    (lambda x: unimesh.all_to_all(x, "tp", 1, 0, tiled=True), LayoutError,
+     r"split_axis 1 \(size 6\) into 4 blocks"),
+    (lambda x: unimesh.all_to_all(x, "tp", "0", 1), LayoutError, "split_axis must be an int"),
+    (lambda x: unimesh.all_to_all(x, "tp", 0, -3), LayoutError,
+     r"concat_axis must be an int in \[-2, 1\].*got -3"),
+    (lambda x: unimesh.all_to_all(x, "pp", 0, 0), MeshSpecError, "'pp'"),
+    (lambda x: unimesh.ppermute(x, "tp", "ab"), LayoutError, "index pairs, got 'ab'"),
+    (lambda x: unimesh.ppermute(x, "tp", [(0, 4)]), LayoutError,
+     r"\(0, 4\): indices must be ints in \[0, 3\]"),
+    (lambda x: unimesh.ppermute(x, "tp", [(0, 1), (0, 2)]), LayoutError,
+     "not a permutation: source 0 appears more than once"),
+    (lambda x: unimesh.ppermute(x, "tp", [(0, 1), (2, 1)]), LayoutError,
+     "not a permutation: destination 1 appears more than once"),
+    (lambda x: unimesh.ppermute(x, "tp", [(True, 1)]), LayoutError, "indices must be ints"),
+    (lambda x: unimesh.pbroadcast(x, "tp", 4), LayoutError,
+     r"source must be an index in \[0, 3\].*got 4"),
+    (lambda x: unimesh.pbroadcast(x, ("dp", "tp"), -1), LayoutError, r"\[0, 7\].*got -1"),
+    (lambda x: unimesh.all_gather(x, "tp", to="replicated"), LayoutError,
+     "to= must be 'varying' or 'invarying', got 'replicated'"),
+])
+def test_bad_collective_arguments_name_the_value(body, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=match):
+        run(body, P(), P(), np.zeros((8, 6), np.float32))
+
+
+def test_spec_trees_must_be_prefixes() -> None:
+    program = unimesh.shard_map(lambda p: p["w"], MESH, ({"w": P(), "b": P()},), P(),
+                                backend="jax")
+    with pytest.raises(LayoutError, match=r"in_specs .* is not a prefix of the arguments"):
+        program({"w": np.zeros(2)})
+    with pytest.raises(LayoutError, match=r"in_specs\[0\]\['w'\] must be a P.*got 3"):
+        unimesh.shard_map(abs, MESH, ({"w": 3},), P(), backend="jax")
+    with pytest.raises(LayoutError, match=r"out_specs .* is not a prefix of the results"):
+        run(lambda x: [x, x], P(), {"a": P()}, np.zeros(2))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"argnums": -1}, "argnums must be a non-negative int or a tuple of distinct ones, got -1"),
+    ({"argnums": (0, 0)}, r"tuple of distinct ones, got \(0, 0\)"),
+    ({"argnums": True}, "got True"),
+    ({"argnums": "w"}, "got 'w'"),
+    ({"argnums": ()}, r"got \(\)"),
+])
+def test_bad_value_and_grad_arguments(kwargs, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(LayoutError, match=match):
+        unimesh.value_and_grad(lambda x: x.sum(), backend="jax", **kwargs)
+    with pytest.raises(LayoutError, match=match):
+        unimesh.grad(lambda x: x.sum(), backend="jax", **kwargs)
+
+
+def test_value_and_grad_needs_a_function_and_enough_arguments() -> None:
+    with pytest.raises(LayoutError, match="needs a function, got 3"):
+        unimesh.value_and_grad(3, backend="jax")  # type: ignore[arg-type]
+    vg = unimesh.value_and_grad(lambda x, y: (x * y).sum(), argnums=(0, 2), backend="jax")
+    with pytest.raises(LayoutError, match=r"argnums \(0, 2\) names argument 2, but .* was given 2"):
+        vg(np.ones(2), np.ones(2))
+
+
+def test_value_and_grad_is_refused_where_not_declared() -> None:
+    pytest.importorskip("tensorflow")
+    with pytest.raises(UnsupportedError, match="'tensorflow' does not support 'grad'"):
+        unimesh.value_and_grad(lambda x: x, backend="tensorflow")
+
+
+def test_value_and_grad_matches_jax_grad_through_shard_map() -> None:
+    """The JAX backend's value_and_grad is jax.value_and_grad; gradients keep the arguments'
+    shardings, and grad with has_aux returns (grads, aux)."""
+    w = unimesh.distribute(np.arange(8.0, dtype=np.float32).reshape(8, 1),
+                           Layout(MESH, P("tp", None)), backend="jax")
+    x = np.ones((4, 8), np.float32)
+    program = unimesh.shard_map(lambda xb, wb: unimesh.psum((xb @ wb).sum(), ("dp", "tp")),
+                                MESH, (P("dp", "tp"), P("tp", None)), P(), backend="jax")
+    value, g = unimesh.value_and_grad(program, argnums=1, backend="jax")(x, w)
+    want_value, want = jax.value_and_grad(program, argnums=1)(x, w)
+    np.testing.assert_allclose(np.asarray(value), np.asarray(want_value))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(g), np.full((8, 1), 4.0))  # 4 rows of ones, summed
+    assert g.sharding == w.sharding
+    grads, aux = unimesh.grad(lambda x, w: (program(x, w), "aux"), argnums=(1,), has_aux=True,
+                              backend="jax")(x, w)
+    assert aux == "aux" and len(grads) == 1
+    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(want))

@@ -448,7 +448,7 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *
         raise LayoutError(f"value_and_grad() needs a function, got {short(fn)}")
     nums = _argnums(argnums)
     be = get_backend(backend)
-    be.require("shard_map")
+    be.require("grad")
     run = be.value_and_grad(fn, nums, bool(has_aux))
     single = isinstance(argnums, int)
 

@@ -431,7 +431,7 @@ def test_collectives_against_the_reference(backend: unimesh.Backend, devices: in
 
 
 @capability("shard_map", "grad")
-@pytest.mark.parametrize("mesh_key", ["1d-reversed", "2d-permuted", "3d"])
+@pytest.mark.parametrize("mesh_key", ["1d", "1d-reversed", "2d-permuted", "3d"])
 def test_collective_gradients_are_the_global_gradients(backend: unimesh.Backend, devices: int,
                                                        mesh_key: str) -> None:
     """For L(x) = sum over devices of <w_d, c(x)_d> (each collective c, weights w varying by
