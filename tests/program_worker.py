@@ -20,6 +20,7 @@ import numpy as np
 import program_cases
 
 import unimesh
+from unimesh import P
 
 
 def main() -> int:
@@ -49,6 +50,14 @@ def main() -> int:
         report["native-autodiff"] = float(np.max(np.abs(got - want["issue-example:grad2"])))
     except Exception:  # noqa: BLE001 - any failure is reported
         report["native-autodiff"] = traceback.format_exc(limit=6)
+    if getattr(unimesh.get_backend(backend), "typed", False):  # JAX's check_vma refusal too
+        try:
+            unimesh.shard_map(lambda b: b * 2, mesh, P("dp"), P(), backend=backend)(
+                np.ones((4, 2), np.float32))
+            report["typed-refusal"] = "a result varying along dp was accepted under out_spec P()"
+        except unimesh.LayoutError as exc:
+            ok = "varies along ('dp',)" in str(exc) and "out_spec P()" in str(exc)
+            report["typed-refusal"] = 0.0 if ok else f"unexpected message: {exc}"
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
     print(f"RANK {rank} done {len(report)} cases", flush=True)
     return 0

@@ -45,7 +45,7 @@ def test_issue_example_gradient_on_jax(reference: Path) -> None:
     np.testing.assert_allclose(want["issue-example:grad2"], np.full((8, 1), 16.0))
 
 
-def _check(out_dir: Path, ranks: int, output: str) -> None:
+def _check(out_dir: Path, ranks: int, output: str, extra: tuple[str, ...] = ()) -> None:
     import program_cases
 
     reports = {int(p.stem.split("-")[1]): json.loads(p.read_text())
@@ -53,23 +53,24 @@ def _check(out_dir: Path, ranks: int, output: str) -> None:
     assert sorted(reports) == list(range(ranks)), output[-4000:]
     for rank, report in reports.items():
         assert sorted(report) == sorted([c.name for c in program_cases.CASES]
-                                        + ["native-autodiff"])
+                                        + ["native-autodiff", *extra])
         bad = {k: v for k, v in report.items() if not isinstance(v, float) or v > 1e-5}
         assert not bad, f"rank {rank}: {json.dumps(bad, indent=1)[:6000]}"
 
 
-def _run(cmd: list[str], ranks: int, out_dir: Path) -> None:
+def _run(cmd: list[str], ranks: int, out_dir: Path, extra: tuple[str, ...] = ()) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     rc, out = run_bounded(cmd, env, LIMIT)
     assert rc == 0, out[-6000:]
-    _check(out_dir, ranks, out)
+    _check(out_dir, ranks, out, extra)
 
 
 def test_torchrun_four_processes(reference: Path, tmp_path: Path) -> None:
     pytest.importorskip("torch")
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-          str(WORKER), "torch", str(reference), str(tmp_path)], 4, tmp_path)
+          str(WORKER), "torch", str(reference), str(tmp_path)], 4, tmp_path,
+         ("typed-refusal",))  # torch follows JAX's check_vma rules, refusal included
 
 
 def test_mpirun_four_processes(reference: Path, tmp_path: Path) -> None:

@@ -8,13 +8,21 @@ blocks, pytrees, assembling results, the collectives with ``jax.lax``'s meaning 
 along the axis index, tuple axes), collectives the framework lacks (built from all-gather),
 groups a framework cannot split (emulated over the world), and the gradient rules.
 
-Gradients follow the global function the program computes. The engine does not type values
-as varying or invariant (JAX's ``check_vma``), so it differentiates as JAX does without that
-check: every collective transposes to its adjoint collective (``psum`` to ``psum``,
-``all_gather`` to ``psum_scatter``, ``all_to_all`` to the reverse ``all_to_all``, ``ppermute``
-to the inverse permutation, ``pbroadcast`` to a sum at the source); an input replicated over
-some axes gets its gradient summed over them; an output replicated over some axes counts once
-(its cotangent is divided by their size). The numbers are those of ``jax.grad``.
+Gradients follow the global function the program computes, with one of JAX's two sets of rules:
+
+- typed (JAX's ``check_vma``), where the backend can watch every operation the function runs
+  (torch's ``TorchFunctionMode``): each value carries the axes along which it varies; where an
+  invariant value meets a varying one, the engine inserts ``pvary`` (identity forward, psum
+  backward), so ``psum`` transposes to nothing, inputs need no boundary reduction and an output
+  must be invariant along the axes its spec leaves out (checked, as JAX does);
+- untyped (JAX's ``check_vma=False``) elsewhere (MLX has no such hook): every collective
+  transposes to its adjoint collective (``psum`` to ``psum``, ``all_gather`` to
+  ``psum_scatter``, ``all_to_all`` to the reverse ``all_to_all``, ``ppermute`` to the inverse
+  permutation, ``pbroadcast`` to a sum at the source); an input replicated over some axes gets
+  its gradient summed over them; an output replicated over some axes counts once (its cotangent
+  is divided by their size).
+
+Both give the numbers of ``jax.grad``; the typed rules move no more bytes than JAX.
 """
 
 from __future__ import annotations
@@ -76,6 +84,8 @@ class ProcessBackend(Backend):
 
     #: primitives of :data:`PRIMITIVES` this backend implements; the engine builds the others
     native_primitives: ClassVar[frozenset[str]] = frozenset({"all_reduce", "all_gather"})
+    #: whether :meth:`typing` can watch the function's operations (JAX's check_vma rules)
+    typed: ClassVar[bool] = False
 
     # -- the process world --------------------------------------------------------------------
     def process_index(self) -> int:
@@ -137,6 +147,21 @@ class ProcessBackend(Backend):
     def after(self, x: Any, done: Any) -> Any:
         """``x``, computed only after ``done`` (lazy frameworks drop a collective whose result
         is unused on one process, and its peers would wait for it forever)."""
+        return x
+
+    def typing(self, env: ProcessAxisEnv) -> Any:
+        """With :attr:`typed`: a context manager under which every operation the function runs
+        tags its array results with the union of its array arguments' :meth:`vma_of`, and
+        passes each argument that needs a gradient and lacks some of those axes through
+        ``env.pvary`` first (JAX's implicit pvary)."""
+        raise NotImplementedError
+
+    def vma_of(self, x: Any) -> frozenset[str]:
+        """The axes along which ``x`` varies (empty: untagged, invariant everywhere)."""
+        return frozenset()
+
+    def tag(self, x: Any, vma: frozenset[str]) -> Any:
+        """``x`` tagged as varying along ``vma``; returns ``x``."""
         return x
 
     def needs_grad(self, x: Any) -> bool:
@@ -208,12 +233,16 @@ class _Program:
         leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
         layouts = self.ins.for_leaves(args, treedef)
         blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]
-        result = self.body(env, *optree.tree_unflatten(treedef, blocks))
+        if env.typed:
+            with self.be.typing(env):
+                result = self.body(env, *optree.tree_unflatten(treedef, blocks))
+        else:
+            result = self.body(env, *optree.tree_unflatten(treedef, blocks))
         out_leaves, out_def = optree.tree_flatten(result)
         out_layouts = self.outs.for_leaves(result, out_def)
         wrapped = []
-        for block, layout in zip(out_leaves, out_layouts):
-            block = env.leave(block, layout)
+        for i, (block, layout) in enumerate(zip(out_leaves, out_layouts)):
+            block = env.leave(block, layout, i)
             key = (layout, tuple(block.shape))
             shape = self._shapes.get(key)
             if shape is None:
@@ -237,6 +266,7 @@ class ProcessAxisEnv(AxisEnv):
         super().__init__(mesh, device)
         self.be = be
         self.native = be.native_primitives
+        self.typed = be.typed
         self._groups: dict[tuple[str, ...], Group] = {}
         self._world: Group | None = None
         self._can_split: bool | None = None if "split" in self.native else False
@@ -367,11 +397,40 @@ class ProcessAxisEnv(AxisEnv):
             fn = self._fns[key] = self.be.custom_vjp(fwd, bwd)
         return fn(x)
 
+    def _mesh_order(self, axes: frozenset[str] | set[str]) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh.axis_names if a in axes)
+
+    def pvary(self, x: Any, axes: frozenset[str] | set[str]) -> Any:
+        """Typed rules: ``x`` marked as varying along ``axes`` too (identity forward; the
+        backward sums the cotangent over them)."""
+        ordered = self._mesh_order(axes)
+        g = self.group(ordered)
+        out = self._diff(("pvary", ordered), x, lambda v: v,
+                         lambda ct: self.all_reduce_raw(ct, g, "sum"))
+        return self.be.tag(out, self.be.vma_of(x) | frozenset(ordered))
+
+    def _varying(self, x: Any, axes: tuple[str, ...]) -> tuple[Any, frozenset[str]]:
+        """Typed rules: ``x`` as an array varying along ``axes`` (pvary where it is not), and
+        its axes of variation."""
+        x = self.be.as_array(x)
+        have = self.be.vma_of(x)
+        missing = set(axes) - have
+        if missing:
+            x = self.pvary(x, missing) if self.be.needs_grad(x) else x
+            have = have | missing
+        return x, have
+
+    def _typed(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Callable[[Any], Any],
+               bwd: Callable[[Any], Any], invariant: bool) -> Any:
+        """A collective under the typed rules: the input made varying along ``axes``; the
+        result invariant along them (``invariant``) or varying."""
+        x, have = self._varying(x, axes)
+        out = self._diff(key, x, fwd, bwd)
+        return self.be.tag(out, have - set(axes) if invariant else have)
+
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         g = self.group(axes)
-        if op == "sum":
-            return self._diff(("psum", axes), x, lambda v: self.all_reduce_raw(v, g, "sum"),
-                              lambda ct: self.all_reduce_raw(ct, g, "sum"))
+        fwd = lambda v: self.all_reduce_raw(v, g, op)
 
         def no_derivative(ct: Any) -> Any:
             raise UnsupportedError(
@@ -379,41 +438,75 @@ class ProcessAxisEnv(AxisEnv):
                 "the gradient before it (torch: .detach(), MLX: mx.stop_gradient)",
                 backend=self.be.name, capability="shard_map")
 
-        return self._diff(("p" + op, axes), x, lambda v: self.all_reduce_raw(v, g, op),
-                          no_derivative)
+        if self.typed:  # the cotangent of an invariant result is whole: nothing to move
+            return self._typed(("t" + op, axes), x, axes, fwd,
+                               (lambda ct: ct) if op == "sum" else no_derivative, True)
+        if op == "sum":
+            return self._diff(("psum", axes), x, fwd,
+                              lambda ct: self.all_reduce_raw(ct, g, "sum"))
+        return self._diff(("p" + op, axes), x, fwd, no_derivative)
+
+    def _own_block(self, ct: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        """This device's block of dim ``dim`` of a gathered cotangent (no communication)."""
+        g = self.group(axes)
+        front = self._split_to_front(ct, dim, g.size, tiled)
+        return self.be.take(front, [g.index]).reshape(tuple(front.shape[1:]))
 
     def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool,
                    invariant: bool) -> Any:
-        return self._diff(("all_gather", axes, dim, tiled), x,
-                          lambda v: self.gather_raw(v, axes, dim, tiled),
-                          lambda ct: self.scatter_raw(ct, axes, dim, tiled))
+        fwd = lambda v: self.gather_raw(v, axes, dim, tiled)
+        if self.typed and invariant:
+            return self._typed(("ag_inv", axes, dim, tiled), x, axes, fwd,
+                               lambda ct: self._own_block(ct, axes, dim, tiled), True)
+        bwd = lambda ct: self.scatter_raw(ct, axes, dim, tiled)
+        if self.typed:
+            return self._typed(("all_gather", axes, dim, tiled), x, axes, fwd, bwd, False)
+        return self._diff(("all_gather", axes, dim, tiled), x, fwd, bwd)
 
     def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
-        return self._diff(("psum_scatter", axes, dim, tiled), x,
-                          lambda v: self.scatter_raw(v, axes, dim, tiled),
-                          lambda ct: self.gather_raw(ct, axes, dim, tiled))
+        fwd = lambda v: self.scatter_raw(v, axes, dim, tiled)
+        bwd = lambda ct: self.gather_raw(ct, axes, dim, tiled)
+        if self.typed:
+            return self._typed(("psum_scatter", axes, dim, tiled), x, axes, fwd, bwd, False)
+        return self._diff(("psum_scatter", axes, dim, tiled), x, fwd, bwd)
 
     def all_to_all(self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int,
                    tiled: bool) -> Any:
-        return self._diff(("all_to_all", axes, split_axis, concat_axis, tiled), x,
-                          lambda v: self.a2a_raw(v, axes, split_axis, concat_axis, tiled),
-                          lambda ct: self.a2a_raw(ct, axes, concat_axis, split_axis, tiled))
+        key = ("all_to_all", axes, split_axis, concat_axis, tiled)
+        fwd = lambda v: self.a2a_raw(v, axes, split_axis, concat_axis, tiled)
+        bwd = lambda ct: self.a2a_raw(ct, axes, concat_axis, split_axis, tiled)
+        if self.typed:
+            return self._typed(key, x, axes, fwd, bwd, False)
+        return self._diff(key, x, fwd, bwd)
 
     def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
         inverse = tuple((dst, src) for src, dst in perm)
-        return self._diff(("ppermute", axes, perm), x,
-                          lambda v: self.permute_pairs_raw(v, axes, perm),
-                          lambda ct: self.permute_pairs_raw(ct, axes, inverse))
+        fwd = lambda v: self.permute_pairs_raw(v, axes, perm)
+        bwd = lambda ct: self.permute_pairs_raw(ct, axes, inverse)
+        if self.typed:
+            return self._typed(("ppermute", axes, perm), x, axes, fwd, bwd, False)
+        return self._diff(("ppermute", axes, perm), x, fwd, bwd)
 
     def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
         g = self.group(axes)
+        fwd = lambda v: self.broadcast_raw(v, g, source)
+        if self.typed:  # the cotangent is whole on every device: the source keeps it
+            return self._typed(("pbroadcast", axes, source), x, axes, fwd,
+                               lambda ct: ct if g.index == source else self.be.zeros_like(ct),
+                               True)
 
         def back(ct: Any) -> Any:
             total = self.all_reduce_raw(ct, g, "sum")
             return total if g.index == source else self.be.after(self.be.zeros_like(total), total)
 
-        return self._diff(("pbroadcast", axes, source), x,
-                          lambda v: self.broadcast_raw(v, g, source), back)
+        return self._diff(("pbroadcast", axes, source), x, fwd, back)
+
+    def axis_index(self, axes: tuple[str, ...]) -> Any:
+        """A Python int; under the typed rules an array tagged as varying along ``axes``."""
+        index = super().axis_index(axes)
+        if self.typed:
+            return self.be.tag(self.be.as_array(index), frozenset(axes))
+        return index
 
     # -- the program's edges ----------------------------------------------------------------------
     def _input_plan(self, layout: Layout) -> tuple[tuple[str, ...],
@@ -427,13 +520,23 @@ class ProcessAxisEnv(AxisEnv):
         return plan
 
     def enter(self, arg: Any, layout: Layout) -> Any:
-        """This process's block of a shard_map argument. Gradient: summed over the axes the
-        input is replicated on; for a global array, assembled whole on every process."""
+        """This process's block of a shard_map argument. Gradient: for a global array,
+        assembled whole on every process; untyped, summed over the axes the input is
+        replicated on (typed: where it meets varying values, by pvary)."""
         if arg is None:
             return None
+        block = self._enter(arg, layout)
+        if self.typed:
+            used = set(layout.spec.axes()) | set(layout.spec.partial)
+            return self.be.tag(block, frozenset(a for a in self.mesh.axis_names if a in used))
+        return block
+
+    def _enter(self, arg: Any, layout: Layout) -> Any:
         assert self.device is not None
         block, is_global = self.be.local_block(arg, layout, self.device)
         replicated, sharded = self._input_plan(layout)
+        if self.typed:
+            replicated = ()
         if is_global:
             shape = tuple(int(n) for n in block.shape)
             if len(shape) < len(layout.spec):
@@ -456,9 +559,20 @@ class ProcessAxisEnv(AxisEnv):
         return self._diff(("replicated", replicated), block, lambda v: v,
                           lambda ct: self.all_reduce_raw(ct, self.group(replicated), "sum"))
 
-    def leave(self, block: Any, layout: Layout) -> Any:
-        """A result block; replicated over some axes, it counts once in the gradient."""
+    def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
+        """A result block; replicated over some axes, it counts once in the gradient (typed:
+        it must not vary along them, as JAX checks)."""
         block = self.be.as_array(block)
+        if self.typed:
+            varies = self.be.vma_of(block) & set(_replicated_axes(layout))
+            if varies:
+                axes = self._mesh_order(varies)
+                raise LayoutError(
+                    f"result {index} of the program varies along {axes} (it differs between "
+                    f"devices there), but its out_spec {layout.spec!r} says it is the same "
+                    f"along them: reduce it over {axes} (psum, pmean, all_gather with "
+                    "to='invarying') or name the axes in the out_spec")
+            return block
         copies = self._out.get(layout)
         if copies is None:
             copies = self._out[layout] = math.prod(

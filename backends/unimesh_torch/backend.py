@@ -113,6 +113,7 @@ class TorchBackend(ProcessBackend):
                               "partial", "axis_groups", "multi_process", "shard_map", "grad"})
     native_primitives = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                    "permute", "broadcast", "split"})
+    typed = True  # TorchFunctionMode sees every operation: JAX's check_vma gradient rules
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "torch.distributed.device_mesh.DeviceMesh",
         "layout": "DTensor placements: Shard(d), Replicate(), Partial(op), _StridedShard",
@@ -535,6 +536,19 @@ class TorchBackend(ProcessBackend):
     def needs_grad(self, x: Any) -> bool:
         return bool(x.requires_grad) and _torch().is_grad_enabled()
 
+    def typing(self, env: Any) -> Any:
+        """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
+        axes of variation and passes a gradient-carrying argument that lacks some of them
+        through ``env.pvary`` (JAX inserts the same pvary)."""
+        return _vma_mode()(env)
+
+    def vma_of(self, x: Any) -> frozenset[str]:
+        return getattr(x, _VMA, _NONE)
+
+    def tag(self, x: Any, vma: frozenset[str]) -> Any:
+        setattr(x, _VMA, vma)
+        return x
+
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
         function = _vjp_function()
         return lambda x: function.apply(x, fwd, bwd)
@@ -680,6 +694,67 @@ class _TorchGroup:
         else:  # piece k in torch's order is member ranks[k]
             self.order = [self.ranks.index(m) for m in members]
             self.inverse = [members.index(r) for r in self.ranks]
+
+
+_VMA = "_unimesh_vma"
+_NONE: frozenset[str] = frozenset()
+_MODE: list[Any] = []
+
+
+def _vma_mode() -> Any:
+    """The TorchFunctionMode class of :meth:`TorchBackend.typing` (made once, on first use)."""
+    if _MODE:
+        return _MODE[0]
+    torch = _torch()
+    from torch.overrides import TorchFunctionMode
+
+    tensor = torch.Tensor
+
+    def axes_of(values: Any) -> frozenset[str]:
+        found = _NONE
+        for v in values:
+            if isinstance(v, tensor):
+                found = found | getattr(v, _VMA, _NONE)
+            elif isinstance(v, (list, tuple)):
+                found = found | axes_of(v)
+        return found
+
+    class VmaMode(TorchFunctionMode):
+        def __init__(self, env: Any) -> None:
+            super().__init__()
+            self.env = env
+
+        def lift(self, v: Any, vma: frozenset[str]) -> Any:
+            """``v`` (or the tensors in a list/tuple) made varying along all of ``vma``."""
+            if isinstance(v, tensor):
+                have = getattr(v, _VMA, _NONE)
+                if have != vma and v.requires_grad:
+                    return self.env.pvary(v, vma - have)
+                return v
+            if isinstance(v, (list, tuple)):
+                return type(v)(self.lift(u, vma) for u in v)
+            return v
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            vma = axes_of(args) | axes_of(kwargs.values())
+            if not vma:
+                return func(*args, **kwargs)
+            if torch.is_grad_enabled():
+                args = tuple(self.lift(a, vma) for a in args)
+                kwargs = {k: self.lift(v, vma) for k, v in kwargs.items()}
+            out = func(*args, **kwargs)
+            if isinstance(out, tensor):
+                setattr(out, _VMA, vma)
+            elif isinstance(out, (list, tuple)):
+                for o in out:
+                    if isinstance(o, tensor):
+                        setattr(o, _VMA, vma)
+            return out
+
+    _MODE.append(VmaMode)
+    return VmaMode
 
 
 _OPS = {"sum": lambda: _dist().ReduceOp.SUM, "max": lambda: _dist().ReduceOp.MAX,
