@@ -261,3 +261,33 @@ def test_value_and_grad_matches_jax_grad_through_shard_map() -> None:
                               backend="jax")(x, w)
     assert aux == "aux" and len(grads) == 1
     np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(want))
+
+
+def test_checked_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UNIMESH_CHECKED=1 turns the checked mode on (checked=False turns it off again), here on
+    the example third-party backend, whose devices are threads of this process."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).with_name("conformance_example")))
+    try:
+        from unimesh_example.backend import ThreadedExampleBackend
+    finally:
+        sys.path.pop(0)
+    backend = ThreadedExampleBackend()
+    mesh = unimesh.Mesh((4,), ("x",))
+
+    def body(b):  # type: ignore[no-untyped-def]
+        return unimesh.psum(b[:1] if unimesh.axis_index("x") == 1 else b, "x")
+
+    monkeypatch.setenv("UNIMESH_CHECKED", "1")
+    program = unimesh.shard_map(body, mesh, P("x"), P("x"), backend=backend)
+    with pytest.raises(unimesh.MeshMismatchError,
+                       match=r"\(shape\): process\(es\) \[0, 2, 3\] call psum over \('x',\) of "
+                             r"float64 \(2,\); process\(es\) \[1\] call psum over \('x',\) of "
+                             r"float64 \(1,\)"):
+        program(np.zeros(8))
+    unchecked = unimesh.shard_map(body, mesh, P("x"), P("x"), backend=backend, checked=False)
+    with pytest.raises(ValueError, match="same shape") as info:
+        unchecked(np.zeros(8))
+    assert not isinstance(info.value, unimesh.MeshMismatchError)

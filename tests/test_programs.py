@@ -86,3 +86,46 @@ def test_mlx_launch_ring_four_processes(reference: Path, tmp_path: Path) -> None
     rc_out = [str(launcher), "-n", "4", "--backend", "ring", "--", sys.executable, str(WORKER),
               "mlx", str(reference), str(tmp_path)]
     _run(rc_out, 4, tmp_path)
+
+
+CHECKED = HERE / "checked_worker.py"
+
+
+def _launch(launcher: str) -> list[str]:
+    if launcher == "torchrun":
+        pytest.importorskip("torch")
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "4"]
+    pytest.importorskip("mlx.core")
+    if launcher == "mpirun":
+        return [require_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "4",
+                sys.executable]
+    return [str(Path(sys.executable).with_name("mlx.launch")), "-n", "4", "--backend", "ring",
+            "--", sys.executable]
+
+
+@pytest.mark.parametrize(("launcher", "mode"), [
+    ("torchrun", "clean"), ("torchrun", "shape"), ("torchrun", "axes"),
+    ("mpirun", "clean"), ("mpirun", "axes"), ("ring", "shape")])
+def test_checked_mode_names_what_processes_disagree_on(launcher: str, mode: str,
+                                                       tmp_path: Path) -> None:
+    """shard_map(checked=True): process 1 sums another shape, or over another axis; instead of
+    hanging, every process raises the same MeshMismatchError naming the field and who differs.
+    Agreeing processes get the right value."""
+    backend = "torch" if launcher == "torchrun" else "mlx"
+    rc, out = run_bounded([*_launch(launcher), str(CHECKED), backend, mode, str(tmp_path)],
+                          dict(os.environ, OMP_NUM_THREADS="1"), LIMIT)
+    assert rc == 0, out[-4000:]  # every process reported and left cleanly
+    seen = {int(p.stem.split("-")[1]): json.loads(p.read_text())
+            for p in tmp_path.glob("rank-*.json")}
+    assert sorted(seen) == [0, 1, 2, 3], out[-4000:]
+    if mode == "clean":
+        assert all(s == {"value": 120.0} for s in seen.values()), seen
+        return
+    errors = {s.get("error") for s in seen.values()}
+    assert len(errors) == 1 and None not in errors, seen  # the same message everywhere
+    (message,) = errors
+    assert f"differs between processes ({mode})" in message
+    assert "process(es) [0, 2, 3] call psum over ('tp',)" in message
+    assert "process(es) [1] call psum over" in message
+    assert ("(2, 1)" in message) if mode == "shape" else ("over ('dp',)" in message)

@@ -335,6 +335,8 @@ class Body:
     def __init__(self, f: Callable[..., Any], outs: SpecTree) -> None:
         self.f = f
         self.outs = outs
+        #: per-process engines check that processes agree on every collective (shard_map)
+        self.checked = False
 
     def __call__(self, env: AxisEnv, *blocks: Any) -> Any:
         import optree
@@ -349,7 +351,8 @@ class Body:
 
 
 def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
-              backend: str | Backend | None = None) -> Callable[..., Any]:
+              backend: str | Backend | None = None, *,
+              checked: bool | None = None) -> Callable[..., Any]:
     """``f`` run on every device's blocks (``jax.shard_map``'s meaning), on any backend.
 
     Args:
@@ -363,6 +366,11 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
         out_specs: a pytree prefix of the result with ``P`` leaves; a mesh axis an output spec
             leaves out promises that the blocks along it are equal.
         backend: a name or Backend; None detects it (see :func:`unimesh.get_backend`).
+        checked: on backends with one device per process, check before every collective that
+            all processes of the mesh call the same one (operation, axes, dtype, shape), and
+            raise :class:`~unimesh.MeshMismatchError` on every process naming what differs
+            instead of hanging. None (default): the ``UNIMESH_CHECKED`` environment variable
+            (``1`` turns it on). Off, it costs nothing; on, one small all-gather per collective.
 
     Returns:
         A function of the global arguments that returns the backend's distributed arrays
@@ -380,9 +388,15 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
     be.require("shard_map")
     for layout in set(ins.layouts + outs.layouts):
         _check_layout(be, layout)
-    run = be.shard_map(Body(f, outs), mesh, ins, outs)
+    if checked is None:
+        import os
+
+        checked = os.environ.get("UNIMESH_CHECKED", "") not in ("", "0")
+    body = Body(f, outs)
+    body.checked = bool(checked)
+    run = be.shard_map(body, mesh, ins, outs)
     n_in = len(in_specs) if isinstance(in_specs, (tuple, list)) else None
-    checked: set[tuple[int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, tuple[int, ...]]] = set()
 
     def call(*args: Any) -> Any:
         if n_in is not None and len(args) != n_in:
@@ -393,9 +407,9 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
         leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
         for i, (leaf, layout) in enumerate(zip(leaves, ins.for_leaves(args, treedef))):
             shape = getattr(leaf, "shape", None)  # global shapes; each checked once
-            if shape is not None and (i, tuple(shape)) not in checked:
+            if shape is not None and (i, tuple(shape)) not in seen:
                 _check_even(layout, tuple(shape), i)
-                checked.add((i, tuple(shape)))
+                seen.add((i, tuple(shape)))
         return run(*args)
 
     call.__name__ = getattr(f, "__name__", "shard_map")

@@ -144,6 +144,10 @@ class ProcessBackend(Backend):
     def zeros_like(self, x: Any) -> Any:
         raise NotImplementedError
 
+    def to_host(self, x: Any) -> np.ndarray:
+        """``x`` as a numpy array (used by the checked mode)."""
+        return np.asarray(x)
+
     def after(self, x: Any, done: Any) -> Any:
         """``x``, computed only after ``done`` (lazy frameworks drop a collective whose result
         is unused on one process, and its peers would wait for it forever)."""
@@ -232,6 +236,7 @@ class _Program:
             self.be.prepare_program(self.mesh, self.ins.layouts + self.outs.layouts)
         leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
         layouts = self.ins.for_leaves(args, treedef)
+        env.checked, env.calls = self.body.checked, 0
         blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]
         if env.typed:
             with self.be.typing(env):
@@ -251,6 +256,46 @@ class _Program:
         return optree.tree_unflatten(out_def, wrapped)
 
 
+_OPS = ("psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute",
+        "pbroadcast")
+_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int16", "int8",
+           "uint8", "bool", "complex64", "complex128")
+_FIELDS = ("operation", "axes", "dtype", "shape", "parameters")
+_MAX_DIMS = 8
+
+
+def _describe(op: str, axes: tuple[str, ...], mesh: Mesh, x: Any,
+              params: object) -> np.ndarray:
+    """A collective call as int64s: operation, axes (mesh positions), dtype, ndim, the first
+    dims, a crc of the rest and of the parameters: equal on every process that agrees."""
+    import zlib
+
+    shape = tuple(int(n) for n in x.shape)
+    dtype = str(x.dtype).rsplit(".", 1)[-1]
+    code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + zlib.crc32(dtype.encode())
+    where = [mesh.axis_names.index(a) for a in axes] + [-1] * (mesh.ndim - len(axes))
+    dims = list(shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
+    rest = zlib.crc32(repr((shape[_MAX_DIMS:], params)).encode())
+    return np.array([_OPS.index(op), code, len(shape), rest, *where, *dims], dtype=np.int64)
+
+
+def _field(row: np.ndarray, name: str) -> tuple[int, ...]:
+    ndim_mesh = (len(row) - 4 - _MAX_DIMS)
+    parts = {"operation": row[0:1], "dtype": row[1:2], "parameters": row[3:4],
+             "axes": row[4:4 + ndim_mesh], "shape": np.concatenate([row[2:3], row[4 + ndim_mesh:]])}
+    return tuple(int(v) for v in parts[name])
+
+
+def _explain(row: np.ndarray, mesh: Mesh) -> str:
+    """A descriptor row in words: ``psum over ('tp',) of float32 (4, 3)``."""
+    axes = tuple(mesh.axis_names[i] for i in _field(row, "axes") if i >= 0)
+    ndim, *dims = _field(row, "shape")
+    shape = tuple(dims[:min(ndim, _MAX_DIMS)]) + (("...",) if ndim > _MAX_DIMS else ())
+    code = int(row[1])
+    dtype = _DTYPES[code] if code < len(_DTYPES) else "another dtype"
+    return f"{_OPS[int(row[0])]} over {axes} of {dtype} {shape}"
+
+
 def _replicated_axes(layout: Layout) -> tuple[str, ...]:
     """Mesh axes of size > 1 along which ``layout`` says the value is the same."""
     used = set(layout.spec.axes()) | set(layout.spec.partial)
@@ -267,6 +312,8 @@ class ProcessAxisEnv(AxisEnv):
         self.be = be
         self.native = be.native_primitives
         self.typed = be.typed
+        self.checked = False  # set per run by the program (shard_map(checked=...))
+        self.calls = 0
         self._groups: dict[tuple[str, ...], Group] = {}
         self._world: Group | None = None
         self._can_split: bool | None = None if "split" in self.native else False
@@ -397,6 +444,35 @@ class ProcessAxisEnv(AxisEnv):
             fn = self._fns[key] = self.be.custom_vjp(fwd, bwd)
         return fn(x)
 
+    def agree(self, op: str, axes: tuple[str, ...], x: Any, params: object = ()) -> None:
+        """Checked mode: every process of the mesh calls the same collective here, or every
+        one raises MeshMismatchError naming the processes and what differs. One all-gather of
+        a small descriptor over the whole mesh (which cannot itself wait on a disagreement
+        about axes)."""
+        self.calls += 1
+        x = self.be.as_array(x)
+        mine = _describe(op, axes, self.mesh, x, params)
+        rows = self.be.to_host(self._gather_members(self.be.as_array(mine),
+                                                    self.group(self.mesh.axis_names)))
+        rows = np.asarray(rows).reshape(len(rows), -1)
+        if (rows == rows[0]).all():
+            return
+        members = self.group(self.mesh.axis_names).members
+        said = [_explain(row, self.mesh) for row in rows]
+        kinds = sorted({f for row in rows for f in _FIELDS if _field(row, f) != _field(rows[0], f)})
+        groups: dict[str, list[int]] = {}
+        for device, text in zip(members, said):
+            groups.setdefault(text, []).append(device)
+        if "parameters" in kinds:
+            groups = {}
+            for device, text, row in zip(members, said, rows):
+                groups.setdefault(f"{text} with parameters #{int(row[3])}", []).append(device)
+        detail = "; ".join(f"process(es) {devices} call {text}" for text, devices in groups.items())
+        raise MeshMismatchError(
+            f"collective {self.calls} of the program differs between processes ({', '.join(kinds)}"
+            f"): {detail}. Every process of the mesh must call the same collectives in the same "
+            "order, on the same axes, with arrays of the same dtype and shape")
+
     def _mesh_order(self, axes: frozenset[str] | set[str]) -> tuple[str, ...]:
         return tuple(a for a in self.mesh.axis_names if a in axes)
 
@@ -430,6 +506,8 @@ class ProcessAxisEnv(AxisEnv):
 
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         g = self.group(axes)
+        if self.checked:
+            self.agree("p" + op, axes, x)
         fwd = lambda v: self.all_reduce_raw(v, g, op)
 
         def no_derivative(ct: Any) -> Any:
@@ -454,6 +532,8 @@ class ProcessAxisEnv(AxisEnv):
 
     def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool,
                    invariant: bool) -> Any:
+        if self.checked:
+            self.agree("all_gather", axes, x, (dim, tiled))
         fwd = lambda v: self.gather_raw(v, axes, dim, tiled)
         if self.typed and invariant:
             return self._typed(("ag_inv", axes, dim, tiled), x, axes, fwd,
@@ -464,6 +544,8 @@ class ProcessAxisEnv(AxisEnv):
         return self._diff(("all_gather", axes, dim, tiled), x, fwd, bwd)
 
     def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        if self.checked:
+            self.agree("psum_scatter", axes, x, (dim, tiled))
         fwd = lambda v: self.scatter_raw(v, axes, dim, tiled)
         bwd = lambda ct: self.gather_raw(ct, axes, dim, tiled)
         if self.typed:
@@ -472,6 +554,8 @@ class ProcessAxisEnv(AxisEnv):
 
     def all_to_all(self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int,
                    tiled: bool) -> Any:
+        if self.checked:
+            self.agree("all_to_all", axes, x, (split_axis, concat_axis, tiled))
         key = ("all_to_all", axes, split_axis, concat_axis, tiled)
         fwd = lambda v: self.a2a_raw(v, axes, split_axis, concat_axis, tiled)
         bwd = lambda ct: self.a2a_raw(ct, axes, concat_axis, split_axis, tiled)
@@ -480,6 +564,8 @@ class ProcessAxisEnv(AxisEnv):
         return self._diff(key, x, fwd, bwd)
 
     def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
+        if self.checked:
+            self.agree("ppermute", axes, x, perm)
         inverse = tuple((dst, src) for src, dst in perm)
         fwd = lambda v: self.permute_pairs_raw(v, axes, perm)
         bwd = lambda ct: self.permute_pairs_raw(ct, axes, inverse)
@@ -488,6 +574,8 @@ class ProcessAxisEnv(AxisEnv):
         return self._diff(("ppermute", axes, perm), x, fwd, bwd)
 
     def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
+        if self.checked:
+            self.agree("pbroadcast", axes, x, source)
         g = self.group(axes)
         fwd = lambda v: self.broadcast_raw(v, g, source)
         if self.typed:  # the cotangent is whole on every device: the source keeps it

@@ -423,6 +423,9 @@ class MLXBackend(ProcessBackend):
     def zeros_like(self, x: Any) -> Any:
         return _mx().zeros_like(x)
 
+    def to_host(self, x: Any) -> np.ndarray:
+        return np.array(x)
+
     def after(self, x: Any, done: Any) -> Any:
         return _mx().depends(x, done)
 

@@ -533,6 +533,9 @@ class TorchBackend(ProcessBackend):
     def zeros_like(self, x: Any) -> Any:
         return _torch().zeros_like(x)
 
+    def to_host(self, x: Any) -> np.ndarray:
+        return x.detach().cpu().numpy()  # type: ignore[no-any-return]
+
     def needs_grad(self, x: Any) -> bool:
         return bool(x.requires_grad) and _torch().is_grad_enabled()
 

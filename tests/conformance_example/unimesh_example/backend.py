@@ -184,9 +184,11 @@ class ThreadedExampleBackend(ExampleBackend):
                 t.start()
             for t in threads:
                 t.join()
-            if errors:
-                self._boards.clear()
-                raise errors[0]
+            if errors:  # the first real error; peers woken by the abort report a broken barrier
+                for board in self._boards.values():
+                    board.barrier.reset()  # every thread has ended: the boards serve again
+                raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
+                           errors[0])
             first = results[int(mesh.device_ids.flat[0])]
             treedef = optree.tree_structure(first)
             layouts = outs.for_leaves(first, treedef)
