@@ -57,6 +57,26 @@ def capability_table(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def collectives_table() -> str:
+    """Per backend, which primitives of the per-process engine are the framework's own and
+    which the engine builds (from ``ProcessBackend.native_primitives``)."""
+    from unimesh.spmd import PRIMITIVES, ProcessBackend
+
+    classes = {name: _cls(path) for name, path in BACKENDS.items()}
+    lines = ["| primitive | " + " | ".join(classes) + " |", "|" + " --- |" * (len(classes) + 1)]
+    for primitive in PRIMITIVES:
+        cells = []
+        for cls in classes.values():
+            if issubclass(cls, ProcessBackend):
+                cells.append("native" if primitive in cls.native_primitives else "built")
+            elif "shard_map" in cls.capabilities:  # type: ignore[attr-defined]
+                cells.append("XLA (jax.lax)")
+            else:
+                cells.append("—")
+        lines.append(f"| {primitive} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def benchmark_table(data: dict) -> str:
     """The figures of the last ``benchmarks/gather.py`` run committed to ``_data``."""
     out: list[str] = []
@@ -79,7 +99,7 @@ def benchmark_table(data: dict) -> str:
 def generate(docs: Path) -> None:
     out = docs / "_generated"
     out.mkdir(exist_ok=True)
-    tables = {"api-table.md": api_table()}
+    tables = {"api-table.md": api_table(), "collectives-table.md": collectives_table()}
     data = docs / "_data"
     tables["capabilities-table.md"] = capability_table(
         json.loads((data / "capabilities.json").read_text()))

@@ -528,6 +528,12 @@ def test_refuses_shard_map(backend: unimesh.Backend, devices: int) -> None:
         unimesh.shard_map(lambda x: x, _mesh("1d", devices), P(), P(), backend=backend)
 
 
+@capability("grad", refusal=True)
+def test_refuses_grad(backend: unimesh.Backend, devices: int) -> None:
+    with pytest.raises(UnsupportedError):
+        unimesh.value_and_grad(lambda x: x, backend=backend)
+
+
 @capability("layout_map", refusal=True)
 def test_refuses_layout_map(backend: unimesh.Backend, devices: int) -> None:
     with pytest.raises(UnsupportedError):
