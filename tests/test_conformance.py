@@ -18,8 +18,9 @@ import unimesh
 
 from .launch import require_mpirun, run_bounded
 
-LIMIT = 300
+LIMIT = 600  # one suite run (JAX in process: about 110 s here); our kill comes before pytest's
 IN_PROCESS = ("jax", "keras", "tensorflow")
+pytestmark = pytest.mark.timeout(LIMIT + 120)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
