@@ -374,8 +374,7 @@ class ProcessAxisEnv(AxisEnv):
         if g.handle is not None and "all_to_all" in self.native:
             return self.be.group_all_to_all(x, g.handle)
         every = self._gather_members(x, g)  # (n, n, ...): every[j] = member j's x
-        return self.be.moveaxis(self.be.take(self.be.moveaxis(every, 1, 0), [g.index]),
-                                0, 0).reshape(tuple(x.shape))
+        return self.be.take(self.be.moveaxis(every, 1, 0), [g.index]).reshape(tuple(x.shape))
 
     def permute_raw(self, x: Any, g: Group, sources: tuple[int | None, ...]) -> Any:
         """Member ``sources[i]``'s ``x`` on member i (zeros where None)."""
