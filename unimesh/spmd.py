@@ -351,6 +351,10 @@ class ProcessAxisEnv(AxisEnv):
         every = self.be.group_all_gather(x, self.world())
         return self.be.take(every, list(g.members))
 
+    def _row(self, x: Any, i: int) -> Any:
+        """``x[i]`` along dim 0 (the dim dropped)."""
+        return self.be.take(x, [i]).reshape(tuple(x.shape[1:]))
+
     def all_reduce_raw(self, x: Any, g: Group, op: str) -> Any:
         if g.size == 1:
             return x
@@ -361,11 +365,11 @@ class ProcessAxisEnv(AxisEnv):
     def reduce_scatter_raw(self, x: Any, g: Group) -> Any:
         """``x`` of shape (n, ...): the sum over members of their ``x[my index]``."""
         if g.size == 1:
-            return self.be.take(x, [0]).reshape(tuple(x.shape[1:]))
+            return self._row(x, 0)
         if g.handle is not None and "reduce_scatter" in self.native:
             return self.be.group_reduce_scatter(x, g.handle)
         total = self.all_reduce_raw(x, g, "sum")
-        return self.be.take(total, [g.index]).reshape(tuple(x.shape[1:]))
+        return self._row(total, g.index)
 
     def all_to_all_raw(self, x: Any, g: Group) -> Any:
         """``x`` of shape (n, ...): ``y[j]`` = member j's ``x[my index]``."""
@@ -374,7 +378,7 @@ class ProcessAxisEnv(AxisEnv):
         if g.handle is not None and "all_to_all" in self.native:
             return self.be.group_all_to_all(x, g.handle)
         every = self._gather_members(x, g)  # (n, n, ...): every[j] = member j's x
-        return self.be.take(self.be.moveaxis(every, 1, 0), [g.index]).reshape(tuple(x.shape))
+        return self._row(self.be.moveaxis(every, 1, 0), g.index)
 
     def permute_raw(self, x: Any, g: Group, sources: tuple[int | None, ...]) -> Any:
         """Member ``sources[i]``'s ``x`` on member i (zeros where None)."""
@@ -384,7 +388,7 @@ class ProcessAxisEnv(AxisEnv):
         every = self._gather_members(x, g)
         if src is None:
             return self.be.after(self.be.zeros_like(x), every)
-        return self.be.take(every, [src]).reshape(tuple(x.shape))
+        return self._row(every, src)
 
     def broadcast_raw(self, x: Any, g: Group, root: int) -> Any:
         if g.size == 1:
@@ -527,7 +531,7 @@ class ProcessAxisEnv(AxisEnv):
         """This device's block of dim ``dim`` of a gathered cotangent (no communication)."""
         g = self.group(axes)
         front = self._split_to_front(ct, dim, g.size, tiled)
-        return self.be.take(front, [g.index]).reshape(tuple(front.shape[1:]))
+        return self._row(front, g.index)
 
     def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool,
                    invariant: bool) -> Any:

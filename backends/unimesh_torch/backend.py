@@ -590,10 +590,10 @@ class TorchBackend(ProcessBackend):
 
     def _native_layout(self, layout: Layout) -> TorchLayout:
         cache: dict[Layout, TorchLayout] = self.__dict__.setdefault("_native_layouts", {})
+        if self._world_group is not _dist().group.WORLD:  # a new world: rebuild everything
+            cache.clear()
         native = cache.get(layout)
-        if native is None or self._world_group is not _dist().group.WORLD:
-            if self._world_group is not _dist().group.WORLD:
-                cache.clear()
+        if native is None:  # layout_to_native records the world it was built in
             native = cache[layout] = self.layout_to_native(layout)
         return native
 
