@@ -292,7 +292,6 @@ def collect(repeat: int, scales: list[int]) -> dict[str, list[str] | str]:
     """Run every backend's step benchmark under its launcher; its BENCH lines, or why none."""
     here = str(Path(__file__).resolve())
     extra = ["--repeat", str(repeat), "--scales", ",".join(map(str, scales))]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     runs = {
         "jax": [sys.executable, here, "--backend", "jax", *extra],
         "torch": [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -300,10 +299,16 @@ def collect(repeat: int, scales: list[int]) -> dict[str, list[str] | str]:
         "mlx": ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4",
                 sys.executable, here, "--backend", "mlx", *extra],
     }
+    return launched(runs, 600)
+
+
+def launched(runs: dict[str, list[str]], timeout: float) -> dict[str, list[str] | str]:
+    """Each command run with one OpenMP thread per process: its BENCH lines, or why none."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     results: dict[str, list[str] | str] = {}
     for name, cmd in runs.items():
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
                                  check=False).stdout
         except (OSError, subprocess.TimeoutExpired) as exc:
             results[name] = f"not run ({exc})"

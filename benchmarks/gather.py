@@ -11,6 +11,9 @@ generated from. Every figure is a ratio (or a time) measured in this one run.
 3. the core at 1,048,576 devices (bench_core.py).
 4. program-step overhead: the example MLP step through unimesh.shard_map against the native
    step (bench_step.py: JAX in process, torch under torchrun, MLX under mpirun).
+5. example programs: the FSDP, tensor + sequence parallel, MoE and pipeline steps through
+   unimesh against the same loss run with the framework's own collectives (bench_programs.py:
+   JAX and torch).
 """
 
 from __future__ import annotations
@@ -139,22 +142,26 @@ def scale(repeat: int) -> dict[str, Any]:
             "rows": [{"operation": k, "ms": f"{v:.1f}"} for k, v in r.items()]}
 
 
+def _rows(results: dict[str, list[str] | str], pattern: re.Pattern[str],
+          row: Callable[[re.Match[str]], dict[str, str]]) -> list[dict[str, str]]:
+    """A table row per BENCH line that ``pattern`` reads, or a note where a backend gave none."""
+    rows = []
+    for name, lines in results.items():
+        if isinstance(lines, str):
+            rows.append({"backend": name, "note": lines[:120]})
+            continue
+        rows += [row(m) for m in map(pattern.search, lines) if m]
+    return rows
+
+
 def steps(repeat: int) -> dict[str, Any]:
     from bench_step import collect
 
     pattern = re.compile(r"BENCH (\w+)\s+step=(\w+)\s+scale=(\d+)\s+native=\s*([\d.]+) ms "
                          r"unimesh=\s*([\d.]+) ms ratio=([\d.]+)")
-    rows = []
-    for name, lines in collect(repeat, [1, 8]).items():
-        if isinstance(lines, str):
-            rows.append({"backend": name, "note": lines[:120]})
-            continue
-        for line in lines:
-            m = pattern.search(line)
-            if m:
-                rows.append({"backend": m[1], "step": m[2],
-                             "size": "example" if m[3] == "1" else f"{m[3]}x",
-                             "native": f"{m[4]} ms", "unimesh": f"{m[5]} ms", "ratio": m[6]})
+    rows = _rows(collect(repeat, [1, 8]), pattern, lambda m: {
+        "backend": m[1], "step": m[2], "size": "example" if m[3] == "1" else f"{m[3]}x",
+        "native": f"{m[4]} ms", "unimesh": f"{m[5]} ms", "ratio": m[6]})
     how = {"jax": "jit, 8 CPU devices", "torch": "torchrun 4, gloo", "mlx": "mpirun 4"}
     for row in rows:
         row["backend"] = f"{row['backend']} ({how.get(row['backend'], '')})"
@@ -165,6 +172,26 @@ def steps(repeat: int) -> dict[str, Any]:
                     "unimesh.value_and_grad vs the framework's own autodiff idiom. Goal: 1.02 "
                     "(JAX), 1.05 (torch, MLX).".replace("{repeat}", str(repeat)),
             "columns": ["backend", "step", "size", "native", "unimesh", "ratio", "note"],
+            "rows": rows}
+
+
+def programs(repeat: int) -> dict[str, Any]:
+    from bench_programs import collect as collect_programs
+
+    pattern = re.compile(r"BENCH (\w+)\s+program=(\w+)\s+native=\s*([\d.]+) ms "
+                         r"unimesh=\s*([\d.]+) ms ratio=([\d.]+)")
+    how = {"jax": "jit, 8 CPU devices", "torch": "torchrun 4, gloo"}
+    rows = _rows(collect_programs(repeat), pattern, lambda m: {
+        "backend": f"{m[1]} ({how.get(m[1], '')})", "program": m[2], "native": f"{m[3]} ms",
+        "unimesh": f"{m[4]} ms", "ratio": m[5]})
+    return {"title": "Example programs: training step",
+            "note": "examples/fsdp_step.py, tp_sp_block.py, moe_layer.py and pipeline.py: loss "
+                    "and gradients by unimesh.value_and_grad against the same loss function "
+                    "run with the framework's own collectives and autodiff (bench_programs.py), "
+                    "medians of {repeat} alternating steps. MLX has no native all-to-all, "
+                    "reduce-scatter or differentiable all-gather to compare with. Goal: 1.02 "
+                    "(JAX), 1.05 (torch).".replace("{repeat}", str(repeat)),
+            "columns": ["backend", "program", "native", "unimesh", "ratio", "note"],
             "rows": rows}
 
 
@@ -180,6 +207,7 @@ def main() -> None:
         ("to_native", lambda: to_native(20 if q else 300)),
         ("core scale", lambda: scale(2 if q else 7)),
         ("step overhead", lambda: steps(20 if q else 300)),
+        ("example programs", lambda: programs(10 if q else 200)),
     ]
     sections = []
     for label, part in parts:

@@ -205,7 +205,9 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
     """The issue's example differentiated by the framework's own autodiff, not
     unimesh.value_and_grad: torch ``.backward()`` through the program's DTensor output (w is a
     DTensor parameter), MLX ``mx.value_and_grad`` of a function of w's local block. Returns
-    w's whole gradient, to compare with JAX's ``issue-example:grad2``."""
+    w's whole gradient, to compare with JAX's ``issue-example:grad2``; on torch also
+    ``mixed``: unimesh.value_and_grad of the loss plus ``(w * w).sum()`` in DTensor ops
+    (JAX's gradient + 2w)."""
     case = next(c for c in CASES if c.name == "issue-example")
     program = case.build(mesh, backend)
     x, y, w = case.args
@@ -215,7 +217,13 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
                   for a, s in ((x, P("dp", "tp")), (y, P("dp", None))))
         wd = unimesh.distribute(w, w_layout, backend="torch").requires_grad_(True)
         program(xs, ys, wd).full_tensor().backward()
-        return {"grad2": np.asarray(wd.grad.full_tensor(), np.float64)}
+
+        def mixed(w_d: Any) -> Any:  # w reaches the loss through DTensor ops and the program
+            return program(xs, ys, w_d) + (w_d * w_d).sum()
+
+        _, g = unimesh.value_and_grad(mixed, backend="torch")(wd.detach())
+        return {"grad2": np.asarray(wd.grad.full_tensor(), np.float64),
+                "mixed": np.asarray(g.full_tensor(), np.float64)}
     import mlx.core as mx
     from unimesh_mlx import MLXArray
 

@@ -252,11 +252,12 @@ class Layout:
     ``spec`` may be a PartitionSpec or a tuple/list of entries.
     """
 
-    __slots__ = ("_key", "_mesh", "_spec")
+    __slots__ = ("_hash", "_key", "_mesh", "_spec")
 
     _mesh: Mesh
     _spec: PartitionSpec
     _key: tuple[Any, ...]
+    _hash: int | None
 
     def __init__(self, mesh: Mesh, spec: PartitionSpec | Sequence[object]) -> None:
         if not isinstance(mesh, Mesh):
@@ -275,6 +276,7 @@ class Layout:
         while entries and entries[-1] is None:
             entries.pop()
         object.__setattr__(self, "_key", (tuple(entries), frozenset(spec.partial.items())))
+        object.__setattr__(self, "_hash", None)  # computed on first use (layouts are dict keys)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Layout is immutable")
@@ -298,7 +300,11 @@ class Layout:
                                             or self._mesh == other._mesh)
 
     def __hash__(self) -> int:
-        return hash((self._mesh, self._key))
+        h = self._hash
+        if h is None:
+            h = hash((self._mesh, self._key))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def __repr__(self) -> str:
         return f"Layout({self._mesh!r}, {self._spec!r})"

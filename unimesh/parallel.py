@@ -339,6 +339,11 @@ class Body:
         self.checked = False
 
     def __call__(self, env: AxisEnv, *blocks: Any) -> Any:
+        return self.flat(env, *blocks)[0]
+
+    def flat(self, env: AxisEnv, *blocks: Any) -> tuple[Any, list[Any], Any,
+                                                        tuple[Layout, ...]]:
+        """The result, its leaves, its treedef and the out layout of every leaf."""
         import optree
 
         token = _ENV.set(env)
@@ -346,8 +351,8 @@ class Body:
             result = self.f(*blocks)
         finally:
             _ENV.reset(token)
-        self.outs.for_leaves(result, optree.tree_structure(result))
-        return result
+        leaves, treedef = optree.tree_flatten(result)
+        return result, leaves, treedef, self.outs.for_leaves(result, treedef)
 
 
 def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
@@ -395,6 +400,7 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
     body = Body(f, outs)
     body.checked = bool(checked)
     run = be.shard_map(body, mesh, ins, outs)
+    flat = getattr(run, "run_flat", None)
     n_in = len(in_specs) if isinstance(in_specs, (tuple, list)) else None
     seen: set[tuple[int, tuple[int, ...]]] = set()
 
@@ -405,11 +411,14 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
         import optree
 
         leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
-        for i, (leaf, layout) in enumerate(zip(leaves, ins.for_leaves(args, treedef))):
+        layouts = ins.for_leaves(args, treedef)
+        for i, (leaf, layout) in enumerate(zip(leaves, layouts)):
             shape = getattr(leaf, "shape", None)  # global shapes; each checked once
             if shape is not None and (i, tuple(shape)) not in seen:
                 _check_even(layout, tuple(shape), i)
                 seen.add((i, tuple(shape)))
+        if flat is not None:  # the per-process engine: no second flattening
+            return flat(leaves, treedef, layouts)
         return run(*args)
 
     call.__name__ = getattr(f, "__name__", "shard_map")

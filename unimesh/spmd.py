@@ -172,6 +172,11 @@ class ProcessBackend(Backend):
         """Whether a gradient may flow through ``x`` (False lets the engine skip its rules)."""
         return True
 
+    def untyped(self, fn: Callable[[Any], Any], x: Any) -> Any:
+        """``fn(x)`` unwatched by :meth:`typing` (the engine's own operations: it tags their
+        results itself)."""
+        return fn(x)
+
     def custom_vjp(self, fwd: Callable[[Any], Any],
                    bwd: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """A differentiable function of one array: ``fwd`` forward, ``bwd`` maps the output's
@@ -230,21 +235,25 @@ class _Program:
     def __call__(self, *args: Any) -> Any:
         import optree
 
+        leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
+        return self.run_flat(leaves, treedef, self.ins.for_leaves(args, treedef))
+
+    def run_flat(self, leaves: list[Any], treedef: Any, layouts: tuple[Layout, ...]) -> Any:
+        """The program on the arguments' leaves (of tree ``treedef``) laid out as ``layouts``."""
+        import optree
+
         env = self.env
         if env is None:
             env = self.env = self.be.axis_env(self.mesh)
             self.be.prepare_program(self.mesh, self.ins.layouts + self.outs.layouts)
-        leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
-        layouts = self.ins.for_leaves(args, treedef)
         env.checked, env.calls = self.body.checked, 0
         blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]
+        args = optree.tree_unflatten(treedef, blocks)
         if env.typed:
             with self.be.typing(env):
-                result = self.body(env, *optree.tree_unflatten(treedef, blocks))
+                _, out_leaves, out_def, out_layouts = self.body.flat(env, *args)
         else:
-            result = self.body(env, *optree.tree_unflatten(treedef, blocks))
-        out_leaves, out_def = optree.tree_flatten(result)
-        out_layouts = self.outs.for_leaves(result, out_def)
+            _, out_leaves, out_def, out_layouts = self.body.flat(env, *args)
         wrapped = []
         for i, (block, layout) in enumerate(zip(out_leaves, out_layouts)):
             block = env.leave(block, layout, i)
@@ -318,7 +327,7 @@ class ProcessAxisEnv(AxisEnv):
         self._world: Group | None = None
         self._can_split: bool | None = None if "split" in self.native else False
         self._fns: dict[Any, Callable[[Any], Any]] = {}
-        self._in: dict[Layout, tuple[tuple[str, ...], tuple[tuple[int, tuple[str, ...]], ...]]] = {}
+        self._in: dict[Layout, Any] = {}
         self._out: dict[Layout, int] = {}
 
     # -- groups -----------------------------------------------------------------------------------
@@ -441,11 +450,11 @@ class ProcessAxisEnv(AxisEnv):
         """``fwd(x)`` with ``bwd`` as its transpose (a custom vjp made once per key)."""
         x = self.be.as_array(x)
         if not self.be.needs_grad(x):
-            return fwd(x)
+            return self.be.untyped(fwd, x) if self.typed else fwd(x)
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = self.be.custom_vjp(fwd, bwd)
-        return fn(x)
+        return self.be.untyped(fn, x) if self.typed else fn(x)
 
     def agree(self, op: str, axes: tuple[str, ...], x: Any, params: object = ()) -> None:
         """Checked mode: every process of the mesh calls the same collective here, or every
@@ -601,13 +610,17 @@ class ProcessAxisEnv(AxisEnv):
 
     # -- the program's edges ----------------------------------------------------------------------
     def _input_plan(self, layout: Layout) -> tuple[tuple[str, ...],
-                                                   tuple[tuple[int, tuple[str, ...]], ...]]:
-        """(axes an input is replicated over, (dim, axes) it is sharded over)."""
+                                                   tuple[tuple[int, tuple[str, ...]], ...],
+                                                   frozenset[str]]:
+        """(axes an input is replicated over, (dim, axes) it is sharded over, axes it varies
+        along)."""
         plan = self._in.get(layout)
         if plan is None:
             sharded = tuple((d, (e,) if isinstance(e, str) else tuple(e))
                             for d, e in enumerate(layout.spec) if e)
-            plan = self._in[layout] = (_replicated_axes(layout), sharded)
+            used = set(layout.spec.axes()) | set(layout.spec.partial)
+            plan = self._in[layout] = (_replicated_axes(layout), sharded,
+                                       frozenset(a for a in self.mesh.axis_names if a in used))
         return plan
 
     def enter(self, arg: Any, layout: Layout) -> Any:
@@ -618,14 +631,13 @@ class ProcessAxisEnv(AxisEnv):
             return None
         block = self._enter(arg, layout)
         if self.typed:
-            used = set(layout.spec.axes()) | set(layout.spec.partial)
-            return self.be.tag(block, frozenset(a for a in self.mesh.axis_names if a in used))
+            return self.be.tag(block, self._input_plan(layout)[2])
         return block
 
     def _enter(self, arg: Any, layout: Layout) -> Any:
         assert self.device is not None
         block, is_global = self.be.local_block(arg, layout, self.device)
-        replicated, sharded = self._input_plan(layout)
+        replicated, sharded, _ = self._input_plan(layout)
         if self.typed:
             replicated = ()
         if is_global:

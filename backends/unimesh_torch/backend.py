@@ -133,6 +133,8 @@ class TorchBackend(ProcessBackend):
         # rank-dependent group is ever created. A new world group empties it.
         self._meshes: dict[tuple[str, Mesh], Any] = {}
         self._world_group: Any = None
+        # (layout, global shape, dtype) -> DTensorSpec of shard_map results (wrap_result)
+        self._specs: dict[tuple[Layout, tuple[int, ...], Any], Any] = {}
 
     # -- the runtime -------------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
@@ -472,7 +474,8 @@ class TorchBackend(ProcessBackend):
         torch = _torch()
         flat = x.detach().contiguous().reshape(-1)  # gloo gathers into one flat buffer
         out = torch.empty(group.size * flat.numel(), dtype=x.dtype, device=x.device)
-        _dist().all_gather_into_tensor(out, flat, group=group.pg)
+        dist = _dist()  # all_gather_into_tensor is deprecated from torch 2.13 on
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=group.pg)
         out = out.reshape((group.size,) + tuple(x.shape))
         return out if group.order is None else out[group.order]
 
@@ -483,7 +486,9 @@ class TorchBackend(ProcessBackend):
             x = x[group.inverse]
         flat = x.contiguous().reshape(-1)
         out = torch.empty(flat.numel() // group.size, dtype=x.dtype, device=x.device)
-        _dist().reduce_scatter_tensor(out, flat, group=group.pg)
+        dist = _dist()  # reduce_scatter_tensor is deprecated from torch 2.13 on
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, flat,
+                                                                           group=group.pg)
         return out.reshape(tuple(x.shape[1:]))
 
     def group_all_to_all(self, x: Any, group: Any) -> Any:
@@ -497,20 +502,26 @@ class TorchBackend(ProcessBackend):
         return out if group.order is None else out[group.order]
 
     def group_permute(self, x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
-        """One ``all_to_all_single`` in which each rank sends ``x`` whole to one rank."""
+        """Point to point: ``x`` sent to the member that takes it, the source's received
+        (``batch_isend_irecv``; only the pairs of the permutation talk)."""
         torch = _torch()
+        dist = _dist()
         me = group.members.index(group.rank)
         dest = next((i for i, s in enumerate(sources) if s == me), None)
         src = sources[me]
-        ranks = group.ranks
-        flat = x.detach().contiguous().reshape(1, -1)
-        send = [1 if dest is not None and ranks[k] == group.members[dest] else 0
-                for k in range(group.size)]
-        recv = [1 if src is not None and ranks[k] == group.members[src] else 0
-                for k in range(group.size)]
-        out = torch.empty((sum(recv), flat.shape[1]), dtype=x.dtype, device=x.device)
-        _dist().all_to_all_single(out, flat[:sum(send)], recv, send, group=group.pg)
-        return out.reshape(x.shape) if src is not None else torch.zeros_like(x)
+        if src == me:
+            return x.detach().clone()
+        ops = []
+        if dest is not None:
+            ops.append(dist.P2POp(dist.isend, x.detach().contiguous(), group.members[dest],
+                                  group.pg))
+        out = torch.empty_like(x, memory_format=torch.contiguous_format) if src is not None \
+            else torch.zeros_like(x)
+        if src is not None:
+            ops.append(dist.P2POp(dist.irecv, out, group.members[src], group.pg))
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+        return out
 
     def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
         out = x.detach().clone(memory_format=_torch().contiguous_format)
@@ -552,6 +563,10 @@ class TorchBackend(ProcessBackend):
         setattr(x, _VMA, vma)
         return x
 
+    def untyped(self, fn: Any, x: Any) -> Any:
+        with _torch()._C.DisableTorchFunction():
+            return fn(x)
+
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
         function = _vjp_function()
         return lambda x: function.apply(x, fwd, bwd)
@@ -565,8 +580,14 @@ class TorchBackend(ProcessBackend):
         if isinstance(arg, DTensor):
             native = self._native_layout(layout)
             if arg.device_mesh is native.device_mesh and \
-                    tuple(arg.placements) == native.placements:
-                return arg.to_local(), False  # the usual case, checked without conversions
+                    tuple(arg.placements) == native.placements:  # the usual case, no conversions
+                leaf = getattr(arg, _LEAF, None)
+                if leaf is not None:  # a parameter value_and_grad differentiates
+                    return leaf, False
+                if arg.requires_grad and torch.is_grad_enabled():
+                    return arg.to_local(), False
+                local = arg._local_tensor  # what to_local() gives without autograd, as a new
+                return local.view_as(local), False  # object (the engine tags it)
             have = self.from_native(arg)
             if have.mesh != layout.mesh:
                 raise ConversionError(f"a shard_map argument is a DTensor on {have.mesh!r}, not "
@@ -579,19 +600,37 @@ class TorchBackend(ProcessBackend):
         return arg, True
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
-        """``DTensor.from_local`` with the layout's placements and the global shape."""
+        """A DTensor of the layout's placements and the global shape: what
+        ``DTensor.from_local(block, ..., run_check=False, shape=..., stride=...)`` makes, with
+        its spec built once per (layout, shape, dtype) instead of per call."""
         torch = _torch()
-        from torch.distributed.tensor import DTensor
+
+        key = (layout, shape, block.dtype)
+        spec = self._specs.get(key)
+        if spec is None or self._world_group is not _dist().group.WORLD:
+            spec = self._spec(layout, shape, block.dtype)
+        if block.requires_grad and torch.is_grad_enabled():
+            out = _from_local_function().apply(block, spec)
+        else:
+            out = _dtensor(block.view_as(block), spec, requires_grad=False)
+        setattr(out, _BLOCK, block)
+        return out
+
+    def _spec(self, layout: Layout, shape: tuple[int, ...], dtype: Any) -> Any:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
         native = self._native_layout(layout)
         stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-        return DTensor.from_local(block, native.device_mesh, list(native.placements),
-                                  run_check=False, shape=torch.Size(shape), stride=stride)
+        spec = DTensorSpec(native.device_mesh, tuple(native.placements),
+                           tensor_meta=TensorMeta(_torch().Size(shape), stride, dtype))
+        self._specs[(layout, shape, dtype)] = spec
+        return spec
 
     def _native_layout(self, layout: Layout) -> TorchLayout:
         cache: dict[Layout, TorchLayout] = self.__dict__.setdefault("_native_layouts", {})
         if self._world_group is not _dist().group.WORLD:  # a new world: rebuild everything
             cache.clear()
+            self._specs.clear()
         native = cache.get(layout)
         if native is None:  # layout_to_native records the world it was built in
             native = cache[layout] = self.layout_to_native(layout)
@@ -608,11 +647,26 @@ class TorchBackend(ProcessBackend):
     def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
         """torch autograd: the differentiated leaves are detached copies that require grad;
         ``torch.autograd.grad`` of the scalar value gives their gradients (DTensors for DTensor
-        arguments)."""
+        arguments).
+
+        A DTensor leaf also carries a plain tensor leaf for its local block, which shard_map
+        takes as the block (no ``to_local``/``from_local`` round trip through autograd); its
+        gradient is added to whatever reaches the DTensor itself through DTensor operations.
+        """
         import optree
 
         torch = _torch()
         from torch.distributed.tensor import DTensor
+
+        def fresh_leaf(leaf: Any) -> tuple[Any, Any]:
+            """(the copy the function gets, its block leaf or None)."""
+            if isinstance(leaf, DTensor):
+                local = leaf._local_tensor.detach()
+                copy = _dtensor(local, leaf._spec, requires_grad=True)
+                block = local.view_as(local).requires_grad_(True)
+                setattr(copy, _LEAF, block)
+                return copy, block
+            return leaf.detach().requires_grad_(True), None
 
         def run(*given: Any) -> Any:
             args = list(given)
@@ -620,28 +674,45 @@ class TorchBackend(ProcessBackend):
             trees = []
             for i in argnums:
                 flat, treedef = optree.tree_flatten(args[i])
-                fresh = [leaf.detach().requires_grad_(True) if torch.is_tensor(leaf)
-                         and (leaf.is_floating_point() or leaf.is_complex()) else leaf
-                         for leaf in flat]
+                fresh = [fresh_leaf(leaf) if torch.is_tensor(leaf) and (
+                    leaf.is_floating_point() or leaf.is_complex()) else (leaf, False)
+                    for leaf in flat]
                 trees.append((treedef, fresh))
-                leaves += [leaf for leaf in fresh if torch.is_tensor(leaf) and leaf.requires_grad]
-                args[i] = optree.tree_unflatten(treedef, fresh)
+                for copy, block in fresh:
+                    if block is not False:
+                        leaves += [copy] if block is None else [copy, block]
+                args[i] = optree.tree_unflatten(treedef, [copy for copy, _ in fresh])
             with torch.enable_grad():
                 out = fn(*args)
                 value, aux = out if has_aux else (out, None)
                 scalar = value
                 if isinstance(value, DTensor):
-                    scalar = value.full_tensor() if any(
-                        not p.is_replicate() for p in value.placements) else value.to_local()
+                    if any(not p.is_replicate() for p in value.placements):
+                        scalar = value.full_tensor()
+                    else:  # a shard_map result: its block, else the local tensor
+                        scalar = getattr(value, _BLOCK, None)
+                        scalar = value.to_local() if scalar is None else scalar
                 if not torch.is_tensor(scalar) or scalar.numel() != 1:
                     raise ConversionError(
                         f"value_and_grad needs {getattr(fn, '__name__', 'fn')} to return a "
                         f"scalar, got {short(value)}")
                 found = torch.autograd.grad(scalar.reshape(()), leaves, allow_unused=True)
             by_id = {id(leaf): g for leaf, g in zip(leaves, found)}
-            grads = tuple(optree.tree_unflatten(treedef, [
-                (by_id[id(leaf)] if by_id.get(id(leaf)) is not None else torch.zeros_like(leaf))
-                if id(leaf) in by_id else None for leaf in fresh]) for treedef, fresh in trees)
+
+            def grad_of(copy: Any, block: Any) -> Any:
+                if block is False:
+                    return None
+                whole = by_id.get(id(copy))
+                if block is not None and by_id.get(id(block)) is not None:
+                    local = by_id[id(block)]
+                    if local.dtype != copy.dtype:  # pragma: no cover - autograd keeps dtypes
+                        local = local.to(copy.dtype)
+                    part = _dtensor(local, copy._spec, requires_grad=False)
+                    whole = part if whole is None else whole + part
+                return torch.zeros_like(copy) if whole is None else whole
+
+            grads = tuple(optree.tree_unflatten(treedef, [grad_of(c, b) for c, b in fresh])
+                          for treedef, fresh in trees)
             value = value.detach()
             return ((value, aux) if has_aux else value), grads
 
@@ -700,6 +771,8 @@ class _TorchGroup:
 
 
 _VMA = "_unimesh_vma"
+_LEAF = "_unimesh_leaf"  # on a DTensor value_and_grad made: the plain leaf of its local block
+_BLOCK = "_unimesh_block"  # on a shard_map result: the block it was made from
 _NONE: frozenset[str] = frozenset()
 _MODE: list[Any] = []
 
@@ -712,15 +785,24 @@ def _vma_mode() -> Any:
     from torch.overrides import TorchFunctionMode
 
     tensor = torch.Tensor
+    grad_enabled = torch.is_grad_enabled
 
-    def axes_of(values: Any) -> frozenset[str]:
-        found = _NONE
+    def scan(values: Any, acc: list[Any]) -> None:
+        """Into ``acc`` = [union of the tensors' axes, the first tensor's axes, whether two
+        tensors differ, whether one needs a gradient], for tensors in lists/tuples too."""
         for v in values:
             if isinstance(v, tensor):
-                found = found | getattr(v, _VMA, _NONE)
+                have = getattr(v, _VMA, _NONE)
+                if acc[1] is None:
+                    acc[1] = have
+                elif have != acc[1]:
+                    acc[2] = True
+                if have:
+                    acc[0] = acc[0] | have
+                if v.requires_grad:
+                    acc[3] = True
             elif isinstance(v, (list, tuple)):
-                found = found | axes_of(v)
-        return found
+                scan(v, acc)
 
     class VmaMode(TorchFunctionMode):
         def __init__(self, env: Any) -> None:
@@ -740,11 +822,16 @@ def _vma_mode() -> Any:
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
-            kwargs = kwargs or {}
-            vma = axes_of(args) | axes_of(kwargs.values())
+            acc: list[Any] = [_NONE, None, False, False]
+            scan(args, acc)
+            if kwargs:
+                scan(kwargs.values(), acc)
+            else:
+                kwargs = {}
+            vma = acc[0]
             if not vma:
                 return func(*args, **kwargs)
-            if torch.is_grad_enabled():
+            if acc[2] and acc[3] and grad_enabled():  # a pvary is needed somewhere
                 args = tuple(self.lift(a, vma) for a in args)
                 kwargs = {k: self.lift(v, vma) for k, v in kwargs.items()}
             out = func(*args, **kwargs)
@@ -783,6 +870,46 @@ def _vjp_function() -> Any:
 
         _VJP.append(Vjp)
     return _VJP[0]
+
+
+_FROM_LOCAL: list[Any] = []
+
+
+def _dtensor(local: Any, spec: Any, requires_grad: bool) -> Any:
+    """The DTensor of ``local`` with a spec built in advance: the constructor
+    ``DTensor.from_local`` ends in, without building the spec on every call."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
+
+
+def _from_local_function() -> Any:
+    """``DTensor.from_local``'s autograd function for a spec built in advance: the gradient
+    of the block is the cotangent's local tensor, laid out as the result (a Partial result's
+    cotangent is made Replicate, as ``from_local`` does)."""
+    if not _FROM_LOCAL:
+        torch = _torch()
+        from torch.distributed.tensor import DTensor, Replicate
+
+        class FromLocal(torch.autograd.Function):  # type: ignore[name-defined,misc]
+            @staticmethod
+            def forward(ctx: Any, block: Any, spec: Any) -> Any:
+                ctx.spec = spec
+                ctx.set_materialize_grads(False)
+                return _dtensor(block.view_as(block), spec, requires_grad=block.requires_grad)
+
+            @staticmethod
+            def backward(ctx: Any, ct: Any) -> Any:
+                if isinstance(ct, DTensor):
+                    want = tuple(Replicate() if p.is_partial() else p
+                                 for p in ctx.spec.placements)
+                    if tuple(ct.placements) != want:
+                        ct = ct.redistribute(ctx.spec.mesh, want)
+                    ct = ct.to_local()
+                return ct, None
+
+        _FROM_LOCAL.append(FromLocal)
+    return _FROM_LOCAL[0]
 
 
 def _to_torch(p: Any) -> Any:
