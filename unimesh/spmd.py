@@ -492,10 +492,13 @@ class ProcessAxisEnv(AxisEnv):
         """Typed rules: ``x`` marked as varying along ``axes`` too (identity forward; the
         backward sums the cotangent over them)."""
         ordered = self._mesh_order(axes)
+        vma = self.be.vma_of(x) | frozenset(ordered)
+        if self.size(ordered) == 1:  # nothing to sum over: a tag only
+            return self.be.tag(self.be.untyped(lambda v: v.reshape(tuple(v.shape)), x), vma)
         g = self.group(ordered)
         out = self._diff(("pvary", ordered), x, lambda v: v,
                          lambda ct: self.all_reduce_raw(ct, g, "sum"))
-        return self.be.tag(out, self.be.vma_of(x) | frozenset(ordered))
+        return self.be.tag(out, vma)
 
     def _varying(self, x: Any, axes: tuple[str, ...]) -> tuple[Any, frozenset[str]]:
         """Typed rules: ``x`` as an array varying along ``axes`` (pvary where it is not), and
