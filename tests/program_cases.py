@@ -207,7 +207,7 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
     DTensor parameter), MLX ``mx.value_and_grad`` of a function of w's local block. Returns
     w's whole gradient, to compare with JAX's ``issue-example:grad2``; on torch also
     ``mixed``: unimesh.value_and_grad of the loss plus ``(w * w).sum()`` in DTensor ops
-    (JAX's gradient + 2w)."""
+    (JAX's gradient + 2w); on MLX also ``compiled``: the same under ``mx.compile``."""
     case = next(c for c in CASES if c.name == "issue-example")
     program = case.build(mesh, backend)
     x, y, w = case.args
@@ -233,4 +233,7 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
         return program(x, y, MLXArray(w_local, w_layout, w.shape)).local
 
     _, g = mx.value_and_grad(loss)(wm.local)
-    return {"grad2": np.asarray(unimesh.full_array(MLXArray(g, w_layout, w.shape)), np.float64)}
+    _, compiled = mx.compile(mx.value_and_grad(loss))(wm.local)  # the graph replayed, compiled
+    return {"grad2": np.asarray(unimesh.full_array(MLXArray(g, w_layout, w.shape)), np.float64),
+            "compiled": np.asarray(unimesh.full_array(MLXArray(compiled, w_layout, w.shape)),
+                                   np.float64)}

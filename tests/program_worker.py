@@ -52,6 +52,8 @@ def main() -> int:
         if "mixed" in native:  # the same parameter inside and outside the program
             w = next(c for c in program_cases.CASES if c.name == "issue-example").args[2]
             error = max(error, float(np.max(np.abs(native["mixed"] - (expected + 2 * w)))))
+        if "compiled" in native:
+            error = max(error, float(np.max(np.abs(native["compiled"] - expected))))
         report["native-autodiff"] = error
     except Exception:  # noqa: BLE001 - any failure is reported
         report["native-autodiff"] = traceback.format_exc(limit=6)

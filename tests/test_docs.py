@@ -68,8 +68,11 @@ def test_benchmark_data_has_every_section():
     data = json.loads((DOCS / "_data" / "benchmarks.json").read_text())
     titles = [s["title"] for s in data["sections"]]
     assert titles == ["Import cost", "to_native overhead", "The core at 1,048,576 devices",
-                      "Program step overhead"]
+                      "Program step overhead", "Example programs: training step"]
     assert all(s["rows"] for s in data["sections"])
+    programs = {(r["backend"].split()[0], r["program"]) for r in data["sections"][-1]["rows"]}
+    assert programs == {(b, p) for b in ("jax", "torch")
+                        for p in ("fsdp", "tp_sp", "moe", "pipeline")}
 
 
 def test_quickstart_runs(tmp_path):
