@@ -49,3 +49,21 @@ def test_installed_backends_load_without_their_framework():
     )
     roots = {name.split(".")[0] for name in out["all"]}
     assert not roots & set(FRAMEWORKS), roots & set(FRAMEWORKS)
+
+def test_the_version_is_written_once():
+    """The installed metadata's version is ``unimesh.__version__`` (pyproject reads it), and
+    pyproject.toml writes no version of its own."""
+    import importlib.metadata
+    from pathlib import Path
+
+    import tomllib
+
+    import unimesh
+
+    assert importlib.metadata.version("unimesh") == unimesh.__version__
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in project["project"]
+    assert project["project"]["dynamic"] == ["version"]
+    assert (Path(__file__).parents[1] / "LICENSE").read_text().split()[:3] == [
+        "Apache", "License", "Version"]
+    assert project["project"]["license"] == "Apache-2.0"
