@@ -605,26 +605,22 @@ class TorchBackend(ProcessBackend):
         its spec built once per (layout, shape, dtype) instead of per call."""
         torch = _torch()
 
+        native = self._native_layout(layout)  # a new world empties the spec cache too
         key = (layout, shape, block.dtype)
         spec = self._specs.get(key)
-        if spec is None or self._world_group is not _dist().group.WORLD:
-            spec = self._spec(layout, shape, block.dtype)
+        if spec is None:
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+            stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+            spec = self._specs[key] = DTensorSpec(
+                native.device_mesh, tuple(native.placements),
+                tensor_meta=TensorMeta(torch.Size(shape), stride, block.dtype))
         if block.requires_grad and torch.is_grad_enabled():
             out = _from_local_function().apply(block, spec)
         else:
             out = _dtensor(block.view_as(block), spec, requires_grad=False)
         setattr(out, _BLOCK, block)
         return out
-
-    def _spec(self, layout: Layout, shape: tuple[int, ...], dtype: Any) -> Any:
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-        native = self._native_layout(layout)
-        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-        spec = DTensorSpec(native.device_mesh, tuple(native.placements),
-                           tensor_meta=TensorMeta(_torch().Size(shape), stride, dtype))
-        self._specs[(layout, shape, dtype)] = spec
-        return spec
 
     def _native_layout(self, layout: Layout) -> TorchLayout:
         cache: dict[Layout, TorchLayout] = self.__dict__.setdefault("_native_layouts", {})
