@@ -5,18 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-#: The built-in backends, in table order, and the classes that declare their native APIs.
-BACKENDS = {"torch": "unimesh_torch.backend:TorchBackend", "jax": "unimesh_jax.backend:JaxBackend",
-            "keras": "unimesh_keras.backend:KerasBackend",
-            "tensorflow": "unimesh_tensorflow.backend:TensorFlowBackend",
-            "mlx": "unimesh_mlx.backend:MLXBackend"}
 
+def _backends() -> dict[str, object]:
+    """Every installed backend's plugin object, by name (entry points; no framework import):
+    a backend installed from its own package appears in every table without an edit here."""
+    from unimesh import UnimeshError, backends
+    from unimesh.registry import load_backend
 
-def _cls(path: str) -> type:
-    import importlib
-
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)  # no framework is imported
+    out = {}
+    for name in backends():
+        try:
+            out[name] = load_backend(name)
+        except UnimeshError:
+            continue
+    return out
 
 
 def _cell(text: str) -> str:
@@ -27,7 +29,7 @@ def api_table() -> str:
     """concept -> unimesh API -> each backend's native API (from ``Backend.native_api``)."""
     import unimesh
 
-    classes = {name: _cls(path) for name, path in BACKENDS.items()}
+    classes = {name: type(be) for name, be in _backends().items()}
     head = ["concept", "unimesh", *classes]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for concept, neutral in unimesh.CONCEPTS.items():
@@ -62,17 +64,17 @@ def collectives_table() -> str:
     which the engine builds (from ``ProcessBackend.native_primitives``)."""
     from unimesh.spmd import PRIMITIVES, ProcessBackend
 
-    classes = {name: _cls(path) for name, path in BACKENDS.items()}
+    classes = {name: type(be) for name, be in _backends().items()}
     lines = ["| primitive | " + " | ".join(classes) + " |", "|" + " --- |" * (len(classes) + 1)]
     for primitive in PRIMITIVES:
         cells = []
         for cls in classes.values():
-            if issubclass(cls, ProcessBackend):
-                cells.append("native" if primitive in cls.native_primitives else "built")
-            elif "shard_map" in cls.capabilities:  # type: ignore[attr-defined]
-                cells.append("XLA (jax.lax)")
-            else:
+            if "shard_map" not in cls.capabilities:  # type: ignore[attr-defined]
                 cells.append("—")
+            elif issubclass(cls, ProcessBackend):
+                cells.append("native" if primitive in cls.native_primitives else "built")
+            else:
+                cells.append("XLA (jax.lax)")
         lines.append(f"| {primitive} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

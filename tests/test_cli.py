@@ -204,7 +204,7 @@ def test_check_without_names_skips_backends_whose_framework_is_missing(monkeypat
     """`unimesh check` alone checks what can run here and names the rest with the pip extra
     (the suite runs themselves are replaced: only the choice of backends is under test)."""
     import unimesh
-    from unimesh import _check
+    from unimesh.cli import check as _check
 
     ghost = type("Ghost", (unimesh.Backend,), {"name": "ghost", "framework": "no_such_fw_xyz",
                                                 "extra": "ghost",
@@ -232,7 +232,7 @@ def test_check_without_names_skips_backends_whose_framework_is_missing(monkeypat
 
 def test_demo_names_a_backend_whose_framework_is_missing():
     """The demo's row for such a backend says what is missing and the pip extra; no crash."""
-    code = ("import sys, unimesh\nfrom unimesh.__main__ import main\n"
+    code = ("import sys, unimesh\nfrom unimesh.cli import main\n"
             "ghost = type('Ghost', (unimesh.Backend,), {'name': 'ghost', 'framework': "
             "'no_such_fw_xyz', 'extra': 'ghost', 'capabilities': frozenset({'mesh'})})()\n"
             "unimesh.register_backend(ghost)\n"
@@ -243,3 +243,46 @@ def test_demo_names_a_backend_whose_framework_is_missing():
     line = row(proc.stdout, "ghost")
     assert "no_such_fw_xyz not" in line and "pip install" in line, proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+def test_a_third_party_backend_appears_everywhere_without_an_edit_in_unimesh(example_site):
+    """tests/conformance_example, installed as its own package, is listed by `backends`, runs
+    in `demo`, writes its native code for `convert --code` (which, run, builds the same mesh)
+    and has its column in the docs' tables: every list comes from the installed plugins."""
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(example_site)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "unimesh", *args], capture_output=True,
+                              text=True, timeout=170, check=False, env=env)
+
+    listed = cli("backends")
+    assert listed.returncode == 0, listed.stderr
+    assert "example: numpy" in listed.stdout and "runs: one process" in listed.stdout
+
+    demo = cli("demo", "--backends", "example", "--mesh", "a=2,b=3;ids=5,4,3,2,1,0")
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    line = row(demo.stdout, "example")
+    assert "ExampleMesh, 6 shards" in line and line.count(" ok ") == 2, demo.stdout
+
+    spec = "dp=2,tp=2;ids=3,1,2,0"
+    code = cli("convert", spec, "--to", "example", "--code")
+    assert code.returncode == 0, code.stderr
+    program = (code.stdout + "\nimport unimesh\nassert unimesh.from_native(mesh) == "
+               f"unimesh.Mesh.from_string({spec!r}), unimesh.from_native(mesh)\nprint('SAME')\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=170, check=False, env=env)
+    assert done.returncode == 0 and "SAME" in done.stdout, (program, done.stderr)
+
+    docs = Path(__file__).parents[1] / "docs"
+    tables = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(docs)!r}); import _gen; "
+         "print(_gen.api_table()); print(_gen.collectives_table())"],
+        capture_output=True, text=True, timeout=170, check=False, env=env)
+    assert tables.returncode == 0, tables.stderr
+    api, primitives = tables.stdout.split("\n\n", 1)
+    assert " example |" in api.splitlines()[0], api
+    assert "| mesh | `unimesh.Mesh` |" in api and "unimesh_example.Mesh (ids and names)" in api
+    assert " example |" in primitives.splitlines()[0], primitives

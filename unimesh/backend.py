@@ -7,9 +7,12 @@ It must not import its framework at module import time, only inside its methods.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import UnsupportedError
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
 
 __all__ = ["CAPABILITIES", "CONCEPTS", "Backend"]
 
@@ -66,6 +69,14 @@ class Backend:
             imported, auto-detection picks this backend.
         native_api: for each concept of :data:`CONCEPTS` this backend implements, the native
             API it translates to (documentation; generates the cross-framework table).
+        launcher_name: how :meth:`launcher` starts processes, in a few words for tables
+            (``"torchrun, gloo"``); the launcher's program name when empty.
+        requires: backends this one builds on (Keras: ``("jax",)``); they must be installed
+            too.
+
+    Everything the rest of the project knows about a backend comes from these declarations
+    and the hooks below: the command line, the docs' tables and the conformance runner name
+    no backend.
     """
 
     name: ClassVar[str] = ""
@@ -75,6 +86,8 @@ class Backend:
     native_modules: ClassVar[tuple[str, ...]] = ()
     wraps: ClassVar[tuple[str, ...]] = ()
     native_api: ClassVar[dict[str, str]] = {}
+    launcher_name: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ()
 
     # -- facts, answered without importing the framework ----------------------------------------
     @property
@@ -131,6 +144,18 @@ class Backend:
             if cls.__module__.split(".", 1)[0] in roots:
                 return True
         return False
+
+    def native_code(self, mesh: Mesh) -> str | None:
+        """The native Python that builds ``mesh`` by hand (``unimesh convert --code``, for
+        porting), or None (the default) when the backend writes none. Imports nothing."""
+        return None
+
+    def demo_compute(self, array: Any, weight: Any) -> Any:
+        """``unimesh demo``'s check of the framework itself: the product of ``array`` (from
+        :meth:`distribute`, 2-D) with the replicated numpy ``weight``, computed by the
+        framework's own sharded operations, returned whole (numpy or array-like) in every
+        process; None (the default) where the backend computes nothing."""
+        return None
 
     def __repr__(self) -> str:
         return f"<unimesh backend {self.name!r} ({type(self).__module__}.{type(self).__name__})>"

@@ -381,7 +381,7 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
         A function of the global arguments that returns the backend's distributed arrays
         (``jax.Array``, torch ``DTensor``, ``unimesh_mlx.MLXArray``) in the result's tree.
     """
-    from .registry import _check_layout, get_backend
+    from .registry import check_layout, get_backend
 
     if not callable(f):
         raise LayoutError(f"shard_map() needs a function, got {short(f)}")
@@ -392,7 +392,7 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
     be = get_backend(backend)
     be.require("shard_map")
     for layout in set(ins.layouts + outs.layouts):
-        _check_layout(be, layout)
+        check_layout(be, layout)
     if checked is None:
         import os
 
@@ -502,15 +502,15 @@ def grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux:
 def full_array(array: Any, backend: str | Backend | None = None) -> Any:
     """The whole global value of a backend's distributed array, as a numpy array, on every
     process (``DTensor.full_tensor()``, JAX's process_allgather, MLX world all_gather)."""
-    from .registry import _owner, get_backend
+    from .registry import get_backend, owner_of
 
-    be = get_backend(backend) if backend is not None else _owner(array)
+    be = get_backend(backend) if backend is not None else owner_of(array)
     return be.full_array(array)
 
 
 def _resolver(rules: LayoutMap | AxisRules, mesh: Mesh | None,
               logical_axes: Any, be: Backend) -> Callable[[str, tuple[int, ...]], Layout]:
-    from .registry import _check_layout
+    from .registry import check_layout
 
     if isinstance(rules, LayoutMap):
         if mesh is not None and mesh != rules.mesh:
@@ -541,7 +541,7 @@ def _resolver(rules: LayoutMap | AxisRules, mesh: Mesh | None,
         if len(layout.spec) > len(shape):
             raise LayoutError(f"parameter {path!r} has shape {shape}, but its layout "
                               f"{layout.spec!r} names {len(layout.spec)} dims")
-        _check_layout(be, layout)
+        check_layout(be, layout)
         if not layout.is_even(shape) and not be.supports("uneven_shards"):
             raise LayoutError(
                 f"parameter {path!r} of shape {shape} does not divide evenly under "

@@ -21,11 +21,12 @@ from __future__ import annotations
 import pluggy
 
 from .backend import Backend
-from .registry import ENTRY_POINT_GROUP
 
 __all__ = ["ENTRY_POINT_GROUP", "PROJECT", "HookSpecs", "InProcessPlugin", "hookimpl", "hookspec"]
 
 PROJECT = "unimesh"
+#: The entry-point group a backend plugin registers under, named like its backend.
+ENTRY_POINT_GROUP = "unimesh.backends"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

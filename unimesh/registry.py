@@ -30,9 +30,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "backends",
+    "check_layout",
     "distribute",
     "from_native",
     "get_backend",
+    "load_backend",
+    "owner_of",
     "refresh_backends",
     "register_backend",
     "to_native",
@@ -40,10 +43,6 @@ __all__ = [
 ]
 
 ENV_VAR = "UNIMESH_BACKEND"
-ENTRY_POINT_GROUP = "unimesh.backends"
-#: The backends this project ships, with their pip extras (for hints when one is missing).
-KNOWN_EXTRAS = {"torch": "torch", "jax": "jax", "keras": "keras", "tensorflow": "tensorflow",
-                "mlx": "mlx"}
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
 
 
@@ -71,6 +70,8 @@ class _Registry:
         if self._eps is None:
             from importlib.metadata import entry_points
 
+            from .plugin import ENTRY_POINT_GROUP
+
             self._eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
         return self._eps
 
@@ -84,19 +85,21 @@ class _Registry:
                 return self._loaded[name]
             ep = self.entry_points().get(name)
             if ep is None:
+                from difflib import get_close_matches
+
                 choices = self.names()
-                hint = ""
-                if name in KNOWN_EXTRAS:
-                    hint = f'; install it with: pip install "unimesh[{KNOWN_EXTRAS[name]}]"'
+                near = get_close_matches(name, choices, n=1) if isinstance(name, str) else []
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
                 raise BackendNotFoundError(
-                    f"no backend named {name!r}; installed backends: {choices or 'none'}{hint}")
+                    f"no backend named {short(name)}{hint}; installed backends: "
+                    f"{choices or 'none'}")
             try:
                 plugin = ep.load()
             except ImportError as exc:
                 raise BackendUnavailableError(
                     f"backend {name!r} is installed but its plugin {ep.value!r} failed to import "
-                    f"({exc}); reinstall it, e.g. pip install "
-                    f'"unimesh[{KNOWN_EXTRAS.get(name, name)}]"') from exc
+                    f"({exc}); reinstall the distribution that provides it"
+                    f"{_dist_hint(ep)}") from exc
             except Exception as exc:
                 raise BackendNotFoundError(
                     f"backend {name!r}: loading entry point {ep.value!r} raised {exc!r}") from exc
@@ -158,6 +161,12 @@ class _Registry:
             self._eps = None
 
 
+def _dist_hint(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    name = getattr(dist, "name", None)
+    return f": pip install --force-reinstall {name}" if name else ""
+
+
 def _validated(backend: object) -> Backend:
     if not isinstance(backend, Backend):
         raise BackendRegistrationError(
@@ -172,6 +181,13 @@ def _validated(backend: object) -> Backend:
     if unknown:
         raise BackendRegistrationError(f"backend {name!r} declares unknown capabilities {unknown}; known "
                             f"capabilities are {sorted(CAPABILITIES)}")
+    if not isinstance(backend.launcher_name, str):
+        raise BackendRegistrationError(f"backend {name!r}: launcher_name must be a str, got "
+                                       f"{short(backend.launcher_name)}")
+    needs = backend.requires
+    if not isinstance(needs, tuple) or not all(isinstance(n, str) for n in needs):
+        raise BackendRegistrationError(f"backend {name!r}: requires must be a tuple of backend "
+                                       f"names, got {short(needs)}")
     api = backend.native_api
     if not isinstance(api, dict) or not all(isinstance(v, str) for v in api.values()):
         raise BackendRegistrationError(f"backend {name!r}: native_api must map concept names to "
@@ -206,6 +222,13 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
 def unregister_backend(name: str) -> None:
     """Forget a backend registered or loaded in this process."""
     _REGISTRY.unregister(name)
+
+
+def load_backend(name: str) -> Backend:
+    """The backend named ``name`` as its plugin declares it, whether or not its framework is
+    installed: for its facts (extra, launcher, native code), never for work. Imports the plugin
+    module, not the framework."""
+    return _REGISTRY.load(name)
 
 
 def _check_available(backend: Backend) -> Backend:
@@ -257,8 +280,9 @@ def _detect() -> Backend:
         f"backend=NAME or set {ENV_VAR}")
 
 
-def _check_layout(backend: Backend, layout: Any) -> None:
-    """Capability checks that follow from the layout alone (shared by every backend)."""
+def check_layout(backend: Backend, layout: Any) -> None:
+    """Raise :class:`~unimesh.UnsupportedError` unless ``backend`` declares what ``layout``
+    needs (layouts, tuple axes, pending reductions): the checks shared by every backend."""
     backend.require("layout")
     spec = layout.spec
     if any(isinstance(e, tuple) for e in spec):
@@ -285,15 +309,15 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
         be.require("mesh")
         return be.mesh_to_native(obj, **options)
     if isinstance(obj, Layout):
-        _check_layout(be, obj)
+        check_layout(be, obj)
         return be.layout_to_native(obj, **options)
     be.require("layout_map")
     for layout in obj.values():
-        _check_layout(be, layout)
+        check_layout(be, layout)
     return be.layout_map_to_native(obj, **options)
 
 
-def _owner(obj: Any) -> Backend:
+def owner_of(obj: Any) -> Backend:
     """The loaded backend whose framework made ``obj`` (no import), else ConversionError."""
     loaded = _REGISTRY.all_loaded()
     owners = [be for be in loaded if be.owns(obj)]
@@ -318,13 +342,9 @@ def from_native(obj: Any) -> Any:
     for be in loaded:
         if be.owns(obj):
             return be.from_native(obj)
-    root = type(obj).__module__.split(".", 1)[0]
-    hint = ""
-    if root in KNOWN_EXTRAS and root not in [b.name for b in loaded]:
-        hint = f'; install its backend with: pip install "unimesh[{KNOWN_EXTRAS[root]}]"'
     raise ConversionError(
         f"from_native() got {short(obj)} ({type(obj).__module__}.{type(obj).__qualname__}), "
-        f"which no installed backend converts (installed: {[b.name for b in loaded]}){hint}")
+        f"which no installed backend converts (installed: {[b.name for b in loaded]})")
 
 
 def distribute(array: Any, layout: Any, backend: str | Backend | None = None,
@@ -341,7 +361,7 @@ def distribute(array: Any, layout: Any, backend: str | Backend | None = None,
         raise ConversionError(f"distribute() needs an array with a .shape, got {short(array)}")
     be = get_backend(backend)
     be.require("distribute")
-    _check_layout(be, layout)
+    check_layout(be, layout)
     if not layout.is_even(tuple(shape)):
         be.require("uneven_shards", f"shape {tuple(shape)} does not divide evenly under "
                    f"{layout.spec!r} on {layout.mesh!r}; pad the tensor or choose other axes")

@@ -44,6 +44,7 @@ class KerasBackend(Backend):
     """Keras 3 ``keras.distribution`` (which runs on Keras's JAX backend)."""
 
     name = "keras"
+    requires = ("jax",)
     framework = "keras"
     extra = "keras"
     native_modules = ("keras",)
@@ -73,10 +74,11 @@ class KerasBackend(Backend):
         """Keras on JAX with ``count`` virtual CPU devices (if neither is loaded yet)."""
         import os
 
-        from unimesh_jax import request_cpu_devices
+        import unimesh
 
         os.environ.setdefault("KERAS_BACKEND", "jax")
-        request_cpu_devices(count)
+        if os.environ["KERAS_BACKEND"] == "jax":  # the devices are JAX's
+            unimesh.get_backend("jax").prepare_devices(count)
         if _keras_backend() != "jax":
             return 1
         return len(_kd().list_devices())
@@ -145,6 +147,19 @@ class KerasBackend(Backend):
         """``keras.distribution.distribute_tensor(array, TensorLayout)``."""
         self._require_distribution("distribute()")
         return _kd().distribute_tensor(array, self.layout_to_native(layout, **options))
+
+    def native_code(self, mesh: Mesh) -> str:
+        """``keras.distribution.DeviceMesh`` over ``list_devices()`` in unimesh's order."""
+        return ("import keras\nimport numpy as np\n\n"
+                "devices = keras.distribution.list_devices()\n"
+                f"mesh = keras.distribution.DeviceMesh({mesh.shape}, {list(mesh.axis_names)}, "
+                f"devices=np.array(devices, dtype=object)[np.array({mesh.device_ids.tolist()})])")
+
+    def demo_compute(self, array: Any, weight: Any) -> Any:
+        """``keras.ops.matmul`` on the distributed array."""
+        import keras
+
+        return keras.ops.matmul(array, weight)
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{logical device id: numpy block}`` of a distributed Keras (JAX) array."""

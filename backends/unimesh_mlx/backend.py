@@ -24,6 +24,7 @@ from unimesh import (
     LayoutError,
     Mesh,
     MeshMismatchError,
+    PartitionSpec,
     UnsupportedError,
 )
 from unimesh._validate import short
@@ -252,6 +253,7 @@ class MLXBackend(ProcessBackend):
     """MLX: one device per process, groups per mesh axis."""
 
     name = "mlx"
+    launcher_name = "mlx.launch, ring"
     framework = "mlx"
     extra = "mlx"
     native_modules = ("mlx", "unimesh_mlx")
@@ -332,6 +334,33 @@ class MLXBackend(ProcessBackend):
 
     def prepare_devices(self, count: int) -> int:
         return self.initialize(300.0)[1]
+
+    def native_code(self, mesh: Mesh) -> str:
+        """``mx.distributed.init()`` and a ``world.split`` per mesh axis."""
+        lines = ["import mlx.core as mx\n",
+                 "world = mx.distributed.init()  # one process per device",
+                 "rank = world.rank()"]
+        for axis in mesh.axis_names:
+            rows = mesh.groups(axis)
+            lines += [f"# {axis!r} groups: {rows}", f"rows = {rows}",
+                      "row = next(i for i, g in enumerate(rows) if rank in g)",
+                      f"{axis}_group = world.split(row, rows[row].index(rank))  # MPI backend"]
+        return "\n".join(lines)
+
+    def demo_compute(self, array: Any, weight: Any) -> Any:
+        """This process's block times its rows of the weight, summed over the group of the
+        axes that split the columns (``all_sum``), assembled whole."""
+        mx = _mx()
+        layout, shape = array.layout, array.shape
+        cols = layout.shard_slices(shape, int(self._world().rank()))[1]
+        partial = array.local @ mx.array(np.asarray(weight)[cols])
+        if layout.spec[1] is not None:
+            native = self.mesh_to_native(layout.mesh)
+            entry = layout.spec[1]
+            partial = native.axis_group(entry if isinstance(entry, str) else tuple(entry)) \
+                .all_sum(partial)
+        out = Layout(layout.mesh, PartitionSpec(layout.spec[0], None))
+        return self.full_array(MLXArray(partial, out, (shape[0], int(weight.shape[1]))))
 
     def mesh_to_native(self, mesh: Mesh, **options: Any) -> MLXMesh:
         self.reject_options(options)

@@ -189,6 +189,25 @@ class TensorFlowBackend(Backend):
         replicated = dtensor.Layout.replicated(native.mesh, rank=len(tensor.shape))
         return dtensor.relayout(dtensor.copy_to_mesh(tensor, replicated), native)
 
+    def native_code(self, mesh: Mesh) -> str:
+        """``dtensor.Mesh`` with global ids 0..N-1 over the local devices in unimesh's order."""
+        n, flat = mesh.size, mesh.device_ids.ravel().tolist()
+        return ("import numpy as np\nfrom tensorflow.experimental import dtensor\n\n"
+                "# DTensor's global ids are 0..N-1; the device order is the local_devices order\n"
+                f"local = [f\"/job:localhost/replica:0/task:0/device:CPU:{{i}}\" for i in {flat}]\n"
+                f"mesh = dtensor.Mesh({list(mesh.axis_names)}, np.arange({n}).reshape("
+                f"{mesh.shape}), list(range({n})), local)")
+
+    def demo_compute(self, array: Any, weight: Any) -> Any:
+        """``tf.matmul`` with a replicated DTensor weight, relaid out as replicated."""
+        import tensorflow as tf
+        from tensorflow.experimental import dtensor
+
+        mesh = dtensor.fetch_layout(array).mesh
+        w = dtensor.copy_to_mesh(tf.constant(weight), dtensor.Layout.replicated(mesh, rank=2))
+        product = tf.matmul(array, w)
+        return dtensor.unpack(dtensor.relayout(product, dtensor.Layout.replicated(mesh, 2)))[0]
+
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{logical device id: numpy block}`` from ``dtensor.unpack``."""
         dtensor = _dtensor()

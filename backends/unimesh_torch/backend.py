@@ -106,6 +106,7 @@ class TorchBackend(ProcessBackend):
     """PyTorch: ``DeviceMesh`` and DTensor placements (torch >= 2.6)."""
 
     name = "torch"
+    launcher_name = "torchrun, gloo"
     framework = "torch"
     extra = "torch"
     native_modules = ("torch", "unimesh_torch")
@@ -193,6 +194,23 @@ class TorchBackend(ProcessBackend):
         return ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={processes}"],
                 {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
+
+    def native_code(self, mesh: Mesh) -> str:
+        """``DeviceMesh("cpu", ids, mesh_dim_names=...)``, run by every rank."""
+        return ("import torch\nfrom torch.distributed.device_mesh import DeviceMesh\n\n"
+                "# every rank runs this, after torch.distributed.init_process_group\n"
+                f"mesh = DeviceMesh(\"cpu\", torch.tensor({mesh.device_ids.tolist()}), "
+                f"mesh_dim_names={tuple(mesh.axis_names)})")
+
+    def demo_compute(self, array: Any, weight: Any) -> Any:
+        """DTensor matmul with a replicated weight, then ``full_tensor()``."""
+        torch = _torch()
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        device_mesh = array.device_mesh
+        w = distribute_tensor(torch.from_numpy(weight), device_mesh,
+                              [Replicate()] * device_mesh.ndim)
+        return (array @ w).full_tensor().numpy()
 
     def initialize(self, timeout: float) -> tuple[int, int]:
         """``init_process_group`` (gloo; gloo + nccl when CUDA is there) from the launcher's

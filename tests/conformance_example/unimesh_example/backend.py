@@ -30,6 +30,7 @@ class ExampleLayout:
 class ExampleArray:
     layout: ExampleLayout
     blocks: dict[int, np.ndarray]
+    shape: tuple[int, ...] = ()
 
 
 class ExampleBackend(ProcessBackend):
@@ -38,6 +39,9 @@ class ExampleBackend(ProcessBackend):
     extra = "example"
     native_modules = ("unimesh_example",)
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes"})
+    native_api = {"mesh": "unimesh_example.Mesh (ids and names)",
+                  "layout": "unimesh_example.Layout (mesh and spec entries)",
+                  "distribute": "a dict of numpy blocks by device"}
 
     def prepare_devices(self, count: int) -> int:
         return count
@@ -63,10 +67,30 @@ class ExampleBackend(ProcessBackend):
         as_laid = Layout(mesh, layout.spec)
         host = np.asarray(array)
         return ExampleArray(native, {d: host[sl] for d, sl in
-                                     as_laid.device_slices(host.shape).items()})
+                                     as_laid.device_slices(host.shape).items()}, host.shape)
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         return dict(array.blocks)
+
+    # -- what the command line and the docs ask of a backend --------------------------------------
+    def native_code(self, mesh: Mesh) -> str:
+        return ("import numpy as np\nfrom unimesh_example.backend import ExampleMesh\n\n"
+                f"mesh = ExampleMesh(np.array({mesh.device_ids.tolist()}), "
+                f"{tuple(mesh.axis_names)})")
+
+    def demo_compute(self, array: Any, weight: Any) -> np.ndarray:
+        """Each block times its rows of the weight, added into its rows of the product once
+        per distinct block."""
+        layout = self.from_native(array.layout)
+        out = np.zeros((array.shape[0], weight.shape[1]), dtype=np.float64)
+        seen = set()
+        for d, block in array.blocks.items():
+            rows, cols = layout.shard_slices(array.shape, d)
+            key = (rows.start, rows.stop, cols.start, cols.stop)
+            if key not in seen:
+                seen.add(key)
+                out[rows] += block @ weight[cols]
+        return out
 
 
 # -- programs: the core's per-process engine, with one thread per device ------------------------

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import conformance
-from .errors import UnimeshError
+from .. import conformance
+from ..errors import UnimeshError
 
 #: Worst first: the verdict a capability gets when the processes of one launch disagree.
 _ORDER = ("fail", "skipped", "not declared", "pass")
@@ -89,13 +89,13 @@ def _command(backend: Any, processes: int, progress: Path) -> tuple[list[str], d
         return [sys.executable, *args], env, 1, "1 process"
     prefix, extra = launch
     env.update(extra)
-    tool = "torchrun" if "torch.distributed.run" in prefix else Path(prefix[0]).name
+    tool = backend.launcher_name.split(",")[0] or Path(prefix[0]).name
     return [*prefix, *args], env, processes, f"{processes} processes ({tool})"
 
 
 def run_suite(name: str, processes: int, timeout: float, tick: Any = None) -> Run:
     """Run the suite on backend ``name``; ``tick(run)`` is called as progress lines arrive."""
-    from .registry import get_backend
+    from ..registry import get_backend
 
     backend = get_backend(name)
     with tempfile.TemporaryDirectory(prefix="unimesh-check-") as tmp:
@@ -141,22 +141,20 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .registry import _REGISTRY, backends, get_backend
+    from ..registry import backends, get_backend, load_backend
 
     installed = backends()
     missing: list[str] = []
     if not names or names == ["all"]:  # every backend whose framework is there; name the rest
         names = []
         for name in installed:
-            (names if _REGISTRY.load(name).available() else missing).append(name)
+            (names if load_backend(name).available() else missing).append(name)
     if not names:
-        raise UnimeshError('no backend has its framework installed; e.g. pip install '
-                           '"unimesh[jax]"')
+        hints = "; ".join(load_backend(n).install_hint() for n in missing)
+        raise UnimeshError("no installed backend has its framework installed"
+                           + (f": {hints}" if hints else ""))
     for name in names:
-        if name not in installed:
-            raise UnimeshError(f"backend {name!r} is not installed (installed: "
-                               f"{', '.join(installed) or 'none'}); "
-                               f"pip install \"unimesh[{name}]\" or choose one of those")
+        load_backend(name)  # not installed: a clear error with the close matches
         get_backend(name)  # unusable (framework missing): its own clear error, before any run
     if processes < 1:
         raise UnimeshError(f"--processes must be >= 1, got {processes}")
@@ -179,7 +177,7 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
     console.print(matrix_table(runs))
     for name in missing:
         console.print(escape(f"{name}: not checked, its framework is not installed "
-                             f"({_REGISTRY.load(name).install_hint()})"))
+                             f"({load_backend(name).install_hint()})"))
     failures = 0
     for run in runs:
         if run.ok:
@@ -225,8 +223,8 @@ def report(runs: list[Run]) -> dict[str, Any]:
     verdicts (what the docs' capability matrix is generated from)."""
     import platform
 
-    from . import __version__
-    from .registry import get_backend
+    from .. import __version__
+    from ..registry import get_backend
 
     return {
         "run": {"command": "unimesh check " + " ".join(r.backend for r in runs),

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._validate import short
-from .errors import LayoutError
-from .layout import Layout, PartitionSpec
-from .mesh import Mesh
+from .._validate import short
+from ..errors import LayoutError
+from ..layout import Layout, PartitionSpec
+from ..mesh import Mesh
 
 __all__ = ["check_layout_args", "describe", "draw", "parse_shape", "parse_spec"]
 
@@ -18,7 +18,7 @@ _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red")
 
 def parse_spec(text: str) -> PartitionSpec:
     """A spec from the command line (see :func:`unimesh._text.parse_spec_text`)."""
-    from ._text import parse_spec_text
+    from .._text import parse_spec_text
 
     return PartitionSpec(*parse_spec_text(text))
 

@@ -1,0 +1,208 @@
+"""``unimesh demo``: one mesh and one layout on every installed backend, each checked against
+the core's reference blocks and numpy.
+
+Nothing here names a backend: each row comes from the backend's own declarations
+(:meth:`~unimesh.Backend.launcher`, :meth:`~unimesh.Backend.demo_compute`). A backend that runs
+one process per device runs :func:`trial` in every process of its launcher
+(``python -m unimesh.cli.demo_worker``); the others run it here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ..backend import Backend
+from ..errors import BackendNotFoundError, UnimeshError
+from ..layout import Layout, PartitionSpec
+from ..mesh import Mesh
+
+#: Launched demos larger than this are not started (one process per device).
+MAX_PROCESSES = 16
+#: Seconds a launched demo may take, launch included.
+LAUNCH_TIMEOUT = 100.0
+
+
+def demo_problem(mesh: Mesh) -> tuple[Layout, Any, Any]:
+    """The demo's layout and data: a 2-D tensor, rows over the mesh's first axis and columns
+    over its second, and a replicated weight to multiply it with."""
+    import numpy as np
+
+    axes = mesh.axis_names[:2]
+    layout = Layout(mesh, PartitionSpec(axes[0], axes[1] if len(axes) > 1 else None))
+    shape = (2 * mesh.shape[0], 2 * (mesh.shape[1] if mesh.ndim > 1 else 1))
+    x = np.arange(shape[0] * shape[1], dtype=np.float32).reshape(shape)
+    w = np.linspace(-1.0, 1.0, shape[1] * 3, dtype=np.float32).reshape(shape[1], 3)
+    return layout, x, w
+
+
+def trial(backend: Backend, mesh: Mesh) -> dict[str, Any]:
+    """What this process sees of the demo on ``backend``: the native mesh's type, how many
+    shards it holds, whether they are the reference blocks, and whether the framework's own
+    product with a replicated weight equals numpy's (None when the backend computes none)."""
+    import numpy as np
+
+    from ..registry import distribute, to_native
+
+    layout, x, w = demo_problem(mesh)
+    try:
+        native_mesh = to_native(mesh, backend)
+        array = distribute(x, layout, backend)
+        shards = backend.local_shards(array)
+        result = backend.demo_compute(array, w)
+    except UnimeshError as exc:  # the same in every process: nobody waits for anybody
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    ok_shards = bool(shards) and all(
+        np.array_equal(np.asarray(block), x[layout.shard_slices(x.shape, d)])
+        for d, block in shards.items())
+    ok_result = None if result is None else bool(
+        np.allclose(np.asarray(result), x @ w, rtol=1e-5, atol=1e-4))
+    return {"native": type(native_mesh).__name__, "shards": ok_shards, "count": len(shards),
+            "result": ok_result}
+
+
+def _mark(ok: bool | None) -> str:
+    return "-" if ok is None else "[green]ok[/green]" if ok else "[red]FAIL[/red]"
+
+
+def _reference(mesh: Mesh) -> tuple[int, bool, bool, float]:
+    """The neutral reference: each device's block, then a sharded matmul reassembled from
+    blocks. Returns (blocks, tiles cover the tensor, product equals numpy, ms)."""
+    import numpy as np
+
+    layout, x, w = demo_problem(mesh)
+    t0 = time.perf_counter()
+    blocks = layout.device_slices(x.shape)
+    covered = np.zeros(x.shape, dtype=np.int64)
+    out = np.zeros((x.shape[0], w.shape[1]), dtype=np.float32)
+    for sl in blocks.values():
+        covered[sl] += 1
+    reps = mesh.size // int(np.prod([mesh.axis_size(a) for a in layout.spec.axes()]))
+    for sl in blocks.values():
+        out[sl[0]] += x[sl] @ w[sl[-1]] / reps
+    ok_tiles = bool((covered == reps).all())
+    ok_matmul = bool(np.allclose(out, x @ w, rtol=1e-5, atol=1e-4))
+    return len(blocks), ok_tiles, ok_matmul, (time.perf_counter() - t0) * 1e3
+
+
+def _cells(name: str, report: dict[str, Any], how: str, ms: float) -> tuple[str, ...]:
+    from rich.markup import escape
+
+    if "error" in report:
+        kind, _, text = report["error"].partition(": ")
+        return (name, f"[yellow]{escape(kind)}[/yellow]", "-", "-", escape(text[:70]))
+    return (name, f"{report['native']}, {how}", _mark(report["shards"]), _mark(report["result"]),
+            f"{ms:.0f} ms" + (" incl. launch" if "ranks" in how else ""))
+
+
+def _in_process_row(backend: Backend, mesh: Mesh) -> tuple[str, ...]:
+    t0 = time.perf_counter()
+    report = trial(backend, mesh)
+    ms = (time.perf_counter() - t0) * 1e3
+    return _cells(backend.name, report, f"{report.get('count', 0)} shards", ms)
+
+
+def _launched_row(backend: Backend, spec: str, size: int) -> tuple[str, ...]:
+    """Run :func:`trial` in ``size`` processes under the backend's launcher; summarise."""
+    from rich.markup import escape
+
+    name = backend.name
+    if size > MAX_PROCESSES:
+        return (name, "[dim]skipped[/dim]", "-", "-", f"{size} processes is too many here")
+    prefix, extra = backend.launcher(size) or ([sys.executable], {})
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    cmd = [*prefix, "-m", "unimesh.cli.demo_worker", name, spec]
+    how = backend.launcher_name or os.path.basename(prefix[0])
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return (name, "[red]launcher timed out[/red]", "-", "-", f"> {LAUNCH_TIMEOUT:.0f} s")
+    ms = (time.perf_counter() - t0) * 1e3
+    reports = [json.loads(line[len("UNIMESH_DEMO "):]) for line in out.splitlines()
+               if line.startswith("UNIMESH_DEMO ")]
+    if proc.returncode != 0 or len(reports) != size:
+        tail = out.strip().splitlines()[-1] if out.strip() else f"exit {proc.returncode}"
+        return (name, "[red]launcher failed[/red]", "-", "-", escape(tail[:70]))
+    errors = [r for r in reports if "error" in r]
+    if errors:
+        return _cells(name, errors[0], "", ms)
+    merged = {"native": reports[0]["native"], "shards": all(r["shards"] for r in reports),
+              "result": None if any(r["result"] is None for r in reports)
+              else all(r["result"] for r in reports)}
+    return _cells(name, merged, f"{size} ranks ({how})", ms)
+
+
+def demo(args: argparse.Namespace) -> int:
+    """The ``unimesh demo`` command: 0 when every row checks out, 1 otherwise."""
+    from difflib import get_close_matches
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..registry import backends, get_backend, load_backend
+
+    console = Console(width=120)
+    mesh = Mesh.from_string(args.mesh)
+    layout, x, _ = demo_problem(mesh)
+    installed = backends()
+    chosen = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends \
+        else installed
+    for name in chosen:
+        if name not in installed:
+            near = get_close_matches(name, installed, n=1)
+            raise BackendNotFoundError(
+                f"no backend named {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                + f"; installed backends: {', '.join(installed) or 'none'}")
+
+    console.print(f"[bold]mesh[/bold] {mesh!r}   [bold]layout[/bold] {layout.spec!r}   "
+                  f"[bold]tensor[/bold] {x.shape}")
+    grid = Table(title="device ids", show_header=True)
+    names = mesh.axis_names
+    flat = mesh.device_ids.reshape(mesh.shape[0], -1)
+    grid.add_column(f"{names[0]} \\ {','.join(names[1:]) or '-'}")
+    for j in range(flat.shape[1]):
+        grid.add_column(str(j), justify="right")
+    for i, ids in enumerate(flat.tolist()):
+        grid.add_row(str(i), *map(str, ids))
+    console.print(grid)
+
+    count, ok_tiles, ok_matmul, ref_ms = _reference(mesh)
+    table = Table(title="one mesh, every backend")
+    for col in ("backend", "native object", "shards vs reference", "result vs numpy", "time"):
+        table.add_column(col)
+    table.add_row("reference (numpy)", f"{count} blocks", _mark(ok_tiles), _mark(ok_matmul),
+                  f"{ref_ms:.1f} ms")
+    failures = 0 if ok_tiles and ok_matmul else 1
+    plugins = {name: load_backend(name) for name in chosen}
+    launched = {name for name, be in plugins.items() if be.launcher(mesh.size) is not None}
+    for name, be in plugins.items():  # in-process frameworks hear how many devices, first
+        if name not in launched and be.available():
+            try:
+                be.prepare_devices(max(8, mesh.size))
+            except (ImportError, UnimeshError):
+                pass  # its row reports what is missing
+    for name, be in plugins.items():
+        if not be.available():
+            table.add_row(name, f"[dim]{be.framework} not installed[/dim]", "-", "-",
+                          escape(be.install_hint()))
+            continue
+        if name in launched:
+            cells = _launched_row(get_backend(name), args.mesh, mesh.size)
+        else:
+            cells = _in_process_row(get_backend(name), mesh)
+        failures += "FAIL" in "".join(cells) or "failed" in cells[1] or "timed out" in cells[1]
+        table.add_row(*cells)
+    console.print(table)
+    return 1 if failures else 0
