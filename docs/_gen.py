@@ -43,20 +43,16 @@ def api_table() -> str:
 
 
 def capability_table(data: dict) -> str:
-    """The matrix of the last ``unimesh check --json`` run committed to ``_data``."""
-    from unimesh.conformance import CHECKED
+    """The matrix of the last ``unimesh check --json`` run committed to ``_data``, drawn by the
+    same renderer as ``unimesh check --markdown``."""
+    from unimesh.conformance.matrix import Cell, markdown
 
-    runs = data["backends"]
-    head = ["capability", *(f"{b} ({r['processes']})" for b, r in runs.items())]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for cap in CHECKED:
-        lines.append(f"| {cap} | " + " | ".join(r["matrix"].get(cap, "-")
-                                               for r in runs.values()) + " |")
+    columns = {f"{b} ({r['processes']})": {c: Cell.from_json(cell) for c, cell in
+                                            r["cells"].items()}
+               for b, r in data["backends"].items()}
     meta = data.get("run", {})
-    lines.append("")
-    lines.append(f"Run: `{meta.get('command', 'unimesh check')}` on {meta.get('machine', '?')}, "
-                 f"{meta.get('date', '?')}.")
-    return "\n".join(lines) + "\n"
+    return (markdown(columns) + f"\nRun: `{meta.get('command', 'unimesh check')}` on "
+            f"{meta.get('machine', '?')}, {meta.get('date', '?')}.\n")
 
 
 def collectives_table() -> str:

@@ -169,7 +169,13 @@ def test_check_runs_the_suite_and_prints_the_matrix(example_site, tmp_path):
     assert good["mesh"] == good["distribute"] == good["uneven_shards"] == "pass"
     assert good["partial"] == "not declared"
     assert bad["mesh"] == bad["distribute"] == "fail"
-    assert (tmp_path / "m.md").read_text().splitlines()[2].startswith("| example (1 process) |")
+    cells = matrix["example"]["cells"]
+    assert cells["mesh"]["passed"] == 9 and cells["mesh"]["failed"] == cells["mesh"]["refused"] == 0
+    assert matrix["example_broken"]["cells"]["mesh"]["failed"] == 7
+    md = (tmp_path / "m.md").read_text().splitlines()
+    assert md[0] == "| capability | example (1 process) | example_broken (1 process) |", md
+    assert "| mesh | pass 9 | fail 7/9 |" in md, md
+    assert any(line.startswith("- example_broken (1 process), mesh: failed: ") for line in md)
 
 
 def test_check_a_launched_backend(tmp_path):
@@ -188,7 +194,14 @@ def test_check_a_launched_backend(tmp_path):
     assert result["processes"] == "2 processes (torchrun)"
     declared = unimesh.get_backend("torch").capabilities
     for cap, verdict in result["matrix"].items():
-        assert verdict == ("pass" if cap in declared else "not declared"), (cap, verdict)
+        assert verdict in (("pass", "refused") if cap in declared else ("not declared",)), (
+            cap, verdict)
+    # DTensor cannot put shards on a reversed mesh: the matrix says so instead of passing
+    placed = result["cells"]["distribute"]
+    assert result["matrix"]["distribute"] == "refused" and placed["refused"] > 0, placed
+    for cap, cell in result["cells"].items():
+        for why in cell["reasons"]:
+            assert why.startswith("refused: ") and "device order is not increasing" in why, why
 
 
 def test_check_bad_input_is_one_line():
@@ -205,6 +218,7 @@ def test_check_without_names_skips_backends_whose_framework_is_missing(monkeypat
     (the suite runs themselves are replaced: only the choice of backends is under test)."""
     import unimesh
     from unimesh.cli import check as _check
+    from unimesh.conformance.matrix import Case
 
     ghost = type("Ghost", (unimesh.Backend,), {"name": "ghost", "framework": "no_such_fw_xyz",
                                                 "extra": "ghost",
@@ -215,7 +229,8 @@ def test_check_without_names_skips_backends_whose_framework_is_missing(monkeypat
     def fake_suite(name, processes, timeout, tick=None):
         ran.append(name)
         run = _check.Run(name, 1, "1 process", returncode=0)
-        run.matrices.append({name: {"mesh": "pass"}})
+        run.cases.append(Case(name, "mesh", "test_mesh", "passed"))
+        run.reports = 1
         return run
 
     monkeypatch.setattr(_check, "run_suite", fake_suite)
@@ -277,9 +292,10 @@ def test_a_third_party_backend_appears_everywhere_without_an_edit_in_unimesh(exa
     assert done.returncode == 0 and "SAME" in done.stdout, (program, done.stderr)
 
     docs = Path(__file__).parents[1] / "docs"
+    script = (f"import sys; sys.path.insert(0, {str(docs)!r}); import _gen; "
+              "print(_gen.api_table()); print(_gen.collectives_table())")
     tables = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(docs)!r}); import _gen; "
-         "print(_gen.api_table()); print(_gen.collectives_table())"],
+        [sys.executable, "-c", script],
         capture_output=True, text=True, timeout=170, check=False, env=env)
     assert tables.returncode == 0, tables.stderr
     api, primitives = tables.stdout.split("\n\n", 1)

@@ -86,6 +86,10 @@ class ProcessBackend(Backend):
     native_primitives: ClassVar[frozenset[str]] = frozenset({"all_reduce", "all_gather"})
     #: whether :meth:`typing` can watch the function's operations (JAX's check_vma rules)
     typed: ClassVar[bool] = False
+    #: whether collectives run when their result is evaluated rather than when called (MLX):
+    #: the engine then chains them (each one's input depends on the previous one's result), so
+    #: every process runs them in program order, whatever order its graph would be walked in
+    lazy: ClassVar[bool] = False
 
     # -- the process world --------------------------------------------------------------------
     def process_index(self) -> int:
@@ -247,6 +251,7 @@ class _Program:
             env = self.env = self.be.axis_env(self.mesh)
             self.be.prepare_program(self.mesh, self.ins.layouts + self.outs.layouts)
         env.checked, env.calls = self.body.checked, 0
+        env._last = None  # a chain starts with each call (and never reaches into mx.compile)
         blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]
         args = optree.tree_unflatten(treedef, blocks)
         if env.typed:
@@ -329,6 +334,7 @@ class ProcessAxisEnv(AxisEnv):
         self._fns: dict[Any, Callable[[Any], Any]] = {}
         self._in: dict[Layout, Any] = {}
         self._out: dict[Layout, int] = {}
+        self._last: Any = None  # the latest collective's result (lazy backends)
 
     # -- groups -----------------------------------------------------------------------------------
     def group(self, axes: tuple[str, ...]) -> Group:
@@ -353,11 +359,23 @@ class ProcessAxisEnv(AxisEnv):
         return self._world
 
     # -- primitives, native or built -----------------------------------------------------------
+    def _run(self, primitive: Callable[..., Any], x: Any, *args: Any) -> Any:
+        """One collective primitive; on a lazy backend, after the previous one. Processes may
+        build different graphs around the same collectives (a member that receives nothing in
+        a permutation holds zeros), and a lazy framework walks each graph in its own order:
+        without the chain, two processes could pair one's all-gather with another's."""
+        if not self.be.lazy:
+            return primitive(x, *args)
+        if self._last is not None:
+            x = self.be.after(x, self._last)
+        self._last = out = primitive(x, *args)
+        return out
+
     def _gather_members(self, x: Any, g: Group) -> Any:
         """The members' ``x`` stacked on dim 0, in member order."""
         if g.handle is not None:
-            return self.be.group_all_gather(x, g.handle)
-        every = self.be.group_all_gather(x, self.world())
+            return self._run(self.be.group_all_gather, x, g.handle)
+        every = self._run(self.be.group_all_gather, x, self.world())
         return self.be.take(every, list(g.members))
 
     def _row(self, x: Any, i: int) -> Any:
@@ -368,7 +386,7 @@ class ProcessAxisEnv(AxisEnv):
         if g.size == 1:
             return x
         if g.handle is not None:
-            return self.be.group_all_reduce(x, g.handle, op)
+            return self._run(self.be.group_all_reduce, x, g.handle, op)
         return self.be.reduce_stack(self._gather_members(x, g), op)
 
     def reduce_scatter_raw(self, x: Any, g: Group) -> Any:
@@ -376,7 +394,7 @@ class ProcessAxisEnv(AxisEnv):
         if g.size == 1:
             return self._row(x, 0)
         if g.handle is not None and "reduce_scatter" in self.native:
-            return self.be.group_reduce_scatter(x, g.handle)
+            return self._run(self.be.group_reduce_scatter, x, g.handle)
         total = self.all_reduce_raw(x, g, "sum")
         return self._row(total, g.index)
 
@@ -385,14 +403,14 @@ class ProcessAxisEnv(AxisEnv):
         if g.size == 1:
             return x
         if g.handle is not None and "all_to_all" in self.native:
-            return self.be.group_all_to_all(x, g.handle)
+            return self._run(self.be.group_all_to_all, x, g.handle)
         every = self._gather_members(x, g)  # (n, n, ...): every[j] = member j's x
         return self._row(self.be.moveaxis(every, 1, 0), g.index)
 
     def permute_raw(self, x: Any, g: Group, sources: tuple[int | None, ...]) -> Any:
         """Member ``sources[i]``'s ``x`` on member i (zeros where None)."""
         if g.handle is not None and "permute" in self.native:
-            return self.be.group_permute(x, g.handle, sources)
+            return self._run(self.be.group_permute, x, g.handle, sources)
         src = sources[g.index]
         every = self._gather_members(x, g)
         if src is None:
@@ -403,7 +421,7 @@ class ProcessAxisEnv(AxisEnv):
         if g.size == 1:
             return x
         if g.handle is not None and "broadcast" in self.native:
-            return self.be.group_broadcast(x, g.handle, root)
+            return self._run(self.be.group_broadcast, x, g.handle, root)
         return self.all_reduce_raw(x if g.index == root else self.be.zeros_like(x), g, "sum")
 
     # -- shapes around the primitives -----------------------------------------------------------

@@ -254,6 +254,7 @@ class MLXBackend(ProcessBackend):
 
     name = "mlx"
     launcher_name = "mlx.launch, ring"
+    lazy = True  # collectives run when evaluated: the engine chains them in program order
     framework = "mlx"
     extra = "mlx"
     native_modules = ("mlx", "unimesh_mlx")

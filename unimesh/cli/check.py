@@ -14,12 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import conformance
+from ..conformance.matrix import Case, Cell, markdown, merge, text_rows, verdict_legend
 from ..errors import UnimeshError
-
-#: Worst first: the verdict a capability gets when the processes of one launch disagree.
-_ORDER = ("fail", "skipped", "not declared", "pass")
-_STYLE = {"pass": "green", "fail": "bold red", "not declared": "dim", "skipped": "yellow"}
 
 
 @dataclass
@@ -32,7 +28,8 @@ class Run:
     totals: dict[int, int] = field(default_factory=dict)
     done: dict[int, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
-    matrices: list[dict[str, dict[str, str]]] = field(default_factory=list)
+    cases: list[Case] = field(default_factory=list)
+    reports: int = 0
     returncode: int | None = None
     output: str = ""
     seconds: float = 0.0
@@ -50,8 +47,9 @@ class Run:
                 self.done[pid] = int(data)
             elif kind == "failed":
                 self.failed.setdefault(data["test"], data["why"])
-            elif kind == "matrix":
-                self.matrices.append(data)
+            elif kind == "cases":
+                self.reports += 1
+                self.cases.extend(Case.from_json(row) for row in data)
 
     @property
     def total(self) -> int:
@@ -62,19 +60,18 @@ class Run:
     def completed(self) -> int:
         return sum(self.done.values())
 
-    def matrix(self) -> dict[str, str]:
-        """capability -> verdict, the worst any process saw."""
-        out: dict[str, str] = {}
-        for m in self.matrices:
-            for cap, verdict in m.get(self.backend, {}).items():
-                have = out.get(cap, "pass")
-                out[cap] = min(have, verdict, key=_ORDER.index)
-        return out
+    def matrix(self) -> dict[str, Cell]:
+        """capability -> :class:`~unimesh.conformance.matrix.Cell`, every process's cases
+        merged (each case counted once, as its worst outcome)."""
+        return merge(self.cases).get(self.backend, {})
+
+    @property
+    def title(self) -> str:
+        return f"{self.backend} ({self.how})"
 
     @property
     def ok(self) -> bool:
-        return (self.returncode == 0 and not self.failed
-                and len(self.matrices) == self.processes)
+        return self.returncode == 0 and not self.failed and self.reports == self.processes
 
 
 def _command(backend: Any, processes: int, progress: Path) -> tuple[list[str], dict[str, str],
@@ -175,6 +172,11 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
 
             runs.append(run_suite(name, processes, timeout, tick))
     console.print(matrix_table(runs))
+    console.print(escape(f"Counts are cases. {verdict_legend()}."), style="dim")
+    for run in runs:  # why a cell is not a plain pass
+        for cap, cell in run.matrix().items():
+            for why in cell.notes():
+                console.print(escape(f"{run.backend}, {cap}: {why}"[:300]))
     for name in missing:
         console.print(escape(f"{name}: not checked, its framework is not installed "
                              f"({load_backend(name).install_hint()})"))
@@ -184,7 +186,7 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
             continue
         failures += 1
         console.print(f"[bold red]{run.backend}: the suite failed[/] (exit {run.returncode}, "
-                      f"{len(run.matrices)} of {run.processes} processes reported)")
+                      f"{run.reports} of {run.processes} processes reported)")
         for test, why in run.failed.items():
             console.print(f"  FAILED {escape(test)}: {escape(why)}")
         if not run.failed:
@@ -192,26 +194,30 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
     if json_path:
         Path(json_path).write_text(json.dumps(report(runs), indent=2) + "\n")
     if markdown_path:
-        Path(markdown_path).write_text(markdown(runs))
+        Path(markdown_path).write_text(markdown_of(runs))
     return 1 if failures else 0
 
 
-_CELL = {"pass": "[green]pass[/]", "fail": "[bold red]FAIL[/]", "not declared": "[dim]·[/]",
-         "skipped": "[yellow]skipped[/]"}
+_STYLE = {"pass": "green", "fail": "bold red", "refused": "yellow", "skipped": "yellow",
+          "not declared": "dim"}
 
 
 def matrix_table(runs: list[Run]) -> Any:
-    """The capability matrix as a rich table: a row per capability, a column per backend."""
+    """The capability matrix as a rich table: a row per capability, a column per backend, each
+    cell the verdict with its case counts."""
+    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="unimesh capability matrix",
-                  caption="pass: checked and passed; ·: not declared, its refusal checked")
+    table = Table(title="unimesh capability matrix")
     table.add_column("capability")
     for run in runs:
         table.add_column(run.backend, justify="center")
-    matrices = [run.matrix() for run in runs]
-    for cap in conformance.CHECKED:
-        table.add_row(cap, *(_CELL.get(m.get(cap, "-"), "-") for m in matrices))
+    for cap, cells in text_rows({run.backend: run.matrix() for run in runs}):
+        styled = []
+        for text in cells:
+            verdict = next((v for v in _STYLE if text.startswith(v)), "")
+            styled.append(f"[{_STYLE[verdict]}]{escape(text)}[/]" if verdict else escape(text))
+        table.add_row(cap, *styled)
     table.add_section()
     table.add_row("processes", *(run.how.split(" (")[0] for run in runs))
     table.add_row("time", *(f"{run.seconds:.0f} s" for run in runs))
@@ -234,17 +240,13 @@ def report(runs: list[Run]) -> dict[str, Any]:
         "backends": {r.backend: {"processes": r.how, "ok": r.ok,
                                  "framework": f"{get_backend(r.backend).framework} "
                                               f"{get_backend(r.backend).framework_version()}",
-                                 "seconds": round(r.seconds, 1), "matrix": r.matrix()}
+                                 "seconds": round(r.seconds, 1),
+                                 "matrix": {c: cell.verdict for c, cell in r.matrix().items()},
+                                 "cells": {c: cell.to_json() for c, cell in r.matrix().items()}}
                      for r in runs},
     }
 
 
-def markdown(runs: list[Run]) -> str:
-    """The matrix as a Markdown table (for the docs)."""
-    lines = ["| backend | " + " | ".join(conformance.CHECKED) + " |",
-             "| --- |" + " --- |" * len(conformance.CHECKED)]
-    for run in runs:
-        m = run.matrix()
-        lines.append(f"| {run.backend} ({run.how}) | "
-                     + " | ".join(m.get(c, "-") for c in conformance.CHECKED) + " |")
-    return "\n".join(lines) + "\n"
+def markdown_of(runs: list[Run]) -> str:
+    """The matrix as Markdown (the one renderer, :func:`unimesh.conformance.matrix.markdown`)."""
+    return markdown({run.title: run.matrix() for run in runs})

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from . import CHECKED
+from .matrix import Case, Cell, markdown, merge, text_rows, verdict_legend
 
 ENV = "UNIMESH_CONFORMANCE_BACKENDS"
 
@@ -56,7 +56,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("backend_name", names, scope="session")
 
 
-_results: dict[tuple[str, str], list[str]] = {}
+_cases: list[Case] = []
 _progress = {"done": 0, "total": 0}
 
 
@@ -90,6 +90,32 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 _config: dict[str, pytest.Config] = {}
 
 
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def _outcome(report: pytest.TestReport, refusal: bool) -> tuple[str, str] | None:
+    """A finished phase as (case outcome, why), or None when it is no case of its capability
+    (a refusal test of a declared capability, which the capability's own tests cover)."""
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = getattr(crash, "message", None) or str(report.longrepr)
+        lines = message.strip().splitlines()
+        return "failed", lines[0][:300] if lines else ""
+    if report.skipped:
+        why = _skip_reason(report)
+        if "its own tests check it" in why:
+            return None
+        if "not declared by backend" in why:
+            return "undeclared", ""
+        if why.startswith("refused: "):  # its first sentence says what was refused
+            return "refused", why.removeprefix("refused: ").split(". ")[0][:300]
+        return "skipped", why[:300]
+    return ("refusal checked" if refusal else "passed"), ""
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
     outcome = yield
@@ -100,57 +126,44 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         return
     if report.when != "call" and report.outcome == "passed":
         return
-    if report.outcome == "skipped":
-        verdict = "not declared" if "not declared" in str(report.longrepr) else "skipped"
-    elif report.outcome == "passed":
-        verdict = "not declared" if marker.kwargs.get("refusal") else "pass"
-    else:
-        verdict = "fail"
-    _results.setdefault((callspec.params["backend_name"], marker.args[-1]), []).append(verdict)
+    found = _outcome(report, bool(marker.kwargs.get("refusal")))
+    if found is not None:
+        _cases.append(Case(callspec.params["backend_name"], marker.args[-1], item.nodeid,
+                           *found))
 
 
-def matrix() -> dict[str, dict[str, str]]:
-    """backend -> capability -> 'pass' | 'fail' | 'not declared' | 'skipped'."""
-    out: dict[str, dict[str, str]] = {}
-    for (backend, cap), outcomes in _results.items():
-        if "fail" in outcomes:
-            verdict = "fail"
-        elif "pass" in outcomes:
-            verdict = "pass"
-        elif "not declared" in outcomes:
-            verdict = "not declared"
-        else:
-            verdict = "skipped"
-        out.setdefault(backend, {})[cap] = verdict
-    return out
-
-
-def _markdown(m: dict[str, dict[str, str]]) -> str:
-    lines = ["| backend | " + " | ".join(CHECKED) + " |",
-             "| --- | " + " | ".join("---" for _ in CHECKED) + " |"]
-    for backend in sorted(m):
-        lines.append(f"| {backend} | " + " | ".join(m[backend].get(c, "-") for c in CHECKED)
-                     + " |")
-    return "\n".join(lines) + "\n"
+def matrix() -> dict[str, dict[str, Cell]]:
+    """backend -> capability -> :class:`~unimesh.conformance.matrix.Cell` of this process."""
+    return merge(_cases)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
                             config: pytest.Config) -> None:
     m = matrix()
-    _report(config, "matrix", m)
+    _report(config, "cases", [c.to_json() for c in _cases])
     if not m:
         return
     terminalreporter.section("unimesh capability matrix")
-    width = max(len(b) for b in m) + 2
-    terminalreporter.write_line(" " * width + "".join(f"{c:>15s}" for c in CHECKED))
-    for backend in sorted(m):
-        row = "".join(f"{m[backend].get(c, '-'):>15s}" for c in CHECKED)
-        terminalreporter.write_line(f"{backend:<{width}s}{row}")
+    names = sorted(m)
+    rows = text_rows({b: m[b] for b in names})
+    first = max(len(cap) for cap, _ in rows) + 2
+    widths = [max(len(b), *(len(cells[i]) for _, cells in rows)) + 2
+              for i, b in enumerate(names)]
+    terminalreporter.write_line(" " * first + "".join(f"{b:>{w}s}" for b, w in zip(names, widths)))
+    for cap, cells in rows:
+        terminalreporter.write_line(f"{cap:<{first}s}"
+                                    + "".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
+    terminalreporter.write_line(f"(counts are cases) {verdict_legend()}")
+    for b in names:
+        for cap, cell in m[b].items():
+            for why in cell.notes():
+                terminalreporter.write_line(f"{b}, {cap}: {why}"[:240])
     path = config.getoption("--unimesh-matrix-json")
     if path:
         with open(path, "w") as fh:
-            json.dump(m, fh, indent=2, sort_keys=True)
+            json.dump({b: {c: cell.to_json() for c, cell in m[b].items()} for b in names}, fh,
+                      indent=2, sort_keys=True)
     path = config.getoption("--unimesh-matrix-md")
     if path:
         with open(path, "w") as fh:
-            fh.write(_markdown(m))
+            fh.write(markdown({b: m[b] for b in names}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -39,9 +39,10 @@ class ExampleBackend(ProcessBackend):
     extra = "example"
     native_modules = ("unimesh_example",)
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes"})
-    native_api = {"mesh": "unimesh_example.Mesh (ids and names)",
-                  "layout": "unimesh_example.Layout (mesh and spec entries)",
-                  "distribute": "a dict of numpy blocks by device"}
+    native_api: ClassVar[dict[str, str]] = {"mesh": "unimesh_example.Mesh (ids and names)",
+                                            "layout": "unimesh_example.Layout (mesh and spec "
+                                                      "entries)",
+                                            "distribute": "a dict of numpy blocks by device"}
 
     def prepare_devices(self, count: int) -> int:
         return count
