@@ -73,8 +73,13 @@ def import_cost(rounds: int) -> dict[str, float]:
     samples: dict[str, list[float]] = {"numpy": [], "unimesh": []}
     for _ in range(rounds):  # interleaved, so drift on a shared machine hits both alike
         for module, times in samples.items():
-            out = subprocess.run([sys.executable, "-c", IMPORT_CODE.format(module=module)],
-                                 capture_output=True, text=True, check=True, env=env)
+            out = subprocess.run(
+                [sys.executable, "-c", IMPORT_CODE.format(module=module)],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=env,
+            )
             times.append(float(out.stdout) * 1e3)
     numpy_ms = statistics.median(samples["numpy"])
     unimesh_ms = statistics.median(samples["unimesh"])
@@ -96,15 +101,19 @@ def core_scale(shape: tuple[int, ...], repeat: int) -> dict[str, float]:
     out = {
         "construct (default ids)": best_of(lambda: unimesh.Mesh(shape, names), repeat),
         "construct + materialise default ids": best_of(
-            lambda: unimesh.Mesh(shape, names).device_ids, repeat),
+            lambda: unimesh.Mesh(shape, names).device_ids, repeat
+        ),
         "construct (permuted ids)": best_of(lambda: unimesh.Mesh(shape, names, perm), repeat),
         "groups_array of every axis": best_of(
-            lambda: [unimesh.Mesh(shape, names).groups_array(n) for n in names], repeat),
+            lambda: [unimesh.Mesh(shape, names).groups_array(n) for n in names], repeat
+        ),
         "groups_array(one axis)": best_of(lambda: mesh.groups_array("cp"), repeat),
         "groups(one axis) as tuples": best_of(lambda: mesh.groups("tp"), repeat),
         "flatten(two axes)": best_of(lambda: mesh.flatten(("dp", "fsdp"), "dpf"), repeat),
         "coords_array() of all devices": best_of(mesh.coords_array, repeat),
-        "coords_array(ids) permuted mesh": best_of(lambda: pmesh.coords_array(perm.ravel()), repeat),
+        "coords_array(ids) permuted mesh": best_of(
+            lambda: pmesh.coords_array(perm.ravel()), repeat
+        ),
         "shard_bounds 2-D, all devices": best_of(lambda: layout.shard_bounds((8192, 4096)), repeat),
     }
     return out
@@ -117,8 +126,13 @@ def torch_scale(shape: tuple[int, ...], limit: float) -> dict[str, Any]:
         return {"status": "torch not installed"}
     arg = "x".join(map(str, shape))
     try:
-        proc = subprocess.run([sys.executable, "-c", TORCH_CODE, arg], capture_output=True,
-                              text=True, timeout=limit, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", TORCH_CODE, arg],
+            capture_output=True,
+            text=True,
+            timeout=limit,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return {"status": f"> {limit:.0f} s (stopped)"}
     if proc.returncode != 0:
@@ -131,8 +145,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--json", help="also write the results as JSON here")
-    parser.add_argument("--torch-limit", type=float, default=120.0,
-                        help="seconds allowed for each torch measurement")
+    parser.add_argument(
+        "--torch-limit",
+        type=float,
+        default=120.0,
+        help="seconds allowed for each torch measurement",
+    )
     args = parser.parse_args()
     rounds = 5 if args.quick else 15
     results: dict[str, Any] = {}
@@ -141,8 +159,9 @@ def main() -> None:
     results["import"] = imp
     print(f"import cost, median of {rounds} fresh interpreters each")
     print(f"  import numpy    {imp['numpy_ms']:8.1f} ms")
-    print(f"  import unimesh  {imp['unimesh_ms']:8.1f} ms   ratio {imp['ratio']:.3f}x "
-          f"(goal <= 1.15x)")
+    print(
+        f"  import unimesh  {imp['unimesh_ms']:8.1f} ms   ratio {imp['ratio']:.3f}x (goal <= 1.15x)"
+    )
 
     big = (64, 64, 16, 16)
     scale = core_scale(big, 3 if args.quick else 7)
@@ -152,8 +171,10 @@ def main() -> None:
         print(f"  {k:36s} {v:8.1f} ms   {'ok' if v < 200 else 'OVER'}")
 
     print("\ntorch init_device_mesh + slicing (fake process group), same shapes, vs unimesh")
-    print(f"  {'shape':>18s} {'devices':>9s} {'torch init':>12s} {'torch slice':>12s} "
-          f"{'unimesh':>10s} {'ratio':>9s}")
+    print(
+        f"  {'shape':>18s} {'devices':>9s} {'torch init':>12s} {'torch slice':>12s} "
+        f"{'unimesh':>10s} {'ratio':>9s}"
+    )
     results["torch"] = {}
     for shape in [(8, 8, 4, 4), (16, 16, 8, 8), big]:
         n = 1
@@ -167,13 +188,17 @@ def main() -> None:
         label = "x".join(map(str, shape))
         if t.get("status") == "ok":
             total = t["init_ms"] + t["slice_ms"]
-            print(f"  {label:>18s} {n:9,d} {t['init_ms']:10.1f}ms {t['slice_ms']:10.1f}ms "
-                  f"{ours:8.2f}ms {total / ours:8.0f}x")
+            print(
+                f"  {label:>18s} {n:9,d} {t['init_ms']:10.1f}ms {t['slice_ms']:10.1f}ms "
+                f"{ours:8.2f}ms {total / ours:8.0f}x"
+            )
         else:
             print(f"  {label:>18s} {n:9,d} {t['status']:>25s} {ours:8.2f}ms")
-    print("  (torch: init_device_mesh, which builds a group per axis, then mesh[last axis] and a "
-          "_flatten of two axes;\n   unimesh: construct + the groups of every axis + flatten of "
-          "two axes; ratio = torch / unimesh)")
+    print(
+        "  (torch: init_device_mesh, which builds a group per axis, then mesh[last axis] and a "
+        "_flatten of two axes;\n   unimesh: construct + the groups of every axis + flatten of "
+        "two axes; ratio = torch / unimesh)"
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

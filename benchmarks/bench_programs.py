@@ -48,8 +48,9 @@ from unimesh import Layout, P
 EXAMPLES = ("fsdp", "tp_sp", "moe", "pipeline")
 
 
-def problem(name: str, n: int) -> tuple[Any, dict[str, int], tuple[Any, Any, Any],
-                                         list[np.ndarray], Any]:
+def problem(
+    name: str, n: int
+) -> tuple[Any, dict[str, int], tuple[Any, Any, Any], list[np.ndarray], Any]:
     """(example module, mesh axes, in_specs, [x, t, params...], parameter tree) at the
     example's size, as its main() builds them."""
     if name == "fsdp":
@@ -57,16 +58,20 @@ def problem(name: str, n: int) -> tuple[Any, dict[str, int], tuple[Any, Any, Any
         rng = np.random.default_rng(0)
         x = rng.standard_normal((m.BATCH, m.D_IN)).astype(np.float32)
         t = rng.standard_normal((m.BATCH, m.D_OUT)).astype(np.float32)
-        params = {"w1": rng.standard_normal((m.D_IN, m.HIDDEN)).astype(np.float32) / 4,
-                  "w2": rng.standard_normal((m.HIDDEN, m.D_OUT)).astype(np.float32) / 6}
+        params = {
+            "w1": rng.standard_normal((m.D_IN, m.HIDDEN)).astype(np.float32) / 4,
+            "w2": rng.standard_normal((m.HIDDEN, m.D_OUT)).astype(np.float32) / 6,
+        }
         return m, {"fsdp": n}, (P("fsdp"), P("fsdp"), m.SPECS), [x, t], params
     if name == "tp_sp":
         m = tp_sp_block
         rng = np.random.default_rng(1)
         x = rng.standard_normal((m.BATCH, m.SEQ, m.D_MODEL)).astype(np.float32)
         t = rng.standard_normal((m.BATCH, m.SEQ, m.D_MODEL)).astype(np.float32)
-        params = {"w1": rng.standard_normal((m.D_MODEL, m.D_FF)).astype(np.float32) / 3,
-                  "w2": rng.standard_normal((m.D_FF, m.D_MODEL)).astype(np.float32) / 6}
+        params = {
+            "w1": rng.standard_normal((m.D_MODEL, m.D_FF)).astype(np.float32) / 3,
+            "w2": rng.standard_normal((m.D_FF, m.D_MODEL)).astype(np.float32) / 6,
+        }
         return m, {"dp": 2, "tp": n // 2}, (m.ACTS, m.ACTS, m.SPECS), [x, t], params
     if name == "moe":
         m = moe_layer
@@ -74,9 +79,10 @@ def problem(name: str, n: int) -> tuple[Any, dict[str, int], tuple[Any, Any, Any
         e = m.EXPERTS_PER_DEVICE * n
         x = rng.standard_normal((m.TOKENS_PER_DEVICE * n, m.D_MODEL)).astype(np.float32)
         t = rng.standard_normal((m.TOKENS_PER_DEVICE * n, m.D_MODEL)).astype(np.float32)
-        params = {"router": rng.standard_normal((m.D_MODEL, e)).astype(np.float32),
-                  "experts": rng.standard_normal((e, m.D_MODEL, m.D_MODEL)).astype(np.float32)
-                  / 3}
+        params = {
+            "router": rng.standard_normal((m.D_MODEL, e)).astype(np.float32),
+            "experts": rng.standard_normal((e, m.D_MODEL, m.D_MODEL)).astype(np.float32) / 3,
+        }
         return m, {"ep": n}, (P("ep"), P("ep"), m.SPECS), [x, t], params
     m = pipeline
     rng = np.random.default_rng(3)
@@ -89,8 +95,13 @@ def problem(name: str, n: int) -> tuple[Any, dict[str, int], tuple[Any, Any, Any
 def with_collectives(fn: Any, namespace: Any) -> Any:
     """``fn`` with the name ``unimesh`` in its globals bound to ``namespace``: the same code
     calling the framework's collectives."""
-    return types.FunctionType(fn.__code__, {**fn.__globals__, "unimesh": namespace},
-                              fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.FunctionType(
+        fn.__code__,
+        {**fn.__globals__, "unimesh": namespace},
+        fn.__name__,
+        fn.__defaults__,
+        fn.__closure__,
+    )
 
 
 def placed(tree: Any, specs: Any, mesh: unimesh.Mesh, backend: Any) -> Any:
@@ -103,18 +114,23 @@ def placed(tree: Any, specs: Any, mesh: unimesh.Mesh, backend: Any) -> Any:
 def jax_namespace() -> Any:
     from jax import lax
 
-    def all_gather(x: Any, axis: Any, dim: int = 0, tiled: bool = True,
-                   to: str = "varying") -> Any:
+    def all_gather(x: Any, axis: Any, dim: int = 0, tiled: bool = True, to: str = "varying") -> Any:
         return lax.all_gather(x, axis, axis=dim, tiled=tiled)
 
     return types.SimpleNamespace(
-        psum=lax.psum, pmean=lax.pmean, all_gather=all_gather,
+        psum=lax.psum,
+        pmean=lax.pmean,
+        all_gather=all_gather,
         psum_scatter=lambda x, axis, scatter_dimension=0, tiled=False: lax.psum_scatter(
-            x, axis, scatter_dimension=scatter_dimension, tiled=tiled),
+            x, axis, scatter_dimension=scatter_dimension, tiled=tiled
+        ),
         all_to_all=lambda x, axis, split_axis, concat_axis, tiled=False: lax.all_to_all(
-            x, axis, split_axis, concat_axis, tiled=tiled),
+            x, axis, split_axis, concat_axis, tiled=tiled
+        ),
         ppermute=lambda x, axis, perm: lax.ppermute(x, axis, perm),
-        axis_index=lax.axis_index, axis_size=lax.axis_size)
+        axis_index=lax.axis_index,
+        axis_size=lax.axis_size,
+    )
 
 
 def bench_jax(name: str, n: int, repeat: int) -> dict[str, float]:
@@ -133,13 +149,19 @@ def bench_jax(name: str, n: int, repeat: int) -> dict[str, float]:
             return {k: jspec(v) for k, v in tree.items()}
         return jax.P(*tree)
 
-    native_program = jax.shard_map(with_collectives(module.loss, jax_namespace()),
-                                   mesh=unimesh.to_native(mesh, backend),
-                                   in_specs=tuple(jspec(s) for s in specs), out_specs=jax.P())
+    native_program = jax.shard_map(
+        with_collectives(module.loss, jax_namespace()),
+        mesh=unimesh.to_native(mesh, backend),
+        in_specs=tuple(jspec(s) for s in specs),
+        out_specs=jax.P(),
+    )
     native = jax.jit(jax.value_and_grad(lambda p: native_program(xs, ts, p)))
     bench_step.same(native(ps), ours(ps))
-    return bench_step.timed({"native_grad": lambda: native(ps), "unimesh_grad": lambda: ours(ps)},
-                            repeat, jax.block_until_ready)
+    return bench_step.timed(
+        {"native_grad": lambda: native(ps), "unimesh_grad": lambda: ours(ps)},
+        repeat,
+        jax.block_until_ready,
+    )
 
 
 # -- torch -----------------------------------------------------------------------------------------
@@ -154,8 +176,11 @@ def torch_namespace(device_mesh: Any) -> Any:
     def group(axis: Any) -> Any:
         if axis not in groups:
             names = (axis,) if isinstance(axis, str) else tuple(axis)
-            groups[axis] = (device_mesh.get_group(names[0]) if len(names) == 1 else
-                            device_mesh[names]._flatten("bench_" + "_".join(names)).get_group())
+            groups[axis] = (
+                device_mesh.get_group(names[0])
+                if len(names) == 1
+                else device_mesh[names]._flatten("bench_" + "_".join(names)).get_group()
+            )
         return groups[axis]
 
     class AllReduce(torch.autograd.Function):  # Megatron's "g": sum forward, identity backward
@@ -175,8 +200,9 @@ def torch_namespace(device_mesh: Any) -> Any:
         ops, out = [], None
         for src, dst in pairs:
             if src == me:
-                ops.append(dist.P2POp(dist.isend, x.contiguous(), dist.get_global_rank(pg, dst),
-                                      pg))
+                ops.append(
+                    dist.P2POp(dist.isend, x.contiguous(), dist.get_global_rank(pg, dst), pg)
+                )
             if dst == me:
                 out = torch.empty_like(x)
                 ops.append(dist.P2POp(dist.irecv, out, dist.get_global_rank(pg, src), pg))
@@ -194,32 +220,38 @@ def torch_namespace(device_mesh: Any) -> Any:
         def backward(ctx: Any, g: Any) -> Any:
             return send_recv(g, ctx.pg, [(d, s) for s, d in ctx.pairs]), None, None
 
-    scatter = getattr(funcol, "reduce_scatter_single_autograd",  # torch >= 2.13
-                      getattr(funcol, "reduce_scatter_tensor_autograd", None))
-    gather = getattr(funcol, "all_gather_single_autograd",
-                     getattr(funcol, "all_gather_tensor_autograd", None))
+    scatter = getattr(
+        funcol,
+        "reduce_scatter_single_autograd",  # torch >= 2.13
+        getattr(funcol, "reduce_scatter_tensor_autograd", None),
+    )
+    gather = getattr(
+        funcol, "all_gather_single_autograd", getattr(funcol, "all_gather_tensor_autograd", None)
+    )
 
     def size(axis: Any) -> int:
         return int(dist.get_world_size(group(axis)))
 
-    def all_to_all(x: Any, axis: Any, split_axis: int, concat_axis: int,
-                   tiled: bool = False) -> Any:
+    def all_to_all(
+        x: Any, axis: Any, split_axis: int, concat_axis: int, tiled: bool = False
+    ) -> Any:
         n = size(axis)
-        stacked = torch.stack(x.chunk(n, split_axis)).contiguous()     # piece j goes to j
+        stacked = torch.stack(x.chunk(n, split_axis)).contiguous()  # piece j goes to j
         out = funcol.all_to_all_single_autograd(stacked, None, None, group(axis))
-        return torch.cat(out.unbind(0), dim=concat_axis)              # piece j came from j
+        return torch.cat(out.unbind(0), dim=concat_axis)  # piece j came from j
 
     return types.SimpleNamespace(
         psum=lambda x, axis: AllReduce.apply(x, group(axis)),
         pmean=lambda x, axis: AllReduce.apply(x, group(axis)) / size(axis),
-        all_gather=lambda x, axis, dim=0, tiled=True, to="varying":
-            gather(x, dim, group(axis)),
-        psum_scatter=lambda x, axis, scatter_dimension=0, tiled=False:
-            scatter(x, "sum", scatter_dimension, group(axis)),
+        all_gather=lambda x, axis, dim=0, tiled=True, to="varying": gather(x, dim, group(axis)),
+        psum_scatter=lambda x, axis, scatter_dimension=0, tiled=False: scatter(
+            x, "sum", scatter_dimension, group(axis)
+        ),
         all_to_all=all_to_all,
         ppermute=lambda x, axis, perm: Permute.apply(x, group(axis), list(perm)),
         axis_index=lambda axis: device_mesh.get_local_rank(axis),
-        axis_size=size)
+        axis_size=size,
+    )
 
 
 def bench_torch(name: str, n: int, repeat: int) -> dict[str, float]:
@@ -241,8 +273,14 @@ def bench_torch(name: str, n: int, repeat: int) -> dict[str, float]:
     leaves, treedef = optree.tree_flatten(ps)
     spec_leaves = optree.tree_leaves(specs[2], is_leaf=lambda s: isinstance(s, P))
     spec_leaves = spec_leaves * len(leaves) if len(spec_leaves) == 1 else spec_leaves
-    ddp = [[device_mesh.get_group(a) for a in mesh.axis_names
-            if a not in s.axes() and mesh.axis_size(a) > 1] for s in spec_leaves]
+    ddp = [
+        [
+            device_mesh.get_group(a)
+            for a in mesh.axis_names
+            if a not in s.axes() and mesh.axis_size(a) > 1
+        ]
+        for s in spec_leaves
+    ]
 
     def native() -> Any:
         x, t = xs.to_local(), ts.to_local()
@@ -252,22 +290,29 @@ def bench_torch(name: str, n: int, repeat: int) -> dict[str, float]:
         for g, groups in zip(grads, ddp):  # DistributedDataParallel: sum over the replicas
             for pg in groups:
                 dist.all_reduce(g, group=pg)
-        return value, optree.tree_unflatten(treedef, [
-            DTensor.from_local(g, device_mesh, p.placements, run_check=False)
-            for g, p in zip(grads, leaves)])
+        return value, optree.tree_unflatten(
+            treedef,
+            [
+                DTensor.from_local(g, device_mesh, p.placements, run_check=False)
+                for g, p in zip(grads, leaves)
+            ],
+        )
 
     def local(out: Any) -> Any:
         return [v.to_local() if isinstance(v, DTensor) else v for v in optree.tree_leaves(out)]
 
     bench_step.same(local(native()), local(ours(ps)))
-    return bench_step.timed({"native_grad": native, "unimesh_grad": lambda: ours(ps)}, repeat,
-                            bench_step.sync_all)
+    return bench_step.timed(
+        {"native_grad": native, "unimesh_grad": lambda: ours(ps)}, repeat, bench_step.sync_all
+    )
 
 
 def line(backend: str, name: str, medians: dict[str, float]) -> str:
     a, b = medians["native_grad"], medians["unimesh_grad"]
-    return (f"BENCH {backend:6s} program={name:9s} native={a * 1e3:8.3f} ms "
-            f"unimesh={b * 1e3:8.3f} ms ratio={b / a:.3f}")
+    return (
+        f"BENCH {backend:6s} program={name:9s} native={a * 1e3:8.3f} ms "
+        f"unimesh={b * 1e3:8.3f} ms ratio={b / a:.3f}"
+    )
 
 
 def collect(repeat: int) -> dict[str, list[str] | str]:
@@ -275,8 +320,19 @@ def collect(repeat: int) -> dict[str, list[str] | str]:
     here = str(Path(__file__).resolve())
     runs = {
         "jax": [sys.executable, here, "--backend", "jax", "--repeat", str(repeat)],
-        "torch": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc-per-node", "4", here, "--backend", "torch", "--repeat", str(repeat)],
+        "torch": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            here,
+            "--backend",
+            "torch",
+            "--repeat",
+            str(repeat),
+        ],
     }
     return bench_step.launched(runs, 900)
 
@@ -288,8 +344,9 @@ def main() -> None:
     parser.add_argument("--programs", default=",".join(EXAMPLES))
     args = parser.parse_args()
     if args.backend is None:
-        print("step time (loss and gradients), median of alternating runs; "
-              "ratio = unimesh / native")
+        print(
+            "step time (loss and gradients), median of alternating runs; ratio = unimesh / native"
+        )
         for name, lines in collect(args.repeat).items():
             print("\n".join(lines) if isinstance(lines, list) else f"{name}: {lines}")
         return

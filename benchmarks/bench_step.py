@@ -11,7 +11,8 @@ differentiated by ``unimesh.value_and_grad`` against the framework's own autodif
 ``jax.value_and_grad`` of ``jax.shard_map``; torch Megatron-style autograd functions and a
 DistributedDataParallel-style all-reduce of the gradients; MLX ``mx.value_and_grad`` with
 ``all_sum`` and an ``average_gradients``-style all-reduce). Each native step is checked to compute
-the same loss and gradients as unimesh's before it is timed. Native versions: JAX ``jax.shard_map`` with ``lax.psum``; torch local
+the same loss and gradients as unimesh's before it is timed. Native versions: JAX
+``jax.shard_map`` with ``lax.psum``; torch local
 tensors of the DTensors, ``_functional_collectives.all_reduce`` on the DeviceMesh's groups and
 ``DTensor.from_local``; MLX ``mx.distributed.all_sum`` on ``Group.split`` groups. The two are
 timed alternately in one run; the ratio of medians is the figure (goal <= 1.02).
@@ -53,16 +54,23 @@ def manual_step(x, t, w1, w2):  # type: ignore[no-untyped-def]
     dh = (dy @ w2.T) * mask
     dw1 = unimesh.psum(x.T @ dh, "dp")
     return loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2
+
+
 SPECS_OUT = (P(), P(None, "tp"), P("tp", None))
 
 
 def sizes(scale: int) -> None:
     mlp_step.BATCH, mlp_step.D_IN, mlp_step.HIDDEN, mlp_step.D_OUT = (
-        16 * scale, 8 * scale, 32 * scale, 4 * scale)
+        16 * scale,
+        8 * scale,
+        32 * scale,
+        4 * scale,
+    )
 
 
-def timed(pairs: dict[str, Callable[[], Any]], repeat: int, sync: Callable[[Any], Any]
-          ) -> dict[str, float]:
+def timed(
+    pairs: dict[str, Callable[[], Any]], repeat: int, sync: Callable[[Any], Any]
+) -> dict[str, float]:
     for f in pairs.values():  # warm up: compile, build groups
         sync(f())
     times: dict[str, list[float]] = {k: [] for k in pairs}
@@ -83,8 +91,10 @@ def bench_jax(repeat: int) -> dict[str, float]:
 
     mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
     jmesh = unimesh.to_native(mesh, backend)
-    x, t, w1, w2 = (unimesh.distribute(a, Layout(mesh, s), backend=backend)
-                    for a, s in zip(mlp_step.data(), SPECS_IN))
+    x, t, w1, w2 = (
+        unimesh.distribute(a, Layout(mesh, s), backend=backend)
+        for a, s in zip(mlp_step.data(), SPECS_IN)
+    )
 
     def native_step(x: Any, t: Any, w1: Any, w2: Any) -> Any:
         pre = x @ w1
@@ -99,8 +109,14 @@ def bench_jax(repeat: int) -> dict[str, float]:
         dw1 = lax.psum(x.T @ ((dy @ w2.T) * mask), "dp")
         return loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2
 
-    native = jax.jit(jax.shard_map(native_step, mesh=jmesh, in_specs=tuple(
-        jax.P(*s) for s in SPECS_IN), out_specs=tuple(jax.P(*s) for s in SPECS_OUT)))
+    native = jax.jit(
+        jax.shard_map(
+            native_step,
+            mesh=jmesh,
+            in_specs=tuple(jax.P(*s) for s in SPECS_IN),
+            out_specs=tuple(jax.P(*s) for s in SPECS_OUT),
+        )
+    )
     ours = jax.jit(unimesh.shard_map(manual_step, mesh, SPECS_IN, SPECS_OUT, backend=backend))
 
     def native_loss(x: Any, t: Any, p: Any) -> Any:
@@ -110,17 +126,29 @@ def bench_jax(repeat: int) -> dict[str, float]:
         return lax.pmean((diff * diff).sum() / x.shape[0], "dp")
 
     specs = {k: jax.P(*v) for k, v in mlp_step.SPECS.items()}
-    native_program = jax.shard_map(native_loss, mesh=jmesh, in_specs=(
-        jax.P("dp", None), jax.P("dp", None), specs), out_specs=jax.P())
+    native_program = jax.shard_map(
+        native_loss,
+        mesh=jmesh,
+        in_specs=(jax.P("dp", None), jax.P("dp", None), specs),
+        out_specs=jax.P(),
+    )
     native_grad = jax.jit(jax.value_and_grad(lambda p: native_program(x, t, p)))
-    our_program = unimesh.shard_map(mlp_step.loss, mesh, (P("dp", None), P("dp", None),
-                                                          mlp_step.SPECS), P(), backend=backend)
+    our_program = unimesh.shard_map(
+        mlp_step.loss, mesh, (P("dp", None), P("dp", None), mlp_step.SPECS), P(), backend=backend
+    )
     our_grad = jax.jit(unimesh.value_and_grad(lambda p: our_program(x, t, p), backend=backend))
     params = {"w1": w1, "w2": w2}
     same(native_grad(params), our_grad(params))
-    return timed({"native": lambda: native(x, t, w1, w2), "unimesh": lambda: ours(x, t, w1, w2),
-                  "native_grad": lambda: native_grad(params),
-                  "unimesh_grad": lambda: our_grad(params)}, repeat, jax.block_until_ready)
+    return timed(
+        {
+            "native": lambda: native(x, t, w1, w2),
+            "unimesh": lambda: ours(x, t, w1, w2),
+            "native_grad": lambda: native_grad(params),
+            "unimesh_grad": lambda: our_grad(params),
+        },
+        repeat,
+        jax.block_until_ready,
+    )
 
 
 def bench_torch(repeat: int) -> dict[str, float]:
@@ -131,8 +159,10 @@ def bench_torch(repeat: int) -> dict[str, float]:
     from torch.distributed.tensor import DTensor
 
     mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
-    placed = [unimesh.distribute(torch.as_tensor(a), Layout(mesh, s), backend=backend)
-              for a, s in zip(mlp_step.data(), SPECS_IN)]
+    placed = [
+        unimesh.distribute(torch.as_tensor(a), Layout(mesh, s), backend=backend)
+        for a, s in zip(mlp_step.data(), SPECS_IN)
+    ]
     dm = placed[0].device_mesh
     outs = [unimesh.to_native(Layout(mesh, s), backend) for s in SPECS_OUT]
 
@@ -150,14 +180,15 @@ def bench_torch(repeat: int) -> dict[str, float]:
         dw2 = funcol.all_reduce(h.T @ dy, "sum", dp)
         dw1 = funcol.all_reduce(x.T @ ((dy @ w2.T) * mask), "sum", dp)
         results = (loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2)
-        return tuple(DTensor.from_local(r, dm, list(o.placements), run_check=False)
-                     for r, o in zip(results, outs))
+        return tuple(
+            DTensor.from_local(r, dm, list(o.placements), run_check=False)
+            for r, o in zip(results, outs)
+        )
 
     ours = unimesh.shard_map(manual_step, mesh, SPECS_IN, SPECS_OUT, backend=backend)
 
     def sync(out: Any) -> Any:
-        return [o.to_local().wait() if hasattr(o.to_local(), "wait") else o.to_local()
-                for o in out]
+        return [o.to_local().wait() if hasattr(o.to_local(), "wait") else o.to_local() for o in out]
 
     class Sum(torch.autograd.Function):  # Megatron's "g": all-reduce forward, identity backward
         @staticmethod
@@ -180,14 +211,19 @@ def bench_torch(repeat: int) -> dict[str, float]:
         grads = torch.autograd.grad(loss, (w1, w2))
         for g in grads:  # what DistributedDataParallel does: sum over the data-parallel group
             torch.distributed.all_reduce(g, group=dp)
-        return (loss, *(DTensor.from_local(g, dm, list(a.placements), run_check=False)
-                        for g, a in zip(grads, placed[2:])))
+        return (
+            loss,
+            *(
+                DTensor.from_local(g, dm, list(a.placements), run_check=False)
+                for g, a in zip(grads, placed[2:])
+            ),
+        )
 
-    our_program = unimesh.shard_map(mlp_step.loss, mesh, (P("dp", None), P("dp", None),
-                                                          mlp_step.SPECS), P(), backend=backend)
+    our_program = unimesh.shard_map(
+        mlp_step.loss, mesh, (P("dp", None), P("dp", None), mlp_step.SPECS), P(), backend=backend
+    )
     params = {"w1": placed[2], "w2": placed[3]}
-    our_vg = unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p),
-                                    backend=backend)
+    our_vg = unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p), backend=backend)
 
     def our_grad() -> Any:
         value, grads = our_vg(params)
@@ -197,8 +233,16 @@ def bench_torch(repeat: int) -> dict[str, float]:
         return [o.to_local() if isinstance(o, DTensor) else o for o in out]
 
     same(local(native_grad()), local(our_grad()))
-    return timed({"native": native, "unimesh": lambda: ours(*placed),
-                  "native_grad": native_grad, "unimesh_grad": our_grad}, repeat, sync_all)
+    return timed(
+        {
+            "native": native,
+            "unimesh": lambda: ours(*placed),
+            "native_grad": native_grad,
+            "unimesh_grad": our_grad,
+        },
+        repeat,
+        sync_all,
+    )
 
 
 def bench_mlx(repeat: int) -> dict[str, float]:
@@ -207,8 +251,10 @@ def bench_mlx(repeat: int) -> dict[str, float]:
     import mlx.core as mx
 
     mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
-    placed = [unimesh.distribute(a, Layout(mesh, s), backend=backend)
-              for a, s in zip(mlp_step.data(), SPECS_IN)]
+    placed = [
+        unimesh.distribute(a, Layout(mesh, s), backend=backend)
+        for a, s in zip(mlp_step.data(), SPECS_IN)
+    ]
     native_mesh = unimesh.to_native(mesh, backend)
     dp, tp = native_mesh.axis_group("dp").group, native_mesh.axis_group("tp").group
     if dp is None:
@@ -236,7 +282,7 @@ def bench_mlx(repeat: int) -> dict[str, float]:
     x_local, t_local = placed[0].local, placed[1].local
 
     def native_loss(w1: Any, w2: Any) -> Any:  # mx.distributed.all_sum differentiates to itself
-        pre = x_local @ w1                       # only where the cotangent is whole: Megatron's g
+        pre = x_local @ w1  # only where the cotangent is whole: Megatron's g
         diff = mx.distributed.all_sum((pre * (pre > 0)) @ w2, group=tp) - t_local
         loss = mx.distributed.all_sum((diff * diff).sum() / x_local.shape[0], group=dp)
         return loss / dp.size()
@@ -247,19 +293,27 @@ def bench_mlx(repeat: int) -> dict[str, float]:
         loss, grads = native_vg(placed[2].local, placed[3].local)
         return (loss, *(mx.distributed.all_sum(g, group=dp) for g in grads))  # average_gradients
 
-    our_program = unimesh.shard_map(mlp_step.loss, mesh, (P("dp", None), P("dp", None),
-                                                          mlp_step.SPECS), P(), backend=backend)
+    our_program = unimesh.shard_map(
+        mlp_step.loss, mesh, (P("dp", None), P("dp", None), mlp_step.SPECS), P(), backend=backend
+    )
     params = {"w1": placed[2], "w2": placed[3]}
-    our_vg = unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p),
-                                    backend=backend)
+    our_vg = unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p), backend=backend)
 
     def our_grad() -> Any:
         value, grads = our_vg(params)
         return value, grads["w1"].local, grads["w2"].local
 
     same([np.array(a) for a in native_grad()], [np.array(a) for a in our_grad()])
-    return timed({"native": native, "unimesh": lambda: ours(*placed),
-                  "native_grad": native_grad, "unimesh_grad": our_grad}, repeat, sync)
+    return timed(
+        {
+            "native": native,
+            "unimesh": lambda: ours(*placed),
+            "native_grad": native_grad,
+            "unimesh_grad": our_grad,
+        },
+        repeat,
+        sync,
+    )
 
 
 def same(native: Any, ours: Any) -> None:
@@ -267,8 +321,10 @@ def same(native: Any, ours: Any) -> None:
     import optree
 
     for a, b in zip(optree.tree_leaves(native), optree.tree_leaves(ours), strict=True):
-        a, b = (np.asarray(unimesh.full_array(v) if not isinstance(v, np.ndarray) else v)
-                for v in (a, b))
+        a, b = (
+            np.asarray(unimesh.full_array(v) if not isinstance(v, np.ndarray) else v)
+            for v in (a, b)
+        )
         if not np.allclose(a, b, rtol=1e-4, atol=1e-5):
             raise SystemExit(f"the native step and unimesh's differ: {a} vs {b}")
 
@@ -279,12 +335,16 @@ def sync_all(out: Any) -> Any:
 
 def report(backend: str, scale: int, medians: dict[str, float]) -> str:
     lines = []
-    for step, (a, b) in {"manual": ("native", "unimesh"),
-                         "grad": ("native_grad", "unimesh_grad")}.items():
+    for step, (a, b) in {
+        "manual": ("native", "unimesh"),
+        "grad": ("native_grad", "unimesh_grad"),
+    }.items():
         ratio = medians[b] / medians[a]
-        lines.append(f"BENCH {backend:6s} step={step:6s} scale={scale:<3d} "
-                     f"native={medians[a] * 1e3:8.3f} ms unimesh={medians[b] * 1e3:8.3f} ms "
-                     f"ratio={ratio:.3f}")
+        lines.append(
+            f"BENCH {backend:6s} step={step:6s} scale={scale:<3d} "
+            f"native={medians[a] * 1e3:8.3f} ms unimesh={medians[b] * 1e3:8.3f} ms "
+            f"ratio={ratio:.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -294,10 +354,30 @@ def collect(repeat: int, scales: list[int]) -> dict[str, list[str] | str]:
     extra = ["--repeat", str(repeat), "--scales", ",".join(map(str, scales))]
     runs = {
         "jax": [sys.executable, here, "--backend", "jax", *extra],
-        "torch": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc-per-node", "4", here, "--backend", "torch", *extra],
-        "mlx": ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4",
-                sys.executable, here, "--backend", "mlx", *extra],
+        "torch": [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            here,
+            "--backend",
+            "torch",
+            *extra,
+        ],
+        "mlx": [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "4",
+            sys.executable,
+            here,
+            "--backend",
+            "mlx",
+            *extra,
+        ],
     }
     return launched(runs, 600)
 
@@ -308,8 +388,9 @@ def launched(runs: dict[str, list[str]], timeout: float) -> dict[str, list[str] 
     results: dict[str, list[str] | str] = {}
     for name, cmd in runs.items():
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                                 check=False).stdout
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
+            ).stdout
         except (OSError, subprocess.TimeoutExpired) as exc:
             results[name] = f"not run ({exc})"
             continue
@@ -335,8 +416,9 @@ def main() -> None:
         launch_all(args.repeat, scales)
         return
     run = {"jax": bench_jax, "torch": bench_torch, "mlx": bench_mlx}[args.backend]
-    rank = next((int(os.environ[v]) for v in ("RANK", "OMPI_COMM_WORLD_RANK") if v in os.environ),
-                0)
+    rank = next(
+        (int(os.environ[v]) for v in ("RANK", "OMPI_COMM_WORLD_RANK") if v in os.environ), 0
+    )
     for scale in scales:
         sizes(scale)
         medians = run(args.repeat)

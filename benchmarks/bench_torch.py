@@ -32,13 +32,15 @@ def main() -> None:
     parser.add_argument("--json", help="also write the rows as JSON here")
     args = parser.parse_args()
     rows = []
-    print(f"{'world':>6s} {'shape':>12s} {'DeviceMesh':>12s} {'to_native':>12s} {'ratio':>7s} "
-          f"{'cached':>10s}")
+    print(
+        f"{'world':>6s} {'shape':>12s} {'DeviceMesh':>12s} {'to_native':>12s} {'ratio':>7s} "
+        f"{'cached':>10s}"
+    )
     for world, shape in SHAPES.items():
         if dist.is_initialized():
             dist.destroy_process_group()
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        names = NAMES[-len(shape):]
+        names = NAMES[-len(shape) :]
         mesh = unimesh.Mesh(shape, names)
         direct, ours, cached = [], [], []
         for _ in range(args.repeat):  # interleaved so that machine noise hits both alike
@@ -55,8 +57,16 @@ def main() -> None:
         d, o, c = (statistics.median(x) * 1e3 for x in (direct, ours, cached))
         label = "x".join(map(str, shape))
         print(f"{world:6d} {label:>12s} {d:10.2f}ms {o:10.2f}ms {o / d:6.3f}x {c * 1e3:8.1f}us")
-        rows.append({"world": world, "shape": label, "native_ms": d, "unimesh_ms": o,
-                     "ratio": o / d, "cached_us": c * 1e3})
+        rows.append(
+            {
+                "world": world,
+                "shape": label,
+                "native_ms": d,
+                "unimesh_ms": o,
+                "ratio": o / d,
+                "cached_us": c * 1e3,
+            }
+        )
     dist.destroy_process_group()
     if args.json:
         with open(args.json, "w") as fh:

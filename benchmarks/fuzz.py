@@ -25,28 +25,40 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--memory-count", type=int, default=5_000,
-                        help="inputs run again under tracemalloc for the memory peak")
+    parser.add_argument(
+        "--memory-count",
+        type=int,
+        default=5_000,
+        help="inputs run again under tracemalloc for the memory peak",
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
-    report = fuzzing.run(args.count, args.seed,
-                         progress=lambda i: print(f"\r{i:,} inputs", end="", flush=True))
+    report = fuzzing.run(
+        args.count, args.seed, progress=lambda i: print(f"\r{i:,} inputs", end="", flush=True)
+    )
     took = time.perf_counter() - t0
     mem = fuzzing.run(args.memory_count, args.seed + 1, memory=True)
     print(f"\r{report.count:,} inputs in {took:.0f} s ({report.count / took:,.0f}/s)")
     for name, n in sorted(report.by_target.items()):
         print(f"  {name:18s} {n:8,d}")
-    print(f"accepted {report.accepted:,}; refused: " + ", ".join(
-        f"{k} {v:,}" for k, v in sorted(report.refused.items(), key=lambda kv: -kv[1])))
+    print(
+        f"accepted {report.accepted:,}; refused: "
+        + ", ".join(f"{k} {v:,}" for k, v in sorted(report.refused.items(), key=lambda kv: -kv[1]))
+    )
     print(f"slowest input {report.slowest_ms:.2f} ms (goal <= {LIMIT_MS:.0f}): {report.slowest}")
-    print(f"largest allocation peak of one input ({mem.count:,} traced): "
-          f"{mem.peak_bytes / 2**20:.2f} MiB: {mem.peak_input}")
+    print(
+        f"largest allocation peak of one input ({mem.count:,} traced): "
+        f"{mem.peak_bytes / 2**20:.2f} MiB: {mem.peak_input}"
+    )
     failures = report.failures + mem.failures
     for line in failures[:20]:
         print("FAILURE", line)
     bad = bool(failures) or report.slowest_ms > LIMIT_MS
-    print("FAIL" if bad else "ok: only UnimeshError, nothing evaluated, every input under "
-          f"{LIMIT_MS:.0f} ms")
+    print(
+        "FAIL"
+        if bad
+        else f"ok: only UnimeshError, nothing evaluated, every input under {LIMIT_MS:.0f} ms"
+    )
     return 1 if bad else 0
 
 

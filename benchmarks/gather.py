@@ -73,8 +73,9 @@ print(json.dumps({"native_ms": statistics.median(a) * 1e3,
 def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              check=False)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout:.0f} s"
     return proc.returncode, proc.stdout if proc.returncode == 0 else proc.stdout + proc.stderr
@@ -84,12 +85,20 @@ def imports(rounds: int) -> dict[str, Any]:
     from bench_core import import_cost
 
     r = import_cost(rounds)
-    return {"title": "Import cost", "note": f"Median of {rounds} fresh interpreters each, "
-            "interleaved. Goal: at most 1.15x `import numpy`.",
-            "columns": ["import", "ms", "ratio to numpy"],
-            "rows": [{"import": "numpy", "ms": f"{r['numpy_ms']:.1f}", "ratio to numpy": "1"},
-                     {"import": "unimesh", "ms": f"{r['unimesh_ms']:.1f}",
-                      "ratio to numpy": f"{r['ratio']:.3f}"}]}
+    return {
+        "title": "Import cost",
+        "note": f"Median of {rounds} fresh interpreters each, "
+        "interleaved. Goal: at most 1.15x `import numpy`.",
+        "columns": ["import", "ms", "ratio to numpy"],
+        "rows": [
+            {"import": "numpy", "ms": f"{r['numpy_ms']:.1f}", "ratio to numpy": "1"},
+            {
+                "import": "unimesh",
+                "ms": f"{r['unimesh_ms']:.1f}",
+                "ratio to numpy": f"{r['ratio']:.3f}",
+            },
+        ],
+    }
 
 
 def to_native(repeat: int) -> dict[str, Any]:
@@ -105,30 +114,52 @@ def to_native(repeat: int) -> dict[str, Any]:
             rows.append({"backend": name, "note": f"failed: {out.strip()[-120:]}"})
             continue
         r = json.loads(out.strip().splitlines()[-1])
-        rows.append({"backend": name, "mesh": "dp=2,tp=4 (reversed ids)",
-                     "native": f"{r['native_ms'] * 1e3:.0f} us",
-                     "unimesh to_native": f"{r['unimesh_ms'] * 1e3:.0f} us",
-                     "ratio": f"{r['unimesh_ms'] / r['native_ms']:.2f}"})
+        rows.append(
+            {
+                "backend": name,
+                "mesh": "dp=2,tp=4 (reversed ids)",
+                "native": f"{r['native_ms'] * 1e3:.0f} us",
+                "unimesh to_native": f"{r['unimesh_ms'] * 1e3:.0f} us",
+                "ratio": f"{r['unimesh_ms'] / r['native_ms']:.2f}",
+            }
+        )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "torch.json"
-        rc, out = _run([sys.executable, str(HERE / "bench_torch.py"), "--repeat",
-                        str(max(5, repeat // 20)), "--json", str(path)], 600)
+        rc, out = _run(
+            [
+                sys.executable,
+                str(HERE / "bench_torch.py"),
+                "--repeat",
+                str(max(5, repeat // 20)),
+                "--json",
+                str(path),
+            ],
+            600,
+        )
         if rc == 0 and path.exists():
             for r in json.loads(path.read_text()):
-                rows.append({"backend": "torch", "mesh": f"{r['shape']} ({r['world']} ranks, "
-                             "fake process group)", "native": f"{r['native_ms'] * 1e3:.0f} us",
-                             "unimesh to_native": f"{r['unimesh_ms'] * 1e3:.0f} us",
-                             "ratio": f"{r['ratio']:.3f}"})
+                rows.append(
+                    {
+                        "backend": "torch",
+                        "mesh": f"{r['shape']} ({r['world']} ranks, fake process group)",
+                        "native": f"{r['native_ms'] * 1e3:.0f} us",
+                        "unimesh to_native": f"{r['unimesh_ms'] * 1e3:.0f} us",
+                        "ratio": f"{r['ratio']:.3f}",
+                    }
+                )
         else:
             rows.append({"backend": "torch", "note": f"not run: {out.strip()[-120:]}"})
     rows.append({"backend": "mlx", "note": "MLX has no mesh type; nothing to compare"})
-    return {"title": "to_native overhead", "note": "The first conversion by a fresh backend (no "
-            "cache) against the framework's own constructor for the same mesh, medians of "
-            "alternating calls. Goal for torch: at most 1.05x. JAX, Keras and TensorFlow "
-            "constructors take microseconds, so their ratios show unimesh's fixed Python cost "
-            "(validation, device lookup).",
-            "columns": ["backend", "mesh", "native", "unimesh to_native", "ratio", "note"],
-            "rows": rows}
+    return {
+        "title": "to_native overhead",
+        "note": "The first conversion by a fresh backend (no "
+        "cache) against the framework's own constructor for the same mesh, medians of "
+        "alternating calls. Goal for torch: at most 1.05x. JAX, Keras and TensorFlow "
+        "constructors take microseconds, so their ratios show unimesh's fixed Python cost "
+        "(validation, device lookup).",
+        "columns": ["backend", "mesh", "native", "unimesh to_native", "ratio", "note"],
+        "rows": rows,
+    }
 
 
 def scale(repeat: int) -> dict[str, Any]:
@@ -136,14 +167,19 @@ def scale(repeat: int) -> dict[str, Any]:
 
     big = (64, 64, 16, 16)
     r = core_scale(big, repeat)
-    return {"title": "The core at 1,048,576 devices",
-            "note": "Mesh 64x64x16x16, median of the operation. Goal: each under 200 ms.",
-            "columns": ["operation", "ms"],
-            "rows": [{"operation": k, "ms": f"{v:.1f}"} for k, v in r.items()]}
+    return {
+        "title": "The core at 1,048,576 devices",
+        "note": "Mesh 64x64x16x16, median of the operation. Goal: each under 200 ms.",
+        "columns": ["operation", "ms"],
+        "rows": [{"operation": k, "ms": f"{v:.1f}"} for k, v in r.items()],
+    }
 
 
-def _rows(results: dict[str, list[str] | str], pattern: re.Pattern[str],
-          row: Callable[[re.Match[str]], dict[str, str]]) -> list[dict[str, str]]:
+def _rows(
+    results: dict[str, list[str] | str],
+    pattern: re.Pattern[str],
+    row: Callable[[re.Match[str]], dict[str, str]],
+) -> list[dict[str, str]]:
     """A table row per BENCH line that ``pattern`` reads, or a note where a backend gave none."""
     rows = []
     for name, lines in results.items():
@@ -157,49 +193,77 @@ def _rows(results: dict[str, list[str] | str], pattern: re.Pattern[str],
 def steps(repeat: int) -> dict[str, Any]:
     from bench_step import collect
 
-    pattern = re.compile(r"BENCH (\w+)\s+step=(\w+)\s+scale=(\d+)\s+native=\s*([\d.]+) ms "
-                         r"unimesh=\s*([\d.]+) ms ratio=([\d.]+)")
-    rows = _rows(collect(repeat, [1, 8]), pattern, lambda m: {
-        "backend": m[1], "step": m[2], "size": "example" if m[3] == "1" else f"{m[3]}x",
-        "native": f"{m[4]} ms", "unimesh": f"{m[5]} ms", "ratio": m[6]})
+    pattern = re.compile(
+        r"BENCH (\w+)\s+step=(\w+)\s+scale=(\d+)\s+native=\s*([\d.]+) ms "
+        r"unimesh=\s*([\d.]+) ms ratio=([\d.]+)"
+    )
+    rows = _rows(
+        collect(repeat, [1, 8]),
+        pattern,
+        lambda m: {
+            "backend": m[1],
+            "step": m[2],
+            "size": "example" if m[3] == "1" else f"{m[3]}x",
+            "native": f"{m[4]} ms",
+            "unimesh": f"{m[5]} ms",
+            "ratio": m[6],
+        },
+    )
     how = {"jax": "jit, 8 CPU devices", "torch": "torchrun 4, gloo", "mlx": "mpirun 4"}
     for row in rows:
         row["backend"] = f"{row['backend']} ({how.get(row['backend'], '')})"
-    return {"title": "Program step overhead",
-            "note": "examples/mlp_step.py's model through unimesh against the same step "
-                    "written natively, medians of {repeat} alternating steps: manual = a "
-                    "hand-written backward, grad = the loss differentiated by "
-                    "unimesh.value_and_grad vs the framework's own autodiff idiom. Goal: 1.02 "
-                    "(JAX), 1.05 (torch, MLX).".replace("{repeat}", str(repeat)),
-            "columns": ["backend", "step", "size", "native", "unimesh", "ratio", "note"],
-            "rows": rows}
+    return {
+        "title": "Program step overhead",
+        "note": "examples/mlp_step.py's model through unimesh against the same step "
+        "written natively, medians of {repeat} alternating steps: manual = a "
+        "hand-written backward, grad = the loss differentiated by "
+        "unimesh.value_and_grad vs the framework's own autodiff idiom. Goal: 1.02 "
+        "(JAX), 1.05 (torch, MLX).".replace("{repeat}", str(repeat)),
+        "columns": ["backend", "step", "size", "native", "unimesh", "ratio", "note"],
+        "rows": rows,
+    }
 
 
 def programs(repeat: int) -> dict[str, Any]:
     from bench_programs import collect as collect_programs
 
-    pattern = re.compile(r"BENCH (\w+)\s+program=(\w+)\s+native=\s*([\d.]+) ms "
-                         r"unimesh=\s*([\d.]+) ms ratio=([\d.]+)")
+    pattern = re.compile(
+        r"BENCH (\w+)\s+program=(\w+)\s+native=\s*([\d.]+) ms "
+        r"unimesh=\s*([\d.]+) ms ratio=([\d.]+)"
+    )
     how = {"jax": "jit, 8 CPU devices", "torch": "torchrun 4, gloo"}
-    rows = _rows(collect_programs(repeat), pattern, lambda m: {
-        "backend": f"{m[1]} ({how.get(m[1], '')})", "program": m[2], "native": f"{m[3]} ms",
-        "unimesh": f"{m[4]} ms", "ratio": m[5]})
-    return {"title": "Example programs: training step",
-            "note": "examples/fsdp_step.py, tp_sp_block.py, moe_layer.py and pipeline.py: loss "
-                    "and gradients by unimesh.value_and_grad against the same loss function "
-                    "run with the framework's own collectives and autodiff (bench_programs.py), "
-                    "medians of {repeat} alternating steps. MLX has no native all-to-all, "
-                    "reduce-scatter or differentiable all-gather to compare with. Goal: 1.02 "
-                    "(JAX), 1.05 (torch).".replace("{repeat}", str(repeat)),
-            "columns": ["backend", "program", "native", "unimesh", "ratio", "note"],
-            "rows": rows}
+    rows = _rows(
+        collect_programs(repeat),
+        pattern,
+        lambda m: {
+            "backend": f"{m[1]} ({how.get(m[1], '')})",
+            "program": m[2],
+            "native": f"{m[3]} ms",
+            "unimesh": f"{m[4]} ms",
+            "ratio": m[5],
+        },
+    )
+    return {
+        "title": "Example programs: training step",
+        "note": "examples/fsdp_step.py, tp_sp_block.py, moe_layer.py and pipeline.py: loss "
+        "and gradients by unimesh.value_and_grad against the same loss function "
+        "run with the framework's own collectives and autodiff (bench_programs.py), "
+        "medians of {repeat} alternating steps. MLX has no native all-to-all, "
+        "reduce-scatter or differentiable all-gather to compare with. Goal: 1.02 "
+        "(JAX), 1.05 (torch).".replace("{repeat}", str(repeat)),
+        "columns": ["backend", "program", "native", "unimesh", "ratio", "note"],
+        "rows": rows,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    parser.add_argument("--json", default=str(HERE.parent / "docs" / "_data" / "benchmarks.json"),
-                        help="where to write the results (default: the docs' data file)")
+    parser.add_argument(
+        "--json",
+        default=str(HERE.parent / "docs" / "_data" / "benchmarks.json"),
+        help="where to write the results (default: the docs' data file)",
+    )
     args = parser.parse_args()
     q = args.quick
     parts: list[tuple[str, Callable[[], dict[str, Any]]]] = [
@@ -218,11 +282,15 @@ def main() -> None:
             print("   " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
         print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
         sections.append(section)
-    data = {"run": {"command": "python benchmarks/gather.py" + (" --quick" if q else ""),
-                    "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} "
-                               f"cores, Python {platform.python_version()}",
-                    "date": time.strftime("%Y-%m-%d")},
-            "sections": sections}
+    data = {
+        "run": {
+            "command": "python benchmarks/gather.py" + (" --quick" if q else ""),
+            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} "
+            f"cores, Python {platform.python_version()}",
+            "date": time.strftime("%Y-%m-%d"),
+        },
+        "sections": sections,
+    }
     Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {args.json}")
 

@@ -37,8 +37,9 @@ def api_table() -> str:
         for cls in classes.values():
             api = cls.native_api.get(concept)  # type: ignore[attr-defined]
             cells.append(_cell(api) if api else "—")
-        lines.append("| " + " | ".join(_cell(c) if i < 2 else c for i, c in enumerate(cells))
-                     + " |")
+        lines.append(
+            "| " + " | ".join(_cell(c) if i < 2 else c for i, c in enumerate(cells)) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -47,12 +48,15 @@ def capability_table(data: dict) -> str:
     same renderer as ``unimesh check --markdown``."""
     from unimesh.conformance.matrix import Cell, markdown
 
-    columns = {f"{b} ({r['processes']})": {c: Cell.from_json(cell) for c, cell in
-                                            r["cells"].items()}
-               for b, r in data["backends"].items()}
+    columns = {
+        f"{b} ({r['processes']})": {c: Cell.from_json(cell) for c, cell in r["cells"].items()}
+        for b, r in data["backends"].items()
+    }
     meta = data.get("run", {})
-    return (markdown(columns) + f"\nRun: `{meta.get('command', 'unimesh check')}` on "
-            f"{meta.get('machine', '?')}, {meta.get('date', '?')}.\n")
+    return (
+        markdown(columns) + f"\nRun: `{meta.get('command', 'unimesh check')}` on "
+        f"{meta.get('machine', '?')}, {meta.get('date', '?')}.\n"
+    )
 
 
 def collectives_table() -> str:
@@ -89,8 +93,10 @@ def benchmark_table(data: dict) -> str:
             out.append("| " + " | ".join(_cell(str(row.get(c, ""))) for c in cols) + " |")
         out.append("")
     meta = data.get("run", {})
-    out.append(f"Run: `{meta.get('command', 'python benchmarks/gather.py')}` on "
-               f"{meta.get('machine', '?')}, {meta.get('date', '?')}.")
+    out.append(
+        f"Run: `{meta.get('command', 'python benchmarks/gather.py')}` on "
+        f"{meta.get('machine', '?')}, {meta.get('date', '?')}."
+    )
     return "\n".join(out) + "\n"
 
 
@@ -100,9 +106,11 @@ def generate(docs: Path) -> None:
     tables = {"api-table.md": api_table(), "collectives-table.md": collectives_table()}
     data = docs / "_data"
     tables["capabilities-table.md"] = capability_table(
-        json.loads((data / "capabilities.json").read_text()))
+        json.loads((data / "capabilities.json").read_text())
+    )
     tables["benchmarks-table.md"] = benchmark_table(
-        json.loads((data / "benchmarks.json").read_text()))
+        json.loads((data / "benchmarks.json").read_text())
+    )
     for name, text in tables.items():
         path = out / name
         if not path.exists() or path.read_text() != text:

@@ -28,7 +28,6 @@ html_theme = "alabaster"
 html_title = "unimesh"
 
 
-
 def setup(app: object) -> None:
     from _gen import generate
 

@@ -16,15 +16,28 @@ import unimesh
 def start(description: str) -> tuple[unimesh.Backend, int, int]:
     """(backend, number of devices, this process's rank) from ``--backend`` / ``--devices``."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--backend", default=os.environ.get("UNIMESH_BACKEND"),
-                        help="jax, keras, torch or mlx (default: $UNIMESH_BACKEND)")
-    parser.add_argument("--devices", type=int, default=8,
-                        help="devices to ask for where one process holds several (JAX)")
+    parser.add_argument(
+        "--backend",
+        default=os.environ.get("UNIMESH_BACKEND"),
+        help="jax, keras, torch or mlx (default: $UNIMESH_BACKEND)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=8,
+        help="devices to ask for where one process holds several (JAX)",
+    )
     args = parser.parse_args()
     backend = unimesh.get_backend(args.backend)
     n = backend.prepare_devices(args.devices)  # JAX: CPU devices; torch/MLX: the world size
-    rank = next((int(os.environ[v]) for v in ("RANK", "OMPI_COMM_WORLD_RANK", "MLX_RANK")
-                 if v in os.environ), 0)
+    rank = next(
+        (
+            int(os.environ[v])
+            for v in ("RANK", "OMPI_COMM_WORLD_RANK", "MLX_RANK")
+            if v in os.environ
+        ),
+        0,
+    )
     return backend, n, rank
 
 
@@ -52,19 +65,31 @@ def place(tree: Any, specs: Any, mesh: unimesh.Mesh, backend: unimesh.Backend) -
     return unimesh.distribute(tree, unimesh.Layout(mesh, specs), backend=backend)
 
 
-def report(rank: int, backend: unimesh.Backend, mesh: unimesh.Mesh, value: Any, grads: Any,
-           want_value: float, want_grads: Mapping[str, np.ndarray]) -> int:
+def report(
+    rank: int,
+    backend: unimesh.Backend,
+    mesh: unimesh.Mesh,
+    value: Any,
+    grads: Any,
+    want_value: float,
+    want_grads: Mapping[str, np.ndarray],
+) -> int:
     """Compare the loss and each gradient (gathered whole) with the reference, to 1e-5
     (relative where the reference exceeds 1); print ``RANK r OK|FAIL ...``; exit status."""
     got = {"loss": np.asarray(unimesh.full_array(value, backend=backend), np.float64)}
     for name, g in grads.items():
         got[name] = np.asarray(unimesh.full_array(g, backend=backend), np.float64)
     want = {"loss": np.asarray(want_value, np.float64), **want_grads}
-    errors = {k: float(np.max(np.abs(got[k] - w) / np.maximum(1.0, np.abs(w)), initial=0.0))
-              for k, w in want.items()}
+    errors = {
+        k: float(np.max(np.abs(got[k] - w) / np.maximum(1.0, np.abs(w)), initial=0.0))
+        for k, w in want.items()
+    }
     ok = all(e <= 1e-5 for e in errors.values()) and set(got) == set(want)
     worst = max(errors.values())
-    print(f"RANK {rank} {'OK' if ok else 'FAIL'} backend={backend.name} mesh={mesh.to_string()} "
-          f"loss={float(got['loss']):.6f} reference={float(want['loss']):.6f} "
-          f"max_error={worst:.2e}", flush=True)
+    print(
+        f"RANK {rank} {'OK' if ok else 'FAIL'} backend={backend.name} mesh={mesh.to_string()} "
+        f"loss={float(got['loss']):.6f} reference={float(want['loss']):.6f} "
+        f"max_error={worst:.2e}",
+        flush=True,
+    )
     return 0 if ok else 1

@@ -29,11 +29,11 @@ SPECS = {"w1": P("fsdp", None), "w2": P("fsdp", None)}
 
 def loss(x, t, params):  # type: ignore[no-untyped-def]
     """Each device's blocks: x, t (BATCH/n, ...); w1 (D_IN/n, HIDDEN), w2 (HIDDEN/n, D_OUT)."""
-    w1 = unimesh.all_gather(params["w1"], "fsdp")      # the whole weight, for this layer only
+    w1 = unimesh.all_gather(params["w1"], "fsdp")  # the whole weight, for this layer only
     h = xp(x).tanh(x @ w1)
     w2 = unimesh.all_gather(params["w2"], "fsdp")
     diff = h @ w2 - t
-    return unimesh.pmean((diff * diff).sum() / x.shape[0], "fsdp")   # mean over the batch
+    return unimesh.pmean((diff * diff).sum() / x.shape[0], "fsdp")  # mean over the batch
 
 
 def sgd(params, grads):  # type: ignore[no-untyped-def]
@@ -61,14 +61,15 @@ def main() -> int:
     w1 = (rng.standard_normal((D_IN, HIDDEN)) / np.sqrt(D_IN)).astype(np.float32)
     w2 = (rng.standard_normal((HIDDEN, D_OUT)) / np.sqrt(HIDDEN)).astype(np.float32)
 
-    loss_program = unimesh.shard_map(loss, mesh, in_specs=(P("fsdp"), P("fsdp"), SPECS),
-                                     out_specs=P(), backend=backend)
-    update = unimesh.shard_map(sgd, mesh, in_specs=(SPECS, SPECS), out_specs=SPECS,
-                               backend=backend)
+    loss_program = unimesh.shard_map(
+        loss, mesh, in_specs=(P("fsdp"), P("fsdp"), SPECS), out_specs=P(), backend=backend
+    )
+    update = unimesh.shard_map(sgd, mesh, in_specs=(SPECS, SPECS), out_specs=SPECS, backend=backend)
     xs, ts = place(x, P("fsdp"), mesh, backend), place(t, P("fsdp"), mesh, backend)
     params = place({"w1": w1, "w2": w2}, SPECS, mesh, backend)
-    value, grads = unimesh.value_and_grad(lambda p: loss_program(xs, ts, p),
-                                          backend=backend)(params)
+    value, grads = unimesh.value_and_grad(lambda p: loss_program(xs, ts, p), backend=backend)(
+        params
+    )
     new = update(params, grads)
 
     want_value, want = reference(x, t, w1, w2)

@@ -33,12 +33,13 @@ SPECS = {"w1": P(None, "tp"), "w2": P("tp", None)}
 
 
 def loss(x, t, params):  # type: ignore[no-untyped-def]
-    """Runs on each device's blocks: x, t (batch/dp, ...), w1 (D_IN, HIDDEN/tp), w2 (HIDDEN/tp, ...)."""
-    pre = x @ params["w1"]                         # this device's hidden columns
-    h = pre * (pre > 0)                            # relu
-    y = unimesh.psum(h @ params["w2"], "tp")       # row-parallel layer: sum the partial outputs
+    """Runs on each device's blocks: x, t (batch/dp, ...), w1 (D_IN, HIDDEN/tp),
+    w2 (HIDDEN/tp, ...)."""
+    pre = x @ params["w1"]  # this device's hidden columns
+    h = pre * (pre > 0)  # relu
+    y = unimesh.psum(h @ params["w2"], "tp")  # row-parallel layer: sum the partial outputs
     diff = y - t
-    return unimesh.pmean((diff * diff).sum() / x.shape[0], "dp")   # the mean over the global batch
+    return unimesh.pmean((diff * diff).sum() / x.shape[0], "dp")  # the mean over the global batch
 
 
 def sgd(params, grads):  # type: ignore[no-untyped-def]
@@ -69,30 +70,44 @@ def data() -> tuple[np.ndarray, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=os.environ.get("UNIMESH_BACKEND"),
-                        help="jax, keras, torch or mlx (default: $UNIMESH_BACKEND)")
-    parser.add_argument("--devices", type=int, default=8,
-                        help="devices to ask for where one process holds several (JAX)")
+    parser.add_argument(
+        "--backend",
+        default=os.environ.get("UNIMESH_BACKEND"),
+        help="jax, keras, torch or mlx (default: $UNIMESH_BACKEND)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        default=8,
+        help="devices to ask for where one process holds several (JAX)",
+    )
     args = parser.parse_args(argv)
     backend = unimesh.get_backend(args.backend)
-    n = backend.prepare_devices(args.devices)      # JAX: CPU devices; torch/MLX: the world size
+    n = backend.prepare_devices(args.devices)  # JAX: CPU devices; torch/MLX: the world size
     mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
-    rank = next((int(os.environ[v]) for v in ("RANK", "OMPI_COMM_WORLD_RANK", "MLX_RANK")
-                 if v in os.environ), 0)
+    rank = next(
+        (
+            int(os.environ[v])
+            for v in ("RANK", "OMPI_COMM_WORLD_RANK", "MLX_RANK")
+            if v in os.environ
+        ),
+        0,
+    )
 
     x, t, w1, w2 = data()
-    loss_program = unimesh.shard_map(loss, mesh, in_specs=(P("dp", None), P("dp", None), SPECS),
-                                     out_specs=P(), backend=backend)
-    update = unimesh.shard_map(sgd, mesh, in_specs=(SPECS, SPECS), out_specs=SPECS,
-                               backend=backend)
+    loss_program = unimesh.shard_map(
+        loss, mesh, in_specs=(P("dp", None), P("dp", None), SPECS), out_specs=P(), backend=backend
+    )
+    update = unimesh.shard_map(sgd, mesh, in_specs=(SPECS, SPECS), out_specs=SPECS, backend=backend)
 
     def place(array, spec):  # type: ignore[no-untyped-def]
         return unimesh.distribute(array, unimesh.Layout(mesh, spec), backend=backend)
 
     xs, ts = place(x, P("dp", None)), place(t, P("dp", None))
     params = {"w1": place(w1, SPECS["w1"]), "w2": place(w2, SPECS["w2"])}
-    value, grads = unimesh.value_and_grad(
-        lambda p: loss_program(xs, ts, p), backend=backend)(params)
+    value, grads = unimesh.value_and_grad(lambda p: loss_program(xs, ts, p), backend=backend)(
+        params
+    )
     params = update(params, grads)
     loss_value, new_w1, new_w2 = value, params["w1"], params["w2"]
 
@@ -100,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     got = [unimesh.full_array(a, backend=backend) for a in (loss_value, new_w1, new_w2)]
     errors = [float(np.max(np.abs(np.asarray(g, np.float64) - w))) for g, w in zip(got, want)]
     ok = all(e <= 1e-5 for e in errors)
-    print(f"RANK {rank} {'OK' if ok else 'FAIL'} backend={backend.name} mesh={mesh.to_string()} "
-          f"loss={float(got[0]):.6f} reference={want[0]:.6f} max_errors={errors}", flush=True)
+    print(
+        f"RANK {rank} {'OK' if ok else 'FAIL'} backend={backend.name} mesh={mesh.to_string()} "
+        f"loss={float(got[0]):.6f} reference={want[0]:.6f} max_errors={errors}",
+        flush=True,
+    )
     return 0 if ok else 1
 
 

@@ -35,18 +35,18 @@ def loss(x, t, params):  # type: ignore[no-untyped-def]
     """Blocks: x, t (tokens/ep, D); router (D, E) whole; experts (E/ep, D, D)."""
     ops = xp(x)
     n_experts = params["router"].shape[1]
-    logits = x @ params["router"]                                    # (tokens, E)
-    probs = ops.exp(logits) / ops.exp(logits).sum(-1)[:, None]       # softmax
-    choice = ops.argmax(logits, -1)                                  # top-1 (no gradient)
+    logits = x @ params["router"]  # (tokens, E)
+    probs = ops.exp(logits) / ops.exp(logits).sum(-1)[:, None]  # softmax
+    choice = ops.argmax(logits, -1)  # top-1 (no gradient)
     onehot = (choice[:, None] == ops.arange(n_experts)[None, :]) * 1.0
-    gate = (probs * onehot).sum(-1)                                  # (tokens,)
-    slots = onehot.T[:, :, None] * x[None, :, :]                     # (E, tokens, D)
-    arrived = unimesh.all_to_all(slots, "ep", 0, 1, tiled=True)      # (E/ep, ep*tokens, D)
-    done = ops.tanh(arrived @ params["experts"])                     # the local experts
-    back = unimesh.all_to_all(done, "ep", 1, 0, tiled=True)          # (E, tokens, D)
-    out = (back * (onehot.T * gate[None, :])[:, :, None]).sum(0)     # (tokens, D)
+    gate = (probs * onehot).sum(-1)  # (tokens,)
+    slots = onehot.T[:, :, None] * x[None, :, :]  # (E, tokens, D)
+    arrived = unimesh.all_to_all(slots, "ep", 0, 1, tiled=True)  # (E/ep, ep*tokens, D)
+    done = ops.tanh(arrived @ params["experts"])  # the local experts
+    back = unimesh.all_to_all(done, "ep", 1, 0, tiled=True)  # (E, tokens, D)
+    out = (back * (onehot.T * gate[None, :])[:, :, None]).sum(0)  # (tokens, D)
     diff = out - t
-    return unimesh.pmean((diff * diff).sum() / x.shape[0], "ep")     # mean over all tokens
+    return unimesh.pmean((diff * diff).sum() / x.shape[0], "ep")  # mean over all tokens
 
 
 def reference(x, t, router, experts):  # type: ignore[no-untyped-def]
@@ -77,11 +77,13 @@ def main() -> int:
     x = rng.standard_normal((TOKENS_PER_DEVICE * n, D_MODEL)).astype(np.float32)
     t = rng.standard_normal((TOKENS_PER_DEVICE * n, D_MODEL)).astype(np.float32)
     router = rng.standard_normal((D_MODEL, experts_total)).astype(np.float32)
-    experts = (rng.standard_normal((experts_total, D_MODEL, D_MODEL))
-               / np.sqrt(D_MODEL)).astype(np.float32)
+    experts = (rng.standard_normal((experts_total, D_MODEL, D_MODEL)) / np.sqrt(D_MODEL)).astype(
+        np.float32
+    )
 
-    program = unimesh.shard_map(loss, mesh, in_specs=(P("ep"), P("ep"), SPECS), out_specs=P(),
-                                backend=backend)
+    program = unimesh.shard_map(
+        loss, mesh, in_specs=(P("ep"), P("ep"), SPECS), out_specs=P(), backend=backend
+    )
     xs, ts = place(x, P("ep"), mesh, backend), place(t, P("ep"), mesh, backend)
     params = place({"router": router, "experts": experts}, SPECS, mesh, backend)
     value, grads = unimesh.value_and_grad(lambda p: program(xs, ts, p), backend=backend)(params)

@@ -38,14 +38,14 @@ def loss(x, t, w):  # type: ignore[no-untyped-def]
     state = x[0] * 0.0
     total = 0.0
     for tick in range(MICROBATCHES + stages - 1):
-        if tick < MICROBATCHES:                          # the first stage takes microbatch tick
+        if tick < MICROBATCHES:  # the first stage takes microbatch tick
             state = first * x[tick] + (1.0 - first) * state
-        state = xp(x).tanh(state @ w[0])                 # this stage's layer
-        done = tick - (stages - 1)                       # the microbatch the last stage finished
+        state = xp(x).tanh(state @ w[0])  # this stage's layer
+        done = tick - (stages - 1)  # the microbatch the last stage finished
         if done >= 0:
             diff = state - t[done]
             total = total + last * (diff * diff).sum()
-        state = unimesh.ppermute(state, "pp", to_next)   # on to the next stage
+        state = unimesh.ppermute(state, "pp", to_next)  # on to the next stage
     count = MICROBATCHES * x.shape[1]
     return unimesh.pmean(unimesh.psum(total, "pp") / count, "dp")
 
@@ -76,8 +76,9 @@ def main() -> int:
     t = rng.standard_normal((MICROBATCHES, MICROBATCH, D_MODEL)).astype(np.float32)
     w = (rng.standard_normal((STAGES, D_MODEL, D_MODEL)) / np.sqrt(D_MODEL)).astype(np.float32)
 
-    program = unimesh.shard_map(loss, mesh, in_specs=(DATA, DATA, P("pp")), out_specs=P(),
-                                backend=backend)
+    program = unimesh.shard_map(
+        loss, mesh, in_specs=(DATA, DATA, P("pp")), out_specs=P(), backend=backend
+    )
     xs, ts = place(x, DATA, mesh, backend), place(t, DATA, mesh, backend)
     ws = place(w, P("pp"), mesh, backend)
     value, grad = unimesh.value_and_grad(lambda w: program(xs, ts, w), backend=backend)(ws)

@@ -33,13 +33,13 @@ ACTS = P("dp", "tp", None)  # (batch over dp, sequence over tp, model dim)
 
 def loss(x, t, params):  # type: ignore[no-untyped-def]
     """Blocks: x, t (BATCH/dp, SEQ/tp, D_MODEL); w1 (D_MODEL, D_FF/tp); w2 (D_FF/tp, D_MODEL)."""
-    whole = unimesh.all_gather(x, "tp", dim=1)                 # (B/dp, SEQ, D): the sequence
-    h = xp(x).tanh(whole @ params["w1"])                       # column-parallel
-    partial = h @ params["w2"]                                 # row-parallel: a partial sum
+    whole = unimesh.all_gather(x, "tp", dim=1)  # (B/dp, SEQ, D): the sequence
+    h = xp(x).tanh(whole @ params["w1"])  # column-parallel
+    partial = h @ params["w2"]  # row-parallel: a partial sum
     y = unimesh.psum_scatter(partial, "tp", scatter_dimension=1, tiled=True)  # (B/dp, SEQ/tp, D)
-    diff = x + y - t                                           # residual
+    diff = x + y - t  # residual
     count = x.shape[0] * x.shape[1]
-    return unimesh.pmean((diff * diff).sum() / count, ("dp", "tp"))   # mean over tokens
+    return unimesh.pmean((diff * diff).sum() / count, ("dp", "tp"))  # mean over tokens
 
 
 def reference(x, t, w1, w2):  # type: ignore[no-untyped-def]
@@ -62,8 +62,9 @@ def main() -> int:
     w1 = (rng.standard_normal((D_MODEL, D_FF)) / np.sqrt(D_MODEL)).astype(np.float32)
     w2 = (rng.standard_normal((D_FF, D_MODEL)) / np.sqrt(D_FF)).astype(np.float32)
 
-    program = unimesh.shard_map(loss, mesh, in_specs=(ACTS, ACTS, SPECS), out_specs=P(),
-                                backend=backend)
+    program = unimesh.shard_map(
+        loss, mesh, in_specs=(ACTS, ACTS, SPECS), out_specs=P(), backend=backend
+    )
     xs, ts = place(x, ACTS, mesh, backend), place(t, ACTS, mesh, backend)
     params = place({"w1": w1, "w2": w2}, SPECS, mesh, backend)
     value, grads = unimesh.value_and_grad(lambda p: program(xs, ts, p), backend=backend)(params)

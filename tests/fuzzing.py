@@ -23,24 +23,53 @@ import unimesh
 from unimesh import Config, Mesh
 
 #: Audit events that must never happen inside a parser.
-FORBIDDEN = ("exec", "compile", "pickle.find_class", "marshal.loads", "os.system",
-             "subprocess.Popen", "os.exec", "os.posix_spawn", "ctypes.dlopen")
+FORBIDDEN = (
+    "exec",
+    "compile",
+    "pickle.find_class",
+    "marshal.loads",
+    "os.system",
+    "subprocess.Popen",
+    "os.exec",
+    "os.posix_spawn",
+    "ctypes.dlopen",
+)
 
 TEXT_SEEDS = [
-    "dp=2,tp=4", "a=1", "dp=2,tp=2;ids=3,2,1,0", "x=2,y=3;types=explicit,auto",
-    "dp=4;per_process=2", "a=2,b=2,c=2;ids=7,6,5,4,3,2,1,0;types=auto,auto,manual;per_process=4",
-    ("|x=2,y=2|0,1,2,3|0,1,2,3|/job:localhost/replica:0/task:0/device:CPU:0,"
-     "/job:localhost/replica:0/task:0/device:CPU:1,/job:localhost/replica:0/task:0/device:CPU:2,"
-     "/job:localhost/replica:0/task:0/device:CPU:3"),
+    "dp=2,tp=4",
+    "a=1",
+    "dp=2,tp=2;ids=3,2,1,0",
+    "x=2,y=3;types=explicit,auto",
+    "dp=4;per_process=2",
+    "a=2,b=2,c=2;ids=7,6,5,4,3,2,1,0;types=auto,auto,manual;per_process=4",
+    (
+        "|x=2,y=2|0,1,2,3|0,1,2,3|/job:localhost/replica:0/task:0/device:CPU:0,"
+        "/job:localhost/replica:0/task:0/device:CPU:1,/job:localhost/replica:0/task:0/device:CPU:2,"
+        "/job:localhost/replica:0/task:0/device:CPU:3"
+    ),
 ]
 TOML_SEEDS = [
-    ('mesh = "dp=2,tp=4"\nbatch_axis = "dp"\n[layout]\n"enc/.*/kernel" = "_,tp"\n'
-     '"enc/.*/bias" = ["tp"]\n[axis_rules]\nbatch = "dp"\nmlp = "tp"\n'),
-    '[mesh]\naxes = {a = 2, b = 2}\ndevice_ids = [[3, 2], [1, 0]]\n',
+    (
+        'mesh = "dp=2,tp=4"\nbatch_axis = "dp"\n[layout]\n"enc/.*/kernel" = "_,tp"\n'
+        '"enc/.*/bias" = ["tp"]\n[axis_rules]\nbatch = "dp"\nmlp = "tp"\n'
+    ),
+    "[mesh]\naxes = {a = 2, b = 2}\ndevice_ids = [[3, 2], [1, 0]]\n",
     'mesh = "x=8"\n[layout]\n".*" = [["x"]]\n',
 ]
-HUGE = ["1000000000000", "99999999999999999999", str(10**100), "-1", "0", "-0", "1e12", "2.5",
-        "NaN", "Infinity", "4294967296", "18446744073709551617"]
+HUGE = [
+    "1000000000000",
+    "99999999999999999999",
+    str(10**100),
+    "-1",
+    "0",
+    "-0",
+    "1e12",
+    "2.5",
+    "NaN",
+    "Infinity",
+    "4294967296",
+    "18446744073709551617",
+]
 ALPHABET = "=,;|_+-.:[]{}\"'\\ \n\t0123456789abcdefxyz()*?^$#@!~`é\u0000\u202e"
 
 
@@ -89,27 +118,36 @@ def mutate_text(rng: random.Random, text: str) -> str:
         op = rng.randrange(9)
         pos = rng.randint(0, len(text))
         if op == 0 and text:
-            text = text[:pos] + text[pos + 1:]
+            text = text[:pos] + text[pos + 1 :]
         elif op == 1:
             text = text[:pos] + rng.choice(ALPHABET) + text[pos:]
         elif op == 2:
             text = text[:pos] + rng.choice(HUGE) + text[pos:]
         elif op == 3 and text:  # duplicate a chunk (repetition, long ids lists)
             a = rng.randint(0, len(text) - 1)
-            chunk = text[a:a + rng.randint(1, 20)]
+            chunk = text[a : a + rng.randint(1, 20)]
             text = text[:pos] + chunk * rng.choice([2, 10, 1000]) + text[pos:]
         elif op == 4:
-            text = text[:pos] + rng.choice(["[" * 500, "{" * 200, "\"" * 50, ";ids=" * 20,
-                                            "=" * 100, ",,,,", "a" * 5000]) + text[pos:]
+            text = (
+                text[:pos]
+                + rng.choice(
+                    ["[" * 500, "{" * 200, '"' * 50, ";ids=" * 20, "=" * 100, ",,,,", "a" * 5000]
+                )
+                + text[pos:]
+            )
         elif op == 5:  # splice with another seed
             other = rng.choice(TEXT_SEEDS + TOML_SEEDS)
-            text = text[:pos] + other[rng.randint(0, len(other)):]
+            text = text[:pos] + other[rng.randint(0, len(other)) :]
         elif op == 6:
-            text = "".join(c if not c.isdigit() or rng.random() > 0.3 else rng.choice("09")
-                           for c in text)
+            text = "".join(
+                c if not c.isdigit() or rng.random() > 0.3 else rng.choice("09") for c in text
+            )
         elif op == 7:
-            text = text[:pos] + "".join(rng.choice(ALPHABET)
-                                        for _ in range(rng.randint(1, 30))) + text[pos:]
+            text = (
+                text[:pos]
+                + "".join(rng.choice(ALPHABET) for _ in range(rng.randint(1, 30)))
+                + text[pos:]
+            )
         else:
             text = text.replace(rng.choice("=,;"), rng.choice(["", "==", ";", ",", "|"]), 1)
     return text
@@ -117,9 +155,28 @@ def mutate_text(rng: random.Random, text: str) -> str:
 
 def mutate_value(rng: random.Random, value: Any, depth: int = 0) -> Any:
     """A JSON-like value, some part of it replaced by something hostile."""
-    hostile = [None, True, -1, 0, 10**12, 10**100, 2.5, float("nan"), "", "x" * 10_000,
-               [], {}, [[[[[]]]]], {"a": {"b": {"c": {}}}}, ["dp", "dp"], [10**6] * 8,
-               list(range(5000)), "dp=2", {"__class__": "os.system"}, ["_", None]]
+    hostile = [
+        None,
+        True,
+        -1,
+        0,
+        10**12,
+        10**100,
+        2.5,
+        float("nan"),
+        "",
+        "x" * 10_000,
+        [],
+        {},
+        [[[[[]]]]],
+        {"a": {"b": {"c": {}}}},
+        ["dp", "dp"],
+        [10**6] * 8,
+        list(range(5000)),
+        "dp=2",
+        {"__class__": "os.system"},
+        ["_", None],
+    ]
     if depth > 3 or rng.random() < 0.2:
         return rng.choice(hostile)
     if isinstance(value, dict) and value:
@@ -127,7 +184,8 @@ def mutate_value(rng: random.Random, value: Any, depth: int = 0) -> Any:
         key = rng.choice(list(out))
         if rng.random() < 0.15:
             out[rng.choice(["extra", "__reduce__", "", "mesh", "axes", "shape"])] = rng.choice(
-                hostile)
+                hostile
+            )
         elif rng.random() < 0.1:
             del out[key]
         else:
@@ -152,28 +210,39 @@ def inputs(seed: int) -> Iterator[tuple[str, Callable[[Any], Any], Any]]:
         if kind == 0:
             yield "Mesh.from_string", Mesh.from_string, mutate_text(rng, rng.choice(TEXT_SEEDS))
         elif kind == 1:
-            yield "Mesh.from_json", Mesh.from_json, mutate_text(
-                rng, json.dumps(rng.choice(dicts[:6])))
+            yield (
+                "Mesh.from_json",
+                Mesh.from_json,
+                mutate_text(rng, json.dumps(rng.choice(dicts[:6]))),
+            )
         elif kind == 2:
             yield "Mesh.from_dict", Mesh.from_dict, mutate_value(rng, rng.choice(dicts[:6]))
         elif kind == 3:
             yield "Config.from_toml", Config.from_toml, mutate_text(rng, rng.choice(TOML_SEEDS))
         elif kind == 4:
-            yield "Config.from_json", Config.from_json, mutate_text(
-                rng, json.dumps(rng.choice(dicts[6:])))
+            yield (
+                "Config.from_json",
+                Config.from_json,
+                mutate_text(rng, json.dumps(rng.choice(dicts[6:]))),
+            )
         elif kind == 5:
             yield "Config.from_dict", Config.from_dict, mutate_value(rng, rng.choice(dicts[6:]))
         else:  # not even close: random bytes of text
             n = rng.choice([0, 1, 5, 50, 500])
             text = "".join(rng.choice(ALPHABET) for _ in range(n))
-            target = rng.choice([("Mesh.from_string", Mesh.from_string),
-                                 ("Config.from_toml", Config.from_toml),
-                                 ("Config.from_json", Config.from_json)])
+            target = rng.choice(
+                [
+                    ("Mesh.from_string", Mesh.from_string),
+                    ("Config.from_toml", Config.from_toml),
+                    ("Config.from_json", Config.from_json),
+                ]
+            )
             yield target[0], target[1], text
 
 
-def run(count: int, seed: int = 0, memory: bool = False,
-        progress: Callable[[int], None] | None = None) -> Report:
+def run(
+    count: int, seed: int = 0, memory: bool = False, progress: Callable[[int], None] | None = None
+) -> Report:
     """Feed ``count`` inputs; with ``memory``, also trace each input's allocation peak."""
     for text in TEXT_SEEDS:  # warm up: lazy imports of the parsers' own modules happen here
         Mesh.from_string(text)
@@ -198,8 +267,9 @@ def run(count: int, seed: int = 0, memory: bool = False,
             except unimesh.UnimeshError as exc:
                 report.refused[type(exc).__name__] = report.refused.get(type(exc).__name__, 0) + 1
             except BaseException as exc:  # noqa: BLE001 - the finding itself
-                report.failures.append(f"{name}({_show(value)}) raised {type(exc).__name__}: "
-                                       f"{str(exc)[:200]}")
+                report.failures.append(
+                    f"{name}({_show(value)}) raised {type(exc).__name__}: {str(exc)[:200]}"
+                )
             finally:
                 ms = (time.perf_counter() - t0) * 1e3
                 _WATCH["on"] = False

@@ -29,10 +29,14 @@ check = Checks(f"process {pid}")
 
 
 devs = global_devices()
-check(jax.process_index() == pid and len(devs) == 2 * n and jax.local_device_count() == 2,
-      f"{len(devs)} global devices, 2 local, process {jax.process_index()}")
-check([d.process_index for d in devs] == [i // 2 for i in range(2 * n)],
-      "logical order is by process, then local index")
+check(
+    jax.process_index() == pid and len(devs) == 2 * n and jax.local_device_count() == 2,
+    f"{len(devs)} global devices, 2 local, process {jax.process_index()}",
+)
+check(
+    [d.process_index for d in devs] == [i // 2 for i in range(2 * n)],
+    "logical order is by process, then local index",
+)
 
 # dp across processes, tp inside each one (JAX's hybrid layout)
 hybrid = make_mesh({"dp": 1, "tp": 2}, dcn_axes={"dp": n})
@@ -40,20 +44,29 @@ hybrid = make_mesh({"dp": 1, "tp": 2}, dcn_axes={"dp": n})
 columns = Mesh((2, n), ("dp", "tp"), np.arange(2 * n).reshape(n, 2).T, devices_per_process=2)
 for mesh in (hybrid, columns):
     jm = unimesh.to_native(mesh, "jax")
-    check(list(jm.devices.ravel()) == [devs[i] for i in mesh.device_ids.ravel()],
-          f"{mesh!r}: JAX mesh holds the devices at the logical positions")
+    check(
+        list(jm.devices.ravel()) == [devs[i] for i in mesh.device_ids.ravel()],
+        f"{mesh!r}: JAX mesh holds the devices at the logical positions",
+    )
     check(unimesh.from_native(jm) == mesh, "from_native(to_native(mesh)) == mesh")
     local_ids = mesh.local_device_ids(pid)
-    check([devs[i] for i in local_ids] ==
-          [d for d in jm.devices.ravel() if d.process_index == pid],
-          f"local_device_ids({pid}) = {local_ids} are this process's devices in mesh order")
+    check(
+        [devs[i] for i in local_ids] == [d for d in jm.devices.ravel() if d.process_index == pid],
+        f"local_device_ids({pid}) = {local_ids} are this process's devices in mesh order",
+    )
     local = mesh.local_mesh(pid)
-    check(list(jm.local_mesh.devices.ravel()) == [devs[i] for i in local.device_ids.ravel()]
-          and jm.local_mesh.devices.shape == local.shape,
-          f"local_mesh({pid}) = {local!r} is JAX's local_mesh")
+    check(
+        list(jm.local_mesh.devices.ravel()) == [devs[i] for i in local.device_ids.ravel()]
+        and jm.local_mesh.devices.shape == local.shape,
+        f"local_mesh({pid}) = {local!r} is JAX's local_mesh",
+    )
 
-    for spec, shape in [(P("dp", "tp"), (4 * n, 4 * n)), (P(("dp", "tp")), (4 * n,)),
-                        (P(("tp", "dp")), (4 * n,)), (P(None, "tp"), (3, 4 * n))]:
+    for spec, shape in [
+        (P("dp", "tp"), (4 * n, 4 * n)),
+        (P(("dp", "tp")), (4 * n,)),
+        (P(("tp", "dp")), (4 * n,)),
+        (P(None, "tp"), (3, 4 * n)),
+    ]:
         x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
         lay = Layout(mesh, spec)
         arr = unimesh.distribute(x, lay, "jax")
@@ -65,8 +78,10 @@ for mesh in (hybrid, columns):
         check(ok, f"distribute {spec} of {shape}: both local shards are the reference blocks")
         total = jax.jit(lambda a: (a * 2).sum())(arr)
         got = float(np.asarray(total.addressable_data(0)))
-        check(got == float(x.sum() * 2), f"jitted reduction across processes: {got} == "
-                                         f"{float(x.sum() * 2)}")
+        check(
+            got == float(x.sum() * 2),
+            f"jitted reduction across processes: {got} == {float(x.sum() * 2)}",
+        )
 
 check.done(f"PROCESS {pid}")
 jax.distributed.shutdown()

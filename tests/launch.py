@@ -11,12 +11,20 @@ from pathlib import Path
 import pytest
 
 
-def run_bounded(cmd: list[str], env: dict[str, str], limit: float,
-                cwd: Path | None = None) -> tuple[int, str]:
+def run_bounded(
+    cmd: list[str], env: dict[str, str], limit: float, cwd: Path | None = None
+) -> tuple[int, str]:
     """Run ``cmd`` in its own session; return (exit code, stdout+stderr). If it outlives
     ``limit`` seconds, kill its whole process group and fail the test with the output so far."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
@@ -46,16 +54,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(cmd: list[str], envs: list[dict[str, str]], limit: float,
-              cwd: Path | None = None) -> tuple[list[int], list[str], float]:
+def run_ranks(
+    cmd: list[str], envs: list[dict[str, str]], limit: float, cwd: Path | None = None
+) -> tuple[list[int], list[str], float]:
     """Start one process per env (each in its own session), wait for all within ``limit``
     seconds; return exit codes, outputs and the seconds it took. On timeout every process
     group is killed and the test fails with what each printed."""
     import time
 
     t0 = time.monotonic()
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env, cwd=cwd, start_new_session=True) for env in envs]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        for env in envs
+    ]
     outs: list[str] = []
     try:
         for p in procs:
@@ -65,7 +84,9 @@ def run_ranks(cmd: list[str], envs: list[dict[str, str]], limit: float,
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-        rest = [p.communicate()[0] for p in procs[len(outs):]]
-        pytest.fail(f"{cmd} did not finish within {limit} s; outputs:\n"
-                    + "\n---\n".join(o[-1500:] for o in outs + rest))
+        rest = [p.communicate()[0] for p in procs[len(outs) :]]
+        pytest.fail(
+            f"{cmd} did not finish within {limit} s; outputs:\n"
+            + "\n---\n".join(o[-1500:] for o in outs + rest)
+        )
     return [p.returncode for p in procs], outs, time.monotonic() - t0

@@ -28,26 +28,38 @@ for mesh in (Mesh((2, 2), ("dp", "tp")), Mesh((2, 2), ("dp", "tp"), [[3, 1], [2,
     for axes in ("dp", "tp", ("tp", "dp")):
         g = native.axis_group(axes)
         (want,) = [grp for grp in mesh.groups(axes) if rank in grp]
-        check(g.members == want and g.rank() == want.index(rank),
-              f"{axes} group {g.members} (rank {g.rank()} in it) == neutral {want}")
+        check(
+            g.members == want and g.rank() == want.index(rank),
+            f"{axes} group {g.members} (rank {g.rank()} in it) == neutral {want}",
+        )
         if g.group is not None:
-            check(g.group.size() == len(want) and g.group.rank() == want.index(rank),
-                  f"MLX's split group has size {g.group.size()}, this rank is {g.group.rank()}")
+            check(
+                g.group.size() == len(want) and g.group.rank() == want.index(rank),
+                f"MLX's split group has size {g.group.size()}, this rank is {g.group.rank()}",
+            )
         x = mx.array([float(rank), 10.0 * rank])
-        check(g.all_sum(x).tolist() == [float(sum(want)), 10.0 * sum(want)],
-              f"all_sum over {axes} == sum of {want}")
-        check(g.all_max(x).tolist()[0] == max(want) and g.all_min(x).tolist()[0] == min(want),
-              f"all_max / all_min over {axes}")
+        check(
+            g.all_sum(x).tolist() == [float(sum(want)), 10.0 * sum(want)],
+            f"all_sum over {axes} == sum of {want}",
+        )
+        check(
+            g.all_max(x).tolist()[0] == max(want) and g.all_min(x).tolist()[0] == min(want),
+            f"all_max / all_min over {axes}",
+        )
         gathered = g.all_gather(mx.array([float(rank)])).tolist()
         check(gathered == [float(d) for d in want], f"all_gather over {axes}: {gathered}")
-    check(native.uses_split_groups is (backend_name == "mpi"),
-          f"split groups in use: {native.uses_split_groups}")
+    check(
+        native.uses_split_groups is (backend_name == "mpi"),
+        f"split groups in use: {native.uses_split_groups}",
+    )
     for spec, shape in [(P("dp", "tp"), (5, 6)), (P(("tp", "dp")), (9,)), (P(None, "tp"), (3, 4))]:
         x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
         lay = Layout(mesh, spec)
         shard = unimesh.distribute(x, lay, be)
-        check(np.array_equal(np.array(shard.local), x[lay.shard_slices(shape, rank)]),
-              f"distribute {spec} of {shape}: this rank's shard is the reference block")
+        check(
+            np.array_equal(np.array(shard.local), x[lay.shard_slices(shape, rank)]),
+            f"distribute {spec} of {shape}: this rank's shard is the reference block",
+        )
 
 if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
     from mlx import nn
@@ -62,10 +74,12 @@ if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
     want = np.array(full(x))
     got = np.array(col(x))
     tp = native.coords["tp"]
-    check(np.allclose(got, want[:, 3 * tp:3 * tp + 3], atol=1e-5),
-          "shard_linear P('tp', None): this rank's output columns")
+    check(
+        np.allclose(got, want[:, 3 * tp : 3 * tp + 3], atol=1e-5),
+        "shard_linear P('tp', None): this rank's output columns",
+    )
     row = shard_linear(full, Layout(mesh, P(None, "tp")), native)
-    got = np.array(row(x[:, 2 * tp:2 * tp + 2]))
+    got = np.array(row(x[:, 2 * tp : 2 * tp + 2]))
     check(np.allclose(got, want, atol=1e-5), "shard_linear P(None, 'tp'): the full output")
 
 # parameter sharding by rule: every parameter becomes this rank's reference block
@@ -76,18 +90,26 @@ mesh = Mesh((2, 2), ("dp", "tp"))
 mx.random.seed(1)
 model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
 before = {k: np.array(v) for k, v in tree_flatten(model.parameters())}
-rules = unimesh.LayoutMap(mesh, {r"layers\.0\.weight": P("tp", None),
-                                 r"layers\.0\.bias": P("tp"),
-                                 r"layers\.2\.weight": P(None, ("dp", "tp"))})
+rules = unimesh.LayoutMap(
+    mesh,
+    {
+        r"layers\.0\.weight": P("tp", None),
+        r"layers\.0\.bias": P("tp"),
+        r"layers\.2\.weight": P(None, ("dp", "tp")),
+    },
+)
 check(unimesh.shard_params(model, rules, backend=be) is model, "shard_params returns the model")
 for name, value in tree_flatten(model.parameters()):
     lay = rules.get(name) or Layout(mesh, P())
     want = before[name][lay.shard_slices(before[name].shape, rank)]
-    check(np.array_equal(np.array(value), want),
-          f"shard_params: {name} holds its reference block {lay.spec!r} {want.shape}")
+    check(
+        np.array_equal(np.array(value), want),
+        f"shard_params: {name} holds its reference block {lay.spec!r} {want.shape}",
+    )
 try:
-    unimesh.shard_params(nn.Linear(2, 3), unimesh.LayoutMap(mesh, {"bias": P("dp", "tp")}),
-                         backend=be)
+    unimesh.shard_params(
+        nn.Linear(2, 3), unimesh.LayoutMap(mesh, {"bias": P("dp", "tp")}), backend=be
+    )
     check(False, "a layout with more dims than the parameter must raise")
 except unimesh.LayoutError as exc:
     check("'bias'" in str(exc), f"shard_params names the parameter: {exc}")

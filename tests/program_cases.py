@@ -47,8 +47,14 @@ class Case:
     """``fn(mesh, backend)`` -> a loss function of ``args``; ``specs`` lay the arguments out
     (None: passed as global arrays) and ``argnums`` are differentiated."""
 
-    def __init__(self, name: str, build: Callable[[unimesh.Mesh, str], Callable[..., Any]],
-                 args: list[Any], specs: list[Any], argnums: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        name: str,
+        build: Callable[[unimesh.Mesh, str], Callable[..., Any]],
+        args: list[Any],
+        specs: list[Any],
+        argnums: tuple[int, ...],
+    ) -> None:
         self.name = name
         self.build = build
         self.args = args
@@ -56,11 +62,13 @@ class Case:
         self.argnums = argnums
 
 
-def _collective_case(name: str, op: Callable[[Any], Any], in_spec: P, shape: tuple[int, ...],
-                     seed: int) -> Case:
+def _collective_case(
+    name: str, op: Callable[[Any], Any], in_spec: P, shape: tuple[int, ...], seed: int
+) -> Case:
     def build(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
-        program = unimesh.shard_map(lambda b: _total(_weighted(op(b))), mesh, in_spec, P(),
-                                    backend=backend)
+        program = unimesh.shard_map(
+            lambda b: _total(_weighted(op(b))), mesh, in_spec, P(), backend=backend
+        )
         return program
 
     return Case(name, build, _data(seed, shape), [in_spec], (0,))
@@ -68,38 +76,78 @@ def _collective_case(name: str, op: Callable[[Any], Any], in_spec: P, shape: tup
 
 CASES: list[Case] = [
     _collective_case("psum", lambda b: unimesh.psum(b, "tp"), P("dp", "tp"), (4, 6), 1),
-    _collective_case("psum-tuple", lambda b: unimesh.psum(b, ("tp", "dp")), P("dp", "tp"),
-                     (4, 6), 2),
+    _collective_case(
+        "psum-tuple", lambda b: unimesh.psum(b, ("tp", "dp")), P("dp", "tp"), (4, 6), 2
+    ),
     _collective_case("pmean", lambda b: unimesh.pmean(b * b, "dp"), P("dp", "tp"), (4, 6), 3),
     _collective_case("psum-replicated", lambda b: unimesh.psum(b, "tp"), P("dp"), (4, 6), 4),
-    _collective_case("all_gather", lambda b: unimesh.all_gather(b, "tp"), P("dp", "tp"),
-                     (4, 6), 5),
-    _collective_case("all_gather-dim1-untiled",
-                     lambda b: unimesh.all_gather(b, "dp", dim=1, tiled=False), P("dp", "tp"),
-                     (4, 6), 6),
-    _collective_case("all_gather-tuple", lambda b: unimesh.all_gather(b, ("tp", "dp")),
-                     P(("tp", "dp")), (8, 3), 7),
-    _collective_case("psum_scatter-tiled",
-                     lambda b: unimesh.psum_scatter(b, "tp", scatter_dimension=1, tiled=True),
-                     P("dp"), (4, 6), 8),
-    _collective_case("psum_scatter-untiled",
-                     lambda b: unimesh.psum_scatter(b, "dp", scatter_dimension=0),
-                     P(None, "tp"), (2, 6), 9),
-    _collective_case("all_to_all-tiled",
-                     lambda b: unimesh.all_to_all(b, "tp", 1, 0, tiled=True), P("dp"), (4, 6), 10),
-    _collective_case("all_to_all-untiled",
-                     lambda b: unimesh.all_to_all(b, "dp", 0, 1), P(None, "tp"), (2, 6, 3), 11),
-    _collective_case("all_to_all-tuple",
-                     lambda b: unimesh.all_to_all(b, ("dp", "tp"), 0, 1, tiled=True), P(),
-                     (8, 2), 12),
-    _collective_case("ppermute-ring",
-                     lambda b: unimesh.ppermute(b, "tp", [(0, 1), (1, 0)]) * 2.0 + b,
-                     P("dp", "tp"), (4, 6), 13),
-    _collective_case("ppermute-shift",
-                     lambda b: unimesh.ppermute(b, ("dp", "tp"), [(0, 1), (1, 2), (2, 3)]),
-                     P(("dp", "tp")), (8, 3), 14),
-    _collective_case("pbroadcast",
-                     lambda b: unimesh.pbroadcast(b, "tp", 1) * b, P("dp", "tp"), (4, 6), 15),
+    _collective_case("all_gather", lambda b: unimesh.all_gather(b, "tp"), P("dp", "tp"), (4, 6), 5),
+    _collective_case(
+        "all_gather-dim1-untiled",
+        lambda b: unimesh.all_gather(b, "dp", dim=1, tiled=False),
+        P("dp", "tp"),
+        (4, 6),
+        6,
+    ),
+    _collective_case(
+        "all_gather-tuple",
+        lambda b: unimesh.all_gather(b, ("tp", "dp")),
+        P(("tp", "dp")),
+        (8, 3),
+        7,
+    ),
+    _collective_case(
+        "psum_scatter-tiled",
+        lambda b: unimesh.psum_scatter(b, "tp", scatter_dimension=1, tiled=True),
+        P("dp"),
+        (4, 6),
+        8,
+    ),
+    _collective_case(
+        "psum_scatter-untiled",
+        lambda b: unimesh.psum_scatter(b, "dp", scatter_dimension=0),
+        P(None, "tp"),
+        (2, 6),
+        9,
+    ),
+    _collective_case(
+        "all_to_all-tiled",
+        lambda b: unimesh.all_to_all(b, "tp", 1, 0, tiled=True),
+        P("dp"),
+        (4, 6),
+        10,
+    ),
+    _collective_case(
+        "all_to_all-untiled",
+        lambda b: unimesh.all_to_all(b, "dp", 0, 1),
+        P(None, "tp"),
+        (2, 6, 3),
+        11,
+    ),
+    _collective_case(
+        "all_to_all-tuple",
+        lambda b: unimesh.all_to_all(b, ("dp", "tp"), 0, 1, tiled=True),
+        P(),
+        (8, 2),
+        12,
+    ),
+    _collective_case(
+        "ppermute-ring",
+        lambda b: unimesh.ppermute(b, "tp", [(0, 1), (1, 0)]) * 2.0 + b,
+        P("dp", "tp"),
+        (4, 6),
+        13,
+    ),
+    _collective_case(
+        "ppermute-shift",
+        lambda b: unimesh.ppermute(b, ("dp", "tp"), [(0, 1), (1, 2), (2, 3)]),
+        P(("dp", "tp")),
+        (8, 3),
+        14,
+    ),
+    _collective_case(
+        "pbroadcast", lambda b: unimesh.pbroadcast(b, "tp", 1) * b, P("dp", "tp"), (4, 6), 15
+    ),
 ]
 
 
@@ -110,15 +158,24 @@ def _issue_example(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
         pred = unimesh.psum(x @ w, "tp")
         return unimesh.pmean(((pred - y) ** 2).mean(), "dp")
 
-    return unimesh.shard_map(loss_fn, mesh, in_specs=(P("dp", "tp"), P("dp", None),
-                                                      P("tp", None)),
-                             out_specs=P(), backend=backend)
+    return unimesh.shard_map(
+        loss_fn,
+        mesh,
+        in_specs=(P("dp", "tp"), P("dp", None), P("tp", None)),
+        out_specs=P(),
+        backend=backend,
+    )
 
 
-CASES.append(Case("issue-example", _issue_example,
-                  [np.ones((16, 8), np.float32), np.zeros((16, 1), np.float32),
-                   np.ones((8, 1), np.float32)],
-                  [P("dp", "tp"), P("dp", None), P("tp", None)], (0, 2)))
+CASES.append(
+    Case(
+        "issue-example",
+        _issue_example,
+        [np.ones((16, 8), np.float32), np.zeros((16, 1), np.float32), np.ones((8, 1), np.float32)],
+        [P("dp", "tp"), P("dp", None), P("tp", None)],
+        (0, 2),
+    )
+)
 
 
 def _tree_program(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
@@ -126,16 +183,19 @@ def _tree_program(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
     None leaf, and a tuple of results whose specs are a prefix."""
 
     def body(params: dict[str, Any], batch: Any, nothing: None) -> Any:
-        h = batch.a @ params["w1"]                           # (B/dp, H/tp)
+        h = batch.a @ params["w1"]  # (B/dp, H/tp)
         h = h * (h > 0)
-        out = unimesh.psum(h @ params["w2"], "tp")           # (B/dp, O)
+        out = unimesh.psum(h @ params["w2"], "tp")  # (B/dp, O)
         loss = ((out - batch.b) ** 2).sum()
         return unimesh.psum(loss, "dp"), {"out": out}
 
     program = unimesh.shard_map(
-        body, mesh,
+        body,
+        mesh,
         in_specs=({"w1": P(None, "tp"), "w2": P("tp", None)}, P("dp"), None),
-        out_specs=(P(), {"out": P("dp")}), backend=backend)
+        out_specs=(P(), {"out": P("dp")}),
+        backend=backend,
+    )
 
     def loss(params: dict[str, Any], batch: Any) -> Any:
         total, _extra = program(params, batch, None)
@@ -145,9 +205,15 @@ def _tree_program(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
 
 
 _W1, _W2, _XA, _XB = _data(20, (6, 4), (4, 3), (4, 6), (4, 3))
-CASES.append(Case("pytree", _tree_program,
-                  [{"w1": _W1, "w2": _W2}, Pair(_XA, _XB)],
-                  [{"w1": P(None, "tp"), "w2": P("tp", None)}, None], (0, 1)))
+CASES.append(
+    Case(
+        "pytree",
+        _tree_program,
+        [{"w1": _W1, "w2": _W2}, Pair(_XA, _XB)],
+        [{"w1": P(None, "tp"), "w2": P("tp", None)}, None],
+        (0, 1),
+    )
+)
 
 
 def _layout(mesh: unimesh.Mesh, spec: P) -> Layout:
@@ -179,9 +245,13 @@ def arguments(case: Case, mesh: unimesh.Mesh, backend: str) -> list[Any]:
             out.append(optree.tree_map(lambda a: global_array(a, backend), value))
         else:
             specs = optree.tree_broadcast_prefix(spec, value, is_leaf=lambda s: isinstance(s, P))
-            out.append(optree.tree_map(
-                lambda a, s: unimesh.distribute(a, Layout(mesh, s), backend=backend),
-                value, specs))
+            out.append(
+                optree.tree_map(
+                    lambda a, s: unimesh.distribute(a, Layout(mesh, s), backend=backend),
+                    value,
+                    specs,
+                )
+            )
     return out
 
 
@@ -191,7 +261,8 @@ def run(case: Case, mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
 
     loss = case.build(mesh, backend)
     value, grads = unimesh.value_and_grad(loss, argnums=case.argnums, backend=backend)(
-        *arguments(case, mesh, backend))
+        *arguments(case, mesh, backend)
+    )
     out = {"value": np.asarray(unimesh.full_array(value, backend=backend), np.float64)}
     for n, g in zip(case.argnums, grads):
         leaves, treedef = optree.tree_flatten(g)
@@ -213,8 +284,10 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
     x, y, w = case.args
     w_layout = Layout(mesh, P("tp", None))
     if backend == "torch":
-        xs, ys = (unimesh.distribute(a, Layout(mesh, s), backend="torch")
-                  for a, s in ((x, P("dp", "tp")), (y, P("dp", None))))
+        xs, ys = (
+            unimesh.distribute(a, Layout(mesh, s), backend="torch")
+            for a, s in ((x, P("dp", "tp")), (y, P("dp", None)))
+        )
         wd = unimesh.distribute(w, w_layout, backend="torch").requires_grad_(True)
         program(xs, ys, wd).full_tensor().backward()
 
@@ -222,8 +295,10 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
             return program(xs, ys, w_d) + (w_d * w_d).sum()
 
         _, g = unimesh.value_and_grad(mixed, backend="torch")(wd.detach())
-        return {"grad2": np.asarray(wd.grad.full_tensor(), np.float64),
-                "mixed": np.asarray(g.full_tensor(), np.float64)}
+        return {
+            "grad2": np.asarray(wd.grad.full_tensor(), np.float64),
+            "mixed": np.asarray(g.full_tensor(), np.float64),
+        }
     import mlx.core as mx
     from unimesh_mlx import MLXArray
 
@@ -234,6 +309,9 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
 
     _, g = mx.value_and_grad(loss)(wm.local)
     _, compiled = mx.compile(mx.value_and_grad(loss))(wm.local)  # the graph replayed, compiled
-    return {"grad2": np.asarray(unimesh.full_array(MLXArray(g, w_layout, w.shape)), np.float64),
-            "compiled": np.asarray(unimesh.full_array(MLXArray(compiled, w_layout, w.shape)),
-                                   np.float64)}
+    return {
+        "grad2": np.asarray(unimesh.full_array(MLXArray(g, w_layout, w.shape)), np.float64),
+        "compiled": np.asarray(
+            unimesh.full_array(MLXArray(compiled, w_layout, w.shape)), np.float64
+        ),
+    }

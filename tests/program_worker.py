@@ -4,7 +4,8 @@ mlx.launch). Started by tests/test_programs.py.
     python tests/program_worker.py BACKEND REFERENCE.npz OUT_DIR
 
 Every process runs every case with unimesh.value_and_grad, compares the loss and each gradient
-with JAX's (from REFERENCE.npz) to 1e-5 (relative where they exceed 1), and writes OUT_DIR/rank-R.json: {case: max error or
+with JAX's (from REFERENCE.npz) to 1e-5 (relative where they exceed 1), and writes
+OUT_DIR/rank-R.json: {case: max error or
 the error text}.
 """
 
@@ -40,9 +41,15 @@ def main() -> int:
                 report[case.name] = f"outputs differ from JAX's: {missing}"
                 continue
             report[case.name] = max(  # relative to the size of the value, at least 1
-                float(np.max(np.abs(got[k.split(":", 1)[1]] - want[k])
-                             / np.maximum(1.0, np.abs(want[k])), initial=0.0))
-                for k in keys)
+                float(
+                    np.max(
+                        np.abs(got[k.split(":", 1)[1]] - want[k])
+                        / np.maximum(1.0, np.abs(want[k])),
+                        initial=0.0,
+                    )
+                )
+                for k in keys
+            )
         except Exception:  # noqa: BLE001 - any failure is reported for this case
             report[case.name] = traceback.format_exc(limit=6)
     try:  # the framework's own autodiff through a program
@@ -60,7 +67,8 @@ def main() -> int:
     if getattr(unimesh.get_backend(backend), "typed", False):  # JAX's check_vma refusal too
         try:
             unimesh.shard_map(lambda b: b * 2, mesh, P("dp"), P(), backend=backend)(
-                np.ones((4, 2), np.float32))
+                np.ones((4, 2), np.float32)
+            )
             report["typed-refusal"] = "a result varying along dp was accepted under out_spec P()"
         except unimesh.LayoutError as exc:
             ok = "varies along ('dp',)" in str(exc) and "out_spec P()" in str(exc)

@@ -13,8 +13,9 @@ NAMES = ["dp", "tp", "pp", "cp", "ep", "fsdp", "x", "y_1"]
 
 
 @st.composite
-def meshes(draw, max_ndim: int = 6, max_size: int = 256, permute: bool = True,
-           allow_gaps: bool = True) -> Mesh:
+def meshes(
+    draw, max_ndim: int = 6, max_size: int = 256, permute: bool = True, allow_gaps: bool = True
+) -> Mesh:
     ndim = draw(st.integers(1, max_ndim))
     shape: list[int] = []
     for _ in range(ndim):

@@ -7,8 +7,13 @@ import sys
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "unimesh", *args], capture_output=True,
-                          text=True, timeout=170, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "unimesh", *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
 
 
 def row(out: str, name: str) -> str:
@@ -33,8 +38,9 @@ def test_demo_default_mesh_on_every_installed_backend():
 
 
 def test_demo_permuted_3d_mesh():
-    proc = run("demo", "--mesh", "a=2,b=3,c=2;ids=11,10,9,8,7,6,5,4,3,2,1,0",
-               "--backends", "jax,keras")
+    proc = run(
+        "demo", "--mesh", "a=2,b=3,c=2;ids=11,10,9,8,7,6,5,4,3,2,1,0", "--backends", "jax,keras"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAIL" not in proc.stdout
 
@@ -73,8 +79,9 @@ def test_show_json_gives_the_core_answers():
 
     from unimesh import Layout, Mesh, P
 
-    proc = run("show", "dp=2,tp=2;ids=3,1,2,0", "--layout", "dp+tp,None", "--shape", "9,2",
-               "--json")
+    proc = run(
+        "show", "dp=2,tp=2;ids=3,1,2,0", "--layout", "dp+tp,None", "--shape", "9,2", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     mesh = Mesh.from_string("dp=2,tp=2;ids=3,1,2,0")
@@ -88,11 +95,13 @@ def test_show_json_gives_the_core_answers():
 
 
 def test_show_bad_input_is_one_line_and_exit_2():
-    for args, words in [(("dp=2,tp=x",), "cannot read axis 'tp=x'"),
-                        (("dp=2,tp=2", "--layout", "dp,pp", "--shape", "4,4"), "'pp'"),
-                        (("dp=2,tp=2", "--layout", "dp", "--shape", "4,x"), "'4,x'"),
-                        (("dp=2,tp=2", "--layout", "dp,tp"), "--layout needs --shape"),
-                        (("dp=2,tp=2", "--layout", "dp,tp", "--shape", "4"), "has 1 dims")]:
+    for args, words in [
+        (("dp=2,tp=x",), "cannot read axis 'tp=x'"),
+        (("dp=2,tp=2", "--layout", "dp,pp", "--shape", "4,4"), "'pp'"),
+        (("dp=2,tp=2", "--layout", "dp", "--shape", "4,x"), "'4,x'"),
+        (("dp=2,tp=2", "--layout", "dp,tp"), "--layout needs --shape"),
+        (("dp=2,tp=2", "--layout", "dp,tp", "--shape", "4"), "has 1 dims"),
+    ]:
         proc = run("show", *args)
         assert proc.returncode == 2, (args, proc.stdout)
         assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
@@ -108,35 +117,57 @@ def test_convert_prints_the_native_mesh():
 def test_convert_code_builds_the_same_mesh_when_run():
     """The hand-written native code that --code prints, executed, gives back the neutral mesh."""
     spec = "dp=2,tp=2;ids=3,1,2,0"
-    for backend, prelude in [("jax", ("import os\nos.environ['XLA_FLAGS'] = "
-                                      "'--xla_force_host_platform_device_count=4'\n")),
-                             ("keras", ("import os\nos.environ['XLA_FLAGS'] = "
-                                        "'--xla_force_host_platform_device_count=4'\n"
-                                        "os.environ['KERAS_BACKEND'] = 'jax'\n")),
-                             ("tensorflow", ("import unimesh_tensorflow\n"
-                                             "unimesh_tensorflow.configure_cpu_devices(4)\n"))]:
+    for backend, prelude in [
+        (
+            "jax",
+            ("import os\nos.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'\n"),
+        ),
+        (
+            "keras",
+            (
+                "import os\nos.environ['XLA_FLAGS'] = "
+                "'--xla_force_host_platform_device_count=4'\n"
+                "os.environ['KERAS_BACKEND'] = 'jax'\n"
+            ),
+        ),
+        (
+            "tensorflow",
+            ("import unimesh_tensorflow\nunimesh_tensorflow.configure_cpu_devices(4)\n"),
+        ),
+    ]:
         proc = run("convert", spec, "--to", backend, "--code")
         assert proc.returncode == 0, proc.stderr
-        program = (prelude + proc.stdout + "\nimport unimesh\n"
-                   f"assert unimesh.from_native(mesh) == unimesh.Mesh.from_string({spec!r}), "
-                   "unimesh.from_native(mesh)\nprint('SAME')\n")
-        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                              timeout=170, check=False)
+        program = (
+            prelude + proc.stdout + "\nimport unimesh\n"
+            f"assert unimesh.from_native(mesh) == unimesh.Mesh.from_string({spec!r}), "
+            "unimesh.from_native(mesh)\nprint('SAME')\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", program],
+            capture_output=True,
+            text=True,
+            timeout=170,
+            check=False,
+        )
         assert done.returncode == 0 and "SAME" in done.stdout, (backend, program, done.stderr)
 
 
 def test_convert_code_for_torch_and_mlx_names_every_group():
     torch_code = run("convert", "dp=2,tp=2;ids=3,1,2,0", "--to", "torch", "--code").stdout
-    assert "DeviceMesh(\"cpu\", torch.tensor([[3, 1], [2, 0]]), mesh_dim_names=('dp', 'tp'))" \
+    assert (
+        "DeviceMesh(\"cpu\", torch.tensor([[3, 1], [2, 0]]), mesh_dim_names=('dp', 'tp'))"
         in torch_code
+    )
     mlx_code = run("convert", "dp=2,tp=2", "--to", "mlx", "--code").stdout
     assert "rows = [(0, 2), (1, 3)]" in mlx_code and "tp_group = world.split" in mlx_code
 
 
 def test_convert_bad_input_is_one_line_and_exit_2():
-    for args, words in [(("dp=2", "--to", "nope"), "no backend named 'nope'"),
-                        (("dp=2", "--to", "torch"), "needs a process group"),
-                        (("dp=0", "--to", "jax"), "must be >= 1, got 0")]:
+    for args, words in [
+        (("dp=2", "--to", "nope"), "no backend named 'nope'"),
+        (("dp=2", "--to", "torch"), "needs a process group"),
+        (("dp=0", "--to", "jax"), "must be >= 1, got 0"),
+    ]:
         proc = run("convert", *args)
         assert proc.returncode == 2, (args, proc.stdout)
         assert proc.stderr.strip().count("\n") == 0 and words in proc.stderr, proc.stderr
@@ -146,8 +177,14 @@ def check(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
     import os
 
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
-    return subprocess.run([sys.executable, "-m", "unimesh", "check", *args], capture_output=True,
-                          text=True, timeout=400, check=False, env={**base, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "unimesh", "check", *args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+        env={**base, **(env or {})},
+    )
 
 
 def test_check_runs_the_suite_and_prints_the_matrix(example_site, tmp_path):
@@ -156,8 +193,15 @@ def test_check_runs_the_suite_and_prints_the_matrix(example_site, tmp_path):
     import json
 
     out = tmp_path / "matrix.json"
-    proc = check("example", "example_broken", "--json", str(out), "--markdown",
-                 str(tmp_path / "m.md"), env={"PYTHONPATH": str(example_site)})
+    proc = check(
+        "example",
+        "example_broken",
+        "--json",
+        str(out),
+        "--markdown",
+        str(tmp_path / "m.md"),
+        env={"PYTHONPATH": str(example_site)},
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "unimesh capability matrix" in proc.stdout
     assert "example_broken: the suite failed" in proc.stdout
@@ -195,18 +239,22 @@ def test_check_a_launched_backend(tmp_path):
     declared = unimesh.get_backend("torch").capabilities
     for cap, verdict in result["matrix"].items():
         assert verdict in (("pass", "refused") if cap in declared else ("not declared",)), (
-            cap, verdict)
+            cap,
+            verdict,
+        )
     # DTensor cannot put shards on a reversed mesh: the matrix says so instead of passing
     placed = result["cells"]["distribute"]
     assert result["matrix"]["distribute"] == "refused" and placed["refused"] > 0, placed
-    for cap, cell in result["cells"].items():
+    for cell in result["cells"].values():
         for why in cell["reasons"]:
             assert why.startswith("refused: ") and "device order is not increasing" in why, why
 
 
 def test_check_bad_input_is_one_line():
-    for args, named in ((["nosuchbackend"], "'nosuchbackend'"),
-                        (["torch", "--processes", "0"], "--processes")):
+    for args, named in (
+        (["nosuchbackend"], "'nosuchbackend'"),
+        (["torch", "--processes", "0"], "--processes"),
+    ):
         proc = check(*args)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         lines = proc.stderr.strip().splitlines()
@@ -220,9 +268,16 @@ def test_check_without_names_skips_backends_whose_framework_is_missing(monkeypat
     from unimesh.cli import check as _check
     from unimesh.conformance.matrix import Case
 
-    ghost = type("Ghost", (unimesh.Backend,), {"name": "ghost", "framework": "no_such_fw_xyz",
-                                                "extra": "ghost",
-                                                "capabilities": frozenset({"mesh"})})()
+    ghost = type(
+        "Ghost",
+        (unimesh.Backend,),
+        {
+            "name": "ghost",
+            "framework": "no_such_fw_xyz",
+            "extra": "ghost",
+            "capabilities": frozenset({"mesh"}),
+        },
+    )()
     unimesh.register_backend(ghost)
     ran: list[str] = []
 
@@ -240,20 +295,24 @@ def test_check_without_names_skips_backends_whose_framework_is_missing(monkeypat
         unimesh.unregister_backend("ghost")
     out = capsys.readouterr().out
     assert "ghost" not in ran and ran, ran
-    assert 'ghost: not checked, its framework is not installed (pip install "unimesh[ghost]")' \
-        in out
+    assert (
+        'ghost: not checked, its framework is not installed (pip install "unimesh[ghost]")' in out
+    )
     assert set(ran) == {n for n in unimesh.backends() if unimesh.get_backend(n).available()}
 
 
 def test_demo_names_a_backend_whose_framework_is_missing():
     """The demo's row for such a backend says what is missing and the pip extra; no crash."""
-    code = ("import sys, unimesh\nfrom unimesh.cli import main\n"
-            "ghost = type('Ghost', (unimesh.Backend,), {'name': 'ghost', 'framework': "
-            "'no_such_fw_xyz', 'extra': 'ghost', 'capabilities': frozenset({'mesh'})})()\n"
-            "unimesh.register_backend(ghost)\n"
-            "sys.exit(main(['demo', '--backends', 'jax,ghost']))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=170, check=False)
+    code = (
+        "import sys, unimesh\nfrom unimesh.cli import main\n"
+        "ghost = type('Ghost', (unimesh.Backend,), {'name': 'ghost', 'framework': "
+        "'no_such_fw_xyz', 'extra': 'ghost', 'capabilities': frozenset({'mesh'})})()\n"
+        "unimesh.register_backend(ghost)\n"
+        "sys.exit(main(['demo', '--backends', 'jax,ghost']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=170, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = row(proc.stdout, "ghost")
     assert "no_such_fw_xyz not" in line and "pip install" in line, proc.stdout
@@ -270,8 +329,14 @@ def test_a_third_party_backend_appears_everywhere_without_an_edit_in_unimesh(exa
     env = {**os.environ, "PYTHONPATH": str(example_site)}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "unimesh", *args], capture_output=True,
-                              text=True, timeout=170, check=False, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "unimesh", *args],
+            capture_output=True,
+            text=True,
+            timeout=170,
+            check=False,
+            env=env,
+        )
 
     listed = cli("backends")
     assert listed.returncode == 0, listed.stderr
@@ -285,18 +350,33 @@ def test_a_third_party_backend_appears_everywhere_without_an_edit_in_unimesh(exa
     spec = "dp=2,tp=2;ids=3,1,2,0"
     code = cli("convert", spec, "--to", "example", "--code")
     assert code.returncode == 0, code.stderr
-    program = (code.stdout + "\nimport unimesh\nassert unimesh.from_native(mesh) == "
-               f"unimesh.Mesh.from_string({spec!r}), unimesh.from_native(mesh)\nprint('SAME')\n")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=170, check=False, env=env)
+    program = (
+        code.stdout + "\nimport unimesh\nassert unimesh.from_native(mesh) == "
+        f"unimesh.Mesh.from_string({spec!r}), unimesh.from_native(mesh)\nprint('SAME')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+        env=env,
+    )
     assert done.returncode == 0 and "SAME" in done.stdout, (program, done.stderr)
 
     docs = Path(__file__).parents[1] / "docs"
-    script = (f"import sys; sys.path.insert(0, {str(docs)!r}); import _gen; "
-              "print(_gen.api_table()); print(_gen.collectives_table())")
+    script = (
+        f"import sys; sys.path.insert(0, {str(docs)!r}); import _gen; "
+        "print(_gen.api_table()); print(_gen.collectives_table())"
+    )
     tables = subprocess.run(
         [sys.executable, "-c", script],
-        capture_output=True, text=True, timeout=170, check=False, env=env)
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+        env=env,
+    )
     assert tables.returncode == 0, tables.stderr
     api, primitives = tables.stdout.split("\n\n", 1)
     assert " example |" in api.splitlines()[0], api

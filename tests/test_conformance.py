@@ -24,8 +24,11 @@ pytestmark = pytest.mark.timeout(LIMIT + 120)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "KERAS_BACKEND", "UNIMESH_BACKEND")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("XLA_FLAGS", "KERAS_BACKEND", "UNIMESH_BACKEND")
+    }
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 
@@ -34,12 +37,28 @@ def run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
     return run_bounded(cmd, env, LIMIT, cwd)
 
 
-def suite(backend: str, tmp_path: Path, env: dict[str, str] | None = None,
-          ) -> tuple[int, str, dict]:
+def suite(
+    backend: str,
+    tmp_path: Path,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str, dict]:
     matrix = tmp_path / f"matrix-{backend}.json"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
-           "unimesh.conformance", "--unimesh-backend", backend, "--unimesh-matrix-json",
-           str(matrix), "--unimesh-matrix-md", str(tmp_path / f"matrix-{backend}.md")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--pyargs",
+        "unimesh.conformance",
+        "--unimesh-backend",
+        backend,
+        "--unimesh-matrix-json",
+        str(matrix),
+        "--unimesh-matrix-md",
+        str(tmp_path / f"matrix-{backend}.md"),
+    ]
     rc, out = run(cmd, env or clean_env(), tmp_path)
     return rc, out, json.loads(matrix.read_text()) if matrix.exists() else {}
 
@@ -62,11 +81,25 @@ def test_suite_passes_on_installed_backend(name: str, tmp_path: Path) -> None:
 
 def test_suite_in_every_torchrun_rank(tmp_path: Path) -> None:
     pytest.importorskip("torch.distributed")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "unimesh.conformance",
-           "--unimesh-backend", "torch"]
-    rc, out = run(cmd, clean_env(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")),
-                  tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=4",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--pyargs",
+        "unimesh.conformance",
+        "--unimesh-backend",
+        "torch",
+    ]
+    rc, out = run(
+        cmd, clean_env(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")), tmp_path
+    )
     assert rc == 0, out[-6000:]
     assert not re.search(r"\d+ failed", out), out[-6000:]  # a launcher may exit 0 regardless
     summaries = re.findall(r"(\d+) passed, (\d+) skipped", out)
@@ -77,8 +110,9 @@ def test_suite_in_every_torchrun_rank(tmp_path: Path) -> None:
 
 def test_third_party_backend_is_found_and_passes(example_site: Path, tmp_path: Path) -> None:
     env = clean_env(PYTHONPATH=str(example_site))
-    rc, out = run([sys.executable, "-c", "import unimesh; print(unimesh.backends())"], env,
-                  tmp_path)
+    rc, out = run(
+        [sys.executable, "-c", "import unimesh; print(unimesh.backends())"], env, tmp_path
+    )
     assert "'example'" in out and "'example_broken'" in out, out
     rc, out, matrix = suite("example", tmp_path, env)
     assert rc == 0, out[-6000:]
@@ -96,8 +130,11 @@ def test_broken_backend_fails_named_tests(example_site: Path, tmp_path: Path) ->
     rc, out, matrix = suite("example_broken", tmp_path, clean_env(PYTHONPATH=str(example_site)))
     assert rc == 1, out[-6000:]
     failed = set(re.findall(r"FAILED \S+::(test_\w+)\[", out))
-    assert {"test_mesh_round_trip", "test_distribute_gives_reference_shards",
-            "test_layout_round_trip"} <= failed, failed
+    assert {
+        "test_mesh_round_trip",
+        "test_distribute_gives_reference_shards",
+        "test_layout_round_trip",
+    } <= failed, failed
     assert matrix["example_broken"]["mesh"]["verdict"] == "fail"
     assert matrix["example_broken"]["distribute"]["verdict"] == "fail"
     assert matrix["example_broken"]["mesh"]["failed"] > 0
@@ -106,15 +143,40 @@ def test_broken_backend_fails_named_tests(example_site: Path, tmp_path: Path) ->
 @pytest.mark.parametrize("launcher", ["ring", "mpi"])
 def test_suite_in_every_mlx_process(launcher: str, tmp_path: Path) -> None:
     pytest.importorskip("mlx.core")
-    suite_args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", "--pyargs",
-                  "unimesh.conformance", "--unimesh-backend", "mlx"]
+    suite_args = [
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--color=no",
+        "--pyargs",
+        "unimesh.conformance",
+        "--unimesh-backend",
+        "mlx",
+    ]
     if launcher == "ring":
-        cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", "4", "--backend", "ring",
-               "--", sys.executable, *suite_args]
+        cmd = [
+            str(Path(sys.executable).with_name("mlx.launch")),
+            "-n",
+            "4",
+            "--backend",
+            "ring",
+            "--",
+            sys.executable,
+            *suite_args,
+        ]
     else:
         mpirun = require_mpirun()
-        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable,
-               *suite_args]
+        cmd = [
+            mpirun,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "4",
+            sys.executable,
+            *suite_args,
+        ]
     rc, out = run(cmd, clean_env(), tmp_path)
     assert rc == 0, out[-6000:]
     assert not re.search(r"\d+ failed", out), out[-6000:]  # a launcher may exit 0 regardless
@@ -129,13 +191,33 @@ def test_suite_in_every_jax_distributed_process(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no",
-           "--pyargs", "unimesh.conformance", "--unimesh-backend", "jax"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=tmp_path, start_new_session=True,
-                              env=clean_env(JAX_COORDINATOR_ADDRESS=address,
-                                            JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)))
-             for i in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--color=no",
+        "--pyargs",
+        "unimesh.conformance",
+        "--unimesh-backend",
+        "jax",
+    ]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+            start_new_session=True,
+            env=clean_env(
+                JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
+            ),
+        )
+        for i in range(2)
+    ]
     outs = []
     try:
         for p in procs:

@@ -37,8 +37,23 @@ def test_sphinx_builds_without_warnings(tmp_path):
     if os.environ.get("CI") is None:
         pytest.importorskip("sphinx")
         pytest.importorskip("myst_parser")
-    rc, out = run_bounded([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
-                           "html", str(DOCS), str(tmp_path / "html")], env(), 300, tmp_path)
+    rc, out = run_bounded(
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            str(DOCS),
+            str(tmp_path / "html"),
+        ],
+        env(),
+        300,
+        tmp_path,
+    )
     assert rc == 0, out[-5000:]
     page = (tmp_path / "html" / "api-mapping.html").read_text()
     assert "jax.lax.psum" in page and "DeviceMesh.get_group" in page
@@ -77,23 +92,35 @@ def test_generated_matrix_matches_what_backends_declare():
 def test_benchmark_data_has_every_section():
     data = json.loads((DOCS / "_data" / "benchmarks.json").read_text())
     titles = [s["title"] for s in data["sections"]]
-    assert titles == ["Import cost", "to_native overhead", "The core at 1,048,576 devices",
-                      "Program step overhead", "Example programs: training step"]
+    assert titles == [
+        "Import cost",
+        "to_native overhead",
+        "The core at 1,048,576 devices",
+        "Program step overhead",
+        "Example programs: training step",
+    ]
     assert all(s["rows"] for s in data["sections"])
     programs = {(r["backend"].split()[0], r["program"]) for r in data["sections"][-1]["rows"]}
-    assert programs == {(b, p) for b in ("jax", "torch")
-                        for p in ("fsdp", "tp_sp", "moe", "pipeline")}
+    assert programs == {
+        (b, p) for b in ("jax", "torch") for p in ("fsdp", "tp_sp", "moe", "pipeline")
+    }
 
 
 def test_quickstart_runs(tmp_path):
     pytest.importorskip("jax")
     code = "\n".join(blocks("quickstart.md", "python"))
-    code += ("\nassert unimesh.from_native(x.sharding) == layout\n"
-             "print(json.dumps(unimesh.full_array(row_sums(x)).ravel().tolist()))\n")
+    code += (
+        "\nassert unimesh.from_native(x.sharding) == layout\n"
+        "print(json.dumps(unimesh.full_array(row_sums(x)).ravel().tolist()))\n"
+    )
     script = tmp_path / "quickstart.py"
     script.write_text("import json\n" + code)
-    rc, out = run_bounded([sys.executable, str(script)],
-                          env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), 120, tmp_path)
+    rc, out = run_bounded(
+        [sys.executable, str(script)],
+        env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        120,
+        tmp_path,
+    )
     assert rc == 0, out[-3000:]
     assert json.loads(out.strip().splitlines()[-1]) == X.sum(axis=1).tolist()
 
@@ -112,23 +139,36 @@ def _rank_sums(out: str, nproc: int) -> None:
     assert sorted(map(int, found)) == list(range(nproc)), out[-3000:]
     for rank, sums in found.items():
         dp = int(rank) // 4
-        assert json.loads(sums) == X[4 * dp:4 * dp + 4].sum(axis=1).tolist(), (rank, sums)
+        assert json.loads(sums) == X[4 * dp : 4 * dp + 4].sum(axis=1).tolist(), (rank, sums)
 
 
 def test_porting_torch(tmp_path):
     pytest.importorskip("torch.distributed")
-    rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=8", str(_porting(tmp_path, 0))],
-                          env(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")), 240,
-                          tmp_path)
+    rc, out = run_bounded(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=8",
+            str(_porting(tmp_path, 0)),
+        ],
+        env(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")),
+        240,
+        tmp_path,
+    )
     assert rc == 0, out[-3000:]
     _rank_sums(out, 8)
 
 
 def test_porting_jax(tmp_path):
     pytest.importorskip("jax")
-    rc, out = run_bounded([sys.executable, str(_porting(tmp_path, 1))],
-                          env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), 120, tmp_path)
+    rc, out = run_bounded(
+        [sys.executable, str(_porting(tmp_path, 1))],
+        env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+        120,
+        tmp_path,
+    )
     assert rc == 0, out[-3000:]
     (sums,) = re.findall(r"sums (\[[^\]]*\])", out)
     assert json.loads(sums) == X.sum(axis=1).tolist()
@@ -137,8 +177,20 @@ def test_porting_jax(tmp_path):
 def test_porting_mlx(tmp_path):
     pytest.importorskip("mlx.core")
     mpirun = require_mpirun()
-    rc, out = run_bounded([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "8",
-                           sys.executable, str(_porting(tmp_path, 2))], env(), 240, tmp_path)
+    rc, out = run_bounded(
+        [
+            mpirun,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "8",
+            sys.executable,
+            str(_porting(tmp_path, 2)),
+        ],
+        env(),
+        240,
+        tmp_path,
+    )
     assert rc == 0, out[-3000:]
     _rank_sums(out, 8)
 
@@ -154,14 +206,32 @@ def test_porting_unimesh_version_on_every_backend(backend, tmp_path):
         extra = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     elif backend == "torch":
         pytest.importorskip("torch.distributed")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=8", script, "--backend", "torch"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=8",
+            script,
+            "--backend",
+            "torch",
+        ]
         nproc, extra = 8, {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
     else:
         pytest.importorskip("mlx.core")
         launch = Path(sys.executable).with_name("mlx.launch")
-        cmd = [str(launch), "-n", "8", "--backend", "ring", "--", sys.executable, script,
-               "--backend", "mlx"]
+        cmd = [
+            str(launch),
+            "-n",
+            "8",
+            "--backend",
+            "ring",
+            "--",
+            sys.executable,
+            script,
+            "--backend",
+            "mlx",
+        ]
         nproc, extra = 8, {}
     rc, out = run_bounded(cmd, env(**extra), 240, tmp_path)
     assert rc == 0, out[-3000:]
@@ -179,4 +249,3 @@ def test_config_page_example(tmp_path):
     assert config.layout_map.get("block_1/dense/kernel").spec == unimesh.P(None, "model")
     assert config.axis_rules.spec(("batch", "mlp")) == unimesh.P("batch", "model")
     assert unimesh.Config.from_json(config.to_json()) == config
-

@@ -24,8 +24,9 @@ def run(cmd: list[str], ranks: int, backend: str) -> str:
     env.pop("XLA_FLAGS", None)  # the example asks for its own devices
     rc, out = run_bounded(cmd, env, LIMIT)
     assert rc == 0, out[-6000:]
-    lines = re.findall(r"RANK (\d+) OK backend=(\w+) mesh=(\S+) loss=([\d.]+) reference=([\d.]+)",
-                       out)
+    lines = re.findall(
+        r"RANK (\d+) OK backend=(\w+) mesh=(\S+) loss=([\d.]+) reference=([\d.]+)", out
+    )
     assert sorted(int(r) for r, *_ in lines) == list(range(ranks)), out[-6000:]
     assert {b for _, b, *_ in lines} == {backend}
     assert all(abs(float(loss) - float(ref)) < 1e-5 for *_, loss, ref in lines)
@@ -48,16 +49,42 @@ def test_keras_on_jax() -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_torchrun_four_processes(name: str) -> None:
     pytest.importorskip("torch")
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "4", str(EXAMPLES / f"{name}.py"), "--backend", "torch"], 4, "torch")
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(EXAMPLES / f"{name}.py"),
+            "--backend",
+            "torch",
+        ],
+        4,
+        "torch",
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_mpirun_four_processes(name: str) -> None:
     pytest.importorskip("mlx.core")
     mpirun = require_mpirun()
-    out = run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable,
-               str(EXAMPLES / f"{name}.py"), "--backend", "mlx"], 4, "mlx")
+    out = run(
+        [
+            mpirun,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "4",
+            sys.executable,
+            str(EXAMPLES / f"{name}.py"),
+            "--backend",
+            "mlx",
+        ],
+        4,
+        "mlx",
+    )
     assert "MPI_FINALIZE" not in out
 
 
@@ -65,5 +92,19 @@ def test_mpirun_four_processes(name: str) -> None:
 def test_mlx_launch_ring_four_processes(name: str) -> None:
     pytest.importorskip("mlx.core")
     launcher = Path(sys.executable).with_name("mlx.launch")
-    run([str(launcher), "-n", "4", "--backend", "ring", "--", sys.executable,
-         str(EXAMPLES / f"{name}.py"), "--backend", "mlx"], 4, "mlx")
+    run(
+        [
+            str(launcher),
+            "-n",
+            "4",
+            "--backend",
+            "ring",
+            "--",
+            sys.executable,
+            str(EXAMPLES / f"{name}.py"),
+            "--backend",
+            "mlx",
+        ],
+        4,
+        "mlx",
+    )

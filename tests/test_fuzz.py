@@ -19,8 +19,14 @@ def test_fuzzed_inputs_give_results_or_unimesh_errors():
     report = fuzzing.run(COUNT, seed=1234)
     assert report.count == COUNT
     assert not report.failures, "\n".join(report.failures[:20])
-    assert set(report.by_target) == {"Mesh.from_string", "Mesh.from_json", "Mesh.from_dict",
-                                     "Config.from_toml", "Config.from_json", "Config.from_dict"}
+    assert set(report.by_target) == {
+        "Mesh.from_string",
+        "Mesh.from_json",
+        "Mesh.from_dict",
+        "Config.from_toml",
+        "Config.from_json",
+        "Config.from_dict",
+    }
     assert report.accepted > COUNT // 50 and sum(report.refused.values()) > COUNT // 2, report
     # a guard against pathological inputs (seconds), not a performance claim: the 50 ms
     # figure is measured by benchmarks/fuzz.py
@@ -33,14 +39,17 @@ def test_memory_stays_small_under_hostile_sizes():
     assert report.peak_bytes < 64 * 2**20, (report.peak_bytes, report.peak_input)
 
 
-@pytest.mark.parametrize("parse, value", [
-    (Mesh.from_string, "a=1000000,b=1000000"),
-    (Mesh.from_string, "a=1000000000000"),
-    (Mesh.from_json, '{"axis_names": ["a", "b"], "shape": [1000000, 1000000]}'),
-    (Mesh.from_dict, {"axis_names": ["a"], "shape": [10**12], "device_ids": [0]}),
-    (Config.from_toml, "[mesh]\naxes = {a = 1000000, b = 1000000}"),
-    (Config.from_json, '{"mesh": "a=1000000000000"}'),
-])
+@pytest.mark.parametrize(
+    "parse, value",
+    [
+        (Mesh.from_string, "a=1000000,b=1000000"),
+        (Mesh.from_string, "a=1000000000000"),
+        (Mesh.from_json, '{"axis_names": ["a", "b"], "shape": [1000000, 1000000]}'),
+        (Mesh.from_dict, {"axis_names": ["a"], "shape": [10**12], "device_ids": [0]}),
+        (Config.from_toml, "[mesh]\naxes = {a = 1000000, b = 1000000}"),
+        (Config.from_json, '{"mesh": "a=1000000000000"}'),
+    ],
+)
 def test_a_trillion_devices_is_an_error_before_any_allocation(parse, value):
     import tracemalloc
 

@@ -13,8 +13,14 @@ FRAMEWORKS = ("torch", "jax", "jaxlib", "keras", "tensorflow", "mlx")
 def _run(code: str) -> dict:
     env = dict(os.environ)
     env.pop("UNIMESH_BACKEND", None)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -50,6 +56,7 @@ def test_installed_backends_load_without_their_framework():
     roots = {name.split(".")[0] for name in out["all"]}
     assert not roots & set(FRAMEWORKS), roots & set(FRAMEWORKS)
 
+
 def test_the_version_is_written_once():
     """The installed metadata's version is ``unimesh.__version__`` (pyproject reads it), and
     pyproject.toml writes no version of its own."""
@@ -65,5 +72,8 @@ def test_the_version_is_written_once():
     assert "version" not in project["project"]
     assert project["project"]["dynamic"] == ["version"]
     assert (Path(__file__).parents[1] / "LICENSE").read_text().split()[:3] == [
-        "Apache", "License", "Version"]
+        "Apache",
+        "License",
+        "Version",
+    ]
     assert project["project"]["license"] == "Apache-2.0"

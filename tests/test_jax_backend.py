@@ -21,12 +21,15 @@ from jax.sharding import PartitionSpec as JP
 from unimesh_jax import global_devices, use_mesh
 
 if len(jax.devices()) < 8:  # pragma: no cover - XLA_FLAGS came too late
-    pytest.skip("needs 8 CPU devices (XLA_FLAGS set before jax is imported)",
-                allow_module_level=True)
+    pytest.skip(
+        "needs 8 CPU devices (XLA_FLAGS set before jax is imported)", allow_module_level=True
+    )
 
-small_meshes = meshes(max_ndim=4, max_size=8, allow_gaps=True).filter(
-    lambda m: int(m.device_ids.max()) < 8).map(
-    lambda m: Mesh(m.shape, m.axis_names, m.device_ids, axis_types=m.axis_types))
+small_meshes = (
+    meshes(max_ndim=4, max_size=8, allow_gaps=True)
+    .filter(lambda m: int(m.device_ids.max()) < 8)
+    .map(lambda m: Mesh(m.shape, m.axis_names, m.device_ids, axis_types=m.axis_types))
+)
 
 
 def expected_types(mesh: Mesh) -> tuple[str, ...] | None:
@@ -46,12 +49,16 @@ def test_mesh_devices_and_round_trip(mesh: Mesh) -> None:
     assert jm.devices.shape == mesh.shape
     assert [d for d in jm.devices.ravel()] == [devs[i] for i in mesh.device_ids.ravel()]
     assert tuple(jm.axis_names) == mesh.axis_names
-    want = tuple(AxisType.Auto for _ in mesh.shape) if mesh.axis_types is None else tuple(
-        getattr(AxisType, t.capitalize()) for t in mesh.axis_types)
+    want = (
+        tuple(AxisType.Auto for _ in mesh.shape)
+        if mesh.axis_types is None
+        else tuple(getattr(AxisType, t.capitalize()) for t in mesh.axis_types)
+    )
     assert tuple(jm.axis_types) == want
     back = unimesh.from_native(jm)
-    assert back == Mesh(mesh.shape, mesh.axis_names, mesh.device_ids,
-                        axis_types=expected_types(mesh))
+    assert back == Mesh(
+        mesh.shape, mesh.axis_names, mesh.device_ids, axis_types=expected_types(mesh)
+    )
 
 
 @given(st.data())
@@ -63,18 +70,22 @@ def test_named_sharding_matches_reference(data: st.DataObject) -> None:
     assert isinstance(sharding, NamedSharding)
     assert tuple(sharding.spec) == tuple(spec)
     assert unimesh.from_native(sharding) == Layout(
-        Mesh(mesh.shape, mesh.axis_names, mesh.device_ids, axis_types=expected_types(mesh)), spec)
+        Mesh(mesh.shape, mesh.axis_names, mesh.device_ids, axis_types=expected_types(mesh)), spec
+    )
     shape = tuple(
         math.prod(mesh.axis_size(a) for a in ((e,) if isinstance(e, str) else e or ())) * 2
-        for e in spec) + (3,)
+        for e in spec
+    ) + (3,)
     if "manual" in (mesh.axis_types or ()):
         with pytest.raises(UnsupportedError, match="'manual', which JAX uses only inside"):
             unimesh.distribute(np.zeros(shape), lay, "jax")
         return
     # an even shape: JAX's own device -> index map is the reference
     devs = global_devices()
-    theirs = {devs.index(d): as_ranges(idx, shape)
-              for d, idx in sharding.devices_indices_map(shape).items()}
+    theirs = {
+        devs.index(d): as_ranges(idx, shape)
+        for d, idx in sharding.devices_indices_map(shape).items()
+    }
     ours = {d: tuple((s.start, s.stop) for s in sl) for d, sl in lay.device_slices(shape).items()}
     assert theirs == ours
     x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
@@ -92,18 +103,19 @@ def test_partial_sum_is_unreduced() -> None:
     assert set(sharding.spec.unreduced) == {"tp"}
     assert unimesh.from_native(sharding) == lay
     with pytest.raises(UnsupportedError, match=r"only over 'explicit' axes; \['tp'\]"):
-        unimesh.to_native(Layout(Mesh((2, 4), ("dp", "tp")), P("dp", partial={"tp": "sum"})),
-                          "jax")
+        unimesh.to_native(Layout(Mesh((2, 4), ("dp", "tp")), P("dp", partial={"tp": "sum"})), "jax")
     with pytest.raises(UnsupportedError, match="only pending sums"):
         unimesh.to_native(Layout(mesh, P("dp", partial={"tp": "max"})), "jax")
 
 
 def test_abstract_mesh_and_jax_made_meshes() -> None:
     jm = jax.make_mesh((2, 4), ("dp", "tp"))
-    assert unimesh.from_native(jm) == Mesh((2, 4), ("dp", "tp"),
-                                           axis_types=("explicit", "explicit"))
-    assert unimesh.from_native(jm.abstract_mesh) == Mesh((2, 4), ("dp", "tp"),
-                                                         axis_types=("explicit", "explicit"))
+    assert unimesh.from_native(jm) == Mesh(
+        (2, 4), ("dp", "tp"), axis_types=("explicit", "explicit")
+    )
+    assert unimesh.from_native(jm.abstract_mesh) == Mesh(
+        (2, 4), ("dp", "tp"), axis_types=("explicit", "explicit")
+    )
     sh = NamedSharding(jm, JP(("tp", "dp"), None))
     assert unimesh.from_native(sh).spec == P(("tp", "dp"), None)
 

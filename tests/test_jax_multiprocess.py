@@ -27,12 +27,25 @@ def free_port() -> int:
 
 
 def run_processes(n: int) -> tuple[list[int], str]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_PLATFORMS="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), address, str(n), str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env, start_new_session=True) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), address, str(n), str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for i in range(n)
+    ]
     deadline = time.monotonic() + LIMIT
     outs = []
     try:

@@ -33,21 +33,29 @@ def test_mesh_layout_and_map_round_trips():
     dm = unimesh.to_native(MESH, "keras")
     assert isinstance(dm, kd.DeviceMesh)
     devices = kd.list_devices()
-    assert np.asarray(dm.devices).tolist() == [[devices[i] for i in row]
-                                               for row in MESH.device_ids.tolist()]
+    assert np.asarray(dm.devices).tolist() == [
+        [devices[i] for i in row] for row in MESH.device_ids.tolist()
+    ]
     assert unimesh.from_native(dm) == MESH
     lay = Layout(MESH, P(None, "tp"))
     tl = unimesh.to_native(lay, "keras")
     assert isinstance(tl, kd.TensorLayout) and tuple(tl.axes) == (None, "tp")
     assert unimesh.from_native(tl) == lay
-    lm = LayoutMap(MESH, {"dense.*kernel": (None, "tp"), "dense.*bias": ("tp",),
-                          ".*emb.*": ("dp",)})
+    lm = LayoutMap(
+        MESH, {"dense.*kernel": (None, "tp"), "dense.*bias": ("tp",), ".*emb.*": ("dp",)}
+    )
     klm = unimesh.to_native(lm, "keras")
     assert isinstance(klm, kd.LayoutMap)
     assert unimesh.from_native(klm) == lm
     # the same lookups, Keras's and ours
-    for path in ["dense/kernel", "dense_3/bias", "model/emb/embeddings", "conv/kernel",
-                 "model/dense/kernel", "dense.*kernel"]:
+    for path in [
+        "dense/kernel",
+        "dense_3/bias",
+        "model/emb/embeddings",
+        "conv/kernel",
+        "model/dense/kernel",
+        "dense.*kernel",
+    ]:
         ours, theirs = lm.get(path), klm[path]
         assert (ours is None) == (theirs is None), path
         if ours is not None:
@@ -63,16 +71,28 @@ def test_tuple_entries_suggest_flatten():
 
 def test_distribution_helper_and_fit():
     mesh = Mesh((2, 4), ("dp", "tp"))
-    rules = LayoutMap(mesh, {".*up/kernel": (None, "tp"), ".*up/bias": ("tp",),
-                             ".*down/kernel": ("tp", None), ".*down/bias": (None,)})
+    rules = LayoutMap(
+        mesh,
+        {
+            ".*up/kernel": (None, "tp"),
+            ".*up/bias": ("tp",),
+            ".*down/kernel": ("tp", None),
+            ".*down/bias": (None,),
+        },
+    )
     dp_only = distribution(Mesh((8,), ("dp",)))
     assert isinstance(dp_only, kd.DataParallel)
     dist = distribution(mesh, rules, batch_dim_name="dp")
     assert isinstance(dist, kd.ModelParallel)
     kd.set_distribution(dist)
     try:
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up"),
-                                  keras.layers.Dense(4, name="down")])
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, name="up"),
+                keras.layers.Dense(4, name="down"),
+            ]
+        )
         model.compile(optimizer="sgd", loss="mse")
         rng = np.random.default_rng(0)
         x = rng.normal(size=(32, 8)).astype("float32")
@@ -85,14 +105,18 @@ def test_distribution_helper_and_fit():
             layout = rules.get(v.path)
             assert layout is not None, v.path
             sharding = v.value.sharding
-            theirs = {devs.index(d): tuple(s.indices(n)[:2] for s, n in zip(idx, v.shape))
-                      for d, idx in sharding.devices_indices_map(tuple(v.shape)).items()}
-            ours = {d: tuple((s.start, s.stop) for s in sl)
-                    for d, sl in layout.device_slices(tuple(v.shape)).items()}
+            theirs = {
+                devs.index(d): tuple(s.indices(n)[:2] for s, n in zip(idx, v.shape))
+                for d, idx in sharding.devices_indices_map(tuple(v.shape)).items()
+            }
+            ours = {
+                d: tuple((s.start, s.stop) for s in sl)
+                for d, sl in layout.device_slices(tuple(v.shape)).items()
+            }
             assert theirs == ours, v.path
-            assert unimesh.from_native(sharding).spec == P(*layout.spec) or \
-                unimesh.from_native(sharding).device_slices(tuple(v.shape)) == \
-                layout.device_slices(tuple(v.shape))
+            assert unimesh.from_native(sharding).spec == P(*layout.spec) or unimesh.from_native(
+                sharding
+            ).device_slices(tuple(v.shape)) == layout.device_slices(tuple(v.shape))
             checked += 1
         assert checked == 4
     finally:
@@ -130,18 +154,27 @@ def test_distribution_from_a_toml_config(tmp_path):
     assert native[".*down/bias"].axes == (None,)
     kd.set_distribution(dist)
     try:
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up"),
-                                  keras.layers.Dense(4, name="down")])
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, name="up"),
+                keras.layers.Dense(4, name="down"),
+            ]
+        )
         model.compile(optimizer="sgd", loss="mse")
         x = np.ones((16, 8), "float32")
         model.fit(x, np.zeros((16, 4), "float32"), batch_size=8, epochs=1, verbose=0)
         devices = global_devices()
         for v in model.weights:
             layout = config.layout_map.get(v.path)
-            theirs = {devices.index(d): tuple(s.indices(n)[:2] for s, n in zip(idx, v.shape))
-                      for d, idx in v.value.sharding.devices_indices_map(tuple(v.shape)).items()}
-            ours = {d: tuple((s.start, s.stop) for s in sl)
-                    for d, sl in layout.device_slices(tuple(v.shape)).items()}
+            theirs = {
+                devices.index(d): tuple(s.indices(n)[:2] for s, n in zip(idx, v.shape))
+                for d, idx in v.value.sharding.devices_indices_map(tuple(v.shape)).items()
+            }
+            ours = {
+                d: tuple((s.start, s.stop) for s in sl)
+                for d, sl in layout.device_slices(tuple(v.shape)).items()
+            }
             assert theirs == ours, v.path
     finally:
         kd.set_distribution(None)
@@ -174,8 +207,14 @@ def test_keras_on_torch_builds_objects_but_refuses_distribution():
         "print(json.dumps(out))\n"
     )
     env = dict(os.environ, KERAS_BACKEND="torch")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=180, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["mesh"] == "DeviceMesh" and out["layout"] == "TensorLayout"
@@ -184,7 +223,8 @@ def test_keras_on_torch_builds_objects_but_refuses_distribution():
 
 def test_jax_devices_are_what_keras_lists():
     assert [str(d).lower() for d in kd.list_devices()] == [
-        f"{d.platform}:{d.id}" for d in jax.devices()]
+        f"{d.platform}:{d.id}" for d in jax.devices()
+    ]
 
 
 def _keras_spec(spec: P) -> P:
@@ -194,8 +234,11 @@ def _keras_spec(spec: P) -> P:
 
 @given(st.data())
 def test_random_round_trips(data: st.DataObject) -> None:
-    mesh = data.draw(meshes(max_ndim=4, max_size=8).filter(lambda m: int(m.device_ids.max()) < 8)
-                     .map(lambda m: Mesh(m.shape, m.axis_names, m.device_ids)))
+    mesh = data.draw(
+        meshes(max_ndim=4, max_size=8)
+        .filter(lambda m: int(m.device_ids.max()) < 8)
+        .map(lambda m: Mesh(m.shape, m.axis_names, m.device_ids))
+    )
     lay = Layout(mesh, _keras_spec(data.draw(specs(mesh, partial=False))))
     assert unimesh.from_native(unimesh.to_native(mesh, "keras")) == mesh
     assert unimesh.from_native(unimesh.to_native(lay, "keras")) == lay

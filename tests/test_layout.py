@@ -100,8 +100,9 @@ def test_device_slices_and_bounds():
         assert sl == lay.shard_slices((4, 6), d)
     lo, hi = lay.shard_bounds((4, 6))
     assert lo.shape == (4, 2) and hi.shape == (4, 2)
-    assert [tuple(r) for r in lo.tolist()] == [(ds[d][0].start, ds[d][1].start)
-                                              for d in PERM.device_ids.ravel().tolist()]
+    assert [tuple(r) for r in lo.tolist()] == [
+        (ds[d][0].start, ds[d][1].start) for d in PERM.device_ids.ravel().tolist()
+    ]
 
 
 def test_shard_counts_and_global_shape():
@@ -132,24 +133,39 @@ def test_placements_rule():
     # c (index 2) before a (index 0): a gets split_factor size(c) = 4
     assert Layout(m3, P(("c", "a"))).placements() == (StridedShard(0, 4), Replicate(), Shard(0))
     assert Layout(m3, P(("c", "b", "a"))).placements() == (
-        StridedShard(0, 12), StridedShard(0, 4), Shard(0))
-    assert Layout(m3, P(("b", "c", "a"))).placements() == (
-        StridedShard(0, 12), Shard(0), Shard(0))
+        StridedShard(0, 12),
+        StridedShard(0, 4),
+        Shard(0),
+    )
+    assert Layout(m3, P(("b", "c", "a"))).placements() == (StridedShard(0, 12), Shard(0), Shard(0))
     assert Layout(m3, P(None, "b", partial={"c": "max"})).placements() == (
-        Replicate(), Shard(1), Partial("max"))
+        Replicate(),
+        Shard(1),
+        Partial("max"),
+    )
 
 
 def test_from_placements_round_trips():
     m3 = Mesh((2, 3, 4), ("a", "b", "c"))
-    for spec in [P(), P("a"), P(None, "c"), P(("c", "a"), "b"), P(("b", "c", "a")),
-                 P(("c", "b", "a")), P(("a", "c"), partial={"b": "avg"}), P(None, None, "a"),
-                 P("a", None, None)]:
+    for spec in [
+        P(),
+        P("a"),
+        P(None, "c"),
+        P(("c", "a"), "b"),
+        P(("b", "c", "a")),
+        P(("c", "b", "a")),
+        P(("a", "c"), partial={"b": "avg"}),
+        P(None, None, "a"),
+        P("a", None, None),
+    ]:
         lay = Layout(m3, spec)
         assert Layout.from_placements(m3, lay.placements(), len(spec)) == lay, spec
     assert Layout.from_placements(m3, Layout(m3, P("a")).placements(), 3) == Layout(
-        m3, P("a", None, None))
+        m3, P("a", None, None)
+    )
     assert Layout.from_placements(m3, [Shard(-1), Replicate(), Replicate()], 2) == Layout(
-        m3, P(None, "a"))
+        m3, P(None, "a")
+    )
 
 
 def test_from_placements_rejects_inexpressible():
@@ -170,8 +186,9 @@ def test_layout_equality_pickle():
 
 
 def test_layout_map_keras_semantics():
-    lm = LayoutMap(M24, {"dense.*kernel": (None, "tp"), "dense.*bias": ("tp",),
-                         ".*embedding.*": P("tp", None)})
+    lm = LayoutMap(
+        M24, {"dense.*kernel": (None, "tp"), "dense.*bias": ("tp",), ".*embedding.*": P("tp", None)}
+    )
     assert lm.get("dense_1/kernel") == Layout(M24, P(None, "tp"))
     assert lm["dense_2/bias"] == Layout(M24, P("tp"))
     # re.fullmatch, as Keras 3 does: the pattern must cover the whole path
@@ -187,13 +204,23 @@ def test_layout_map_keras_semantics():
     assert lm.get("conv/kernel") is None
     exact = LayoutMap(M24, [("a.*", P("dp")), ("ab", P("tp")), (".*b", P(None, "dp"))])
     assert exact.get("ab") == Layout(M24, P("tp"))  # an exact key wins over regex matches
-    with pytest.raises(LayoutError, match=r"matches more than one LayoutMap key: 'a\.\*' and '\.\*b'"):
+    with pytest.raises(
+        LayoutError, match=r"matches more than one LayoutMap key: 'a\.\*' and '\.\*b'"
+    ):
         exact.get("axb")
 
 
 def test_axis_rules_first_unused_wins():
-    rules = AxisRules([("batch", ("dp", "fsdp")), ("embed", "fsdp"), ("embed", "tp"),
-                       ("mlp", "tp"), ("heads", "tp"), ("kv", None)])
+    rules = AxisRules(
+        [
+            ("batch", ("dp", "fsdp")),
+            ("embed", "fsdp"),
+            ("embed", "tp"),
+            ("mlp", "tp"),
+            ("heads", "tp"),
+            ("kv", None),
+        ]
+    )
     assert rules.spec(("batch", "embed")) == P(("dp", "fsdp"), "tp")
     assert rules.spec(("embed", "mlp")) == P("fsdp", "tp")
     assert rules.spec(("mlp", "heads")) == P("tp", None)  # tp already used
@@ -220,4 +247,5 @@ def test_layout_equality_is_by_meaning():
     assert len({Layout(m, P()), Layout(m, P(None)), Layout(m, P("tp"))}) == 2
     for shape in [(8, 4), (3, 5, 2)]:
         assert Layout(m, P("dp")).device_slices(shape) == Layout(m, P("dp", None)).device_slices(
-            shape)
+            shape
+        )

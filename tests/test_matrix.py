@@ -14,15 +14,21 @@ def case(test: str, outcome: str, cap: str = "layout", why: str = "") -> Case:
 
 
 def test_one_refused_case_makes_a_declared_capability_refused_not_pass():
-    cell = merge([case("a", "passed"), case("b", "passed"),
-                  case("c", "refused", why="meshes whose ranks are not increasing")])["be"]["layout"]
+    cell = merge(
+        [
+            case("a", "passed"),
+            case("b", "passed"),
+            case("c", "refused", why="meshes whose ranks are not increasing"),
+        ]
+    )["be"]["layout"]
     assert cell.verdict == "refused" and cell.summary() == "refused 1/3"
     assert cell.notes() == ["refused: meshes whose ranks are not increasing"]
 
 
 def test_a_failed_case_wins_over_everything():
-    cell = merge([case("a", "passed"), case("b", "refused", why="x"),
-                  case("c", "failed", why="boom")])["be"]["layout"]
+    cell = merge(
+        [case("a", "passed"), case("b", "refused", why="x"), case("c", "failed", why="boom")]
+    )["be"]["layout"]
     assert cell.verdict == "fail" and cell.summary() == "fail 1/3"
     assert cell.notes() == ["refused: x", "failed: boom"]
 
@@ -36,12 +42,19 @@ def test_processes_merge_case_by_case_keeping_the_worst():
 
 
 def test_undeclared_capabilities_and_skips():
-    m = merge([case("r", "refusal checked", cap="partial"), case("t", "undeclared", cap="partial"),
-               case("s", "skipped", cap="grad", why="needs 8 devices"),
-               case("p", "passed", cap="mesh"), case("q", "skipped", cap="mesh", why="n/a")])
+    m = merge(
+        [
+            case("r", "refusal checked", cap="partial"),
+            case("t", "undeclared", cap="partial"),
+            case("s", "skipped", cap="grad", why="needs 8 devices"),
+            case("p", "passed", cap="mesh"),
+            case("q", "skipped", cap="mesh", why="n/a"),
+        ]
+    )
     assert m["be"]["partial"].verdict == "not declared"
     assert m["be"]["grad"].verdict == "skipped" and m["be"]["grad"].notes() == [
-        "skipped: needs 8 devices"]
+        "skipped: needs 8 devices"
+    ]
     assert m["be"]["mesh"].verdict == "pass" and m["be"]["mesh"].notes() == []
 
 

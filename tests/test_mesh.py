@@ -125,7 +125,7 @@ def test_flatten_and_unflatten():
     g = m.flatten(("tp", "dp"), "x")  # placed where tp stood
     assert g.axis_names == ("cp", "x")
     np.testing.assert_array_equal(g.device_ids, m.device_ids.transpose(1, 2, 0).reshape(3, 8))
-    assert m.flatten(("dp", "cp"), "dp") .axis_names == ("dp", "tp")  # reuse a merged name
+    assert m.flatten(("dp", "cp"), "dp").axis_names == ("dp", "tp")  # reuse a merged name
     assert m.flatten(("cp",), "c") == m.rename({"cp": "c"})
     u = f.unflatten("dp_tp", {"dp": 2, "tp": -1})
     assert u.axis_names == ("dp", "tp", "cp")
@@ -139,7 +139,12 @@ def test_flatten_keeps_types_and_refuses_mixed():
     assert m.flatten(("a", "b"), "ab").axis_types == ("explicit", "auto")
     with pytest.raises(MeshSpecError, match="different axis types"):
         m.flatten(("a", "c"), "ac")
-    assert m.unflatten("c", {"c1": 1, "c2": 2}).axis_types == ("explicit", "explicit", "auto", "auto")
+    assert m.unflatten("c", {"c1": 1, "c2": 2}).axis_types == (
+        "explicit",
+        "explicit",
+        "auto",
+        "auto",
+    )
 
 
 def test_rename_transpose():
@@ -210,8 +215,13 @@ def test_serial_forms_round_trip():
     meshes = [
         Mesh((2, 4), ("dp", "tp")),
         PERM,
-        Mesh((2, 2), ("a", "b"), [[3, 9], [4, 1]], axis_types=("explicit", "manual"),
-             devices_per_process=2),
+        Mesh(
+            (2, 2),
+            ("a", "b"),
+            [[3, 9], [4, 1]],
+            axis_types=("explicit", "manual"),
+            devices_per_process=2,
+        ),
     ]
     for m in meshes:
         assert Mesh.from_dict(m.to_dict()) == m
@@ -221,9 +231,13 @@ def test_serial_forms_round_trip():
     assert Mesh((2, 4), ("dp", "tp")).to_string() == "dp=2,tp=4"
     assert PERM.to_string() == "dp=2,tp=2;ids=1,0,3,2"
     assert Mesh.from_string(" dp = 2 , tp=4 ") == Mesh((2, 4), ("dp", "tp"))
-    assert meshes[2].to_dict() == {"axis_names": ["a", "b"], "shape": [2, 2],
-                                   "device_ids": [[3, 9], [4, 1]],
-                                   "axis_types": ["explicit", "manual"], "devices_per_process": 2}
+    assert meshes[2].to_dict() == {
+        "axis_names": ["a", "b"],
+        "shape": [2, 2],
+        "device_ids": [[3, 9], [4, 1]],
+        "axis_types": ["explicit", "manual"],
+        "devices_per_process": 2,
+    }
 
 
 def test_context_manager_nests():

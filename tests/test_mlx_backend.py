@@ -44,8 +44,11 @@ def test_one_device_mesh():
 
 
 def test_bad_inputs():
-    with pytest.raises(MeshMismatchError, match=r"needs 4 MLX processes.*mpirun --allow-run-as-root "
-                                                 r"-np 4 .*mlx\.launch -n 4 --backend ring"):
+    with pytest.raises(
+        MeshMismatchError,
+        match=r"needs 4 MLX processes.*mpirun --allow-run-as-root "
+        r"-np 4 .*mlx\.launch -n 4 --backend ring",
+    ):
         unimesh.to_native(Mesh((2, 2), ("dp", "tp")), "mlx")
     with pytest.raises(MeshMismatchError, match="holding devices 0..0"):
         unimesh.to_native(Mesh((1,), ("x",), [3]), "mlx")

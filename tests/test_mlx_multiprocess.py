@@ -32,15 +32,26 @@ def check_ranks(rc: int, out: str) -> None:
 
 def test_mpirun_with_split_groups() -> None:
     mpirun = require_mpirun()
-    rc, out = launch([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4",
-                      sys.executable, str(WORKER), "mpi"])
+    rc, out = launch(
+        [
+            mpirun,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "4",
+            sys.executable,
+            str(WORKER),
+            "mpi",
+        ]
+    )
     check_ranks(rc, out)
     assert "split groups in use: True" in out
 
 
 def test_mlx_launch_ring_with_emulated_groups() -> None:
     launcher = Path(sys.executable).with_name("mlx.launch")
-    rc, out = launch([str(launcher), "-n", "4", "--backend", "ring", "--", sys.executable,
-                      str(WORKER), "ring"])
+    rc, out = launch(
+        [str(launcher), "-n", "4", "--backend", "ring", "--", sys.executable, str(WORKER), "ring"]
+    )
     check_ranks(rc, out)
     assert "split groups in use: False" in out

@@ -23,11 +23,18 @@ jax = pytest.importorskip("jax")
 MESH = unimesh.make_mesh({"dp": 2, "tp": 4})
 
 
-@pytest.mark.parametrize("call", [
-    lambda: unimesh.psum(1.0, "dp"), lambda: unimesh.pmean(1.0, "dp"),
-    lambda: unimesh.pmax(1.0, "dp"), lambda: unimesh.pmin(1.0, "dp"),
-    lambda: unimesh.all_gather(np.zeros(2), "dp"), lambda: unimesh.axis_index("dp"),
-    lambda: unimesh.axis_size("dp")])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: unimesh.psum(1.0, "dp"),
+        lambda: unimesh.pmean(1.0, "dp"),
+        lambda: unimesh.pmax(1.0, "dp"),
+        lambda: unimesh.pmin(1.0, "dp"),
+        lambda: unimesh.all_gather(np.zeros(2), "dp"),
+        lambda: unimesh.axis_index("dp"),
+        lambda: unimesh.axis_size("dp"),
+    ],
+)
 def test_collectives_outside_shard_map_say_where_to_call_them(call) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(AxisContextError, match=r"outside unimesh.shard_map.*'dp'|'dp'.*outside"):
         call()
@@ -77,8 +84,11 @@ def test_tensorflow_refuses_shard_map() -> None:
 
 def test_shard_map_result_is_a_jax_array_with_the_out_spec_and_jits() -> None:
     native = unimesh.to_native(MESH, "jax")
-    program = jax.jit(unimesh.shard_map(lambda x: unimesh.psum(x, "tp") * 2, MESH,
-                                        P("dp", "tp"), P("dp"), backend="jax"))
+    program = jax.jit(
+        unimesh.shard_map(
+            lambda x: unimesh.psum(x, "tp") * 2, MESH, P("dp", "tp"), P("dp"), backend="jax"
+        )
+    )
     x = np.arange(8.0 * 4).reshape(8, 4)
     out = program(x)
     assert out.sharding.is_equivalent_to(jax.sharding.NamedSharding(native, jax.P("dp")), 2)
@@ -87,9 +97,11 @@ def test_shard_map_result_is_a_jax_array_with_the_out_spec_and_jits() -> None:
 
 def tree() -> dict:
     rng = np.random.default_rng(1)
-    return {"w1": rng.standard_normal((8, 16)).astype(np.float32),
-            "w2": rng.standard_normal((16, 4)).astype(np.float32),
-            "block": {"bias": np.zeros(16, np.float32), "scale": [np.ones(4, np.float32)]}}
+    return {
+        "w1": rng.standard_normal((8, 16)).astype(np.float32),
+        "w2": rng.standard_normal((16, 4)).astype(np.float32),
+        "block": {"bias": np.zeros(16, np.float32), "scale": [np.ones(4, np.float32)]},
+    }
 
 
 def assert_placed(leaf, host: np.ndarray, spec: P) -> None:  # type: ignore[no-untyped-def]
@@ -116,20 +128,25 @@ def test_shard_params_of_a_jax_pytree_by_axis_rules() -> None:
     placed = unimesh.shard_params(params, rules, mesh=MESH, logical_axes=names, backend="jax")
     assert_placed(placed["w1"], params["w1"], P(None, "tp"))
     assert_placed(placed["w2"], params["w2"], P("tp", None))
-    placed = unimesh.shard_params(params, rules, mesh=MESH, backend="jax",
-                                  logical_axes=lambda path: names.get(path))
+    placed = unimesh.shard_params(
+        params, rules, mesh=MESH, backend="jax", logical_axes=lambda path: names.get(path)
+    )
     assert_placed(placed["w2"], params["w2"], P("tp", None))
 
 
 def test_shard_params_errors_name_the_parameter() -> None:
     params = tree()
-    with pytest.raises(LayoutError, match="'block/scale/0' of shape \\(4,\\) does not divide "
-                                          "evenly.*'jax' needs even shards"):
-        unimesh.shard_params(params, LayoutMap(MESH, {"w2": P(None, "tp"), ".*scale.*":
-                                                      P(("dp", "tp"))}), backend="jax")
+    with pytest.raises(
+        LayoutError,
+        match="'block/scale/0' of shape \\(4,\\) does not divide evenly.*'jax' needs even shards",
+    ):
+        unimesh.shard_params(
+            params,
+            LayoutMap(MESH, {"w2": P(None, "tp"), ".*scale.*": P(("dp", "tp"))}),
+            backend="jax",
+        )
     with pytest.raises(LayoutError, match="'block/bias' has shape \\(16,\\).*names 2 dims"):
-        unimesh.shard_params(params, LayoutMap(MESH, {"block/bias": P("dp", "tp")}),
-                             backend="jax")
+        unimesh.shard_params(params, LayoutMap(MESH, {"block/bias": P("dp", "tp")}), backend="jax")
     with pytest.raises(LayoutError, match="LayoutMap or unimesh.AxisRules, got"):
         unimesh.shard_params(params, {"w1": P("tp")}, backend="jax")  # type: ignore[arg-type]
     rules = AxisRules([("mlp", "tp")])
@@ -138,16 +155,18 @@ def test_shard_params_errors_name_the_parameter() -> None:
     with pytest.raises(LayoutError, match="needs logical_axes"):
         unimesh.shard_params(params, rules, mesh=MESH, backend="jax")
     with pytest.raises(LayoutError, match="not on mesh="):
-        unimesh.shard_params(params, LayoutMap(MESH, {}), mesh=unimesh.make_mesh({"x": 8}),
-                             backend="jax")
+        unimesh.shard_params(
+            params, LayoutMap(MESH, {}), mesh=unimesh.make_mesh({"x": 8}), backend="jax"
+        )
 
 
 def test_shard_params_of_a_keras_model() -> None:
     keras = pytest.importorskip("keras")
     if keras.backend.backend() != "jax":
         pytest.skip("keras.distribution needs KERAS_BACKEND=jax")
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up"),
-                              keras.layers.Dense(4, name="down")])
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, name="up"), keras.layers.Dense(4, name="down")]
+    )
     before = {v.path: np.asarray(v.value) for v in model.variables}
     rules = LayoutMap(MESH, {".*up/kernel": P(None, "tp"), ".*down/kernel": P("tp", None)})
     assert unimesh.shard_params(model, rules, backend="keras") is model
@@ -161,52 +180,88 @@ def test_shard_params_of_a_keras_model() -> None:
     np.testing.assert_allclose(np.asarray(model(x)), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("call", [
-    lambda: unimesh.psum_scatter(np.zeros(4), "dp"),
-    lambda: unimesh.all_to_all(np.zeros(4), "dp", 0, 0),
-    lambda: unimesh.ppermute(np.zeros(4), "dp", [(0, 1)]),
-    lambda: unimesh.pbroadcast(np.zeros(4), "dp", 0)])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: unimesh.psum_scatter(np.zeros(4), "dp"),
+        lambda: unimesh.all_to_all(np.zeros(4), "dp", 0, 0),
+        lambda: unimesh.ppermute(np.zeros(4), "dp", [(0, 1)]),
+        lambda: unimesh.pbroadcast(np.zeros(4), "dp", 0),
+    ],
+)
 def test_new_collectives_outside_shard_map(call) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(AxisContextError, match="outside unimesh.shard_map"):
         call()
 
 
-@pytest.mark.parametrize(("body", "error", "match"), [
-    (lambda x: unimesh.psum_scatter(x.sum(), "tp"), LayoutError, "needs an array with a dim"),
-    (lambda x: unimesh.psum_scatter(x, "tp", scatter_dimension=2), LayoutError,
-     r"scatter_dimension must be an int in \[-2, 1\].*got 2"),
-    (lambda x: unimesh.psum_scatter(x, "tp", scatter_dimension=1, tiled=True), LayoutError,
-     r"splits scatter_dimension 1 \(size 6\) into 4 blocks.*not a multiple of 4"),
-    (lambda x: unimesh.psum_scatter(x, "tp"), LayoutError,
-     r"tiled=False.*one entry per device \(4\), got size 8"),
-    (lambda x: unimesh.all_to_all(x, "tp", 1, 0, tiled=True), LayoutError,
-     r"split_axis 1 \(size 6\) into 4 blocks"),
-    (lambda x: unimesh.all_to_all(x, "tp", "0", 1), LayoutError, "split_axis must be an int"),
-    (lambda x: unimesh.all_to_all(x, "tp", 0, -3), LayoutError,
-     r"concat_axis must be an int in \[-2, 1\].*got -3"),
-    (lambda x: unimesh.all_to_all(x, "pp", 0, 0), MeshSpecError, "'pp'"),
-    (lambda x: unimesh.ppermute(x, "tp", "ab"), LayoutError, "index pairs, got 'ab'"),
-    (lambda x: unimesh.ppermute(x, "tp", [(0, 4)]), LayoutError,
-     r"\(0, 4\): indices must be ints in \[0, 3\]"),
-    (lambda x: unimesh.ppermute(x, "tp", [(0, 1), (0, 2)]), LayoutError,
-     "not a permutation: source 0 appears more than once"),
-    (lambda x: unimesh.ppermute(x, "tp", [(0, 1), (2, 1)]), LayoutError,
-     "not a permutation: destination 1 appears more than once"),
-    (lambda x: unimesh.ppermute(x, "tp", [(True, 1)]), LayoutError, "indices must be ints"),
-    (lambda x: unimesh.pbroadcast(x, "tp", 4), LayoutError,
-     r"source must be an index in \[0, 3\].*got 4"),
-    (lambda x: unimesh.pbroadcast(x, ("dp", "tp"), -1), LayoutError, r"\[0, 7\].*got -1"),
-    (lambda x: unimesh.all_gather(x, "tp", to="replicated"), LayoutError,
-     "to= must be 'varying' or 'invarying', got 'replicated'"),
-])
+@pytest.mark.parametrize(
+    ("body", "error", "match"),
+    [
+        (lambda x: unimesh.psum_scatter(x.sum(), "tp"), LayoutError, "needs an array with a dim"),
+        (
+            lambda x: unimesh.psum_scatter(x, "tp", scatter_dimension=2),
+            LayoutError,
+            r"scatter_dimension must be an int in \[-2, 1\].*got 2",
+        ),
+        (
+            lambda x: unimesh.psum_scatter(x, "tp", scatter_dimension=1, tiled=True),
+            LayoutError,
+            r"splits scatter_dimension 1 \(size 6\) into 4 blocks.*not a multiple of 4",
+        ),
+        (
+            lambda x: unimesh.psum_scatter(x, "tp"),
+            LayoutError,
+            r"tiled=False.*one entry per device \(4\), got size 8",
+        ),
+        (
+            lambda x: unimesh.all_to_all(x, "tp", 1, 0, tiled=True),
+            LayoutError,
+            r"split_axis 1 \(size 6\) into 4 blocks",
+        ),
+        (lambda x: unimesh.all_to_all(x, "tp", "0", 1), LayoutError, "split_axis must be an int"),
+        (
+            lambda x: unimesh.all_to_all(x, "tp", 0, -3),
+            LayoutError,
+            r"concat_axis must be an int in \[-2, 1\].*got -3",
+        ),
+        (lambda x: unimesh.all_to_all(x, "pp", 0, 0), MeshSpecError, "'pp'"),
+        (lambda x: unimesh.ppermute(x, "tp", "ab"), LayoutError, "index pairs, got 'ab'"),
+        (
+            lambda x: unimesh.ppermute(x, "tp", [(0, 4)]),
+            LayoutError,
+            r"\(0, 4\): indices must be ints in \[0, 3\]",
+        ),
+        (
+            lambda x: unimesh.ppermute(x, "tp", [(0, 1), (0, 2)]),
+            LayoutError,
+            "not a permutation: source 0 appears more than once",
+        ),
+        (
+            lambda x: unimesh.ppermute(x, "tp", [(0, 1), (2, 1)]),
+            LayoutError,
+            "not a permutation: destination 1 appears more than once",
+        ),
+        (lambda x: unimesh.ppermute(x, "tp", [(True, 1)]), LayoutError, "indices must be ints"),
+        (
+            lambda x: unimesh.pbroadcast(x, "tp", 4),
+            LayoutError,
+            r"source must be an index in \[0, 3\].*got 4",
+        ),
+        (lambda x: unimesh.pbroadcast(x, ("dp", "tp"), -1), LayoutError, r"\[0, 7\].*got -1"),
+        (
+            lambda x: unimesh.all_gather(x, "tp", to="replicated"),
+            LayoutError,
+            "to= must be 'varying' or 'invarying', got 'replicated'",
+        ),
+    ],
+)
 def test_bad_collective_arguments_name_the_value(body, error, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(error, match=match):
         run(body, P(), P(), np.zeros((8, 6), np.float32))
 
 
 def test_spec_trees_must_be_prefixes() -> None:
-    program = unimesh.shard_map(lambda p: p["w"], MESH, ({"w": P(), "b": P()},), P(),
-                                backend="jax")
+    program = unimesh.shard_map(lambda p: p["w"], MESH, ({"w": P(), "b": P()},), P(), backend="jax")
     with pytest.raises(LayoutError, match=r"in_specs .* is not a prefix of the arguments"):
         program({"w": np.zeros(2)})
     with pytest.raises(LayoutError, match=r"in_specs\[0\]\['w'\] must be a P.*got 3"):
@@ -215,13 +270,16 @@ def test_spec_trees_must_be_prefixes() -> None:
         run(lambda x: [x, x], P(), {"a": P()}, np.zeros(2))
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"argnums": -1}, "argnums must be a non-negative int or a tuple of distinct ones, got -1"),
-    ({"argnums": (0, 0)}, r"tuple of distinct ones, got \(0, 0\)"),
-    ({"argnums": True}, "got True"),
-    ({"argnums": "w"}, "got 'w'"),
-    ({"argnums": ()}, r"got \(\)"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"argnums": -1}, "argnums must be a non-negative int or a tuple of distinct ones, got -1"),
+        ({"argnums": (0, 0)}, r"tuple of distinct ones, got \(0, 0\)"),
+        ({"argnums": True}, "got True"),
+        ({"argnums": "w"}, "got 'w'"),
+        ({"argnums": ()}, r"got \(\)"),
+    ],
+)
 def test_bad_value_and_grad_arguments(kwargs, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(LayoutError, match=match):
         unimesh.value_and_grad(lambda x: x.sum(), backend="jax", **kwargs)
@@ -246,19 +304,26 @@ def test_value_and_grad_is_refused_where_not_declared() -> None:
 def test_value_and_grad_matches_jax_grad_through_shard_map() -> None:
     """The JAX backend's value_and_grad is jax.value_and_grad; gradients keep the arguments'
     shardings, and grad with has_aux returns (grads, aux)."""
-    w = unimesh.distribute(np.arange(8.0, dtype=np.float32).reshape(8, 1),
-                           Layout(MESH, P("tp", None)), backend="jax")
+    w = unimesh.distribute(
+        np.arange(8.0, dtype=np.float32).reshape(8, 1), Layout(MESH, P("tp", None)), backend="jax"
+    )
     x = np.ones((4, 8), np.float32)
-    program = unimesh.shard_map(lambda xb, wb: unimesh.psum((xb @ wb).sum(), ("dp", "tp")),
-                                MESH, (P("dp", "tp"), P("tp", None)), P(), backend="jax")
+    program = unimesh.shard_map(
+        lambda xb, wb: unimesh.psum((xb @ wb).sum(), ("dp", "tp")),
+        MESH,
+        (P("dp", "tp"), P("tp", None)),
+        P(),
+        backend="jax",
+    )
     value, g = unimesh.value_and_grad(program, argnums=1, backend="jax")(x, w)
     want_value, want = jax.value_and_grad(program, argnums=1)(x, w)
     np.testing.assert_allclose(np.asarray(value), np.asarray(want_value))
     np.testing.assert_allclose(np.asarray(g), np.asarray(want))
     np.testing.assert_allclose(np.asarray(g), np.full((8, 1), 4.0))  # 4 rows of ones, summed
     assert g.sharding == w.sharding
-    grads, aux = unimesh.grad(lambda x, w: (program(x, w), "aux"), argnums=(1,), has_aux=True,
-                              backend="jax")(x, w)
+    grads, aux = unimesh.grad(
+        lambda x, w: (program(x, w), "aux"), argnums=(1,), has_aux=True, backend="jax"
+    )(x, w)
     assert aux == "aux" and len(grads) == 1
     np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(want))
 
@@ -282,10 +347,12 @@ def test_checked_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setenv("UNIMESH_CHECKED", "1")
     program = unimesh.shard_map(body, mesh, P("x"), P("x"), backend=backend)
-    with pytest.raises(unimesh.MeshMismatchError,
-                       match=r"\(shape\): process\(es\) \[0, 2, 3\] call psum over \('x',\) of "
-                             r"float64 \(2,\); process\(es\) \[1\] call psum over \('x',\) of "
-                             r"float64 \(1,\)"):
+    with pytest.raises(
+        unimesh.MeshMismatchError,
+        match=r"\(shape\): process\(es\) \[0, 2, 3\] call psum over \('x',\) of "
+        r"float64 \(2,\); process\(es\) \[1\] call psum over \('x',\) of "
+        r"float64 \(1,\)",
+    ):
         program(np.zeros(8))
     unchecked = unimesh.shard_map(body, mesh, P("x"), P("x"), backend=backend, checked=False)
     with pytest.raises(ValueError, match="same shape") as info:

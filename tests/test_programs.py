@@ -48,19 +48,25 @@ def test_issue_example_gradient_on_jax(reference: Path) -> None:
 def _check(out_dir: Path, ranks: int, output: str, extra: tuple[str, ...] = ()) -> None:
     import program_cases
 
-    reports = {int(p.stem.split("-")[1]): json.loads(p.read_text())
-               for p in out_dir.glob("rank-*.json")}
+    reports = {
+        int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out_dir.glob("rank-*.json")
+    }
     assert sorted(reports) == list(range(ranks)), output[-4000:]
     for rank, report in reports.items():
-        assert sorted(report) == sorted([c.name for c in program_cases.CASES]
-                                        + ["native-autodiff", *extra])
+        assert sorted(report) == sorted(
+            [c.name for c in program_cases.CASES] + ["native-autodiff", *extra]
+        )
         bad = {k: v for k, v in report.items() if not isinstance(v, float) or v > 1e-5}
         assert not bad, f"rank {rank}: {json.dumps(bad, indent=1)[:6000]}"
 
 
 def _run(cmd: list[str], ranks: int, out_dir: Path, extra: tuple[str, ...] = ()) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    )
     rc, out = run_bounded(cmd, env, LIMIT)
     assert rc == 0, out[-6000:]
     _check(out_dir, ranks, out, extra)
@@ -68,23 +74,62 @@ def _run(cmd: list[str], ranks: int, out_dir: Path, extra: tuple[str, ...] = ())
 
 def test_torchrun_four_processes(reference: Path, tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-          str(WORKER), "torch", str(reference), str(tmp_path)], 4, tmp_path,
-         ("typed-refusal",))  # torch follows JAX's check_vma rules, refusal included
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(WORKER),
+            "torch",
+            str(reference),
+            str(tmp_path),
+        ],
+        4,
+        tmp_path,
+        ("typed-refusal",),
+    )  # torch follows JAX's check_vma rules, refusal included
 
 
 def test_mpirun_four_processes(reference: Path, tmp_path: Path) -> None:
     pytest.importorskip("mlx.core")
     mpirun = require_mpirun()
-    _run([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable,
-          str(WORKER), "mlx", str(reference), str(tmp_path)], 4, tmp_path)
+    _run(
+        [
+            mpirun,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "4",
+            sys.executable,
+            str(WORKER),
+            "mlx",
+            str(reference),
+            str(tmp_path),
+        ],
+        4,
+        tmp_path,
+    )
 
 
 def test_mlx_launch_ring_four_processes(reference: Path, tmp_path: Path) -> None:
     pytest.importorskip("mlx.core")
     launcher = Path(sys.executable).with_name("mlx.launch")
-    rc_out = [str(launcher), "-n", "4", "--backend", "ring", "--", sys.executable, str(WORKER),
-              "mlx", str(reference), str(tmp_path)]
+    rc_out = [
+        str(launcher),
+        "-n",
+        "4",
+        "--backend",
+        "ring",
+        "--",
+        sys.executable,
+        str(WORKER),
+        "mlx",
+        str(reference),
+        str(tmp_path),
+    ]
     _run(rc_out, 4, tmp_path)
 
 
@@ -94,30 +139,62 @@ CHECKED = HERE / "checked_worker.py"
 def _launch(launcher: str) -> list[str]:
     if launcher == "torchrun":
         pytest.importorskip("torch")
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "4"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+        ]
     pytest.importorskip("mlx.core")
     if launcher == "mpirun":
-        return [require_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "4",
-                sys.executable]
-    return [str(Path(sys.executable).with_name("mlx.launch")), "-n", "4", "--backend", "ring",
-            "--", sys.executable]
+        return [
+            require_mpirun(),
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "4",
+            sys.executable,
+        ]
+    return [
+        str(Path(sys.executable).with_name("mlx.launch")),
+        "-n",
+        "4",
+        "--backend",
+        "ring",
+        "--",
+        sys.executable,
+    ]
 
 
-@pytest.mark.parametrize(("launcher", "mode"), [
-    ("torchrun", "clean"), ("torchrun", "shape"), ("torchrun", "axes"),
-    ("mpirun", "clean"), ("mpirun", "axes"), ("ring", "shape")])
-def test_checked_mode_names_what_processes_disagree_on(launcher: str, mode: str,
-                                                       tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("launcher", "mode"),
+    [
+        ("torchrun", "clean"),
+        ("torchrun", "shape"),
+        ("torchrun", "axes"),
+        ("mpirun", "clean"),
+        ("mpirun", "axes"),
+        ("ring", "shape"),
+    ],
+)
+def test_checked_mode_names_what_processes_disagree_on(
+    launcher: str, mode: str, tmp_path: Path
+) -> None:
     """shard_map(checked=True): process 1 sums another shape, or over another axis; instead of
     hanging, every process raises the same MeshMismatchError naming the field and who differs.
     Agreeing processes get the right value."""
     backend = "torch" if launcher == "torchrun" else "mlx"
-    rc, out = run_bounded([*_launch(launcher), str(CHECKED), backend, mode, str(tmp_path)],
-                          dict(os.environ, OMP_NUM_THREADS="1"), LIMIT)
+    rc, out = run_bounded(
+        [*_launch(launcher), str(CHECKED), backend, mode, str(tmp_path)],
+        dict(os.environ, OMP_NUM_THREADS="1"),
+        LIMIT,
+    )
     assert rc == 0, out[-4000:]  # every process reported and left cleanly
-    seen = {int(p.stem.split("-")[1]): json.loads(p.read_text())
-            for p in tmp_path.glob("rank-*.json")}
+    seen = {
+        int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")
+    }
     assert sorted(seen) == [0, 1, 2, 3], out[-4000:]
     if mode == "clean":
         assert all(s == {"value": 120.0} for s in seen.values()), seen

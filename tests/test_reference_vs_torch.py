@@ -1,5 +1,6 @@
 """The core's reference blocks and placements rule, checked against torch DTensor's own
-local-shape computation (no process group needed). Runs where torch is installed (CI installs it)."""
+local-shape computation (no process group needed). Runs where torch is installed (CI installs
+it)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ def test_blocks_match_dtensor(data: st.DataObject) -> None:
     lay = Layout(mesh, spec)
     # torch's _StridedShard only matches the reference on even dims (see the test below)
     strided = {p.dim for p in lay.placements() if isinstance(p, StridedShard)}
-    shape = tuple(n if i not in strided else
-                  (n % 3 + 1) * int(np.prod([mesh.axis_size(a) for a in spec[i]]))
-                  for i, n in enumerate(shape))
+    shape = tuple(
+        n if i not in strided else (n % 3 + 1) * int(np.prod([mesh.axis_size(a) for a in spec[i]]))
+        for i, n in enumerate(shape)
+    )
     placements = [to_torch(p) for p in lay.placements()]
     for d in range(mesh.size):
         coord = [int(c) for c in np.unravel_index(d, mesh.shape)]

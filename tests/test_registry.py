@@ -41,8 +41,16 @@ def ref():
 
 
 def make_backend(name: str, framework: str, caps=("mesh",), wraps=()) -> Backend:
-    cls = type(f"B_{name}", (Backend,), {"name": name, "framework": framework,
-                                          "capabilities": frozenset(caps), "wraps": tuple(wraps)})
+    cls = type(
+        f"B_{name}",
+        (Backend,),
+        {
+            "name": name,
+            "framework": framework,
+            "capabilities": frozenset(caps),
+            "wraps": tuple(wraps),
+        },
+    )
     return cls()
 
 
@@ -124,9 +132,11 @@ def test_unknown_and_unavailable_backends():
     ghost = make_backend("ghost", "unimesh_no_such_framework_xyz")
     unimesh.register_backend(ghost)
     try:
-        with pytest.raises(BackendUnavailableError,
-                           match=r"needs 'unimesh_no_such_framework_xyz', which is not installed; "
-                                 r'install it with: pip install "unimesh\[ghost\]"'):
+        with pytest.raises(
+            BackendUnavailableError,
+            match=r"needs 'unimesh_no_such_framework_xyz', which is not installed; "
+            r'install it with: pip install "unimesh\[ghost\]"',
+        ):
             unimesh.get_backend("ghost")
     finally:
         unimesh.unregister_backend("ghost")
@@ -231,8 +241,14 @@ def test_entry_point_discovery_is_lazy(tmp_path: Path) -> None:
     """)
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     env.pop("UNIMESH_BACKEND", None)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert {"fake", "broken", "liar"} <= set(out["names"])
@@ -247,9 +263,17 @@ def test_entry_point_discovery_is_lazy(tmp_path: Path) -> None:
 def test_installed_backends_declare_native_apis_for_what_they_do():
     """The cross-framework table in the docs comes from these declarations: every concept a
     backend names is one it implements (its capability is declared)."""
-    needs = {"layout_map": "layout_map", "distribute": "distribute", "shard_map": "shard_map",
-             "psum": "shard_map", "all_gather": "shard_map", "axis_index": "shard_map",
-             "shard_params": "distribute", "layout": "layout", "mesh": "mesh"}
+    needs = {
+        "layout_map": "layout_map",
+        "distribute": "distribute",
+        "shard_map": "shard_map",
+        "psum": "shard_map",
+        "all_gather": "shard_map",
+        "axis_index": "shard_map",
+        "shard_params": "distribute",
+        "layout": "layout",
+        "mesh": "mesh",
+    }
     for name in unimesh.backends():
         be = unimesh.get_backend(name)
         assert set(be.native_api) <= set(unimesh.CONCEPTS), name

@@ -23,8 +23,11 @@ from unimesh_tensorflow import configure_cpu_devices
 
 configure_cpu_devices(8)
 
-small_meshes = meshes(max_ndim=4, max_size=8).filter(
-    lambda m: int(m.device_ids.max()) < 8).map(lambda m: Mesh(m.shape, m.axis_names, m.device_ids))
+small_meshes = (
+    meshes(max_ndim=4, max_size=8)
+    .filter(lambda m: int(m.device_ids.max()) < 8)
+    .map(lambda m: Mesh(m.shape, m.axis_names, m.device_ids))
+)
 
 
 def plain_spec(spec: P) -> P:
@@ -89,7 +92,11 @@ def test_a_permuted_mesh_by_hand() -> None:
     native = unimesh.to_native(mesh, "tensorflow")
     assert native.global_device_ids().tolist() == [[0, 1], [2, 3]]
     assert [d.rsplit("/", 1)[-1] for d in native.local_devices()] == [
-        "device:CPU:3", "device:CPU:2", "device:CPU:1", "device:CPU:0"]
+        "device:CPU:3",
+        "device:CPU:2",
+        "device:CPU:1",
+        "device:CPU:0",
+    ]
     x = np.arange(8.0).reshape(4, 2)
     parts = dtensor.unpack(unimesh.distribute(x, Layout(mesh, P("dp")), "tensorflow"))
     # device 3 sits at (0, 0): it holds rows 0-1

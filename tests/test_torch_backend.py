@@ -61,8 +61,13 @@ def big_meshes(draw) -> Mesh:
     size = math.prod(shape)
     ids = None
     if draw(st.booleans()):
-        ids = np.array(draw(st.permutations(range(size)))).reshape(shape) if size <= 64 else \
-            np.random.default_rng(draw(st.integers(0, 2**32 - 1))).permutation(size).reshape(shape)
+        ids = (
+            np.array(draw(st.permutations(range(size)))).reshape(shape)
+            if size <= 64
+            else np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+            .permutation(size)
+            .reshape(shape)
+        )
     return Mesh(tuple(shape), tuple(names), ids)
 
 
@@ -159,21 +164,28 @@ def test_refusals() -> None:
     dm = unimesh.to_native(perm, "torch")  # the mesh itself is fine
     assert dm.get_coordinate() == (0, 0)
     assert unimesh.to_native(Layout(perm, P("dp")), "torch").placements[0] == TShard(0)
-    with pytest.raises(UnsupportedError, match="shards over axis 'tp', along which the device "
-                                               "order is not increasing"):
+    with pytest.raises(
+        UnsupportedError,
+        match="shards over axis 'tp', along which the device order is not increasing",
+    ):
         unimesh.to_native(Layout(perm, P(None, "tp")), "torch")
     with pytest.raises(UnsupportedError, match="distribute\\(\\) of a partial layout"):
-        unimesh.distribute(torch.zeros(4), Layout(Mesh((2, 2), ("dp", "tp")),
-                                                  P("dp", partial={"tp": "sum"})), "torch")
+        unimesh.distribute(
+            torch.zeros(4),
+            Layout(Mesh((2, 2), ("dp", "tp")), P("dp", partial={"tp": "sum"})),
+            "torch",
+        )
     with pytest.raises(UnsupportedError, match="_StridedShard does not give the reference"):
-        unimesh.distribute(torch.zeros(6), Layout(Mesh((2, 2), ("dp", "tp")), P(("tp", "dp"))),
-                           "torch")
+        unimesh.distribute(
+            torch.zeros(6), Layout(Mesh((2, 2), ("dp", "tp")), P(("tp", "dp"))), "torch"
+        )
     fake_world(1, 8)
     mesh3 = Mesh((2, 2, 2), ("a", "b", "c"))
     unimesh.to_native(mesh3, "torch")
     # a transpose holds every device: the same on every rank, so it is simply built
-    assert unimesh.from_native(unimesh.to_native(mesh3.transpose(("c", "a", "b")), "torch")) == \
-        mesh3.transpose(("c", "a", "b"))
+    assert unimesh.from_native(
+        unimesh.to_native(mesh3.transpose(("c", "a", "b")), "torch")
+    ) == mesh3.transpose(("c", "a", "b"))
     with pytest.raises(UnsupportedError, match="slices a DeviceMesh only with axes in mesh order"):
         unimesh.to_native(mesh3.submesh(("b", "a"), containing=1), "torch")
     with pytest.raises(MeshMismatchError, match="rank 1 is not in"):

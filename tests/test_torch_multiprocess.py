@@ -25,13 +25,21 @@ def torchrun(nproc: int, *args: str) -> tuple[int, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.pop("UNIMESH_BACKEND", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKER), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(WORKER),
+        *args,
+    ]
     return run_bounded(cmd, env, LIMIT)
 
 
-@pytest.mark.parametrize("nproc, spec", [(4, "dp=2,tp=2"), (8, "pp=2,dp=2,tp=2")],
-                         ids=["2x2", "2x2x2"])
+@pytest.mark.parametrize(
+    "nproc, spec", [(4, "dp=2,tp=2"), (8, "pp=2,dp=2,tp=2")], ids=["2x2", "2x2x2"]
+)
 def test_torchrun_gloo(nproc: int, spec: str) -> None:
     rc, out = torchrun(nproc, spec)
     assert rc == 0, out[-6000:]

@@ -23,17 +23,25 @@ LIMIT = 60  # the issue's bound: every process has answered within a minute
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "KERAS_BACKEND", "UNIMESH_BACKEND")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **extra)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("XLA_FLAGS", "KERAS_BACKEND", "UNIMESH_BACKEND")
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        **extra,
+    )
     return env
 
 
 def lines(out: str) -> dict[int, str]:
     """Each rank's VERIFY line (launchers may run two ranks' lines together)."""
-    return {int(m[1]): m[0]
-            for m in re.finditer(r"VERIFY rank (\d+) of \d+ (?:(?!VERIFY rank).)*", out)}
+    return {
+        int(m[1]): m[0] for m in re.finditer(r"VERIFY rank (\d+) of \d+ (?:(?!VERIFY rank).)*", out)
+    }
 
 
 def check_mode(mode: str, verdicts: dict[int, str], codes: dict[int, int]) -> None:
@@ -58,12 +66,12 @@ def check_mode(mode: str, verdicts: dict[int, str], codes: dict[int, int]) -> No
         assert seconds < LIMIT, text
 
 
-def plain_processes(backend: str, mode: str, envs: list[dict[str, str]],
-                    tmp_path: Path) -> None:
+def plain_processes(backend: str, mode: str, envs: list[dict[str, str]], tmp_path: Path) -> None:
     """The worker in N processes started here (the engine's own rendezvous, no launcher that
     could end the survivors itself); every rank's verdict and exit code checked."""
-    codes, outs, took = run_ranks([sys.executable, WORKER, backend, mode], envs, LIMIT + 30,
-                                  tmp_path)
+    codes, outs, took = run_ranks(
+        [sys.executable, WORKER, backend, mode], envs, LIMIT + 30, tmp_path
+    )
     assert took < LIMIT + 10, f"took {took:.0f} s"
     verdicts: dict[int, str] = {}
     for out in outs:
@@ -80,32 +88,69 @@ def plain_processes(backend: str, mode: str, envs: list[dict[str, str]],
 def test_torch_gloo_processes(mode, tmp_path):
     pytest.importorskip("torch.distributed")
     port = str(free_port())
-    plain_processes("torch", mode, [base_env(RANK=str(r), WORLD_SIZE=str(N), LOCAL_RANK=str(r),
-                                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-                                    for r in range(N)], tmp_path)
+    plain_processes(
+        "torch",
+        mode,
+        [
+            base_env(
+                RANK=str(r),
+                WORLD_SIZE=str(N),
+                LOCAL_RANK=str(r),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+            for r in range(N)
+        ],
+        tmp_path,
+    )
 
 
 @pytest.mark.parametrize("mode", ["clean", "disagree"])
 def test_torch_under_torchrun(mode, tmp_path):
     pytest.importorskip("torch.distributed")
-    rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={N}", WORKER, "torch", mode], base_env(),
-                          LIMIT + 30, tmp_path)
+    rc, out = run_bounded(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={N}",
+            WORKER,
+            "torch",
+            mode,
+        ],
+        base_env(),
+        LIMIT + 30,
+        tmp_path,
+    )
     verdicts = lines(out)
     assert sorted(verdicts) == list(range(N)), out[-3000:]
     if mode == "clean":
         assert rc == 0 and all(" ok after" in v for v in verdicts.values()), out[-3000:]
     else:
-        assert rc != 0 and all("processes [1] have device_order" in v
-                               for v in verdicts.values()), out[-3000:]
+        assert rc != 0 and all("processes [1] have device_order" in v for v in verdicts.values()), (
+            out[-3000:]
+        )
 
 
 def test_torchrun_with_a_killed_worker_stops_every_rank(tmp_path):
     """Under torchrun the agent itself ends the other workers when one dies; nothing hangs."""
     pytest.importorskip("torch.distributed")
-    rc, out = run_bounded([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={N}", WORKER, "torch", "die"], base_env(),
-                          LIMIT, tmp_path)
+    rc, out = run_bounded(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={N}",
+            WORKER,
+            "torch",
+            "die",
+        ],
+        base_env(),
+        LIMIT,
+        tmp_path,
+    )
     assert rc != 0
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", out) and "Signal 9" in out, out[-3000:]
 
@@ -115,24 +160,55 @@ def test_torchrun_with_a_killed_worker_stops_every_rank(tmp_path):
 def test_jax_distributed_processes(mode, tmp_path):
     pytest.importorskip("jax")
     address = f"127.0.0.1:{free_port()}"
-    plain_processes("jax", mode, [base_env(JAX_COORDINATOR_ADDRESS=address,
-                                           JAX_NUM_PROCESSES=str(N), JAX_PROCESS_ID=str(r),
-                                           JAX_PLATFORMS="cpu") for r in range(N)], tmp_path)
+    plain_processes(
+        "jax",
+        mode,
+        [
+            base_env(
+                JAX_COORDINATOR_ADDRESS=address,
+                JAX_NUM_PROCESSES=str(N),
+                JAX_PROCESS_ID=str(r),
+                JAX_PLATFORMS="cpu",
+            )
+            for r in range(N)
+        ],
+        tmp_path,
+    )
 
 
 # -- MLX --------------------------------------------------------------------------------------
 def mlx_command(launcher: str, mode: str) -> list[str]:
     if launcher == "mpi":
-        return [require_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", str(N),
-                sys.executable, WORKER, "mlx", mode]
-    return [str(Path(sys.executable).with_name("mlx.launch")), "-n", str(N), "--backend", "ring",
-            "--", sys.executable, WORKER, "mlx", mode]
+        return [
+            require_mpirun(),
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            str(N),
+            sys.executable,
+            WORKER,
+            "mlx",
+            mode,
+        ]
+    return [
+        str(Path(sys.executable).with_name("mlx.launch")),
+        "-n",
+        str(N),
+        "--backend",
+        "ring",
+        "--",
+        sys.executable,
+        WORKER,
+        "mlx",
+        mode,
+    ]
 
 
 def ring_codes(out: str) -> dict[int, int]:
     """mlx.launch exits 0 whatever its processes return; it reports each failed one."""
-    return {int(r): int(c) for r, c in re.findall(r"Node with rank (\d+) exited with code (-?\d+)",
-                                                    out)}
+    return {
+        int(r): int(c) for r, c in re.findall(r"Node with rank (\d+) exited with code (-?\d+)", out)
+    }
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "ring"])
@@ -148,8 +224,11 @@ def test_mlx(launcher, mode, tmp_path):
         assert (rc == 0) == (mode == "clean"), out[-3000:]
     else:
         codes = ring_codes(out)
-        assert (not codes) if mode == "clean" else (sorted(codes) == list(range(N))
-                                                    and all(codes.values())), out[-3000:]
+        assert (
+            (not codes)
+            if mode == "clean"
+            else (sorted(codes) == list(range(N)) and all(codes.values()))
+        ), out[-3000:]
     if mode == "disagree":
         assert all("processes [1] have device_order" in v for v in verdicts.values())
 
@@ -166,7 +245,9 @@ def test_mlx_with_a_killed_process(launcher, tmp_path):
     assert time.monotonic() - t0 < LIMIT + 10
     if launcher == "mpi":
         assert rc != 0, out[-3000:]
-        assert re.search(r"rank 1 .*signal 9|signal 9.*rank 1", out, re.DOTALL | re.IGNORECASE), out[-3000:]
+        assert re.search(r"rank 1 .*signal 9|signal 9.*rank 1", out, re.DOTALL | re.IGNORECASE), (
+            out[-3000:]
+        )
     else:
         codes = ring_codes(out)
         assert codes.get(1) == -9 and sorted(codes) == list(range(N)), out[-3000:]
@@ -183,8 +264,7 @@ def test_mlx_with_a_stuck_process(launcher, tmp_path):
     t0 = time.monotonic()
     rc, out = run_bounded(mlx_command(launcher, "stuck"), base_env(), LIMIT + 30, tmp_path)
     assert time.monotonic() - t0 < 40, out[-3000:]  # before the stuck process wakes up
-    assert "the mesh check on rank" in out and "a peer process is gone or stuck" in out, \
-        out[-3000:]
+    assert "the mesh check on rank" in out and "a peer process is gone or stuck" in out, out[-3000:]
     if launcher == "mpi":
         assert rc != 0
     else:
@@ -195,23 +275,41 @@ def test_mlx_without_its_launcher_names_the_variable(tmp_path):
     """MLX's init() gives a 1-process group when no distributed backend answers; the launcher
     said 4: initialize must not carry on with 1."""
     pytest.importorskip("mlx.core")
-    code = ("import unimesh\ntry:\n    unimesh.initialize('mlx')\n"
-            "except unimesh.LaunchError as exc:\n    print('LAUNCH', exc)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=base_env(MLX_WORLD_SIZE="4"), timeout=120, check=False)
-    assert "LAUNCH the launcher started 4 processes (MLX_WORLD_SIZE=4)" in proc.stdout, \
+    code = (
+        "import unimesh\ntry:\n    unimesh.initialize('mlx')\n"
+        "except unimesh.LaunchError as exc:\n    print('LAUNCH', exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=base_env(MLX_WORLD_SIZE="4"),
+        timeout=120,
+        check=False,
+    )
+    assert "LAUNCH the launcher started 4 processes (MLX_WORLD_SIZE=4)" in proc.stdout, (
         proc.stdout + proc.stderr
+    )
     assert "gave a group of 1" in proc.stdout
 
 
 # -- single process: the launcher's variables ---------------------------------------------------
 def test_initialize_names_missing_variables(monkeypatch):
     pytest.importorskip("torch.distributed")
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_ADDRESS",
-                "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "JAX_COORDINATOR_ADDRESS",
+        "JAX_NUM_PROCESSES",
+        "JAX_PROCESS_ID",
+    ):
         monkeypatch.delenv(var, raising=False)
-    with pytest.raises(unimesh.LaunchError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
-                                                  "are not set: run under torchrun"):
+    with pytest.raises(
+        unimesh.LaunchError,
+        match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set: run under torchrun",
+    ):
         unimesh.initialize("torch")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -221,8 +319,9 @@ def test_initialize_names_missing_variables(monkeypatch):
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
     with pytest.raises(unimesh.LaunchError, match="JAX_NUM_PROCESSES, JAX_PROCESS_ID are not set"):
         unimesh.initialize("jax")
-    with pytest.raises(unimesh.UnimeshError, match="timeout must be a number of seconds > 0, "
-                                                   "got -1"):
+    with pytest.raises(
+        unimesh.UnimeshError, match="timeout must be a number of seconds > 0, got -1"
+    ):
         unimesh.initialize("jax", timeout=-1)
     assert isinstance(unimesh.LaunchError("x"), unimesh.MeshMismatchError)
 
@@ -231,8 +330,10 @@ def test_tensorflow_is_one_client(monkeypatch):
     pytest.importorskip("tensorflow")
     assert unimesh.initialize("tensorflow") == (0, 1)
     monkeypatch.setenv("DTENSOR_NUM_CLIENTS", "2")
-    with pytest.raises(unimesh.UnsupportedError, match="DTENSOR_NUM_CLIENTS=2: the tensorflow "
-                                                       "backend runs one DTensor client"):
+    with pytest.raises(
+        unimesh.UnsupportedError,
+        match="DTENSOR_NUM_CLIENTS=2: the tensorflow backend runs one DTensor client",
+    ):
         unimesh.initialize("tensorflow")
 
 
@@ -241,18 +342,21 @@ def test_single_process_verify_and_its_bad_input():
     mesh = unimesh.Mesh((2, 4), ("dp", "tp"))
     assert unimesh.initialize("jax") == (0, 1) == unimesh.initialize("jax")  # idempotent
     unimesh.verify(mesh, "jax", layout=unimesh.Layout(mesh, unimesh.P("dp")))
-    with pytest.raises(unimesh.MeshMismatchError, match="uses device 63, but the jax runtime "
-                                                        "has 8 devices"):
+    with pytest.raises(
+        unimesh.MeshMismatchError, match="uses device 63, but the jax runtime has 8 devices"
+    ):
         unimesh.verify(unimesh.Mesh((8, 8), ("a", "b")), "jax")
     with pytest.raises(unimesh.MeshMismatchError, match="needs a unimesh.Mesh, got 'dp=2'"):
         unimesh.verify("dp=2", "jax")  # type: ignore[arg-type]
     with pytest.raises(unimesh.LayoutError, match="needs a unimesh.Layout, got 3"):
         unimesh.verify(mesh, "jax", layout=3)
     with pytest.raises(unimesh.LayoutError, match="the layout is on"):
-        unimesh.verify(mesh, "jax", layout=unimesh.Layout(unimesh.Mesh((8,), ("x",)),
-                                                          unimesh.P("x")))
-    with pytest.raises(unimesh.UnimeshError, match="timeout must be a number of seconds > 0, "
-                                                   "got 'soon'"):
+        unimesh.verify(
+            mesh, "jax", layout=unimesh.Layout(unimesh.Mesh((8,), ("x",)), unimesh.P("x"))
+        )
+    with pytest.raises(
+        unimesh.UnimeshError, match="timeout must be a number of seconds > 0, got 'soon'"
+    ):
         unimesh.verify(mesh, "jax", timeout="soon")  # type: ignore[arg-type]
 
 

@@ -33,8 +33,11 @@ def main() -> None:
         dist.barrier()  # the others wait for a peer that is gone
         return
     if len(sys.argv) > 2 and sys.argv[2] == "disagree":
-        spec = sys.argv[1] if rank else sys.argv[1] + ";ids=" + ",".join(
-            map(str, reversed(range(world))))
+        spec = (
+            sys.argv[1]
+            if rank
+            else sys.argv[1] + ";ids=" + ",".join(map(str, reversed(range(world))))
+        )
         try:
             unimesh.to_native(Mesh.from_string(spec))
             check(False, "ranks building different meshes must raise")
@@ -50,16 +53,19 @@ def main() -> None:
     check(unimesh.get_backend().name == "torch", "the backend is detected from the import")
 
     dm = unimesh.to_native(mesh)
-    check(dm.get_coordinate() == tuple(mesh.coords(rank).values()),
-          f"coordinate {dm.get_coordinate()} == {mesh.coords(rank)}")
+    check(
+        dm.get_coordinate() == tuple(mesh.coords(rank).values()),
+        f"coordinate {dm.get_coordinate()} == {mesh.coords(rank)}",
+    )
 
     # an all_reduce over each axis group gives the sum of the neutral group
     for i, axis in enumerate(mesh.axis_names):
         (group,) = [g for g in mesh.groups(axis) if rank in g]
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=dm.get_group(i))
-        check(int(t.item()) == sum(group), f"all_reduce over {axis!r}: {int(t.item())} == "
-                                           f"sum{group}")
+        check(
+            int(t.item()) == sum(group), f"all_reduce over {axis!r}: {int(t.item())} == sum{group}"
+        )
 
     # distribute: every local tensor is the reference block
     a, b, last = mesh.axis_names[0], mesh.axis_names[1], mesh.axis_names[-1]
@@ -71,9 +77,11 @@ def main() -> None:
         lay = Layout(mesh, spec)
         dt = unimesh.distribute(x, lay)
         want = x[lay.shard_slices(shape, rank)]
-        check(torch.equal(dt.to_local(), want),
-              f"distribute {spec} of {shape}: local {tuple(dt.to_local().shape)} is the "
-              f"reference block {lay.shard_slices(shape, rank)}")
+        check(
+            torch.equal(dt.to_local(), want),
+            f"distribute {spec} of {shape}: local {tuple(dt.to_local().shape)} is the "
+            f"reference block {lay.shard_slices(shape, rank)}",
+        )
         check(unimesh.from_native(dt) == lay, f"from_native(DTensor) == {lay!r}")
         check(torch.equal(dt.full_tensor(), x), f"full_tensor of {spec} is the original")
 
@@ -88,8 +96,10 @@ def main() -> None:
     lay = Layout(perm, P(a))
     x = torch.arange(8.0)
     dt = unimesh.distribute(x, lay)
-    check(torch.equal(dt.to_local(), x[lay.shard_slices((8,), rank)]),
-          f"on {perm!r} P({a!r}) gives rank {rank} at {perm.coords(rank)} the reference block")
+    check(
+        torch.equal(dt.to_local(), x[lay.shard_slices((8,), rank)]),
+        f"on {perm!r} P({a!r}) gives rank {rank} at {perm.coords(rank)} the reference block",
+    )
 
     # a DDP step on the "dp" axis mesh: gradients are the mean over the dp group
     dp_axis = "dp" if "dp" in mesh.axis_names else a
@@ -112,38 +122,48 @@ def main() -> None:
         for g, p in zip(grads, reference.parameters()):
             g += p.grad / len(dp_group)
     ok = all(torch.allclose(p.grad, g, atol=1e-5) for p, g in zip(model.parameters(), grads))
-    check(ok, f"DDP gradient on {dp_axis!r} mesh {tuple(dp_mesh.mesh.tolist())} is the mean over "
-              f"{dp_group}")
+    check(
+        ok,
+        f"DDP gradient on {dp_axis!r} mesh {tuple(dp_mesh.mesh.tolist())} is the mean over "
+        f"{dp_group}",
+    )
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     with torch.no_grad():
         expected = [p - 0.1 * g for p, g in zip(reference.parameters(), grads)]
-    check(all(torch.allclose(p, e, atol=1e-5) for p, e in zip(model.parameters(), expected)),
-          "SGD step after DDP matches the single-process reference")
+    check(
+        all(torch.allclose(p, e, atol=1e-5) for p, e in zip(model.parameters(), expected)),
+        "SGD step after DDP matches the single-process reference",
+    )
 
     # parameter sharding by rule: Megatron column/row split over the last axis
     torch.manual_seed(1)
     mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     before = {name: p.detach().clone() for name, p in mlp.named_parameters()}
-    rules = unimesh.LayoutMap(mesh, {r"0\.weight": P(last, None), r"0\.bias": P(last),
-                                     r"2\.weight": P(None, last)})
+    rules = unimesh.LayoutMap(
+        mesh, {r"0\.weight": P(last, None), r"0\.bias": P(last), r"2\.weight": P(None, last)}
+    )
     unimesh.shard_params(mlp, rules)
     for name, param in mlp.named_parameters():
         lay = rules.get(name) or Layout(mesh, P())
         want = before[name][lay.shard_slices(tuple(before[name].shape), rank)]
         shape = tuple(before[name].shape)
         have = unimesh.from_native(param.data)
-        check(isinstance(param, nn.Parameter) and torch.equal(param.to_local(), want)
-              and have.device_slices(shape) == lay.device_slices(shape),
-              f"shard_params: {name} is a DTensor parameter laid out {lay.spec!r} holding the "
-              "reference block")
+        check(
+            isinstance(param, nn.Parameter)
+            and torch.equal(param.to_local(), want)
+            and have.device_slices(shape) == lay.device_slices(shape),
+            f"shard_params: {name} is a DTensor parameter laid out {lay.spec!r} holding the "
+            "reference block",
+        )
     x = torch.arange(24.0).reshape(3, 8) / 10
     with torch.no_grad():
         want = x @ before["0.weight"].T + before["0.bias"]
         want = torch.relu(want) @ before["2.weight"].T + before["2.bias"]
         from torch.distributed.tensor import DTensor, Replicate
 
-        got = mlp(DTensor.from_local(x, mlp[0].weight.device_mesh,
-                                     [Replicate()] * mesh.ndim)).full_tensor()
+        got = mlp(
+            DTensor.from_local(x, mlp[0].weight.device_mesh, [Replicate()] * mesh.ndim)
+        ).full_tensor()
     check(torch.allclose(got, want, atol=1e-5), "the sharded MLP computes the unsharded output")
     try:
         unimesh.shard_params(nn.Linear(3, 5), unimesh.LayoutMap(mesh, {"weight": P(a, None, None)}))

@@ -39,8 +39,10 @@ try:
     unimesh.verify(mesh, backend, layout=unimesh.Layout(mesh, unimesh.P("dp")), timeout=15)
 except unimesh.MeshMismatchError as exc:
     kind = "gone" if "gone" in str(exc) else "devices" if "uses device" in str(exc) else "mismatch"
-    print(f"VERIFY rank {rank} of {world} {kind} after {time.monotonic() - t0:.1f}s: {exc}",
-          flush=True)
+    print(
+        f"VERIFY rank {rank} of {world} {kind} after {time.monotonic() - t0:.1f}s: {exc}",
+        flush=True,
+    )
     time.sleep(1.0)  # let every rank print before the first exit makes a launcher end the rest
     sys.exit({"mismatch": 3, "gone": 4, "devices": 5}[kind])
 print(f"VERIFY rank {rank} of {world} ok after {time.monotonic() - t0:.1f}s", flush=True)

@@ -31,8 +31,10 @@ def parse_mesh_string(s: object) -> dict[str, Any]:
         key, eq, value = sec.partition("=")
         key = key.strip()
         if not eq or key not in _SECTIONS:
-            fail(f"unknown section {short(sec.strip())} in mesh string {short(s)}; sections are "
-                 f"{', '.join(k + '=...' for k in _SECTIONS)}")
+            fail(
+                f"unknown section {short(sec.strip())} in mesh string {short(s)}; sections are "
+                f"{', '.join(k + '=...' for k in _SECTIONS)}"
+            )
         if key in seen:
             fail(f"section {key!r} appears twice in mesh string {short(s)}")
         seen.add(key)
@@ -40,14 +42,18 @@ def parse_mesh_string(s: object) -> dict[str, Any]:
             size = check_size(tuple(shape))
             items = value.split(",")
             if len(items) != size:
-                fail(f"mesh string {short(s)} gives {len(items)} device ids for a mesh of "
-                     f"{size} devices; list one id per device in row-major order")
+                fail(
+                    f"mesh string {short(s)} gives {len(items)} device ids for a mesh of "
+                    f"{size} devices; list one id per device in row-major order"
+                )
             ids = []
             for item in items:
                 m = _INT_RE.match(item)
                 if not m:
-                    fail(f"device id {short(item.strip())} in mesh string {short(s)} is not a "
-                         "non-negative int")
+                    fail(
+                        f"device id {short(item.strip())} in mesh string {short(s)} is not a "
+                        "non-negative int"
+                    )
                 ids.append(int(m.group(1)))
             out["device_ids"] = _reshape(ids, tuple(shape))
         elif key == "types":
@@ -55,8 +61,10 @@ def parse_mesh_string(s: object) -> dict[str, Any]:
         else:
             m = _INT_RE.match(value)
             if not m:
-                fail(f"per_process={short(value.strip())} in mesh string {short(s)} must be a "
-                     "positive int")
+                fail(
+                    f"per_process={short(value.strip())} in mesh string {short(s)} must be a "
+                    "positive int"
+                )
             out["devices_per_process"] = int(m.group(1))
     return out
 
@@ -71,8 +79,10 @@ def _parse_axes(head: str, s: str, names: list[str], shape: list[int]) -> None:
     for part in head.split(","):
         m = _AXIS_RE.match(part)
         if not m:
-            fail(f"cannot read axis {short(part.strip())} in mesh string {short(s)}; each axis is "
-                 f"name=size, like {_FORM}")
+            fail(
+                f"cannot read axis {short(part.strip())} in mesh string {short(s)}; each axis is "
+                f"name=size, like {_FORM}"
+            )
         names.append(m.group(1))
         shape.append(int(m.group(2)))
 
@@ -82,8 +92,10 @@ def _ints(text: str, what: str, s: str) -> list[int]:
     for item in text.split(","):
         m = _INT_RE.match(item)
         if not m:
-            fail(f"{what} entry {short(item.strip())} in DTensor mesh string {short(s)} is not a "
-                 "non-negative int")
+            fail(
+                f"{what} entry {short(item.strip())} in DTensor mesh string {short(s)} is not a "
+                "non-negative int"
+            )
         out.append(int(m.group(1)))
     return out
 
@@ -97,8 +109,10 @@ def parse_dtensor_string(s: str) -> dict[str, Any]:
     """
     parts = s.split("|")
     if len(parts) < 5:
-        fail(f"DTensor mesh string {short(s)} needs 5 '|'-separated fields: "
-             "name|dims|global ids|local ids|devices")
+        fail(
+            f"DTensor mesh string {short(s)} needs 5 '|'-separated fields: "
+            "name|dims|global ids|local ids|devices"
+        )
     names: list[str] = []
     shape: list[int] = []
     _parse_axes(parts[1], s, names, shape)
@@ -107,22 +121,30 @@ def parse_dtensor_string(s: str) -> dict[str, Any]:
     local_ids = _ints(parts[3], "local id", s)
     devices = [d.strip() for d in parts[4].split(",")]
     if len(global_ids) != size:
-        fail(f"DTensor mesh string {short(s)} lists {len(global_ids)} global ids for a mesh of "
-             f"{size} devices")
+        fail(
+            f"DTensor mesh string {short(s)} lists {len(global_ids)} global ids for a mesh of "
+            f"{size} devices"
+        )
     if len(devices) != len(local_ids):
-        fail(f"DTensor mesh string {short(s)} lists {len(local_ids)} local ids but "
-             f"{len(devices)} local devices")
+        fail(
+            f"DTensor mesh string {short(s)} lists {len(local_ids)} local ids but "
+            f"{len(devices)} local devices"
+        )
     if sorted(global_ids) != list(range(size)) or not set(local_ids) <= set(global_ids):
-        fail(f"DTensor mesh string {short(s)}: global ids must be 0..{size - 1} and local ids "
-             "among them")
+        fail(
+            f"DTensor mesh string {short(s)}: global ids must be 0..{size - 1} and local ids "
+            "among them"
+        )
     out: dict[str, Any] = {"shape": tuple(shape), "axis_names": tuple(names)}
     if len(local_ids) == size:
         ids = [0] * size
         for pos, dev in zip(local_ids, devices):
             index = dev.rsplit(":", 1)[-1]
             if not index.isdigit() or len(index) > 12:
-                fail(f"device {short(dev)} in DTensor mesh string {short(s)} does not end in "
-                     "':<index>'")
+                fail(
+                    f"device {short(dev)} in DTensor mesh string {short(s)} does not end in "
+                    "':<index>'"
+                )
             ids[global_ids.index(pos)] = int(index)
         out["device_ids"] = _reshape(ids, tuple(shape))
     else:

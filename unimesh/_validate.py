@@ -49,8 +49,9 @@ def first_line(exc: BaseException) -> str:
     return repr(exc)
 
 
-def check_int(value: object, what: str, *, minimum: int | None = None,
-              cls: type[Exception] = MeshSpecError) -> int:
+def check_int(
+    value: object, what: str, *, minimum: int | None = None, cls: type[Exception] = MeshSpecError
+) -> int:
     """Return ``value`` as an int, refusing bools, floats and strings."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         fail(f"{what} must be an int, got {short(value)} ({type(value).__name__})", cls)
@@ -60,14 +61,19 @@ def check_int(value: object, what: str, *, minimum: int | None = None,
     return out
 
 
-def check_axis_name(name: object, what: str = "axis name",
-                    cls: type[Exception] = MeshSpecError) -> str:
-    """Axis names are ASCII identifiers (``dp``, ``tp``, ``dp_shard``) so every serial form is exact."""
+def check_axis_name(
+    name: object, what: str = "axis name", cls: type[Exception] = MeshSpecError
+) -> str:
+    """Axis names are ASCII identifiers (``dp``, ``tp``, ``dp_shard``) so every serial form is
+    exact."""
     if not isinstance(name, str):
         fail(f"{what} must be a str, got {short(name)} ({type(name).__name__})", cls)
     if not _NAME_RE.match(name):
-        fail(f"{what} {name!r} is not valid: use letters, digits and '_', not starting with a digit "
-             "(for example 'dp', 'tp', 'dp_shard')", cls)
+        fail(
+            f"{what} {name!r} is not valid: use letters, digits and '_', not starting with a digit "
+            "(for example 'dp', 'tp', 'dp_shard')",
+            cls,
+        )
     return name
 
 
@@ -82,12 +88,16 @@ def check_size(shape: tuple[int, ...], what: str = "mesh") -> int:
     """The device count of ``shape``, refused above 2**26 before anything is allocated (and
     before a product of thousands of digits is ever written out)."""
     if sum(int(n).bit_length() for n in shape) > 200:
-        fail(f"{what} of shape {short(shape)} has more than 10**60 devices, more than unimesh "
-             f"supports ({MAX_DEVICES} = 2**26); use smaller axis sizes")
+        fail(
+            f"{what} of shape {short(shape)} has more than 10**60 devices, more than unimesh "
+            f"supports ({MAX_DEVICES} = 2**26); use smaller axis sizes"
+        )
     size = math.prod(shape)
     if size > MAX_DEVICES:
-        fail(f"{what} of shape {short(shape)} has {size} devices, more than unimesh supports "
-             f"({MAX_DEVICES} = 2**26); use smaller axis sizes")
+        fail(
+            f"{what} of shape {short(shape)} has {size} devices, more than unimesh supports "
+            f"({MAX_DEVICES} = 2**26); use smaller axis sizes"
+        )
     return size
 
 

@@ -128,22 +128,23 @@ class Backend:
                 f"backend {self.name!r} does not support {capability!r} ({what})"
                 + (f": {detail}" if detail else "")
                 + f"; it declares {sorted(self.capabilities)}",
-                backend=self.name, capability=capability)
+                backend=self.name,
+                capability=capability,
+            )
 
     def reject_options(self, options: dict[str, Any], accepted: str = "") -> None:
         """Raise :class:`UnsupportedError` naming any option this backend does not take."""
         if options:
             takes = f"; it takes {accepted}" if accepted else ""
-            raise UnsupportedError(f"unknown option(s) {sorted(options)} for the {self.name} "
-                                   f"backend{takes}", backend=self.name)
+            raise UnsupportedError(
+                f"unknown option(s) {sorted(options)} for the {self.name} backend{takes}",
+                backend=self.name,
+            )
 
     def owns(self, obj: object) -> bool:
         """True when ``obj``'s type comes from one of :attr:`native_modules` (no import)."""
         roots = self.native_modules or (self.framework,)
-        for cls in type(obj).__mro__:
-            if cls.__module__.split(".", 1)[0] in roots:
-                return True
-        return False
+        return any(cls.__module__.split(".", 1)[0] in roots for cls in type(obj).__mro__)
 
     def native_code(self, mesh: Mesh) -> str | None:
         """The native Python that builds ``mesh`` by hand (``unimesh convert --code``, for
@@ -164,7 +165,9 @@ class Backend:
     def _missing(self, capability: str) -> Any:
         raise UnsupportedError(
             f"backend {self.name!r} declares no {capability!r} translation",
-            backend=self.name, capability=capability)
+            backend=self.name,
+            capability=capability,
+        )
 
     def mesh_to_native(self, mesh: Any, **options: Any) -> Any:
         """Neutral :class:`~unimesh.Mesh` -> the framework's mesh object."""

@@ -46,29 +46,42 @@ class Config:
 
     __slots__ = ("axis_rules", "batch_axis", "layout_map", "mesh")
 
-    def __init__(self, mesh: Mesh, layout_map: LayoutMap | None = None,
-                 batch_axis: str | None = None, axis_rules: AxisRules | None = None) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        layout_map: LayoutMap | None = None,
+        batch_axis: str | None = None,
+        axis_rules: AxisRules | None = None,
+    ) -> None:
         if not isinstance(mesh, Mesh):
             raise ConfigError(f"Config needs a unimesh.Mesh, got {short(mesh)}")
         if layout_map is not None and layout_map.mesh != mesh:
             raise ConfigError(f"the layout map is on {layout_map.mesh!r}, not on {mesh!r}")
         if batch_axis is not None and batch_axis not in mesh.axis_names:
-            raise ConfigError(f"batch_axis {short(batch_axis)} is not an axis of {mesh!r}; "
-                              f"choose one of {list(mesh.axis_names)}")
+            raise ConfigError(
+                f"batch_axis {short(batch_axis)} is not an axis of {mesh!r}; "
+                f"choose one of {list(mesh.axis_names)}"
+            )
         self.mesh = mesh
         self.layout_map = layout_map if layout_map is not None else LayoutMap(mesh)
         self.batch_axis = batch_axis if batch_axis is not None else mesh.axis_names[0]
         self.axis_rules = axis_rules
 
     def __repr__(self) -> str:
-        return (f"Config({self.mesh!r}, layout rules: {len(self.layout_map)}, "
-                f"batch_axis={self.batch_axis!r}, axis_rules={self.axis_rules!r})")
+        return (
+            f"Config({self.mesh!r}, layout rules: {len(self.layout_map)}, "
+            f"batch_axis={self.batch_axis!r}, axis_rules={self.axis_rules!r})"
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Config):
             return NotImplemented
         return (self.mesh, self.layout_map, self.batch_axis, self.axis_rules) == (
-            other.mesh, other.layout_map, other.batch_axis, other.axis_rules)
+            other.mesh,
+            other.layout_map,
+            other.batch_axis,
+            other.axis_rules,
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -80,8 +93,9 @@ class Config:
             raise ConfigError(f"a config is a table/object, got {short(d)} ({type(d).__name__})")
         unknown = [k for k in d if k not in KEYS]
         if unknown:
-            raise ConfigError(f"unknown config key {short(unknown[0])}; valid keys are "
-                              f"{list(KEYS)}")
+            raise ConfigError(
+                f"unknown config key {short(unknown[0])}; valid keys are {list(KEYS)}"
+            )
         if "mesh" not in d:
             raise ConfigError('a config needs a mesh, e.g. mesh = "dp=2,tp=4"')
         mesh = _in("mesh", lambda: _mesh(d["mesh"]))
@@ -90,8 +104,10 @@ class Config:
             raise ConfigError(f"[layout] must be a table of pattern = spec, got {short(rules)}")
         layout_map = LayoutMap(mesh)
         for pattern, spec in rules.items():
-            _in(f"[layout] rule {short(pattern)}",
-                lambda p=pattern, s=spec: layout_map.__setitem__(p, _spec(s)))
+            _in(
+                f"[layout] rule {short(pattern)}",
+                lambda p=pattern, s=spec: layout_map.__setitem__(p, _spec(s)),
+            )
         batch = d.get("batch_axis")
         if batch is not None and not isinstance(batch, str):
             raise ConfigError(f"batch_axis must be an axis name (str), got {short(batch)}")
@@ -99,16 +115,19 @@ class Config:
         if "axis_rules" in d:
             raw = d["axis_rules"]
             if not isinstance(raw, Mapping):
-                raise ConfigError(f"[axis_rules] must be a table of logical = mesh axes, got "
-                                  f"{short(raw)}")
+                raise ConfigError(
+                    f"[axis_rules] must be a table of logical = mesh axes, got {short(raw)}"
+                )
             pairs = [(k, _axes(v)) for k, v in raw.items()]
             axis_rules = _in("[axis_rules]", lambda: AxisRules(pairs))
             for logical, target in axis_rules.rules:
                 named = (target,) if isinstance(target, str) else target or ()
                 for axis in named:
                     if axis not in mesh.axis_names:
-                        raise ConfigError(f"[axis_rules] {logical!r} names axis {axis!r}, which "
-                                          f"is not in {mesh!r}")
+                        raise ConfigError(
+                            f"[axis_rules] {logical!r} names axis {axis!r}, which "
+                            f"is not in {mesh!r}"
+                        )
         return cls(mesh, layout_map, batch, axis_rules)
 
     @classmethod
@@ -135,8 +154,10 @@ class Config:
             try:
                 import tomli as toml  # type: ignore[no-redef,import-not-found,unused-ignore]
             except ImportError:
-                raise ConfigError("reading TOML on Python 3.10 needs tomli: pip install tomli "
-                                  "(or write the config as JSON)") from None
+                raise ConfigError(
+                    "reading TOML on Python 3.10 needs tomli: pip install tomli "
+                    "(or write the config as JSON)"
+                ) from None
         try:
             d = toml.loads(text)
         except (toml.TOMLDecodeError, RecursionError) as exc:
@@ -148,11 +169,14 @@ class Config:
         """A JSON-ready dict that :meth:`from_dict` reads back to an equal config."""
         d: dict[str, Any] = {"mesh": self.mesh.to_string(), "batch_axis": self.batch_axis}
         if len(self.layout_map):
-            d["layout"] = {k: [list(e) if isinstance(e, tuple) else e for e in v.spec.entries]
-                           for k, v in self.layout_map.items()}
+            d["layout"] = {
+                k: [list(e) if isinstance(e, tuple) else e for e in v.spec.entries]
+                for k, v in self.layout_map.items()
+            }
         if self.axis_rules is not None:
-            d["axis_rules"] = [[k, list(v) if isinstance(v, tuple) else v]
-                               for k, v in self.axis_rules.rules]
+            d["axis_rules"] = [
+                [k, list(v) if isinstance(v, tuple) else v] for k, v in self.axis_rules.rules
+            ]
             if len({k for k, _ in self.axis_rules.rules}) == len(self.axis_rules.rules):
                 d["axis_rules"] = dict(d["axis_rules"])
         return d
@@ -176,8 +200,9 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
     try:
         size = os.path.getsize(path)
         if size > MAX_TEXT:
-            raise ConfigError(f"config file {path!r} is {size} bytes; a config is at most "
-                              f"{MAX_TEXT}")
+            raise ConfigError(
+                f"config file {path!r} is {size} bytes; a config is at most {MAX_TEXT}"
+            )
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError as exc:
@@ -190,11 +215,13 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
 # -- helpers ---------------------------------------------------------------------------------
 def _check_text(text: object, form: str) -> None:
     if not isinstance(text, (str, bytes, bytearray)):
-        raise ConfigError(f"{form} config text must be str, got {short(text)} "
-                          f"({type(text).__name__})")
+        raise ConfigError(
+            f"{form} config text must be str, got {short(text)} ({type(text).__name__})"
+        )
     if len(text) > MAX_TEXT:
-        raise ConfigError(f"{form} config text is {len(text)} characters; a config is at most "
-                          f"{MAX_TEXT}")
+        raise ConfigError(
+            f"{form} config text is {len(text)} characters; a config is at most {MAX_TEXT}"
+        )
 
 
 def _in(where: str, build: Any) -> Any:
@@ -211,16 +238,14 @@ def _mesh(value: object) -> Mesh:
     if isinstance(value, str):
         return Mesh.from_string(value)
     if not isinstance(value, Mapping):
-        raise ConfigError(f'mesh must be a string like "dp=2,tp=4" or a table, got '
-                          f"{short(value)}")
+        raise ConfigError(f'mesh must be a string like "dp=2,tp=4" or a table, got {short(value)}')
     d = dict(value)
     if "axes" in d:
         axes = d.pop("axes")
         if not isinstance(axes, Mapping) or not axes:
             raise ConfigError(f"mesh axes must be a table of name = size, got {short(axes)}")
         if "axis_names" in d or "shape" in d:
-            raise ConfigError("give the mesh either axes = {...} or axis_names and shape, "
-                              "not both")
+            raise ConfigError("give the mesh either axes = {...} or axis_names and shape, not both")
         d["axis_names"], d["shape"] = list(axes), list(axes.values())
     return Mesh.from_dict(d)
 
@@ -243,5 +268,7 @@ def _spec(value: object) -> PartitionSpec:
         return PartitionSpec(*parse_spec_text(value))
     if isinstance(value, list):
         return PartitionSpec(*(_axes(v) for v in value))
-    raise ConfigError(f"a spec is text like \"_,model\" or a list like [null, \"model\"], got "
-                      f"{short(value)} ({type(value).__name__})")
+    raise ConfigError(
+        f'a spec is text like "_,model" or a list like [null, "model"], got '
+        f"{short(value)} ({type(value).__name__})"
+    )

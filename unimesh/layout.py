@@ -1,4 +1,5 @@
-"""How a tensor is laid out on a mesh: partition specs, placements, layouts, layout maps, axis rules.
+"""How a tensor is laid out on a mesh: partition specs, placements, layouts, layout maps, axis
+rules.
 
 The reference semantics of sharding live here and nowhere else: every backend must put on each
 device exactly the block :meth:`Layout.shard_slices` names.
@@ -51,14 +52,18 @@ def _entry(value: object, where: str) -> Entry:
     if isinstance(value, (tuple, list)):
         for v in value:
             if not isinstance(v, str) or not v:
-                _lfail(f"{where}: {short(value)} must hold axis names (non-empty str), "
-                       f"found {short(v)}")
+                _lfail(
+                    f"{where}: {short(value)} must hold axis names (non-empty str), "
+                    f"found {short(v)}"
+                )
         t = tuple(value)
         if not t:
             return None
         return t[0] if len(t) == 1 else t
-    _lfail(f"{where}: {short(value)} ({type(value).__name__}) is not a spec entry; use None, "
-           "an axis name, or a tuple of axis names")
+    _lfail(
+        f"{where}: {short(value)} ({type(value).__name__}) is not a spec entry; use None, "
+        "an axis name, or a tuple of axis names"
+    )
 
 
 class PartitionSpec:
@@ -85,14 +90,17 @@ class PartitionSpec:
                 if not isinstance(ax, str) or not ax:
                     _lfail(f"partial axis {short(ax)} must be a non-empty axis name")
                 if op not in REDUCE_OPS:
-                    _lfail(f"reduce op {short(op)} for partial axis {ax!r} is not one of "
-                           f"{REDUCE_OPS}")
+                    _lfail(
+                        f"reduce op {short(op)} for partial axis {ax!r} is not one of {REDUCE_OPS}"
+                    )
                 pend.append((ax, op))
         seen: set[str] = set()
         for ax in [a for e in ents for a in _axes_of(e)] + [a for a, _ in pend]:
             if ax in seen:
-                _lfail(f"axis {ax!r} appears more than once in the spec {_spec_repr(ents, pend)}; "
-                       "a mesh axis can split one tensor dim (or be partial) only once")
+                _lfail(
+                    f"axis {ax!r} appears more than once in the spec {_spec_repr(ents, pend)}; "
+                    "a mesh axis can split one tensor dim (or be partial) only once"
+                )
             seen.add(ax)
         object.__setattr__(self, "_entries", ents)
         object.__setattr__(self, "_partial", tuple(pend))
@@ -268,8 +276,10 @@ class Layout:
             spec = PartitionSpec(*spec)
         for ax in spec.axes() + tuple(spec.partial):
             if ax not in mesh.axis_names:
-                _lfail(f"spec {spec!r} names axis {ax!r}, which is not in {mesh!r}; "
-                       f"the axes are {mesh.axis_names}")
+                _lfail(
+                    f"spec {spec!r} names axis {ax!r}, which is not in {mesh!r}; "
+                    f"the axes are {mesh.axis_names}"
+                )
         object.__setattr__(self, "_mesh", mesh)
         object.__setattr__(self, "_spec", spec)
         entries = list(spec.entries)
@@ -296,8 +306,7 @@ class Layout:
             return True
         if not isinstance(other, Layout):
             return NotImplemented
-        return self._key == other._key and (self._mesh is other._mesh
-                                            or self._mesh == other._mesh)
+        return self._key == other._key and (self._mesh is other._mesh or self._mesh == other._mesh)
 
     def __hash__(self) -> int:
         h = self._hash
@@ -314,20 +323,28 @@ class Layout:
 
     # -- shards --------------------------------------------------------------------------------
     def _shape(self, global_shape: object) -> tuple[int, ...]:
-        if type(global_shape) is tuple and len(global_shape) >= len(self._spec) and all(
-                type(n) is int and n >= 0 for n in global_shape):
+        if (
+            type(global_shape) is tuple
+            and len(global_shape) >= len(self._spec)
+            and all(type(n) is int and n >= 0 for n in global_shape)
+        ):
             return global_shape  # the common case, checked without building messages
         if isinstance(global_shape, (str, bytes)) or not isinstance(global_shape, Sequence):
             _lfail(f"global_shape must be a tuple of ints, got {short(global_shape)}")
-        shape = tuple(check_int(s, f"global_shape entry {short(s)}", minimum=0, cls=LayoutError)
-                      for s in global_shape)
+        shape = tuple(
+            check_int(s, f"global_shape entry {short(s)}", minimum=0, cls=LayoutError)
+            for s in global_shape
+        )
         if len(shape) < len(self._spec):
-            _lfail(f"spec {self._spec!r} has {len(self._spec)} entries but the tensor shape "
-                   f"{shape} has only {len(shape)} dims")
+            _lfail(
+                f"spec {self._spec!r} has {len(self._spec)} entries but the tensor shape "
+                f"{shape} has only {len(shape)} dims"
+            )
         return shape
 
-    def shard_bounds(self, global_shape: Sequence[int],
-                     device_ids: object = None) -> tuple[np.ndarray, np.ndarray]:
+    def shard_bounds(
+        self, global_shape: Sequence[int], device_ids: object = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Start and stop of every device's block, as two int arrays of shape (n, ndim).
 
         Rows follow ``mesh.device_ids.ravel()`` (or the given ids). The vectorised form of
@@ -361,8 +378,10 @@ class Layout:
         """Device id -> its block, for every device of the mesh."""
         lo, hi = self.shard_bounds(global_shape)
         ids = self._mesh.device_ids.ravel().tolist()
-        return {d: tuple(slice(a, b) for a, b in zip(r0, r1))
-                for d, r0, r1 in zip(ids, lo.tolist(), hi.tolist())}
+        return {
+            d: tuple(slice(a, b) for a, b in zip(r0, r1))
+            for d, r0, r1 in zip(ids, lo.tolist(), hi.tolist())
+        }
 
     def shard_counts(self) -> tuple[int, ...]:
         """How many blocks each dim named by the spec is cut into (1 where replicated)."""
@@ -414,8 +433,10 @@ class Layout:
         if isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence):
             _lfail(f"placements must be a sequence, got {short(placements)}")
         if len(placements) != mesh.ndim:
-            _lfail(f"got {len(placements)} placements for a mesh of {mesh.ndim} axes "
-                   f"{mesh.axis_names}; give one per mesh axis")
+            _lfail(
+                f"got {len(placements)} placements for a mesh of {mesh.ndim} axes "
+                f"{mesh.axis_names}; give one per mesh axis"
+            )
         by_dim: dict[int, list[tuple[int, int]]] = {}
         partial: dict[str, str] = {}
         for m, p in enumerate(placements):
@@ -423,24 +444,31 @@ class Layout:
                 continue
             if isinstance(p, Partial):
                 if p.op not in REDUCE_OPS:
-                    _lfail(f"Partial op {p.op!r} on axis {mesh.axis_names[m]!r} is not one of "
-                           f"{REDUCE_OPS}")
+                    _lfail(
+                        f"Partial op {p.op!r} on axis {mesh.axis_names[m]!r} is not one of "
+                        f"{REDUCE_OPS}"
+                    )
                 partial[mesh.axis_names[m]] = p.op
                 continue
             if isinstance(p, StridedShard):
-                sf = check_int(p.split_factor, "StridedShard split_factor", minimum=1,
-                               cls=LayoutError)
+                sf = check_int(
+                    p.split_factor, "StridedShard split_factor", minimum=1, cls=LayoutError
+                )
             elif isinstance(p, Shard):
                 sf = 1
             else:
-                _lfail(f"placement {short(p)} on axis {mesh.axis_names[m]!r} is not a Shard, "
-                       "StridedShard, Replicate or Partial")
+                _lfail(
+                    f"placement {short(p)} on axis {mesh.axis_names[m]!r} is not a Shard, "
+                    "StridedShard, Replicate or Partial"
+                )
             dim = check_int(p.dim, "Shard dim", cls=LayoutError)
             if dim < 0:
                 dim += nd
             if not 0 <= dim < nd:
-                _lfail(f"placement {p!r} on axis {mesh.axis_names[m]!r} shards dim {p.dim}, "
-                       f"out of range for a tensor of {nd} dims")
+                _lfail(
+                    f"placement {p!r} on axis {mesh.axis_names[m]!r} shards dim {p.dim}, "
+                    f"out of range for a tensor of {nd} dims"
+                )
             by_dim.setdefault(dim, []).append((m, sf))
         entries: list[Entry] = [None] * nd
         for dim, items in by_dim.items():
@@ -454,9 +482,11 @@ class Layout:
                     if pos < len(order):
                         prefix *= mesh.shape[order[pos]]
                 else:
-                    _lfail(f"placements {tuple(placements)!r} have no PartitionSpec equivalent: "
-                           f"no order of the axes sharding dim {dim} gives axis "
-                           f"{mesh.axis_names[m]!r} split_factor {sf}")
+                    _lfail(
+                        f"placements {tuple(placements)!r} have no PartitionSpec equivalent: "
+                        f"no order of the axes sharding dim {dim} gives axis "
+                        f"{mesh.axis_names[m]!r} split_factor {sf}"
+                    )
             names = tuple(mesh.axis_names[i] for i in order)
             entries[dim] = names[0] if len(names) == 1 else names
         return cls(mesh, PartitionSpec(*entries, partial=partial or None))
@@ -486,7 +516,9 @@ class LayoutMap:
     Values may be PartitionSpecs or tuples of entries and are validated against ``mesh``.
     """
 
-    def __init__(self, mesh: Mesh, rules: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()) -> None:
+    def __init__(
+        self, mesh: Mesh, rules: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()
+    ) -> None:
         if not isinstance(mesh, Mesh):
             _lfail(f"LayoutMap() needs a unimesh.Mesh, got {short(mesh)}")
         self._mesh = mesh
@@ -530,8 +562,10 @@ class LayoutMap:
             return self._rules[path]
         hits = [k for k, pat in self._compiled.items() if pat.fullmatch(path)]
         if len(hits) > 1:
-            _lfail(f"path {path!r} matches more than one LayoutMap key: {hits[0]!r} and "
-                   f"{hits[1]!r}; make the patterns exclusive")
+            _lfail(
+                f"path {path!r} matches more than one LayoutMap key: {hits[0]!r} and "
+                f"{hits[1]!r}; make the patterns exclusive"
+            )
         return self._rules[hits[0]] if hits else None
 
     def __contains__(self, key: object) -> bool:
@@ -591,8 +625,9 @@ class AxisRules:
     def __hash__(self) -> int:
         return hash(self._rules)
 
-    def spec(self, logical_axes: Sequence[str | None], mesh: Mesh | None = None, *,
-             strict: bool = False) -> PartitionSpec:
+    def spec(
+        self, logical_axes: Sequence[str | None], mesh: Mesh | None = None, *, strict: bool = False
+    ) -> PartitionSpec:
         """The PartitionSpec for a tensor whose dims have these logical names (None: replicated).
 
         With ``mesh``, rules naming axes absent from it are an error.
@@ -620,8 +655,10 @@ class AxisRules:
                 if mesh is not None:
                     for a in axes:
                         if a not in mesh.axis_names:
-                            _lfail(f"rule {logical!r} -> {target!r} names axis {a!r}, which is not "
-                                   f"in {mesh!r}")
+                            _lfail(
+                                f"rule {logical!r} -> {target!r} names axis {a!r}, which is not "
+                                f"in {mesh!r}"
+                            )
                 if target is None or not used.intersection(axes):
                     chosen = target
                     break

@@ -40,19 +40,26 @@ def _check_nesting(value: object, shape: tuple[int, ...], depth: int = 0) -> Non
     if not isinstance(value, (list, tuple)):
         return  # a scalar where a list belongs, or an ndarray: numpy's shape check says so
     if depth == len(shape):
-        fail(f"device_ids nest deeper than the mesh's {len(shape)} dims: {short(value)} stands "
-             "where one id belongs")
+        fail(
+            f"device_ids nest deeper than the mesh's {len(shape)} dims: {short(value)} stands "
+            "where one id belongs"
+        )
     if len(value) != shape[depth]:
         seen = str(shape[:depth] + (len(value),))
         if value and isinstance(value[0], (list, tuple)):
             seen = seen.rstrip(",)") + ", ...)"
-        fail(f"device_ids has shape {seen} but the mesh shape is {shape}; give one id per "
-             "device as an array of the mesh's shape")
+        fail(
+            f"device_ids has shape {seen} but the mesh shape is {shape}; give one id per "
+            "device as an array of the mesh's shape"
+        )
     lengths = {len(v) for v in value if isinstance(v, (list, tuple))}
-    if len(lengths) > 1 or (lengths and len(lengths) == 1 and any(
-            not isinstance(v, (list, tuple)) for v in value)):
-        fail(f"device_ids {short(value)} is not a rectangular array of ints (rows of different "
-             "lengths)")
+    if len(lengths) > 1 or (
+        lengths and len(lengths) == 1 and any(not isinstance(v, (list, tuple)) for v in value)
+    ):
+        fail(
+            f"device_ids {short(value)} is not a rectangular array of ints (rows of different "
+            "lengths)"
+        )
     for v in value:
         _check_nesting(v, shape, depth + 1)
 
@@ -73,11 +80,16 @@ def _ids_array(device_ids: object, shape: tuple[int, ...]) -> np.ndarray:
         fail(f"device_ids {short(device_ids)} holds values larger than int64")
     arr = arr.astype(np.int64, copy=False)
     if arr.shape != shape:
-        fail(f"device_ids has shape {arr.shape} but the mesh shape is {shape}; give one id per device "
-             "as an array of the mesh's shape")
+        fail(
+            f"device_ids has shape {arr.shape} but the mesh shape is {shape}; give one id per "
+            "device "
+            "as an array of the mesh's shape"
+        )
     if arr.size and int(arr.min()) < 0:
-        fail(f"device_ids must be >= 0 (logical positions in the global device order), got "
-             f"{int(arr.min())}")
+        fail(
+            f"device_ids must be >= 0 (logical positions in the global device order), got "
+            f"{int(arr.min())}"
+        )
     flat = np.sort(arr, axis=None)
     dup = flat[1:][flat[1:] == flat[:-1]]
     if dup.size:
@@ -116,17 +128,23 @@ class Mesh:
         axis_types: Sequence[str] | None = None,
         devices_per_process: int | None = None,
     ) -> None:
-        shape_t = tuple(check_int(s, f"mesh shape entry {short(s)}", minimum=1)
-                        for s in as_tuple(shape, "mesh shape"))
+        shape_t = tuple(
+            check_int(s, f"mesh shape entry {short(s)}", minimum=1)
+            for s in as_tuple(shape, "mesh shape")
+        )
         if not shape_t:
             fail("a mesh needs at least one axis; got shape ()")
         names = tuple(check_axis_name(n) for n in as_tuple(axis_names, "axis_names"))
         if len(names) != len(shape_t):
-            fail(f"axis_names {names} has {len(names)} names but shape {shape_t} has "
-                 f"{len(shape_t)} axes; give one name per axis")
+            fail(
+                f"axis_names {names} has {len(names)} names but shape {shape_t} has "
+                f"{len(shape_t)} axes; give one name per axis"
+            )
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
-            fail(f"axis name {dup!r} appears more than once in {names}; axis names must be distinct")
+            fail(
+                f"axis name {dup!r} appears more than once in {names}; axis names must be distinct"
+            )
         size = check_size(shape_t)
         ids: np.ndarray | None = None
         if device_ids is not None:
@@ -140,7 +158,9 @@ class Mesh:
             raw = as_tuple(axis_types, "axis_types")
             if len(raw) != len(shape_t):
                 fail(f"axis_types {short(raw)} has {len(raw)} entries for {len(shape_t)} axes")
-            types = tuple(check_axis_type(t, f"axis_types entry for {n!r}") for t, n in zip(raw, names))
+            types = tuple(
+                check_axis_type(t, f"axis_types entry for {n!r}") for t, n in zip(raw, names)
+            )
         dpp = None
         if devices_per_process is not None:
             dpp = check_int(devices_per_process, "devices_per_process", minimum=1)
@@ -163,7 +183,10 @@ class Mesh:
         if not isinstance(other, Mesh):
             return NotImplemented
         if (self._shape, self._names, self._types, self._dpp) != (
-            other._shape, other._names, other._types, other._dpp
+            other._shape,
+            other._names,
+            other._types,
+            other._dpp,
         ):
             return False
         if self._ids is None or other._ids is None:
@@ -201,7 +224,7 @@ class Mesh:
         stack = _CURRENT.get()
         for i in range(len(stack) - 1, -1, -1):
             if stack[i] is self:
-                _CURRENT.set(stack[:i] + stack[i + 1:])
+                _CURRENT.set(stack[:i] + stack[i + 1 :])
                 break
 
     # -- properties ----------------------------------------------------------------------------
@@ -320,8 +343,10 @@ class Mesh:
                 pos = order[idx]
         if bad.any():
             missing = int(q[bad].ravel()[0])
-            fail(f"device {missing} is not in {self!r}; its device ids are "
-                 f"{short(self.device_ids.ravel().tolist())}")
+            fail(
+                f"device {missing} is not in {self!r}; its device ids are "
+                f"{short(self.device_ids.ravel().tolist())}"
+            )
         return pos
 
     def _inverse(self) -> np.ndarray | None:
@@ -367,8 +392,10 @@ class Mesh:
         if extra:
             fail(f"unknown axis {extra[0]!r} in device_at(); this mesh's axes are {self._names}")
         if missing:
-            fail(f"device_at() needs a coordinate for every axis; missing {missing} "
-                 f"(axes are {self._names})")
+            fail(
+                f"device_at() needs a coordinate for every axis; missing {missing} "
+                f"(axes are {self._names})"
+            )
         idx = []
         for n, s in zip(self._names, self._shape):
             c = check_int(coords[n], f"coordinate {n}")
@@ -405,8 +432,13 @@ class Mesh:
         types = None
         if self._types is not None:
             types = tuple(self._types[self._names.index(n)] for n in names)
-        return Mesh(tuple(self.axis_size(n) for n in names), names, ids,
-                    axis_types=types, devices_per_process=self._dpp)
+        return Mesh(
+            tuple(self.axis_size(n) for n in names),
+            names,
+            ids,
+            axis_types=types,
+            devices_per_process=self._dpp,
+        )
 
     def submesh(self, axes: str | Sequence[str], containing: int | None = None) -> Mesh:
         """The mesh over ``axes`` (any order) that contains device ``containing``.
@@ -418,16 +450,23 @@ class Mesh:
         arr = self.groups_array(names)
         if containing is None:
             if arr.shape[0] != 1:
-                fail(f"submesh({names}) of {self!r} has {arr.shape[0]} candidates; pass "
-                     "containing=<device id> to say which one")
+                fail(
+                    f"submesh({names}) of {self!r} has {arr.shape[0]} candidates; pass "
+                    "containing=<device id> to say which one"
+                )
             row = 0
         else:
             did = check_int(containing, "containing")
             pos = int(self.positions(did))
             coord = np.unravel_index(pos, self._shape)
             fixed = [i for i in range(self.ndim) if self._names[i] not in names]
-            row = int(np.ravel_multi_index([coord[i] for i in fixed],
-                                           [self._shape[i] for i in fixed])) if fixed else 0
+            row = (
+                int(
+                    np.ravel_multi_index([coord[i] for i in fixed], [self._shape[i] for i in fixed])
+                )
+                if fixed
+                else 0
+            )
         sub_shape = tuple(self.axis_size(n) for n in names)
         return self._sub(names, arr[row].reshape(sub_shape))
 
@@ -448,8 +487,10 @@ class Mesh:
         check_axis_name(name, "flattened axis name")
         rest = [n for n in self._names if n not in names]
         if name in rest:
-            fail(f"cannot name the flattened axis {name!r}: the mesh keeps an axis of that name "
-                 f"({tuple(rest)}); choose another name")
+            fail(
+                f"cannot name the flattened axis {name!r}: the mesh keeps an axis of that name "
+                f"({tuple(rest)}); choose another name"
+            )
         perm: list[int] = []
         new_names: list[str] = []
         new_shape: list[int] = []
@@ -462,8 +503,10 @@ class Mesh:
                 if self._types is not None:
                     kinds = {self._types[self._names.index(m)] for m in names}
                     if len(kinds) > 1:
-                        fail(f"cannot flatten axes {names} of different axis types "
-                             f"{sorted(kinds)}; give them one type first")
+                        fail(
+                            f"cannot flatten axes {names} of different axis types "
+                            f"{sorted(kinds)}; give them one type first"
+                        )
                     new_types.append(kinds.pop())
             elif n not in names:
                 perm.append(i)
@@ -472,9 +515,13 @@ class Mesh:
                 if self._types is not None:
                     new_types.append(self._types[i])
         ids = self.device_ids.transpose(perm).reshape(new_shape)
-        return Mesh(new_shape, new_names, ids,
-                    axis_types=tuple(new_types) if self._types is not None else None,
-                    devices_per_process=self._dpp)
+        return Mesh(
+            new_shape,
+            new_names,
+            ids,
+            axis_types=tuple(new_types) if self._types is not None else None,
+            devices_per_process=self._dpp,
+        )
 
     def unflatten(self, axis: str, sizes: Mapping[str, int]) -> Mesh:
         """Split ``axis`` into the named axes ``sizes`` (row-major, major first), in its place.
@@ -488,13 +535,18 @@ class Mesh:
         for n in new:
             if n != axis and n in self._names:
                 fail(f"cannot unflatten into {n!r}: the mesh already has an axis of that name")
-        names = self._names[:i] + tuple(new) + self._names[i + 1:]
-        shape = self._shape[:i] + tuple(new.values()) + self._shape[i + 1:]
+        names = self._names[:i] + tuple(new) + self._names[i + 1 :]
+        shape = self._shape[:i] + tuple(new.values()) + self._shape[i + 1 :]
         types = None
         if self._types is not None:
-            types = self._types[:i] + (self._types[i],) * len(new) + self._types[i + 1:]
-        return Mesh(shape, names, self.device_ids.reshape(shape), axis_types=types,
-                    devices_per_process=self._dpp)
+            types = self._types[:i] + (self._types[i],) * len(new) + self._types[i + 1 :]
+        return Mesh(
+            shape,
+            names,
+            self.device_ids.reshape(shape),
+            axis_types=types,
+            devices_per_process=self._dpp,
+        )
 
     def rename(self, mapping: Mapping[str, str]) -> Mesh:
         """A mesh with axes renamed by ``mapping`` (old name -> new name)."""
@@ -503,19 +555,27 @@ class Mesh:
         for old in mapping:
             self._axis_index(old)
         names = tuple(mapping.get(n, n) for n in self._names)
-        return Mesh(self._shape, names, self._ids, axis_types=self._types,
-                    devices_per_process=self._dpp)
+        return Mesh(
+            self._shape, names, self._ids, axis_types=self._types, devices_per_process=self._dpp
+        )
 
     def transpose(self, axis_names: Sequence[str]) -> Mesh:
         """The same devices with the axes in a new order (a permutation of ``axis_names``)."""
         names = self._axes(axis_names, "transpose axes")
         if len(names) != self.ndim:
-            fail(f"transpose() needs every axis once, in the new order; got {names}, axes are "
-                 f"{self._names}")
+            fail(
+                f"transpose() needs every axis once, in the new order; got {names}, axes are "
+                f"{self._names}"
+            )
         perm = [self._names.index(n) for n in names]
         types = None if self._types is None else tuple(self._types[p] for p in perm)
-        return Mesh(tuple(self._shape[p] for p in perm), names, self.device_ids.transpose(perm),
-                    axis_types=types, devices_per_process=self._dpp)
+        return Mesh(
+            tuple(self._shape[p] for p in perm),
+            names,
+            self.device_ids.transpose(perm),
+            axis_types=types,
+            devices_per_process=self._dpp,
+        )
 
     # -- processes -----------------------------------------------------------------------------
     def _process_of(self) -> np.ndarray:
@@ -526,8 +586,10 @@ class Mesh:
     def _check_process(self, process_index: object) -> int:
         p = check_int(process_index, "process_index", minimum=0)
         if self._dpp is None and p != 0:
-            fail(f"process_index {p} is out of range: this mesh has no devices_per_process, so it "
-                 "lives on one process (index 0); set devices_per_process")
+            fail(
+                f"process_index {p} is out of range: this mesh has no devices_per_process, so it "
+                "lives on one process (index 0); set devices_per_process"
+            )
         return p
 
     def local_device_ids(self, process_index: int) -> list[int]:
@@ -550,11 +612,14 @@ class Mesh:
             index.append(slice(lo, hi))
         block = tuple(index)
         if not mask[block].all():
-            fail(f"the devices of process {p} do not form a block of {self!r}: the block "
-                 f"{[(s.start, s.stop) for s in block]} also holds other processes' devices")
+            fail(
+                f"the devices of process {p} do not form a block of {self!r}: the block "
+                f"{[(s.start, s.stop) for s in block]} also holds other processes' devices"
+            )
         ids = self.device_ids[block]
-        return Mesh(ids.shape, self._names, ids, axis_types=self._types,
-                    devices_per_process=self._dpp)
+        return Mesh(
+            ids.shape, self._names, ids, axis_types=self._types, devices_per_process=self._dpp
+        )
 
     # -- serial forms --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -582,9 +647,16 @@ class Mesh:
         shape = d["shape"]
         if isinstance(shape, (list, tuple)):
             # bound the size before device_ids (possibly huge nested lists) is turned into an array
-            check_size(tuple(check_int(s, f"mesh shape entry {short(s)}", minimum=1) for s in shape))
-        return cls(shape, d["axis_names"], d.get("device_ids"), axis_types=d.get("axis_types"),
-                   devices_per_process=d.get("devices_per_process"))
+            check_size(
+                tuple(check_int(s, f"mesh shape entry {short(s)}", minimum=1) for s in shape)
+            )
+        return cls(
+            shape,
+            d["axis_names"],
+            d.get("device_ids"),
+            axis_types=d.get("axis_types"),
+            devices_per_process=d.get("devices_per_process"),
+        )
 
     def to_json(self) -> str:
         """Compact JSON of :meth:`to_dict`."""
@@ -649,12 +721,16 @@ def _resolve_sizes(axes: Mapping[str, object], total: int | None, what: str) -> 
         if total is None:
             fail(f"axis {infer!r} has size -1, which needs num_devices to infer it from")
         if total % known:
-            fail(f"cannot infer axis {infer!r}: {arith} leaves {total} / {known}, "
-                 f"which is not a whole number ({what})")
+            fail(
+                f"cannot infer axis {infer!r}: {arith} leaves {total} / {known}, "
+                f"which is not a whole number ({what})"
+            )
         out[infer] = total // known
     elif total is not None and known != total:
-        fail(f"axis sizes {arith} = {known} devices, but {what} has {total}; make the product "
-             f"equal {total}")
+        fail(
+            f"axis sizes {arith} = {known} devices, but {what} has {total}; make the product "
+            f"equal {total}"
+        )
     check_size(tuple(out.values()))
     return out
 
@@ -681,29 +757,42 @@ def make_mesh(
         num_devices = check_int(num_devices, "num_devices", minimum=1)
     if dcn_axes is None:
         sizes = _resolve_sizes(axes, num_devices, f"num_devices={num_devices}")
-        return Mesh(tuple(sizes.values()), tuple(sizes), axis_types=axis_types,
-                    devices_per_process=devices_per_process)
+        return Mesh(
+            tuple(sizes.values()),
+            tuple(sizes),
+            axis_types=axis_types,
+            devices_per_process=devices_per_process,
+        )
     if not isinstance(dcn_axes, Mapping):
         fail(f"dcn_axes must be a mapping axis name -> number of processes, got {short(dcn_axes)}")
     for n in dcn_axes:
         if n not in axes:
-            fail(f"dcn axis {short(n)} is not one of the mesh axes {tuple(axes)}; dcn_axes must "
-                 "name axes of `axes`")
+            fail(
+                f"dcn axis {short(n)} is not one of the mesh axes {tuple(axes)}; dcn_axes must "
+                "name axes of `axes`"
+            )
     dcn = {n: check_int(dcn_axes.get(n, 1), f"dcn size of axis {n!r}", minimum=1) for n in axes}
     n_proc = math.prod(dcn.values())
     per_proc_total = None
     if num_devices is not None:
         if num_devices % n_proc:
-            fail(f"num_devices={num_devices} is not a multiple of the {n_proc} processes that "
-                 f"dcn_axes {dict(dcn_axes)} asks for")
+            fail(
+                f"num_devices={num_devices} is not a multiple of the {n_proc} processes that "
+                f"dcn_axes {dict(dcn_axes)} asks for"
+            )
         per_proc_total = num_devices // n_proc
-    ici = _resolve_sizes(axes, per_proc_total,
-                         f"each of the {n_proc} processes (num_devices={num_devices})")
+    ici = _resolve_sizes(
+        axes, per_proc_total, f"each of the {n_proc} processes (num_devices={num_devices})"
+    )
     per_proc = math.prod(ici.values())
-    if devices_per_process is not None and check_int(
-            devices_per_process, "devices_per_process", minimum=1) != per_proc:
-        fail(f"devices_per_process={devices_per_process} but axes {ici} put {per_proc} devices "
-             "on each process; leave devices_per_process out or make them agree")
+    if (
+        devices_per_process is not None
+        and check_int(devices_per_process, "devices_per_process", minimum=1) != per_proc
+    ):
+        fail(
+            f"devices_per_process={devices_per_process} but axes {ici} put {per_proc} devices "
+            "on each process; leave devices_per_process out or make them agree"
+        )
     shape = tuple(ici[n] * dcn[n] for n in ici)
     check_size(shape)
     proc = np.arange(n_proc, dtype=np.int64).reshape(tuple(dcn.values())) * per_proc
@@ -713,4 +802,3 @@ def make_mesh(
     interleave = [k for i in range(nd) for k in (i, nd + i)]
     ids = grid.transpose(interleave).reshape(shape)
     return Mesh(shape, tuple(ici), ids, axis_types=axis_types, devices_per_process=per_proc)
-

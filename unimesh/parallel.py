@@ -78,16 +78,18 @@ class AxisEnv:
         """``op`` ("sum", "max" or "min") over the devices that differ only along ``axes``."""
         raise NotImplementedError
 
-    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool,
-                   invariant: bool) -> Any:
+    def all_gather(
+        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
+    ) -> Any:
         """Every member's ``x`` in the order of their index along ``axes`` (row-major)."""
         raise NotImplementedError
 
     def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
         raise NotImplementedError
 
-    def all_to_all(self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int,
-                   tiled: bool) -> Any:
+    def all_to_all(
+        self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int, tiled: bool
+    ) -> Any:
         raise NotImplementedError
 
     def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
@@ -115,7 +117,8 @@ def _env(call: str, axis: object) -> tuple[AxisEnv, tuple[str, ...]]:
     if env is None:
         raise AxisContextError(
             f"unimesh.{call}({short(axis)}) was called outside unimesh.shard_map; call it inside "
-            "the function given to unimesh.shard_map(f, mesh, in_specs, out_specs)")
+            "the function given to unimesh.shard_map(f, mesh, in_specs, out_specs)"
+        )
     return env, env.axes(axis, call)
 
 
@@ -126,21 +129,28 @@ def _shape(x: Any) -> tuple[int, ...]:
 def _dim(value: object, ndim: int, what: str, call: str) -> int:
     """``value`` as a dim of an array with ``ndim`` dims (negative counts from the end)."""
     if isinstance(value, bool) or not isinstance(value, int) or not -ndim <= value < ndim:
-        raise LayoutError(f"{call}() {what} must be an int in [{-ndim}, {ndim - 1}] for an array "
-                          f"of {ndim} dims, got {short(value)}")
+        raise LayoutError(
+            f"{call}() {what} must be an int in [{-ndim}, {ndim - 1}] for an array "
+            f"of {ndim} dims, got {short(value)}"
+        )
     return value % ndim
 
 
-def _divides(x: Any, dim: int, n: int, tiled: bool, call: str, axes: tuple[str, ...],
-             what: str) -> None:
+def _divides(
+    x: Any, dim: int, n: int, tiled: bool, call: str, axes: tuple[str, ...], what: str
+) -> None:
     size = _shape(x)[dim]
     if tiled and size % n:
-        raise LayoutError(f"{call}() over {axes} splits {what} {dim} (size {size}) into {n} "
-                          f"blocks, one per device: {size} is not a multiple of {n}")
+        raise LayoutError(
+            f"{call}() over {axes} splits {what} {dim} (size {size}) into {n} "
+            f"blocks, one per device: {size} is not a multiple of {n}"
+        )
     if not tiled and size != n:
-        raise LayoutError(f"{call}(tiled=False) over {axes} needs {what} {dim} to have one entry "
-                          f"per device ({n}), got size {size}; pass tiled=True to split it into "
-                          "blocks")
+        raise LayoutError(
+            f"{call}(tiled=False) over {axes} needs {what} {dim} to have one entry "
+            f"per device ({n}), got size {size}; pass tiled=True to split it into "
+            "blocks"
+        )
 
 
 def psum(x: Any, axis: str | Sequence[str]) -> Any:
@@ -168,8 +178,9 @@ def pmin(x: Any, axis: str | Sequence[str]) -> Any:
     return env.reduce(x, axes, "min")
 
 
-def all_gather(x: Any, axis: str | Sequence[str], dim: int = 0, tiled: bool = True,
-               to: str = "varying") -> Any:
+def all_gather(
+    x: Any, axis: str | Sequence[str], dim: int = 0, tiled: bool = True, to: str = "varying"
+) -> Any:
     """Every device's ``x`` along ``axis``, in the order of their index along it.
 
     ``tiled=True`` concatenates the pieces along ``dim``; ``tiled=False`` stacks them in a new
@@ -180,16 +191,19 @@ def all_gather(x: Any, axis: str | Sequence[str], dim: int = 0, tiled: bool = Tr
     env, axes = _env("all_gather", axis)
     ndim = len(_shape(x))
     if tiled and ndim == 0:
-        raise LayoutError("all_gather(tiled=True) needs an array with at least one dim to "
-                          "concatenate along; use tiled=False for scalars")
+        raise LayoutError(
+            "all_gather(tiled=True) needs an array with at least one dim to "
+            "concatenate along; use tiled=False for scalars"
+        )
     if to not in ("varying", "invarying"):
         raise LayoutError(f"all_gather to= must be 'varying' or 'invarying', got {short(to)}")
     d = _dim(dim, ndim if tiled else ndim + 1, "dim", "all_gather")
     return env.all_gather(x, axes, d, bool(tiled), to == "invarying")
 
 
-def psum_scatter(x: Any, axis: str | Sequence[str], scatter_dimension: int = 0,
-                 tiled: bool = False) -> Any:
+def psum_scatter(
+    x: Any, axis: str | Sequence[str], scatter_dimension: int = 0, tiled: bool = False
+) -> Any:
     """The sum over ``axis`` of ``x``, of which each device keeps its own block of dim
     ``scatter_dimension`` (a reduce-scatter, ``jax.lax.psum_scatter``'s meaning): with
     ``tiled=False`` that dim has one entry per device and disappears; with ``tiled=True`` it is
@@ -203,8 +217,9 @@ def psum_scatter(x: Any, axis: str | Sequence[str], scatter_dimension: int = 0,
     return env.psum_scatter(x, axes, d, bool(tiled))
 
 
-def all_to_all(x: Any, axis: str | Sequence[str], split_axis: int, concat_axis: int,
-               tiled: bool = False) -> Any:
+def all_to_all(
+    x: Any, axis: str | Sequence[str], split_axis: int, concat_axis: int, tiled: bool = False
+) -> Any:
     """Each device splits dim ``split_axis`` into one block per device along ``axis``, sends
     block ``j`` to the device at index ``j``, and puts what it receives along ``concat_axis`` in
     the senders' order (``jax.lax.all_to_all``'s meaning: with ``tiled=False`` the split dim
@@ -223,19 +238,25 @@ def _perm(perm: object, n: int) -> tuple[tuple[int, int], ...]:
     try:
         pairs = tuple((src, dst) for src, dst in perm)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
-        raise LayoutError(f"ppermute perm must be a sequence of (source, destination) index "
-                          f"pairs, got {short(perm)}") from None
+        raise LayoutError(
+            f"ppermute perm must be a sequence of (source, destination) index "
+            f"pairs, got {short(perm)}"
+        ) from None
     for src, dst in pairs:
         for v in (src, dst):
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < n:
-                raise LayoutError(f"ppermute perm pair {short((src, dst))}: indices must be ints "
-                                  f"in [0, {n - 1}] (the axis has {n} devices)")
+                raise LayoutError(
+                    f"ppermute perm pair {short((src, dst))}: indices must be ints "
+                    f"in [0, {n - 1}] (the axis has {n} devices)"
+                )
     for k, what in ((0, "source"), (1, "destination")):
         seen = [p[k] for p in pairs]
         if len(set(seen)) != len(seen):
             dup = next(v for v in seen if seen.count(v) > 1)
-            raise LayoutError(f"ppermute perm is not a permutation: {what} {dup} appears more "
-                              f"than once in {short(perm)}")
+            raise LayoutError(
+                f"ppermute perm is not a permutation: {what} {dup} appears more "
+                f"than once in {short(perm)}"
+            )
     return pairs
 
 
@@ -253,8 +274,9 @@ def pbroadcast(x: Any, axis: str | Sequence[str], source: int) -> Any:
     env, axes = _env("pbroadcast", axis)
     n = env.size(axes)
     if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < n:
-        raise LayoutError(f"pbroadcast source must be an index in [0, {n - 1}] along {axes}, "
-                          f"got {short(source)}")
+        raise LayoutError(
+            f"pbroadcast source must be an index in [0, {n - 1}] along {axes}, got {short(source)}"
+        )
     return env.pbroadcast(x, axes, source)
 
 
@@ -296,8 +318,9 @@ class SpecTree:
             elif isinstance(spec, PartitionSpec) or spec is None:
                 layouts.append(Layout(mesh, spec if spec is not None else PartitionSpec()))
             else:
-                raise LayoutError(f"{where} must be a P(...) (None for replicated), got "
-                                  f"{short(spec)}")
+                raise LayoutError(
+                    f"{where} must be a P(...) (None for replicated), got {short(spec)}"
+                )
         self.layouts = tuple(layouts)
         self.tree = optree.tree_unflatten(self.treedef, list(self.layouts))
         self._per_leaf: dict[Any, tuple[Layout, ...]] = {}
@@ -322,7 +345,8 @@ class SpecTree:
             raise LayoutError(
                 f"{self.what} {short(self.tree)} is not a prefix of the "
                 f"{'arguments' if self.what == 'in_specs' else 'results'} {short(tree)}: "
-                f"{str(exc).splitlines()[0]}") from None
+                f"{str(exc).splitlines()[0]}"
+            ) from None
         layouts = tuple(optree.tree_leaves(full, is_leaf=_is_spec))
         self._per_leaf[treedef] = layouts
         return layouts
@@ -341,8 +365,7 @@ class Body:
     def __call__(self, env: AxisEnv, *blocks: Any) -> Any:
         return self.flat(env, *blocks)[0]
 
-    def flat(self, env: AxisEnv, *blocks: Any) -> tuple[Any, list[Any], Any,
-                                                        tuple[Layout, ...]]:
+    def flat(self, env: AxisEnv, *blocks: Any) -> tuple[Any, list[Any], Any, tuple[Layout, ...]]:
         """The result, its leaves, its treedef and the out layout of every leaf."""
         import optree
 
@@ -355,9 +378,15 @@ class Body:
         return result, leaves, treedef, self.outs.for_leaves(result, treedef)
 
 
-def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
-              backend: str | Backend | None = None, *,
-              checked: bool | None = None) -> Callable[..., Any]:
+def shard_map(
+    f: Callable[..., Any],
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    backend: str | Backend | None = None,
+    *,
+    checked: bool | None = None,
+) -> Callable[..., Any]:
     """``f`` run on every device's blocks (``jax.shard_map``'s meaning), on any backend.
 
     Args:
@@ -406,8 +435,10 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
 
     def call(*args: Any) -> Any:
         if n_in is not None and len(args) != n_in:
-            raise LayoutError(f"the shard_map of {getattr(f, '__name__', 'f')} takes "
-                              f"{n_in} argument(s) (one per in_spec), got {len(args)}")
+            raise LayoutError(
+                f"the shard_map of {getattr(f, '__name__', 'f')} takes "
+                f"{n_in} argument(s) (one per in_spec), got {len(args)}"
+            )
         import optree
 
         leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
@@ -429,31 +460,42 @@ def shard_map(f: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any,
 def _check_even(layout: Layout, shape: tuple[int, ...], index: int) -> None:
     """shard_map splits every argument into equal blocks (JAX's rule, on every backend)."""
     if len(layout.spec) > len(shape):
-        raise LayoutError(f"shard_map argument {index} has shape {shape}, fewer dims than its "
-                          f"in_spec {layout.spec!r}")
+        raise LayoutError(
+            f"shard_map argument {index} has shape {shape}, fewer dims than its "
+            f"in_spec {layout.spec!r}"
+        )
     if not layout.is_even(shape):
         counts = layout.shard_counts()
-        bad = next(d for d, n in enumerate(shape[:len(counts)]) if n % counts[d])
+        bad = next(d for d, n in enumerate(shape[: len(counts)]) if n % counts[d])
         raise LayoutError(
             f"shard_map argument {index} has shape {shape}: dim {bad} ({shape[bad]}) does not "
             f"split evenly into {counts[bad]} blocks under {layout.spec!r} on {layout.mesh!r}; "
-            f"shard_map needs equal blocks: pad dim {bad} to a multiple of {counts[bad]}")
+            f"shard_map needs equal blocks: pad dim {bad} to a multiple of {counts[bad]}"
+        )
 
 
 # -- gradients --------------------------------------------------------------------------------
 def _argnums(argnums: object) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) and not isinstance(argnums, bool) else argnums
-    if (not isinstance(nums, tuple) or not nums
-            or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nums)
-            or len(set(nums)) != len(nums)):
-        raise LayoutError(f"argnums must be a non-negative int or a tuple of distinct ones, got "
-                          f"{short(argnums)}")
+    if (
+        not isinstance(nums, tuple)
+        or not nums
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nums)
+        or len(set(nums)) != len(nums)
+    ):
+        raise LayoutError(
+            f"argnums must be a non-negative int or a tuple of distinct ones, got {short(argnums)}"
+        )
     return nums
 
 
-def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *,
-                   has_aux: bool = False,
-                   backend: str | Backend | None = None) -> Callable[..., Any]:
+def value_and_grad(
+    fn: Callable[..., Any],
+    argnums: int | tuple[int, ...] = 0,
+    *,
+    has_aux: bool = False,
+    backend: str | Backend | None = None,
+) -> Callable[..., Any]:
     """``fn``'s value and its gradient with respect to the arguments ``argnums``, with the
     backend's own autodiff (``jax.value_and_grad``, torch autograd, ``mx.value_and_grad``).
 
@@ -477,8 +519,10 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *
 
     def call(*args: Any) -> Any:
         if max(nums) >= len(args):
-            raise LayoutError(f"argnums {argnums} names argument {max(nums)}, but "
-                              f"{getattr(fn, '__name__', 'fn')} was given {len(args)}")
+            raise LayoutError(
+                f"argnums {argnums} names argument {max(nums)}, but "
+                f"{getattr(fn, '__name__', 'fn')} was given {len(args)}"
+            )
         value, grads = run(*args)
         return value, grads[0] if single else grads
 
@@ -486,8 +530,13 @@ def value_and_grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *
     return call
 
 
-def grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, *, has_aux: bool = False,
-         backend: str | Backend | None = None) -> Callable[..., Any]:
+def grad(
+    fn: Callable[..., Any],
+    argnums: int | tuple[int, ...] = 0,
+    *,
+    has_aux: bool = False,
+    backend: str | Backend | None = None,
+) -> Callable[..., Any]:
     """The gradient of ``fn`` (see :func:`value_and_grad`); with ``has_aux``, ``(grads, aux)``."""
     vg = value_and_grad(fn, argnums, has_aux=has_aux, backend=backend)
 
@@ -508,8 +557,9 @@ def full_array(array: Any, backend: str | Backend | None = None) -> Any:
     return be.full_array(array)
 
 
-def _resolver(rules: LayoutMap | AxisRules, mesh: Mesh | None,
-              logical_axes: Any, be: Backend) -> Callable[[str, tuple[int, ...]], Layout]:
+def _resolver(
+    rules: LayoutMap | AxisRules, mesh: Mesh | None, logical_axes: Any, be: Backend
+) -> Callable[[str, tuple[int, ...]], Layout]:
     from .registry import check_layout
 
     if isinstance(rules, LayoutMap):
@@ -518,17 +568,20 @@ def _resolver(rules: LayoutMap | AxisRules, mesh: Mesh | None,
         the_mesh = rules.mesh
     elif isinstance(rules, AxisRules):
         if not isinstance(mesh, Mesh):
-            raise LayoutError("shard_params() with AxisRules needs mesh=unimesh.Mesh(...), got "
-                              f"{short(mesh)}")
+            raise LayoutError(
+                f"shard_params() with AxisRules needs mesh=unimesh.Mesh(...), got {short(mesh)}"
+            )
         if not callable(logical_axes) and not isinstance(logical_axes, dict):
             raise LayoutError(
                 "shard_params() with AxisRules needs logical_axes: a dict {parameter path: "
                 "(logical axis names)} or a function of the path, got "
-                f"{short(logical_axes)}")
+                f"{short(logical_axes)}"
+            )
         the_mesh = mesh
     else:
-        raise LayoutError(f"shard_params() takes a unimesh.LayoutMap or unimesh.AxisRules, got "
-                          f"{short(rules)}")
+        raise LayoutError(
+            f"shard_params() takes a unimesh.LayoutMap or unimesh.AxisRules, got {short(rules)}"
+        )
 
     def resolve(path: str, shape: tuple[int, ...]) -> Layout:
         if isinstance(rules, LayoutMap):
@@ -539,21 +592,30 @@ def _resolver(rules: LayoutMap | AxisRules, mesh: Mesh | None,
         if layout is None:
             return Layout(the_mesh, PartitionSpec())
         if len(layout.spec) > len(shape):
-            raise LayoutError(f"parameter {path!r} has shape {shape}, but its layout "
-                              f"{layout.spec!r} names {len(layout.spec)} dims")
+            raise LayoutError(
+                f"parameter {path!r} has shape {shape}, but its layout "
+                f"{layout.spec!r} names {len(layout.spec)} dims"
+            )
         check_layout(be, layout)
         if not layout.is_even(shape) and not be.supports("uneven_shards"):
             raise LayoutError(
                 f"parameter {path!r} of shape {shape} does not divide evenly under "
                 f"{layout.spec!r} on {the_mesh!r}, and backend {be.name!r} needs even shards; "
-                "change the rule for it or the mesh axis sizes")
+                "change the rule for it or the mesh axis sizes"
+            )
         return layout
 
     return resolve
 
 
-def shard_params(model: Any, rules: LayoutMap | AxisRules, *, mesh: Mesh | None = None,
-                 logical_axes: Any = None, backend: str | Backend | None = None) -> Any:
+def shard_params(
+    model: Any,
+    rules: LayoutMap | AxisRules,
+    *,
+    mesh: Mesh | None = None,
+    logical_axes: Any = None,
+    backend: str | Backend | None = None,
+) -> Any:
     """Every parameter of ``model`` laid out by rule; unmatched parameters are replicated.
 
     ``rules`` is a :class:`LayoutMap` (patterns matched against each parameter's path with

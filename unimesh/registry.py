@@ -91,18 +91,20 @@ class _Registry:
                 near = get_close_matches(name, choices, n=1) if isinstance(name, str) else []
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
                 raise BackendNotFoundError(
-                    f"no backend named {short(name)}{hint}; installed backends: "
-                    f"{choices or 'none'}")
+                    f"no backend named {short(name)}{hint}; installed backends: {choices or 'none'}"
+                )
             try:
                 plugin = ep.load()
             except ImportError as exc:
                 raise BackendUnavailableError(
                     f"backend {name!r} is installed but its plugin {ep.value!r} failed to import "
                     f"({exc}); reinstall the distribution that provides it"
-                    f"{_dist_hint(ep)}") from exc
+                    f"{_dist_hint(ep)}"
+                ) from exc
             except Exception as exc:
                 raise BackendNotFoundError(
-                    f"backend {name!r}: loading entry point {ep.value!r} raised {exc!r}") from exc
+                    f"backend {name!r}: loading entry point {ep.value!r} raised {exc!r}"
+                ) from exc
             pm = self.pm
             if not pm.is_registered(plugin):
                 pm.register(plugin, name=f"entrypoint:{name}")
@@ -113,7 +115,8 @@ class _Registry:
                 pm.unregister(plugin)
                 raise BackendNotFoundError(
                     f"entry point {name!r} ({ep.value}) provides no backend named {name!r} "
-                    f"(its unimesh_backend hook returned {[short(b) for b in found]})")
+                    f"(its unimesh_backend hook returned {[short(b) for b in found]})"
+                )
             backend = _validated(match[0])
             self._loaded[name] = backend
             return backend
@@ -134,7 +137,8 @@ class _Registry:
             if backend.name in self.names() and not replace:
                 raise BackendRegistrationError(
                     f"a backend named {backend.name!r} is already registered; pass replace=True "
-                    "to replace it, or call unimesh.unregister_backend() first")
+                    "to replace it, or call unimesh.unregister_backend() first"
+                )
             pm = self.pm
             old = pm.get_plugin(f"inprocess:{backend.name}")
             if old is not None:
@@ -147,8 +151,9 @@ class _Registry:
     def unregister(self, name: str) -> None:
         with self._lock:
             if name not in self._loaded:
-                raise BackendNotFoundError(f"no registered backend named {name!r}; registered: "
-                                           f"{sorted(self._loaded)}")
+                raise BackendNotFoundError(
+                    f"no registered backend named {name!r}; registered: {sorted(self._loaded)}"
+                )
             pm = self.pm
             for key in (f"inprocess:{name}", f"entrypoint:{name}"):
                 plugin = pm.get_plugin(key)
@@ -171,31 +176,43 @@ def _validated(backend: object) -> Backend:
     if not isinstance(backend, Backend):
         raise BackendRegistrationError(
             f"a backend must be an instance of unimesh.Backend, got {short(backend)} "
-            f"({type(backend).__name__})")
+            f"({type(backend).__name__})"
+        )
     name = backend.name
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise BackendRegistrationError(f"backend name {short(name)} must be a non-empty identifier-like str")
+        raise BackendRegistrationError(
+            f"backend name {short(name)} must be a non-empty identifier-like str"
+        )
     if not isinstance(backend.framework, str) or not backend.framework:
-        raise BackendRegistrationError(f"backend {name!r} must set `framework` to its top-level module name")
+        raise BackendRegistrationError(
+            f"backend {name!r} must set `framework` to its top-level module name"
+        )
     unknown = sorted(set(backend.capabilities) - set(CAPABILITIES))
     if unknown:
-        raise BackendRegistrationError(f"backend {name!r} declares unknown capabilities {unknown}; known "
-                            f"capabilities are {sorted(CAPABILITIES)}")
+        raise BackendRegistrationError(
+            f"backend {name!r} declares unknown capabilities {unknown}; known "
+            f"capabilities are {sorted(CAPABILITIES)}"
+        )
     if not isinstance(backend.launcher_name, str):
-        raise BackendRegistrationError(f"backend {name!r}: launcher_name must be a str, got "
-                                       f"{short(backend.launcher_name)}")
+        raise BackendRegistrationError(
+            f"backend {name!r}: launcher_name must be a str, got {short(backend.launcher_name)}"
+        )
     needs = backend.requires
     if not isinstance(needs, tuple) or not all(isinstance(n, str) for n in needs):
-        raise BackendRegistrationError(f"backend {name!r}: requires must be a tuple of backend "
-                                       f"names, got {short(needs)}")
+        raise BackendRegistrationError(
+            f"backend {name!r}: requires must be a tuple of backend names, got {short(needs)}"
+        )
     api = backend.native_api
     if not isinstance(api, dict) or not all(isinstance(v, str) for v in api.values()):
-        raise BackendRegistrationError(f"backend {name!r}: native_api must map concept names to "
-                                       f"str, got {short(api)}")
+        raise BackendRegistrationError(
+            f"backend {name!r}: native_api must map concept names to str, got {short(api)}"
+        )
     unknown = sorted(set(api) - set(CONCEPTS))
     if unknown:
-        raise BackendRegistrationError(f"backend {name!r} maps unknown concepts {unknown} in "
-                                       f"native_api; known concepts are {sorted(CONCEPTS)}")
+        raise BackendRegistrationError(
+            f"backend {name!r} maps unknown concepts {unknown} in "
+            f"native_api; known concepts are {sorted(CONCEPTS)}"
+        )
     return backend
 
 
@@ -235,7 +252,8 @@ def _check_available(backend: Backend) -> Backend:
     if not backend.available():
         raise BackendUnavailableError(
             f"backend {backend.name!r} needs {backend.framework!r}, which is not installed; "
-            f"install it with: {backend.install_hint()}")
+            f"install it with: {backend.install_hint()}"
+        )
     return backend
 
 
@@ -260,7 +278,8 @@ def get_backend(name: str | Backend | None = None) -> Backend:
     if not isinstance(name, str):
         raise BackendNotFoundError(
             f"backend must be a name (str) or a Backend, got {short(name)}; installed backends: "
-            f"{backends()}")
+            f"{backends()}"
+        )
     return _check_available(_REGISTRY.load(name))
 
 
@@ -274,10 +293,12 @@ def _detect() -> Backend:
     if not live:
         raise BackendNotFoundError(
             "no backend given and none detected: no installed backend's framework is imported "
-            f"yet. Pass backend=NAME or set {ENV_VAR}; installed backends: {names or 'none'}")
+            f"yet. Pass backend=NAME or set {ENV_VAR}; installed backends: {names or 'none'}"
+        )
     raise BackendNotFoundError(
         f"no backend given and several frameworks are imported ({[b.name for b in live]}); pass "
-        f"backend=NAME or set {ENV_VAR}")
+        f"backend=NAME or set {ENV_VAR}"
+    )
 
 
 def check_layout(backend: Backend, layout: Any) -> None:
@@ -286,8 +307,11 @@ def check_layout(backend: Backend, layout: Any) -> None:
     backend.require("layout")
     spec = layout.spec
     if any(isinstance(e, tuple) for e in spec):
-        backend.require("tuple_axes", f"spec {spec!r} splits one dim over several axes; merge "
-                        "them into one axis with Mesh.flatten(axes, name) and use that name")
+        backend.require(
+            "tuple_axes",
+            f"spec {spec!r} splits one dim over several axes; merge "
+            "them into one axis with Mesh.flatten(axes, name) and use that name",
+        )
     if spec.partial:
         backend.require("partial", f"spec {spec!r} has pending reductions")
 
@@ -303,7 +327,8 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
     if not isinstance(obj, (Mesh, Layout, LayoutMap)):
         raise ConversionError(
             f"to_native() takes a unimesh Mesh, Layout or LayoutMap, got {short(obj)} "
-            f"({type(obj).__name__})")
+            f"({type(obj).__name__})"
+        )
     be = get_backend(backend)
     if isinstance(obj, Mesh):
         be.require("mesh")
@@ -327,7 +352,8 @@ def owner_of(obj: Any) -> Backend:
         return owners[0]
     raise ConversionError(
         f"got {short(obj)} ({type(obj).__module__}.{type(obj).__qualname__}), which no installed "
-        f"backend owns (installed: {[b.name for b in loaded]}); pass backend=NAME")
+        f"backend owns (installed: {[b.name for b in loaded]}); pass backend=NAME"
+    )
 
 
 def from_native(obj: Any) -> Any:
@@ -344,18 +370,22 @@ def from_native(obj: Any) -> Any:
             return be.from_native(obj)
     raise ConversionError(
         f"from_native() got {short(obj)} ({type(obj).__module__}.{type(obj).__qualname__}), "
-        f"which no installed backend converts (installed: {[b.name for b in loaded]})")
+        f"which no installed backend converts (installed: {[b.name for b in loaded]})"
+    )
 
 
-def distribute(array: Any, layout: Any, backend: str | Backend | None = None,
-               **options: Any) -> Any:
+def distribute(
+    array: Any, layout: Any, backend: str | Backend | None = None, **options: Any
+) -> Any:
     """A native distributed array laid out as ``layout``: each device holds the block
     ``layout.shard_slices(array.shape, device)``."""
     from .layout import Layout
 
     if not isinstance(layout, Layout):
-        raise LayoutError(f"distribute() needs a unimesh.Layout, got {short(layout)}; build one "
-                          "with unimesh.Layout(mesh, P(...))")
+        raise LayoutError(
+            f"distribute() needs a unimesh.Layout, got {short(layout)}; build one "
+            "with unimesh.Layout(mesh, P(...))"
+        )
     shape = getattr(array, "shape", None)
     if shape is None:
         raise ConversionError(f"distribute() needs an array with a .shape, got {short(array)}")
@@ -363,6 +393,9 @@ def distribute(array: Any, layout: Any, backend: str | Backend | None = None,
     be.require("distribute")
     check_layout(be, layout)
     if not layout.is_even(tuple(shape)):
-        be.require("uneven_shards", f"shape {tuple(shape)} does not divide evenly under "
-                   f"{layout.spec!r} on {layout.mesh!r}; pad the tensor or choose other axes")
+        be.require(
+            "uneven_shards",
+            f"shape {tuple(shape)} does not divide evenly under "
+            f"{layout.spec!r} on {layout.mesh!r}; pad the tensor or choose other axes",
+        )
     return be.distribute(array, layout, **options)

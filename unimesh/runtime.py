@@ -49,7 +49,8 @@ def fingerprint(mesh: Mesh, layout: Any = None) -> dict[str, Any]:
     ids = mesh.device_ids
     order = hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:16]
     out: dict[str, Any] = {
-        "shape": list(mesh.shape), "axis_names": list(mesh.axis_names),
+        "shape": list(mesh.shape),
+        "axis_names": list(mesh.axis_names),
         "device_order": f"{short(ids.ravel().tolist(), 40)} (sha256 {order})",
         "axis_types": list(mesh.axis_types) if mesh.axis_types else None,
         "devices_per_process": mesh.devices_per_process,
@@ -77,9 +78,12 @@ def _describe(prints: list[dict[str, Any]]) -> str:
     base = ordered[0]
     parts = []
     for ranks in ordered[1:]:
-        diffs = [f"{field} {prints[ranks[0]][field]!r} where processes {_ranks(base)} have "
-                 f"{prints[base[0]][field]!r}"
-                 for field in FIELDS if prints[ranks[0]][field] != prints[base[0]][field]]
+        diffs = [
+            f"{field} {prints[ranks[0]][field]!r} where processes {_ranks(base)} have "
+            f"{prints[base[0]][field]!r}"
+            for field in FIELDS
+            if prints[ranks[0]][field] != prints[base[0]][field]
+        ]
         parts.append(f"processes {_ranks(ranks)} have " + "; ".join(diffs))
     return "; ".join(parts)
 
@@ -88,8 +92,7 @@ def _ranks(ranks: list[int]) -> str:
     return short(ranks, 60)
 
 
-def verify(mesh: Mesh, backend: Any = None, *, layout: Any = None,
-           timeout: float = 60.0) -> None:
+def verify(mesh: Mesh, backend: Any = None, *, layout: Any = None, timeout: float = 60.0) -> None:
     """Check, before any collective, that every process describes the same mesh (and layout).
 
     Every process contributes a fingerprint (shape, axis names, device order, axis types,
@@ -110,17 +113,20 @@ def verify(mesh: Mesh, backend: Any = None, *, layout: Any = None,
     rank, world = be.initialize(seconds)
     payloads = be.exchange(json.dumps(mine, sort_keys=True).encode(), seconds)
     if len(payloads) != world:
-        raise MeshMismatchError(f"the {be.name} backend exchanged {len(payloads)} fingerprints "
-                                f"for {world} processes")
+        raise MeshMismatchError(
+            f"the {be.name} backend exchanged {len(payloads)} fingerprints for {world} processes"
+        )
     prints = [json.loads(p) for p in payloads]
     if any(p != mine for p in prints):
         raise MeshMismatchError(
             f"processes disagree about the mesh (this is process {rank} of {world}): "
-            f"{_describe(prints)}. Build the mesh from the same spec on every process.")
+            f"{_describe(prints)}. Build the mesh from the same spec on every process."
+        )
     need = int(mesh.device_ids.max()) + 1
     have = be.prepare_devices(need)
     if have < need:
         raise MeshMismatchError(
             f"{mesh!r} uses device {need - 1}, but the {be.name} runtime has {have} devices "
             f"over {world} processes; start the launcher with more processes (or, for CPU "
-            "devices, ask for more before the framework starts)")
+            "devices, ask for more before the framework starts)"
+        )

@@ -181,8 +181,9 @@ class ProcessBackend(Backend):
         results itself)."""
         return fn(x)
 
-    def custom_vjp(self, fwd: Callable[[Any], Any],
-                   bwd: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def custom_vjp(
+        self, fwd: Callable[[Any], Any], bwd: Callable[[Any], Any]
+    ) -> Callable[[Any], Any]:
         """A differentiable function of one array: ``fwd`` forward, ``bwd`` maps the output's
         cotangent to the input's. Both run collectives; neither needs to be differentiable."""
         raise NotImplementedError
@@ -218,7 +219,8 @@ class ProcessBackend(Backend):
             if not (mesh.device_ids == device).any():
                 raise MeshMismatchError(
                     f"process {device} is not a device of {mesh!r}; shard_map runs on the "
-                    "mesh's processes: call it there only")
+                    "mesh's processes: call it there only"
+                )
             env = envs[key] = ProcessAxisEnv(self, mesh, device)
         return env
 
@@ -226,8 +228,9 @@ class ProcessBackend(Backend):
 class _Program:
     """One shard_map program on a per-process backend."""
 
-    def __init__(self, be: ProcessBackend, body: Body, mesh: Mesh, ins: SpecTree,
-                 outs: SpecTree) -> None:
+    def __init__(
+        self, be: ProcessBackend, body: Body, mesh: Mesh, ins: SpecTree, outs: SpecTree
+    ) -> None:
         self.be = be
         self.body = body
         self.mesh = mesh
@@ -270,16 +273,35 @@ class _Program:
         return optree.tree_unflatten(out_def, wrapped)
 
 
-_OPS = ("psum", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all", "ppermute",
-        "pbroadcast")
-_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int16", "int8",
-           "uint8", "bool", "complex64", "complex128")
+_OPS = (
+    "psum",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "all_to_all",
+    "ppermute",
+    "pbroadcast",
+)
+_DTYPES = (
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "int32",
+    "int64",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+)
 _FIELDS = ("operation", "axes", "dtype", "shape", "parameters")
 _MAX_DIMS = 8
 
 
-def _describe(op: str, axes: tuple[str, ...], mesh: Mesh, x: Any,
-              params: object) -> np.ndarray:
+def _describe(op: str, axes: tuple[str, ...], mesh: Mesh, x: Any, params: object) -> np.ndarray:
     """A collective call as int64s: operation, axes (mesh positions), dtype, ndim, the first
     dims, a crc of the rest and of the parameters: equal on every process that agrees."""
     import zlib
@@ -294,9 +316,14 @@ def _describe(op: str, axes: tuple[str, ...], mesh: Mesh, x: Any,
 
 
 def _field(row: np.ndarray, name: str) -> tuple[int, ...]:
-    ndim_mesh = (len(row) - 4 - _MAX_DIMS)
-    parts = {"operation": row[0:1], "dtype": row[1:2], "parameters": row[3:4],
-             "axes": row[4:4 + ndim_mesh], "shape": np.concatenate([row[2:3], row[4 + ndim_mesh:]])}
+    ndim_mesh = len(row) - 4 - _MAX_DIMS
+    parts = {
+        "operation": row[0:1],
+        "dtype": row[1:2],
+        "parameters": row[3:4],
+        "axes": row[4 : 4 + ndim_mesh],
+        "shape": np.concatenate([row[2:3], row[4 + ndim_mesh :]]),
+    }
     return tuple(int(v) for v in parts[name])
 
 
@@ -304,7 +331,7 @@ def _explain(row: np.ndarray, mesh: Mesh) -> str:
     """A descriptor row in words: ``psum over ('tp',) of float32 (4, 3)``."""
     axes = tuple(mesh.axis_names[i] for i in _field(row, "axes") if i >= 0)
     ndim, *dims = _field(row, "shape")
-    shape = tuple(dims[:min(ndim, _MAX_DIMS)]) + (("...",) if ndim > _MAX_DIMS else ())
+    shape = tuple(dims[: min(ndim, _MAX_DIMS)]) + (("...",) if ndim > _MAX_DIMS else ())
     code = int(row[1])
     dtype = _DTYPES[code] if code < len(_DTYPES) else "another dtype"
     return f"{_OPS[int(row[0])]} over {axes} of {dtype} {shape}"
@@ -313,8 +340,9 @@ def _explain(row: np.ndarray, mesh: Mesh) -> str:
 def _replicated_axes(layout: Layout) -> tuple[str, ...]:
     """Mesh axes of size > 1 along which ``layout`` says the value is the same."""
     used = set(layout.spec.axes()) | set(layout.spec.partial)
-    return tuple(a for a in layout.mesh.axis_names
-                 if a not in used and layout.mesh.axis_size(a) > 1)
+    return tuple(
+        a for a in layout.mesh.axis_names if a not in used and layout.mesh.axis_size(a) > 1
+    )
 
 
 class ProcessAxisEnv(AxisEnv):
@@ -431,13 +459,13 @@ class ProcessAxisEnv(AxisEnv):
         if not tiled:
             return moved
         shape = tuple(moved.shape)
-        return moved.reshape(shape[:dim] + (shape[dim] * shape[dim + 1],) + shape[dim + 2:])
+        return moved.reshape(shape[:dim] + (shape[dim] * shape[dim + 1],) + shape[dim + 2 :])
 
     def _split_to_front(self, x: Any, dim: int, n: int, tiled: bool) -> Any:
         """Dim ``dim`` split into n blocks (tiled) or taken as n entries, moved to the front."""
         shape = tuple(x.shape)
         if tiled:
-            x = x.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1:])
+            x = x.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :])
         return self.be.moveaxis(x, dim, 0)
 
     def gather_raw(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
@@ -448,14 +476,14 @@ class ProcessAxisEnv(AxisEnv):
         g = self.group(axes)
         return self.reduce_scatter_raw(self._split_to_front(x, dim, g.size, tiled), g)
 
-    def a2a_raw(self, x: Any, axes: tuple[str, ...], split: int, concat: int,
-                tiled: bool) -> Any:
+    def a2a_raw(self, x: Any, axes: tuple[str, ...], split: int, concat: int, tiled: bool) -> Any:
         g = self.group(axes)
         y = self.all_to_all_raw(self._split_to_front(x, split, g.size, tiled), g)
         return self._stacked_to(y, concat, tiled)
 
-    def permute_pairs_raw(self, x: Any, axes: tuple[str, ...],
-                          perm: tuple[tuple[int, int], ...]) -> Any:
+    def permute_pairs_raw(
+        self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
+    ) -> Any:
         g = self.group(axes)
         sources: list[int | None] = [None] * g.size
         for src, dst in perm:
@@ -463,8 +491,7 @@ class ProcessAxisEnv(AxisEnv):
         return self.permute_raw(x, g, tuple(sources))
 
     # -- differentiable collectives ---------------------------------------------------------------
-    def _diff(self, key: Any, x: Any, fwd: Callable[[Any], Any],
-              bwd: Callable[[Any], Any]) -> Any:
+    def _diff(self, key: Any, x: Any, fwd: Callable[[Any], Any], bwd: Callable[[Any], Any]) -> Any:
         """``fwd(x)`` with ``bwd`` as its transpose (a custom vjp made once per key)."""
         x = self.be.as_array(x)
         if not self.be.needs_grad(x):
@@ -482,8 +509,9 @@ class ProcessAxisEnv(AxisEnv):
         self.calls += 1
         x = self.be.as_array(x)
         mine = _describe(op, axes, self.mesh, x, params)
-        rows = self.be.to_host(self._gather_members(self.be.as_array(mine),
-                                                    self.group(self.mesh.axis_names)))
+        rows = self.be.to_host(
+            self._gather_members(self.be.as_array(mine), self.group(self.mesh.axis_names))
+        )
         rows = np.asarray(rows).reshape(len(rows), -1)
         if (rows == rows[0]).all():
             return
@@ -501,7 +529,8 @@ class ProcessAxisEnv(AxisEnv):
         raise MeshMismatchError(
             f"collective {self.calls} of the program differs between processes ({', '.join(kinds)}"
             f"): {detail}. Every process of the mesh must call the same collectives in the same "
-            "order, on the same axes, with arrays of the same dtype and shape")
+            "order, on the same axes, with arrays of the same dtype and shape"
+        )
 
     def _mesh_order(self, axes: frozenset[str] | set[str]) -> tuple[str, ...]:
         return tuple(a for a in self.mesh.axis_names if a in axes)
@@ -514,8 +543,9 @@ class ProcessAxisEnv(AxisEnv):
         if self.size(ordered) == 1:  # nothing to sum over: a tag only
             return self.be.tag(self.be.untyped(lambda v: v.reshape(tuple(v.shape)), x), vma)
         g = self.group(ordered)
-        out = self._diff(("pvary", ordered), x, lambda v: v,
-                         lambda ct: self.all_reduce_raw(ct, g, "sum"))
+        out = self._diff(
+            ("pvary", ordered), x, lambda v: v, lambda ct: self.all_reduce_raw(ct, g, "sum")
+        )
         return self.be.tag(out, vma)
 
     def _varying(self, x: Any, axes: tuple[str, ...]) -> tuple[Any, frozenset[str]]:
@@ -529,8 +559,15 @@ class ProcessAxisEnv(AxisEnv):
             have = have | missing
         return x, have
 
-    def _typed(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Callable[[Any], Any],
-               bwd: Callable[[Any], Any], invariant: bool) -> Any:
+    def _typed(
+        self,
+        key: Any,
+        x: Any,
+        axes: tuple[str, ...],
+        fwd: Callable[[Any], Any],
+        bwd: Callable[[Any], Any],
+        invariant: bool,
+    ) -> Any:
         """A collective under the typed rules: the input made varying along ``axes``; the
         result invariant along them (``invariant``) or varying."""
         x, have = self._varying(x, axes)
@@ -541,20 +578,29 @@ class ProcessAxisEnv(AxisEnv):
         g = self.group(axes)
         if self.checked:
             self.agree("p" + op, axes, x)
-        fwd = lambda v: self.all_reduce_raw(v, g, op)
+
+        def fwd(v: Any) -> Any:
+            return self.all_reduce_raw(v, g, op)
 
         def no_derivative(ct: Any) -> Any:
             raise UnsupportedError(
                 f"p{op}() over {axes} has no derivative (jax.lax.p{op} has none either): stop "
                 "the gradient before it (torch: .detach(), MLX: mx.stop_gradient)",
-                backend=self.be.name, capability="shard_map")
+                backend=self.be.name,
+                capability="shard_map",
+            )
 
         if self.typed:  # the cotangent of an invariant result is whole: nothing to move
-            return self._typed(("t" + op, axes), x, axes, fwd,
-                               (lambda ct: ct) if op == "sum" else no_derivative, True)
+            return self._typed(
+                ("t" + op, axes),
+                x,
+                axes,
+                fwd,
+                (lambda ct: ct) if op == "sum" else no_derivative,
+                True,
+            )
         if op == "sum":
-            return self._diff(("psum", axes), x, fwd,
-                              lambda ct: self.all_reduce_raw(ct, g, "sum"))
+            return self._diff(("psum", axes), x, fwd, lambda ct: self.all_reduce_raw(ct, g, "sum"))
         return self._diff(("p" + op, axes), x, fwd, no_derivative)
 
     def _own_block(self, ct: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
@@ -563,15 +609,28 @@ class ProcessAxisEnv(AxisEnv):
         front = self._split_to_front(ct, dim, g.size, tiled)
         return self._row(front, g.index)
 
-    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool,
-                   invariant: bool) -> Any:
+    def all_gather(
+        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
+    ) -> Any:
         if self.checked:
             self.agree("all_gather", axes, x, (dim, tiled))
-        fwd = lambda v: self.gather_raw(v, axes, dim, tiled)
+
+        def fwd(v: Any) -> Any:
+            return self.gather_raw(v, axes, dim, tiled)
+
         if self.typed and invariant:
-            return self._typed(("ag_inv", axes, dim, tiled), x, axes, fwd,
-                               lambda ct: self._own_block(ct, axes, dim, tiled), True)
-        bwd = lambda ct: self.scatter_raw(ct, axes, dim, tiled)
+            return self._typed(
+                ("ag_inv", axes, dim, tiled),
+                x,
+                axes,
+                fwd,
+                lambda ct: self._own_block(ct, axes, dim, tiled),
+                True,
+            )
+
+        def bwd(ct: Any) -> Any:
+            return self.scatter_raw(ct, axes, dim, tiled)
+
         if self.typed:
             return self._typed(("all_gather", axes, dim, tiled), x, axes, fwd, bwd, False)
         return self._diff(("all_gather", axes, dim, tiled), x, fwd, bwd)
@@ -579,19 +638,30 @@ class ProcessAxisEnv(AxisEnv):
     def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
         if self.checked:
             self.agree("psum_scatter", axes, x, (dim, tiled))
-        fwd = lambda v: self.scatter_raw(v, axes, dim, tiled)
-        bwd = lambda ct: self.gather_raw(ct, axes, dim, tiled)
+
+        def fwd(v: Any) -> Any:
+            return self.scatter_raw(v, axes, dim, tiled)
+
+        def bwd(ct: Any) -> Any:
+            return self.gather_raw(ct, axes, dim, tiled)
+
         if self.typed:
             return self._typed(("psum_scatter", axes, dim, tiled), x, axes, fwd, bwd, False)
         return self._diff(("psum_scatter", axes, dim, tiled), x, fwd, bwd)
 
-    def all_to_all(self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int,
-                   tiled: bool) -> Any:
+    def all_to_all(
+        self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int, tiled: bool
+    ) -> Any:
         if self.checked:
             self.agree("all_to_all", axes, x, (split_axis, concat_axis, tiled))
         key = ("all_to_all", axes, split_axis, concat_axis, tiled)
-        fwd = lambda v: self.a2a_raw(v, axes, split_axis, concat_axis, tiled)
-        bwd = lambda ct: self.a2a_raw(ct, axes, concat_axis, split_axis, tiled)
+
+        def fwd(v: Any) -> Any:
+            return self.a2a_raw(v, axes, split_axis, concat_axis, tiled)
+
+        def bwd(ct: Any) -> Any:
+            return self.a2a_raw(ct, axes, concat_axis, split_axis, tiled)
+
         if self.typed:
             return self._typed(key, x, axes, fwd, bwd, False)
         return self._diff(key, x, fwd, bwd)
@@ -600,8 +670,13 @@ class ProcessAxisEnv(AxisEnv):
         if self.checked:
             self.agree("ppermute", axes, x, perm)
         inverse = tuple((dst, src) for src, dst in perm)
-        fwd = lambda v: self.permute_pairs_raw(v, axes, perm)
-        bwd = lambda ct: self.permute_pairs_raw(ct, axes, inverse)
+
+        def fwd(v: Any) -> Any:
+            return self.permute_pairs_raw(v, axes, perm)
+
+        def bwd(ct: Any) -> Any:
+            return self.permute_pairs_raw(ct, axes, inverse)
+
         if self.typed:
             return self._typed(("ppermute", axes, perm), x, axes, fwd, bwd, False)
         return self._diff(("ppermute", axes, perm), x, fwd, bwd)
@@ -610,11 +685,19 @@ class ProcessAxisEnv(AxisEnv):
         if self.checked:
             self.agree("pbroadcast", axes, x, source)
         g = self.group(axes)
-        fwd = lambda v: self.broadcast_raw(v, g, source)
+
+        def fwd(v: Any) -> Any:
+            return self.broadcast_raw(v, g, source)
+
         if self.typed:  # the cotangent is whole on every device: the source keeps it
-            return self._typed(("pbroadcast", axes, source), x, axes, fwd,
-                               lambda ct: ct if g.index == source else self.be.zeros_like(ct),
-                               True)
+            return self._typed(
+                ("pbroadcast", axes, source),
+                x,
+                axes,
+                fwd,
+                lambda ct: ct if g.index == source else self.be.zeros_like(ct),
+                True,
+            )
 
         def back(ct: Any) -> Any:
             total = self.all_reduce_raw(ct, g, "sum")
@@ -630,18 +713,24 @@ class ProcessAxisEnv(AxisEnv):
         return index
 
     # -- the program's edges ----------------------------------------------------------------------
-    def _input_plan(self, layout: Layout) -> tuple[tuple[str, ...],
-                                                   tuple[tuple[int, tuple[str, ...]], ...],
-                                                   frozenset[str]]:
+    def _input_plan(
+        self, layout: Layout
+    ) -> tuple[tuple[str, ...], tuple[tuple[int, tuple[str, ...]], ...], frozenset[str]]:
         """(axes an input is replicated over, (dim, axes) it is sharded over, axes it varies
         along)."""
         plan = self._in.get(layout)
         if plan is None:
-            sharded = tuple((d, (e,) if isinstance(e, str) else tuple(e))
-                            for d, e in enumerate(layout.spec) if e)
+            sharded = tuple(
+                (d, (e,) if isinstance(e, str) else tuple(e))
+                for d, e in enumerate(layout.spec)
+                if e
+            )
             used = set(layout.spec.axes()) | set(layout.spec.partial)
-            plan = self._in[layout] = (_replicated_axes(layout), sharded,
-                                       frozenset(a for a in self.mesh.axis_names if a in used))
+            plan = self._in[layout] = (
+                _replicated_axes(layout),
+                sharded,
+                frozenset(a for a in self.mesh.axis_names if a in used),
+            )
         return plan
 
     def enter(self, arg: Any, layout: Layout) -> Any:
@@ -664,8 +753,10 @@ class ProcessAxisEnv(AxisEnv):
         if is_global:
             shape = tuple(int(n) for n in block.shape)
             if len(shape) < len(layout.spec):
-                raise LayoutError(f"a shard_map argument of shape {shape} has fewer dims than "
-                                  f"its in_spec {layout.spec!r}")
+                raise LayoutError(
+                    f"a shard_map argument of shape {shape} has fewer dims than "
+                    f"its in_spec {layout.spec!r}"
+                )
             slices = layout.shard_slices(shape, self.device)
             if not self.be.needs_grad(block):
                 return block[slices]
@@ -680,8 +771,12 @@ class ProcessAxisEnv(AxisEnv):
             return self._diff(("enter", layout, shape), block, lambda v: v[slices], whole)
         if not replicated or not self.be.needs_grad(block):
             return block
-        return self._diff(("replicated", replicated), block, lambda v: v,
-                          lambda ct: self.all_reduce_raw(ct, self.group(replicated), "sum"))
+        return self._diff(
+            ("replicated", replicated),
+            block,
+            lambda v: v,
+            lambda ct: self.all_reduce_raw(ct, self.group(replicated), "sum"),
+        )
 
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; replicated over some axes, it counts once in the gradient (typed:
@@ -695,12 +790,14 @@ class ProcessAxisEnv(AxisEnv):
                     f"result {index} of the program varies along {axes} (it differs between "
                     f"devices there), but its out_spec {layout.spec!r} says it is the same "
                     f"along them: reduce it over {axes} (psum, pmean, all_gather with "
-                    "to='invarying') or name the axes in the out_spec")
+                    "to='invarying') or name the axes in the out_spec"
+                )
             return block
         copies = self._out.get(layout)
         if copies is None:
             copies = self._out[layout] = math.prod(
-                self.mesh.axis_size(a) for a in _replicated_axes(layout))
+                self.mesh.axis_size(a) for a in _replicated_axes(layout)
+            )
         if copies == 1 or not self.be.needs_grad(block):
             return block
         return self._diff(("leave", copies), block, lambda v: v, lambda ct: ct / copies)

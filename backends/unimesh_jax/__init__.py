@@ -14,5 +14,11 @@ from .backend import (
     use_mesh,
 )
 
-__all__ = ["JaxAxisEnv", "JaxBackend", "global_devices", "key_path", "request_cpu_devices",
-           "use_mesh"]
+__all__ = [
+    "JaxAxisEnv",
+    "JaxBackend",
+    "global_devices",
+    "key_path",
+    "request_cpu_devices",
+    "use_mesh",
+]

@@ -25,7 +25,14 @@ from unimesh import (
 from unimesh._validate import first_line, short
 from unimesh.parallel import AxisEnv
 
-__all__ = ["JaxAxisEnv", "JaxBackend", "global_devices", "key_path", "request_cpu_devices", "use_mesh"]
+__all__ = [
+    "JaxAxisEnv",
+    "JaxBackend",
+    "global_devices",
+    "key_path",
+    "request_cpu_devices",
+    "use_mesh",
+]
 
 _TYPES = {"auto": "Auto", "explicit": "Explicit", "manual": "Manual"}
 
@@ -63,8 +70,19 @@ class JaxBackend(Backend):
     framework = "jax"
     extra = "jax"
     native_modules = ("jax",)
-    capabilities = frozenset({"mesh", "layout", "distribute", "tuple_axes", "partial", "shard_map",
-                              "axis_types", "multi_process", "grad"})
+    capabilities = frozenset(
+        {
+            "mesh",
+            "layout",
+            "distribute",
+            "tuple_axes",
+            "partial",
+            "shard_map",
+            "axis_types",
+            "multi_process",
+            "grad",
+        }
+    )
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "jax.sharding.Mesh (AbstractMesh from_native)",
         "layout": "jax.sharding.NamedSharding(mesh, PartitionSpec)",
@@ -110,32 +128,40 @@ class JaxBackend(Backend):
             raise LaunchError(
                 f"a multi-process JAX run needs {', '.join(_JAX_ENV)}; "
                 f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set (the others "
-                "are): set them on every process (process ids 0..N-1), or none for one process")
+                "are): set them on every process (process ids 0..N-1), or none for one process"
+            )
         jax = _jax()
         if not missing and not jax.distributed.is_initialized():
             address = str(given["JAX_COORDINATOR_ADDRESS"])
             try:
                 procs, pid = int(str(given["JAX_NUM_PROCESSES"])), int(str(given["JAX_PROCESS_ID"]))
             except ValueError:
-                raise LaunchError(f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got "
-                                  f"{given['JAX_NUM_PROCESSES']!r} and "
-                                  f"{given['JAX_PROCESS_ID']!r}") from None
+                raise LaunchError(
+                    f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got "
+                    f"{given['JAX_NUM_PROCESSES']!r} and "
+                    f"{given['JAX_PROCESS_ID']!r}"
+                ) from None
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             try:
                 # a peer silent for longer than this is gone (JAX's default: 100 s), and the
                 # exit barrier waits no longer for it
                 patience = max(10, min(100, int(timeout)))
-                jax.distributed.initialize(address, num_processes=procs, process_id=pid,
-                                           initialization_timeout=max(1, int(timeout)),
-                                           heartbeat_timeout_seconds=patience,
-                                           shutdown_timeout_seconds=patience)
+                jax.distributed.initialize(
+                    address,
+                    num_processes=procs,
+                    process_id=pid,
+                    initialization_timeout=max(1, int(timeout)),
+                    heartbeat_timeout_seconds=patience,
+                    shutdown_timeout_seconds=patience,
+                )
             except RuntimeError as exc:
                 if "once" not in str(exc):
                     first = first_line(exc)
                     raise LaunchError(
                         f"jax.distributed.initialize({address!r}, num_processes={procs}, "
                         f"process_id={pid}) failed within {timeout:.0f} s (a peer process may "
-                        f"be gone, or JAX already ran a computation): {first}") from exc
+                        f"be gone, or JAX already ran a computation): {first}"
+                    ) from exc
         return int(jax.process_index()), int(jax.process_count())
 
     def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
@@ -174,12 +200,14 @@ class JaxBackend(Backend):
             raise MeshMismatchError(
                 f"{mesh!r} uses device {top}, but JAX sees {len(devs)} devices; start more "
                 "processes, or for CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{top + 1} before importing jax")
+                f"{top + 1} before importing jax"
+            )
         k = mesh.devices_per_process
         local = _jax().local_device_count()
         if k is not None and _jax().process_count() > 1 and k != local:
             raise MeshMismatchError(
-                f"{mesh!r} says {k} devices per process, but each JAX process has {local}")
+                f"{mesh!r} says {k} devices per process, but each JAX process has {local}"
+            )
         arr = np.empty(len(devs), dtype=object)
         arr[:] = devs
         out: np.ndarray = arr[mesh.device_ids]
@@ -215,13 +243,15 @@ class JaxBackend(Backend):
         try:
             ids = np.vectorize(position.__getitem__, otypes=[np.int64])(jmesh.devices)
         except KeyError as exc:  # pragma: no cover - a device JAX itself does not list
-            raise MeshMismatchError(f"{jmesh} holds device {exc}, which jax.devices() does "
-                                    "not list") from exc
+            raise MeshMismatchError(
+                f"{jmesh} holds device {exc}, which jax.devices() does not list"
+            ) from exc
         dpp = None
         if _jax().process_count() > 1:
             dpp = _jax().local_device_count()
-        return Mesh(ids.shape, tuple(jmesh.axis_names), ids, axis_types=types,
-                    devices_per_process=dpp)
+        return Mesh(
+            ids.shape, tuple(jmesh.axis_names), ids, axis_types=types, devices_per_process=dpp
+        )
 
     # -- layouts -------------------------------------------------------------------------------
     def _spec(self, layout: Layout) -> Any:
@@ -231,8 +261,10 @@ class JaxBackend(Backend):
         bad = {a: op for a, op in partial.items() if op != "sum"}
         if bad:
             raise UnsupportedError(
-                f"JAX keeps only pending sums (unreduced axes); {layout.spec!r} asks for "
-                f"{bad}", backend=self.name, capability="partial")
+                f"JAX keeps only pending sums (unreduced axes); {layout.spec!r} asks for {bad}",
+                backend=self.name,
+                capability="partial",
+            )
         if partial:
             types = dict(zip(layout.mesh.axis_names, layout.mesh.axis_types or ()))
             implicit = [a for a in partial if types.get(a) != "explicit"]
@@ -240,7 +272,9 @@ class JaxBackend(Backend):
                 raise UnsupportedError(
                     f"JAX keeps a pending sum (unreduced) only over 'explicit' axes; {implicit} "
                     f"of {layout.mesh!r} are not: give the mesh axis_types with 'explicit' there",
-                    backend=self.name, capability="partial")
+                    backend=self.name,
+                    capability="partial",
+                )
             return jp(*layout.spec, unreduced=set(partial))
         return jp(*layout.spec)
 
@@ -262,18 +296,25 @@ class JaxBackend(Backend):
             entries = []
             for e in getattr(spec, "partitions", spec):  # `partitions`: JAX with unreduced
                 if e is spec.UNCONSTRAINED:
-                    raise UnsupportedError(f"{spec} has an UNCONSTRAINED entry, which unimesh "
-                                           "cannot hold", backend=self.name, capability="layout")
+                    raise UnsupportedError(
+                        f"{spec} has an UNCONSTRAINED entry, which unimesh cannot hold",
+                        backend=self.name,
+                        capability="layout",
+                    )
                 entries.append(e)
             if getattr(spec, "reduced", None):
-                raise UnsupportedError(f"{spec} has reduced axes, which unimesh cannot hold",
-                                       backend=self.name, capability="partial")
+                raise UnsupportedError(
+                    f"{spec} has reduced axes, which unimesh cannot hold",
+                    backend=self.name,
+                    capability="partial",
+                )
             unreduced = getattr(spec, "unreduced", None) or ()
             partial = {a: "sum" for a in sorted(unreduced)} or None
             return Layout(mesh, P(*entries, partial=partial))
         raise ConversionError(
             f"the jax backend converts Mesh, AbstractMesh and NamedSharding, not {short(obj)} "
-            f"({type(obj).__module__}.{type(obj).__qualname__})")
+            f"({type(obj).__module__}.{type(obj).__qualname__})"
+        )
 
     def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
         """A global ``jax.Array`` with ``NamedSharding``; each addressable shard is the reference
@@ -285,20 +326,26 @@ class JaxBackend(Backend):
             raise UnsupportedError(
                 f"cannot place an array on {layout.mesh!r}: axes {manual} are 'manual', which "
                 "JAX uses only inside shard_map; distribute on the mesh with those axes 'auto' "
-                "or 'explicit'", backend=self.name, capability="distribute")
+                "or 'explicit'",
+                backend=self.name,
+                capability="distribute",
+            )
         sharding = self.layout_to_native(layout, **options)
         host = np.asarray(array)
         # dtype given: a process holding none of the mesh's devices has no block to infer it from
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index],
-                                            dtype=host.dtype)
+        return jax.make_array_from_callback(
+            host.shape, sharding, lambda index: host[index], dtype=host.dtype
+        )
 
     def native_code(self, mesh: Mesh) -> str:
         """``jax.sharding.Mesh`` over the devices in unimesh's order (by process, then id)."""
-        return ("import jax\nimport numpy as np\n\n"
-                "# unimesh's device ids are positions in this order\n"
-                "devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))\n"
-                "mesh = jax.sharding.Mesh(np.array(devices, dtype=object)"
-                f"[np.array({mesh.device_ids.tolist()})], {tuple(mesh.axis_names)})")
+        return (
+            "import jax\nimport numpy as np\n\n"
+            "# unimesh's device ids are positions in this order\n"
+            "devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))\n"
+            "mesh = jax.sharding.Mesh(np.array(devices, dtype=object)"
+            f"[np.array({mesh.device_ids.tolist()})], {tuple(mesh.axis_names)})"
+        )
 
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """``jax.jit`` of the matmul: XLA's sharding propagation does the rest."""
@@ -310,15 +357,18 @@ class JaxBackend(Backend):
         position = {d: i for i, d in enumerate(global_devices())}
         return {position[s.device]: np.asarray(s.data) for s in array.addressable_shards}
 
-
     # -- programs --------------------------------------------------------------------------------
     def shard_map(self, body: Any, mesh: Mesh, ins: Any, outs: Any) -> Any:
         """``jax.shard_map`` over the converted mesh (``check_vma`` on: JAX checks that an
         output is equal along the axes its spec leaves out). Jit the result as usual."""
         jax = _jax()
         env = JaxAxisEnv(mesh)
-        return jax.shard_map(lambda *blocks: body(env, *blocks), mesh=self.mesh_to_native(mesh),
-                             in_specs=ins.map(self._spec), out_specs=outs.map(self._spec))
+        return jax.shard_map(
+            lambda *blocks: body(env, *blocks),
+            mesh=self.mesh_to_native(mesh),
+            in_specs=ins.map(self._spec),
+            out_specs=outs.map(self._spec),
+        )
 
     def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
         """``jax.value_and_grad``; each gradient is placed like its argument."""
@@ -333,8 +383,9 @@ class JaxBackend(Backend):
 
         def run(*args: Any) -> Any:
             value, grads = vg(*args)
-            return value, tuple(jax.tree_util.tree_map(placed, g, args[i])
-                                for g, i in zip(grads, argnums))
+            return value, tuple(
+                jax.tree_util.tree_map(placed, g, args[i]) for g, i in zip(grads, argnums)
+            )
 
         return run
 
@@ -389,22 +440,29 @@ class JaxAxisEnv(AxisEnv):
 
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         lax = _jax().lax
-        return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](
-            self._varying(x, axes), axes)
+        return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}[op](self._varying(x, axes), axes)
 
-    def all_gather(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool,
-                   invariant: bool) -> Any:
+    def all_gather(
+        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
+    ) -> Any:
         """``lax.all_gather``; ``invariant``: JAX knows the result is equal along ``axes``
         (``to="invarying"``), so an out_spec may leave those axes out, as after a psum."""
-        return _jax().lax.all_gather(self._varying(x, axes), axes, axis=dim, tiled=tiled,
-                                     to="invarying" if invariant else "varying")
+        return _jax().lax.all_gather(
+            self._varying(x, axes),
+            axes,
+            axis=dim,
+            tiled=tiled,
+            to="invarying" if invariant else "varying",
+        )
 
     def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
-        return _jax().lax.psum_scatter(self._varying(x, axes), axes, scatter_dimension=dim,
-                                       tiled=tiled)
+        return _jax().lax.psum_scatter(
+            self._varying(x, axes), axes, scatter_dimension=dim, tiled=tiled
+        )
 
-    def all_to_all(self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int,
-                   tiled: bool) -> Any:
+    def all_to_all(
+        self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int, tiled: bool
+    ) -> Any:
         """``lax.all_to_all``; untiled as the tiled one on the split dim moved to the front
         (JAX 0.10's transpose of an untiled all_to_all with split != concat fails with a
         cotangent shape error)."""
@@ -413,8 +471,7 @@ class JaxAxisEnv(AxisEnv):
         if tiled:
             return jax.lax.all_to_all(x, axes, split_axis, concat_axis, tiled=True)
         front = jax.numpy.moveaxis(x, split_axis, 0)
-        return jax.numpy.moveaxis(jax.lax.all_to_all(front, axes, 0, 0, tiled=True), 0,
-                                  concat_axis)
+        return jax.numpy.moveaxis(jax.lax.all_to_all(front, axes, 0, 0, tiled=True), 0, concat_axis)
 
     def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
         """``lax.ppermute``. JAX numbers the devices of a tuple of axes in mesh order there
@@ -426,8 +483,11 @@ class JaxAxisEnv(AxisEnv):
 
             def in_mesh_order(index: int) -> int:
                 coords = dict(zip(axes, np.unravel_index(index, sizes)))
-                return int(np.ravel_multi_index([coords[a] for a in ordered],
-                                                [self.mesh.axis_size(a) for a in ordered]))
+                return int(
+                    np.ravel_multi_index(
+                        [coords[a] for a in ordered], [self.mesh.axis_size(a) for a in ordered]
+                    )
+                )
 
             perm = tuple((in_mesh_order(a), in_mesh_order(b)) for a, b in perm)
         return _jax().lax.ppermute(self._varying(x, ordered), ordered, perm)

@@ -68,7 +68,10 @@ class KerasBackend(Backend):
             raise UnsupportedError(
                 f"{what} needs keras.distribution support in the Keras backend, and Keras's "
                 f"{kb!r} backend has none (Keras {_version()} supports it on 'jax'); set "
-                "KERAS_BACKEND=jax", backend=self.name, capability="distribute")
+                "KERAS_BACKEND=jax",
+                backend=self.name,
+                capability="distribute",
+            )
 
     def prepare_devices(self, count: int) -> int:
         """Keras on JAX with ``count`` virtual CPU devices (if neither is loaded yet)."""
@@ -94,29 +97,33 @@ class KerasBackend(Backend):
             raise MeshMismatchError(
                 f"{mesh!r} uses device {top}, but keras.distribution.list_devices() has "
                 f"{len(devices)}; for CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
-                f"{top + 1} before importing keras")
+                f"{top + 1} before importing keras"
+            )
         arr = np.asarray(devices, dtype=object)[mesh.device_ids]
         return kd.DeviceMesh(mesh.shape, list(mesh.axis_names), devices=arr)
 
     def _mesh_from_native(self, device_mesh: Any) -> Mesh:
         devices = np.asarray(device_mesh.devices, dtype=object).reshape(device_mesh.shape)
         names = [str(d) for d in devices.ravel()]
-        needed = 1 + max((int(n.rsplit(":", 1)[-1]) for n in names
-                          if n.rsplit(":", 1)[-1].isdigit()), default=0)
+        needed = 1 + max(
+            (int(n.rsplit(":", 1)[-1]) for n in names if n.rsplit(":", 1)[-1].isdigit()), default=0
+        )
         position = {d: i for i, d in enumerate(_devices(max(needed, devices.size)))}
         try:
             ids = np.vectorize(lambda d: position[str(d)], otypes=[np.int64])(devices)
         except KeyError as exc:
-            raise MeshMismatchError(f"{device_mesh} holds device {exc}, which "
-                                    "keras.distribution.list_devices() does not list") from exc
+            raise MeshMismatchError(
+                f"{device_mesh} holds device {exc}, which "
+                "keras.distribution.list_devices() does not list"
+            ) from exc
         return Mesh(tuple(device_mesh.shape), tuple(device_mesh.axis_names), ids)
 
     # -- layouts -------------------------------------------------------------------------------
-    def layout_to_native(self, layout: Layout, *, device_mesh: Any = None,
-                         **options: Any) -> Any:
+    def layout_to_native(self, layout: Layout, *, device_mesh: Any = None, **options: Any) -> Any:
         """``keras.distribution.TensorLayout(spec entries, device_mesh)``."""
-        mesh_native = device_mesh if device_mesh is not None else self.mesh_to_native(
-            layout.mesh, **options)
+        mesh_native = (
+            device_mesh if device_mesh is not None else self.mesh_to_native(layout.mesh, **options)
+        )
         return _kd().TensorLayout(tuple(layout.spec), mesh_native)
 
     def layout_map_to_native(self, layout_map: LayoutMap, **options: Any) -> Any:
@@ -141,7 +148,8 @@ class KerasBackend(Backend):
             return LayoutMap(mesh, [(k, P(*v.axes)) for k, v in obj.items()])
         raise ConversionError(
             f"the keras backend converts DeviceMesh, TensorLayout and LayoutMap, not "
-            f"{short(obj)} ({type(obj).__module__}.{type(obj).__qualname__})")
+            f"{short(obj)} ({type(obj).__module__}.{type(obj).__qualname__})"
+        )
 
     def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
         """``keras.distribution.distribute_tensor(array, TensorLayout)``."""
@@ -150,10 +158,12 @@ class KerasBackend(Backend):
 
     def native_code(self, mesh: Mesh) -> str:
         """``keras.distribution.DeviceMesh`` over ``list_devices()`` in unimesh's order."""
-        return ("import keras\nimport numpy as np\n\n"
-                "devices = keras.distribution.list_devices()\n"
-                f"mesh = keras.distribution.DeviceMesh({mesh.shape}, {list(mesh.axis_names)}, "
-                f"devices=np.array(devices, dtype=object)[np.array({mesh.device_ids.tolist()})])")
+        return (
+            "import keras\nimport numpy as np\n\n"
+            "devices = keras.distribution.list_devices()\n"
+            f"mesh = keras.distribution.DeviceMesh({mesh.shape}, {list(mesh.axis_names)}, "
+            f"devices=np.array(devices, dtype=object)[np.array({mesh.device_ids.tolist()})])"
+        )
 
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """``keras.ops.matmul`` on the distributed array."""
@@ -165,9 +175,10 @@ class KerasBackend(Backend):
         """``{logical device id: numpy block}`` of a distributed Keras (JAX) array."""
         self._require_distribution("local_shards()")
         position = {d: i for i, d in enumerate(_devices(0))}
-        return {position[f"{s.device.platform}:{s.device.id}"]: np.asarray(s.data)
-                for s in array.addressable_shards}
-
+        return {
+            position[f"{s.device.platform}:{s.device.id}"]: np.asarray(s.data)
+            for s in array.addressable_shards
+        }
 
     # -- programs: Keras distributes through JAX ----------------------------------------------
     def _jax(self, what: str) -> Backend:
@@ -215,8 +226,10 @@ class KerasBackend(Backend):
         import keras
 
         if not isinstance(model, (keras.Model, keras.layers.Layer)):
-            raise ConversionError(f"the keras backend shards the variables of a keras Model or "
-                                  f"Layer, not {short(model)}")
+            raise ConversionError(
+                f"the keras backend shards the variables of a keras Model or "
+                f"Layer, not {short(model)}"
+            )
         be = self._jax("shard_params")
         for variable in model.variables:
             host = np.asarray(variable.value)
@@ -238,8 +251,9 @@ def _version() -> str:
     return str(keras.__version__)
 
 
-def distribution(mesh: Mesh | Config, layout_map: LayoutMap | None = None, *,
-                 batch_dim_name: str | None = None) -> Any:
+def distribution(
+    mesh: Mesh | Config, layout_map: LayoutMap | None = None, *, batch_dim_name: str | None = None
+) -> Any:
     """The Keras distribution for a neutral mesh: ``DataParallel`` over a 1-axis mesh with no
     layout map, else ``ModelParallel(layout_map=..., batch_dim_name=...)`` (batch axis: the
     given name, else the mesh's first axis). A :class:`unimesh.Config` (from
@@ -247,14 +261,17 @@ def distribution(mesh: Mesh | Config, layout_map: LayoutMap | None = None, *,
     be = KerasBackend()
     if isinstance(mesh, Config):
         if layout_map is not None or batch_dim_name is not None:
-            raise ConversionError("distribution(config) takes the layout map and batch axis "
-                                  "from the config; pass no layout_map/batch_dim_name with it")
+            raise ConversionError(
+                "distribution(config) takes the layout map and batch axis "
+                "from the config; pass no layout_map/batch_dim_name with it"
+            )
         config = mesh
         mesh, batch_dim_name = config.mesh, config.batch_axis
         layout_map = config.layout_map if len(config.layout_map) else None
     if not isinstance(mesh, Mesh):
-        raise ConversionError(f"distribution() needs a unimesh.Mesh or unimesh.Config, got "
-                              f"{short(mesh)}")
+        raise ConversionError(
+            f"distribution() needs a unimesh.Mesh or unimesh.Config, got {short(mesh)}"
+        )
     if layout_map is not None and layout_map.mesh != mesh:
         raise LayoutError(f"the layout map is on {layout_map.mesh!r}, not on {mesh!r}")
     if batch_dim_name is not None and batch_dim_name not in mesh.axis_names:
@@ -268,5 +285,6 @@ def distribution(mesh: Mesh | Config, layout_map: LayoutMap | None = None, *,
     import unimesh
 
     native_map = unimesh.to_native(layout_map, be)
-    return kd.ModelParallel(layout_map=native_map,
-                            batch_dim_name=batch_dim_name or mesh.axis_names[0])
+    return kd.ModelParallel(
+        layout_map=native_map, batch_dim_name=batch_dim_name or mesh.axis_names[0]
+    )

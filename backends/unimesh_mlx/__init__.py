@@ -16,5 +16,4 @@ from .backend import (
     shard_linear,
 )
 
-__all__ = ["AxisGroup", "MLXArray", "MLXBackend", "MLXLayout", "MLXMesh",
-           "shard_linear"]
+__all__ = ["AxisGroup", "MLXArray", "MLXBackend", "MLXLayout", "MLXMesh", "shard_linear"]

@@ -30,8 +30,7 @@ from unimesh import (
 from unimesh._validate import short
 from unimesh.spmd import ProcessBackend
 
-__all__ = ["AxisGroup", "MLXArray", "MLXBackend", "MLXLayout", "MLXMesh",
-           "shard_linear"]
+__all__ = ["AxisGroup", "MLXArray", "MLXBackend", "MLXLayout", "MLXMesh", "shard_linear"]
 
 _LIVE: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
 _LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but weakly referable
@@ -114,9 +113,11 @@ def watchdog(seconds: float, what: str) -> Iterator[None]:
     import threading
 
     def fire() -> None:
-        sys.stderr.write(f"unimesh: {what} did not finish within {seconds:.0f} s: a peer process "
-                         "is gone or stuck; MLX collectives cannot be interrupted, so this "
-                         "process exits (status 1)\n")
+        sys.stderr.write(
+            f"unimesh: {what} did not finish within {seconds:.0f} s: a peer process "
+            "is gone or stuck; MLX collectives cannot be interrupted, so this "
+            "process exits (status 1)\n"
+        )
         sys.stderr.flush()
         os._exit(1)
 
@@ -137,8 +138,9 @@ class AxisGroup:
     single process) they run over the world group and keep the members' contributions.
     """
 
-    def __init__(self, axes: tuple[str, ...], members: tuple[int, ...], world: Any,
-                 group: Any) -> None:
+    def __init__(
+        self, axes: tuple[str, ...], members: tuple[int, ...], world: Any, group: Any
+    ) -> None:
         self.axes = axes
         self.members = members
         self.world = world
@@ -258,8 +260,19 @@ class MLXBackend(ProcessBackend):
     framework = "mlx"
     extra = "mlx"
     native_modules = ("mlx", "unimesh_mlx")
-    capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
-                              "axis_groups", "multi_process", "shard_map", "grad"})
+    capabilities = frozenset(
+        {
+            "mesh",
+            "layout",
+            "distribute",
+            "uneven_shards",
+            "tuple_axes",
+            "axis_groups",
+            "multi_process",
+            "shard_map",
+            "grad",
+        }
+    )
     # mx.distributed.sum_scatter raises "not yet implemented" on MPI: the engine builds it
     native_primitives = frozenset({"all_reduce", "all_gather", "split"})
     native_api: ClassVar[dict[str, str]] = {
@@ -286,8 +299,10 @@ class MLXBackend(ProcessBackend):
         against the process count the launcher says it started: MLX silently falls back to a
         1-process group when it finds no distributed backend."""
         if not _STARTED:
-            rank_hint = next((os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "MLX_RANK")
-                              if v in os.environ), "?")
+            rank_hint = next(
+                (os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "MLX_RANK") if v in os.environ),
+                "?",
+            )
             with watchdog(timeout, f"mx.distributed.init() on rank {rank_hint}"):
                 world = _init_world()
             expected = launcher_world_size()
@@ -297,7 +312,8 @@ class MLXBackend(ProcessBackend):
                     f"mx.distributed.init() gave a group of {int(world.size())}: MLX found no "
                     "distributed backend for this launcher (mpirun: is openmpi's libmpi "
                     "installed, apt-get install libopenmpi-dev; mlx.launch: is the ring "
-                    "hostfile readable?)")
+                    "hostfile readable?)"
+                )
             _STARTED.append(world)
         world = _STARTED[0]
         return int(world.rank()), int(world.size())
@@ -312,18 +328,20 @@ class MLXBackend(ProcessBackend):
         world = _STARTED[0]
         with watchdog(timeout, f"the mesh check on rank {rank} of {world_size}"):
             try:
-                sizes = mx.distributed.all_gather(mx.array([len(payload)], dtype=mx.int32),
-                                                  group=world)
+                sizes = mx.distributed.all_gather(
+                    mx.array([len(payload)], dtype=mx.int32), group=world
+                )
                 longest = int(mx.max(sizes).item())
                 mine = np.zeros(longest, dtype=np.int32)
-                mine[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                mine[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
                 every = mx.distributed.all_gather(mx.array(mine), group=world)
                 mx.eval(every)
             except RuntimeError as exc:
-                raise MeshMismatchError(f"rank {rank} of {world_size}: a peer process is gone "
-                                        f"({exc})") from exc
+                raise MeshMismatchError(
+                    f"rank {rank} of {world_size}: a peer process is gone ({exc})"
+                ) from exc
         rows = np.array(every).reshape(world_size, longest)
-        return [bytes(rows[r, :int(n)].astype(np.uint8)) for r, n in enumerate(np.array(sizes))]
+        return [bytes(rows[r, : int(n)].astype(np.uint8)) for r, n in enumerate(np.array(sizes))]
 
     def launcher(self, processes: int) -> tuple[list[str], dict[str, str]]:
         """``mlx.launch -n N --backend ring -- python`` (the ring backend needs no MPI)."""
@@ -338,14 +356,19 @@ class MLXBackend(ProcessBackend):
 
     def native_code(self, mesh: Mesh) -> str:
         """``mx.distributed.init()`` and a ``world.split`` per mesh axis."""
-        lines = ["import mlx.core as mx\n",
-                 "world = mx.distributed.init()  # one process per device",
-                 "rank = world.rank()"]
+        lines = [
+            "import mlx.core as mx\n",
+            "world = mx.distributed.init()  # one process per device",
+            "rank = world.rank()",
+        ]
         for axis in mesh.axis_names:
             rows = mesh.groups(axis)
-            lines += [f"# {axis!r} groups: {rows}", f"rows = {rows}",
-                      "row = next(i for i, g in enumerate(rows) if rank in g)",
-                      f"{axis}_group = world.split(row, rows[row].index(rank))  # MPI backend"]
+            lines += [
+                f"# {axis!r} groups: {rows}",
+                f"rows = {rows}",
+                "row = next(i for i, g in enumerate(rows) if rank in g)",
+                f"{axis}_group = world.split(row, rows[row].index(rank))  # MPI backend",
+            ]
         return "\n".join(lines)
 
     def demo_compute(self, array: Any, weight: Any) -> Any:
@@ -358,8 +381,9 @@ class MLXBackend(ProcessBackend):
         if layout.spec[1] is not None:
             native = self.mesh_to_native(layout.mesh)
             entry = layout.spec[1]
-            partial = native.axis_group(entry if isinstance(entry, str) else tuple(entry)) \
-                .all_sum(partial)
+            partial = native.axis_group(entry if isinstance(entry, str) else tuple(entry)).all_sum(
+                partial
+            )
         out = Layout(layout.mesh, PartitionSpec(layout.spec[0], None))
         return self.full_array(MLXArray(partial, out, (shape[0], int(weight.shape[1]))))
 
@@ -371,13 +395,17 @@ class MLXBackend(ProcessBackend):
             raise UnsupportedError(
                 f"{mesh!r} uses {mesh.size} of the {n} MLX processes; an MLX mesh spans the whole "
                 "world (every process builds the same groups): launch as many processes as the "
-                "mesh has devices", backend=self.name, capability="mesh")
+                "mesh has devices",
+                backend=self.name,
+                capability="mesh",
+            )
         if mesh.size != n or sorted(mesh.device_ids.ravel().tolist()) != list(range(n)):
             raise MeshMismatchError(
                 f"{mesh!r} needs {mesh.size} MLX processes holding devices 0..{mesh.size - 1}, "
                 f"but this MLX world has {n}; start them with: mpirun --allow-run-as-root -np "
                 f"{mesh.size} python script.py (MPI) or mlx.launch -n {mesh.size} --backend ring "
-                "-- python script.py")
+                "-- python script.py"
+            )
         return MLXMesh(mesh, world, _mx().default_device())
 
     def layout_to_native(self, layout: Layout, **options: Any) -> MLXLayout:
@@ -392,8 +420,10 @@ class MLXBackend(ProcessBackend):
             return obj.layout
         if isinstance(obj, mx.Device):
             return Mesh((1,), ("device",))
-        raise ConversionError(f"the mlx backend converts MLXMesh and mx.Device, not {short(obj)} "
-                              f"({type(obj).__module__}.{type(obj).__qualname__})")
+        raise ConversionError(
+            f"the mlx backend converts MLXMesh and mx.Device, not {short(obj)} "
+            f"({type(obj).__module__}.{type(obj).__qualname__})"
+        )
 
     def distribute(self, array: Any, layout: Layout, **options: Any) -> MLXArray:
         """An :class:`MLXArray` holding this process's block,
@@ -409,7 +439,6 @@ class MLXBackend(ProcessBackend):
 
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         return {native_mesh.rank: native_mesh.axis_group(axis).members}
-
 
     # -- programs: the core's per-process engine on MLX groups -------------------------------------
     def process_index(self) -> int:
@@ -445,7 +474,7 @@ class MLXBackend(ProcessBackend):
 
     def take(self, x: Any, index: list[int]) -> Any:
         mx = _mx()
-        return x[mx.array(index)] if len(index) > 1 else x[index[0]:index[0] + 1]
+        return x[mx.array(index)] if len(index) > 1 else x[index[0] : index[0] + 1]
 
     def reduce_stack(self, x: Any, op: str) -> Any:
         return getattr(_mx(), op)(x, axis=0)
@@ -495,25 +524,35 @@ class MLXBackend(ProcessBackend):
             locals_ = []
             for i in argnums:
                 flat, treedef = optree.tree_flatten(args[i])
-                layouts[i] = (treedef, [(a.layout, a.shape) if isinstance(a, MLXArray) else None
-                                        for a in flat])
-                locals_.append(optree.tree_unflatten(treedef, [
-                    a.local if isinstance(a, MLXArray) else a for a in flat]))
+                layouts[i] = (
+                    treedef,
+                    [(a.layout, a.shape) if isinstance(a, MLXArray) else None for a in flat],
+                )
+                locals_.append(
+                    optree.tree_unflatten(
+                        treedef, [a.local if isinstance(a, MLXArray) else a for a in flat]
+                    )
+                )
 
             def inner(*chosen: Any) -> Any:
                 full = list(args)
                 for i, tree in zip(argnums, chosen):
                     treedef, kinds = layouts[i]
-                    full[i] = optree.tree_unflatten(treedef, [
-                        MLXArray(a, *kind) if kind is not None else a
-                        for a, kind in zip(optree.tree_leaves(tree), kinds)])
+                    full[i] = optree.tree_unflatten(
+                        treedef,
+                        [
+                            MLXArray(a, *kind) if kind is not None else a
+                            for a, kind in zip(optree.tree_leaves(tree), kinds)
+                        ],
+                    )
                 out = fn(*full)
                 value, aux = out if has_aux else (out, None)
                 value = value.local if isinstance(value, MLXArray) else value
                 if not isinstance(value, mx.array) or value.size != 1:
                     raise ConversionError(
                         f"value_and_grad needs {getattr(fn, '__name__', 'fn')} to return a "
-                        f"scalar, got {short(value)}")
+                        f"scalar, got {short(value)}"
+                    )
                 return (value.reshape(()), aux) if has_aux else value.reshape(())
 
             positions = tuple(range(len(argnums)))
@@ -526,9 +565,15 @@ class MLXBackend(ProcessBackend):
             out = []
             for i, g in zip(argnums, grads):
                 treedef, kinds = layouts[i]
-                out.append(optree.tree_unflatten(treedef, [
-                    MLXArray(leaf, *kind) if kind is not None else leaf
-                    for leaf, kind in zip(optree.tree_leaves(g), kinds)]))
+                out.append(
+                    optree.tree_unflatten(
+                        treedef,
+                        [
+                            MLXArray(leaf, *kind) if kind is not None else leaf
+                            for leaf, kind in zip(optree.tree_leaves(g), kinds)
+                        ],
+                    )
+                )
             return value, tuple(out)
 
         return run
@@ -541,17 +586,19 @@ class MLXBackend(ProcessBackend):
         mx = _mx()
         layout, shape = array.layout, array.shape
         if layout.spec.partial:
-            raise UnsupportedError(f"full_array of a partial layout {layout.spec!r}: reduce it "
-                                   "first (psum inside shard_map)", backend=self.name,
-                                   capability="partial")
+            raise UnsupportedError(
+                f"full_array of a partial layout {layout.spec!r}: reduce it "
+                "first (psum inside shard_map)",
+                backend=self.name,
+                capability="partial",
+            )
         world = self._world()
         slices = [layout.shard_slices(shape, r) for r in range(int(world.size()))]
         widths = [[s.stop - s.start for s in sl] for sl in slices]
         biggest = tuple(max(w[d] for w in widths) for d in range(len(shape)))
         local = np.zeros(biggest, dtype=np.array(array.local).dtype)
         local[tuple(slice(0, n) for n in array.local.shape)] = np.array(array.local)
-        every = np.array(mx.distributed.all_gather(mx.expand_dims(mx.array(local), 0),
-                                                   group=world))
+        every = np.array(mx.distributed.all_gather(mx.expand_dims(mx.array(local), 0), group=world))
         out = np.zeros(shape, dtype=local.dtype)
         for r, sl in enumerate(slices):
             out[sl] = every[r][tuple(slice(0, n) for n in widths[r])]
@@ -564,8 +611,9 @@ class MLXBackend(ProcessBackend):
         from mlx.utils import tree_flatten, tree_unflatten
 
         if not isinstance(model, mlx.nn.Module):  # type: ignore[attr-defined]
-            raise ConversionError(f"the mlx backend shards the parameters of an mlx.nn.Module, "
-                                  f"not {short(model)}")
+            raise ConversionError(
+                f"the mlx backend shards the parameters of an mlx.nn.Module, not {short(model)}"
+            )
         placed = []
         flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
         for path, value in flat:
@@ -586,8 +634,10 @@ class MLXArray:
         self.shape = shape
 
     def __repr__(self) -> str:
-        return (f"MLXArray(shape={self.shape}, block={tuple(self.local.shape)}, "
-                f"spec={self.layout.spec!r})")
+        return (
+            f"MLXArray(shape={self.shape}, block={tuple(self.local.shape)}, "
+            f"spec={self.layout.spec!r})"
+        )
 
 
 def _native_group(group: Any) -> Any:
@@ -616,10 +666,15 @@ def shard_linear(linear: Any, layout: Layout, native_mesh: MLXMesh) -> Any:
     from mlx.nn.layers.distributed import shard_linear as mlx_shard_linear
 
     spec = tuple(layout.spec) + (None,) * (2 - len(layout.spec))
-    if len(spec) != 2 or (spec[0] is None) == (spec[1] is None) or any(
-            isinstance(e, tuple) for e in spec):
-        raise LayoutError(f"shard_linear takes P(axis, None) or P(None, axis) for a Linear "
-                          f"weight, got {layout.spec!r}")
+    if (
+        len(spec) != 2
+        or (spec[0] is None) == (spec[1] is None)
+        or any(isinstance(e, tuple) for e in spec)
+    ):
+        raise LayoutError(
+            f"shard_linear takes P(axis, None) or P(None, axis) for a Linear "
+            f"weight, got {layout.spec!r}"
+        )
     axis = spec[0] if spec[0] is not None else spec[1]
     assert isinstance(axis, str)
     group = native_mesh.axis_group(axis)
@@ -627,9 +682,12 @@ def shard_linear(linear: Any, layout: Layout, native_mesh: MLXMesh) -> Any:
         raise UnsupportedError(
             f"MLX's sharded Linear layers need a real group for axis {axis!r}, and this MLX "
             "distributed backend cannot split one (ring); use the MPI backend",
-            backend="mlx", capability="axis_groups")
+            backend="mlx",
+            capability="axis_groups",
+        )
     sharding = "all-to-sharded" if spec[0] is not None else "sharded-to-all"
-    layer = mlx_shard_linear(linear, sharding,
-                             group=group.group if group.group is not None else native_mesh.world)
+    layer = mlx_shard_linear(
+        linear, sharding, group=group.group if group.group is not None else native_mesh.world
+    )
     _LAYERS.append(weakref.ref(layer))  # it holds the split group: released at exit too
     return layer

@@ -1,4 +1,5 @@
-"""The TensorFlow DTensor backend (single client): neutral Mesh/Layout <-> ``dtensor.Mesh``/``Layout``.
+"""The TensorFlow DTensor backend (single client): neutral Mesh/Layout <->
+``dtensor.Mesh``/``Layout``.
 
 DTensor numbers mesh positions 0..N-1 in row-major order (its ``global_device_ids``); the neutral
 device order goes into which device sits at each position (``local_devices``). A neutral device id
@@ -8,6 +9,7 @@ functions, never at module import.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,7 +47,8 @@ def configure_cpu_devices(count: int) -> None:
     cpus = tf.config.list_physical_devices("CPU")  # listing logical devices would start it
     try:
         tf.config.set_logical_device_configuration(
-            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(count)])
+            cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
+        )
     except RuntimeError as exc:
         have = len(tf.config.list_logical_devices("CPU"))
         if have == count:
@@ -53,7 +56,8 @@ def configure_cpu_devices(count: int) -> None:
         raise MeshMismatchError(
             f"TensorFlow is already initialised with {have} logical CPU devices and cannot be "
             f"given {count}: call unimesh_tensorflow.configure_cpu_devices({count}) before any "
-            "other TensorFlow call") from exc
+            "other TensorFlow call"
+        ) from exc
 
 
 class TensorFlowBackend(Backend):
@@ -69,7 +73,7 @@ class TensorFlowBackend(Backend):
         "layout": "tf.experimental.dtensor.Layout",
         "distribute": "dtensor.copy_to_mesh + dtensor.relayout",
         "launch": "one client (DTENSOR_NUM_CLIENTS=1); tf.config.set_logical_device_configuration "
-                  "for CPU devices",
+        "for CPU devices",
     }
 
     def initialize(self, timeout: float) -> tuple[int, int]:
@@ -82,17 +86,17 @@ class TensorFlowBackend(Backend):
             raise UnsupportedError(
                 f"DTENSOR_NUM_CLIENTS={clients}: the tensorflow backend runs one DTensor client "
                 "(multi-client DTensor is not supported); unset DTENSOR_NUM_CLIENTS, or use the "
-                "jax or torch backend for several processes", backend=self.name,
-                capability="multi_process")
+                "jax or torch backend for several processes",
+                backend=self.name,
+                capability="multi_process",
+            )
         return 0, 1
 
     def prepare_devices(self, count: int) -> int:
         """``count`` logical CPU devices if TensorFlow's runtime has not started; returns how
         many there are."""
-        try:
+        with contextlib.suppress(MeshMismatchError):  # started earlier: use what it has
             configure_cpu_devices(count)
-        except MeshMismatchError:
-            pass  # started earlier: use what it has
         return len(self._devices("CPU"))
 
     def _devices(self, device_type: str) -> list[Any]:
@@ -108,18 +112,26 @@ class TensorFlowBackend(Backend):
             raise MeshMismatchError(
                 f"{mesh!r} uses device {top}, but TensorFlow has {len(devices)} logical "
                 f"{device_type} devices; for CPU call unimesh_tensorflow.configure_cpu_devices("
-                f"{top + 1}) before any other TensorFlow call")
+                f"{top + 1}) before any other TensorFlow call"
+            )
         n = mesh.size
         tf = _tf()
         full = []
         for d in devices:  # DTensor wants fully qualified names (job, replica, task)
             spec = tf.DeviceSpec.from_string(d.name)
-            full.append(tf.DeviceSpec(job="localhost", replica=0, task=0,
-                                      device_type=spec.device_type,
-                                      device_index=spec.device_index).to_string())
+            full.append(
+                tf.DeviceSpec(
+                    job="localhost",
+                    replica=0,
+                    task=0,
+                    device_type=spec.device_type,
+                    device_index=spec.device_index,
+                ).to_string()
+            )
         local = [full[i] for i in mesh.device_ids.ravel().tolist()]
-        return _dtensor().Mesh(list(mesh.axis_names), np.arange(n).reshape(mesh.shape),
-                               list(range(n)), local)
+        return _dtensor().Mesh(
+            list(mesh.axis_names), np.arange(n).reshape(mesh.shape), list(range(n)), local
+        )
 
     def _mesh_from_native(self, native: Any) -> Mesh:
         names = list(native.dim_names)
@@ -129,7 +141,9 @@ class TensorFlowBackend(Backend):
         if len(local_ids) != global_ids.size:
             raise UnsupportedError(
                 f"{native} spans several DTensor clients; the tensorflow backend handles one",
-                backend=self.name, capability="multi_process")
+                backend=self.name,
+                capability="multi_process",
+            )
         tf = _tf()
 
         def key(name: str) -> tuple[str, int]:
@@ -142,21 +156,24 @@ class TensorFlowBackend(Backend):
         ids = np.empty(global_ids.size, dtype=np.int64)
         for pos, dev in zip(local_ids, devices):
             if key(dev) not in index:
-                raise MeshMismatchError(f"{native} holds {dev}, which this TensorFlow does not "
-                                        "list among its logical devices")
+                raise MeshMismatchError(
+                    f"{native} holds {dev}, which this TensorFlow does not "
+                    "list among its logical devices"
+                )
             ids[pos] = index[key(dev)]
         return Mesh(shape, tuple(names), ids.reshape(shape))
 
-    def layout_to_native(self, layout: Layout, *, rank: int | None = None,
-                         **options: Any) -> Any:
+    def layout_to_native(self, layout: Layout, *, rank: int | None = None, **options: Any) -> Any:
         """``dtensor.Layout`` with one sharding spec per tensor dim (``UNSHARDED`` for None);
         ``rank`` pads the spec with ``UNSHARDED`` for a tensor with more dims."""
         dtensor = _dtensor()
         entries = list(layout.spec)
         if rank is not None:
             if rank < len(entries):
-                raise UnsupportedError(f"rank {rank} is less than the {len(entries)} entries of "
-                                       f"{layout.spec!r}", backend=self.name)
+                raise UnsupportedError(
+                    f"rank {rank} is less than the {len(entries)} entries of {layout.spec!r}",
+                    backend=self.name,
+                )
             entries += [None] * (rank - len(entries))
         specs = [dtensor.UNSHARDED if e is None else e for e in entries]
         return dtensor.Layout(specs, self.mesh_to_native(layout.mesh, **options))
@@ -171,14 +188,18 @@ class TensorFlowBackend(Backend):
                 if s == dtensor.UNSHARDED:
                     entries.append(None)
                 elif s == dtensor.MATCH:
-                    raise UnsupportedError(f"{obj} has a 'match' entry, which unimesh cannot hold",
-                                           backend=self.name, capability="layout")
+                    raise UnsupportedError(
+                        f"{obj} has a 'match' entry, which unimesh cannot hold",
+                        backend=self.name,
+                        capability="layout",
+                    )
                 else:
                     entries.append(s)
             return Layout(self._mesh_from_native(obj.mesh), P(*entries))
         raise ConversionError(
             f"the tensorflow backend converts dtensor.Mesh and dtensor.Layout, not {short(obj)} "
-            f"({type(obj).__module__}.{type(obj).__qualname__})")
+            f"({type(obj).__module__}.{type(obj).__qualname__})"
+        )
 
     def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
         """A DTensor laid out as ``layout``: the tensor is copied to the mesh replicated, then
@@ -192,11 +213,13 @@ class TensorFlowBackend(Backend):
     def native_code(self, mesh: Mesh) -> str:
         """``dtensor.Mesh`` with global ids 0..N-1 over the local devices in unimesh's order."""
         n, flat = mesh.size, mesh.device_ids.ravel().tolist()
-        return ("import numpy as np\nfrom tensorflow.experimental import dtensor\n\n"
-                "# DTensor's global ids are 0..N-1; the device order is the local_devices order\n"
-                f"local = [f\"/job:localhost/replica:0/task:0/device:CPU:{{i}}\" for i in {flat}]\n"
-                f"mesh = dtensor.Mesh({list(mesh.axis_names)}, np.arange({n}).reshape("
-                f"{mesh.shape}), list(range({n})), local)")
+        return (
+            "import numpy as np\nfrom tensorflow.experimental import dtensor\n\n"
+            "# DTensor's global ids are 0..N-1; the device order is the local_devices order\n"
+            f'local = [f"/job:localhost/replica:0/task:0/device:CPU:{{i}}" for i in {flat}]\n'
+            f"mesh = dtensor.Mesh({list(mesh.axis_names)}, np.arange({n}).reshape("
+            f"{mesh.shape}), list(range({n})), local)"
+        )
 
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """``tf.matmul`` with a replicated DTensor weight, relaid out as replicated."""

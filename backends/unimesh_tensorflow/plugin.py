@@ -1,4 +1,5 @@
-"""Entry point of the TensorFlow DTensor backend (group ``unimesh.backends``, name ``tensorflow``)."""
+"""Entry point of the TensorFlow DTensor backend (group ``unimesh.backends``, name
+``tensorflow``)."""
 
 from __future__ import annotations
 

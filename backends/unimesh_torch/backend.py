@@ -110,10 +110,31 @@ class TorchBackend(ProcessBackend):
     framework = "torch"
     extra = "torch"
     native_modules = ("torch", "unimesh_torch")
-    capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes",
-                              "partial", "axis_groups", "multi_process", "shard_map", "grad"})
-    native_primitives = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-                                   "permute", "broadcast", "split"})
+    capabilities = frozenset(
+        {
+            "mesh",
+            "layout",
+            "distribute",
+            "uneven_shards",
+            "tuple_axes",
+            "partial",
+            "axis_groups",
+            "multi_process",
+            "shard_map",
+            "grad",
+        }
+    )
+    native_primitives = frozenset(
+        {
+            "all_reduce",
+            "all_gather",
+            "reduce_scatter",
+            "all_to_all",
+            "permute",
+            "broadcast",
+            "split",
+        }
+    )
     typed = True  # TorchFunctionMode sees every operation: JAX's check_vma gradient rules
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "torch.distributed.device_mesh.DeviceMesh",
@@ -144,14 +165,17 @@ class TorchBackend(ProcessBackend):
             raise MeshMismatchError(
                 "torch.distributed is not initialized: run under torchrun and call "
                 "unimesh.initialize() (or torch.distributed.init_process_group) before "
-                "converting a mesh to torch")
+                "converting a mesh to torch"
+            )
         return dist.get_rank(), dist.get_world_size()
 
     def _device_type(self, device_type: str | None) -> str:
         if device_type is not None:
             if not isinstance(device_type, str) or not device_type:
-                raise UnsupportedError(f"device_type must be a str like 'cpu' or 'cuda', got "
-                                       f"{short(device_type)}", backend=self.name)
+                raise UnsupportedError(
+                    f"device_type must be a str like 'cpu' or 'cuda', got {short(device_type)}",
+                    backend=self.name,
+                )
             return device_type
         torch, dist = _torch(), _dist()
         pg_backend = str(dist.get_backend()).lower()
@@ -184,23 +208,33 @@ class TorchBackend(ProcessBackend):
             f"ranks disagree about the mesh to build: rank {rank} has {text!r}, rank {other} "
             f"has {seen[other]!r}. A DeviceMesh is created by every rank together; to get a "
             "rank's own submesh, convert the whole mesh first and then its submesh "
-            "(unimesh_torch.axis_mesh(mesh, axes))")
+            "(unimesh_torch.axis_mesh(mesh, axes))"
+        )
 
     def launcher(self, processes: int) -> tuple[list[str], dict[str, str]]:
         """torchrun (``python -m torch.distributed.run --standalone``), gloo over loopback."""
         import os
         import sys
 
-        return ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={processes}"],
-                {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")})
+        return (
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={processes}",
+            ],
+            {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")},
+        )
 
     def native_code(self, mesh: Mesh) -> str:
         """``DeviceMesh("cpu", ids, mesh_dim_names=...)``, run by every rank."""
-        return ("import torch\nfrom torch.distributed.device_mesh import DeviceMesh\n\n"
-                "# every rank runs this, after torch.distributed.init_process_group\n"
-                f"mesh = DeviceMesh(\"cpu\", torch.tensor({mesh.device_ids.tolist()}), "
-                f"mesh_dim_names={tuple(mesh.axis_names)})")
+        return (
+            "import torch\nfrom torch.distributed.device_mesh import DeviceMesh\n\n"
+            "# every rank runs this, after torch.distributed.init_process_group\n"
+            f'mesh = DeviceMesh("cpu", torch.tensor({mesh.device_ids.tolist()}), '
+            f"mesh_dim_names={tuple(mesh.axis_names)})"
+        )
 
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """DTensor matmul with a replicated weight, then ``full_tensor()``."""
@@ -208,8 +242,9 @@ class TorchBackend(ProcessBackend):
         from torch.distributed.tensor import Replicate, distribute_tensor
 
         device_mesh = array.device_mesh
-        w = distribute_tensor(torch.from_numpy(weight), device_mesh,
-                              [Replicate()] * device_mesh.ndim)
+        w = distribute_tensor(
+            torch.from_numpy(weight), device_mesh, [Replicate()] * device_mesh.ndim
+        )
         return (array @ w).full_tensor().numpy()
 
     def initialize(self, timeout: float) -> tuple[int, int]:
@@ -229,7 +264,8 @@ class TorchBackend(ProcessBackend):
                     f"the torch backend needs a process group, and the launcher's "
                     f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: run "
                     "under torchrun (torchrun --standalone --nproc-per-node 4 script.py), or "
-                    f"set {', '.join(needed)}")
+                    f"set {', '.join(needed)}"
+                )
             kind = "cpu:gloo,cuda:nccl" if _torch().cuda.is_available() else "gloo"
             try:
                 dist.init_process_group(kind, timeout=timedelta(seconds=timeout))
@@ -239,7 +275,8 @@ class TorchBackend(ProcessBackend):
                     f"torch.distributed.init_process_group({kind!r}) failed for RANK="
                     f"{os.environ['RANK']} of WORLD_SIZE={os.environ['WORLD_SIZE']} at "
                     f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                    f"{timeout:.0f} s (a peer process may be gone): {first}") from exc
+                    f"{timeout:.0f} s (a peer process may be gone): {first}"
+                ) from exc
             import atexit
 
             atexit.register(_finish_process_group)
@@ -261,7 +298,8 @@ class TorchBackend(ProcessBackend):
             _BROKEN["peer_gone"] = True
             raise MeshMismatchError(
                 f"rank {rank} of {world}: a peer process is gone or stuck (it did not take part "
-                f"in the check within {timeout:.0f} s): {first_line(exc)}") from exc
+                f"in the check within {timeout:.0f} s): {first_line(exc)}"
+            ) from exc
         return [bytes.fromhex(t) for t in texts]
 
     def prepare_devices(self, count: int) -> int:
@@ -272,8 +310,7 @@ class TorchBackend(ProcessBackend):
         return self.initialize(1800.0)[1]
 
     # -- meshes --------------------------------------------------------------------------------
-    def mesh_to_native(self, mesh: Mesh, *, device_type: str | None = None,
-                       **options: Any) -> Any:
+    def mesh_to_native(self, mesh: Mesh, *, device_type: str | None = None, **options: Any) -> Any:
         """A ``DeviceMesh`` over the ranks in ``mesh.device_ids``.
 
         A mesh already converted in this process is returned again. A submesh (or a flattened
@@ -288,7 +325,8 @@ class TorchBackend(ProcessBackend):
             raise MeshMismatchError(
                 f"{mesh!r} uses rank {top}, but the torch world has {world} ranks "
                 f"(0..{world - 1}); start at least {top + 1} processes "
-                f"(torchrun --nproc-per-node {top + 1}) or use a smaller mesh")
+                f"(torchrun --nproc-per-node {top + 1}) or use a smaller mesh"
+            )
         dtype = self._device_type(device_type)
         world_group = _dist().group.WORLD
         if world_group is not self._world_group:
@@ -330,7 +368,8 @@ class TorchBackend(ProcessBackend):
             if rank not in target.device_ids:
                 raise MeshMismatchError(
                     f"rank {rank} is not in {target!r}, a submesh of {root!r}: each rank converts "
-                    "the submeshes that contain it (mesh.submesh(axes, containing=rank))")
+                    "the submeshes that contain it (mesh.submesh(axes, containing=rank))"
+                )
             return self._checked(native, axes, flat_name, target, root)
         return None
 
@@ -349,8 +388,9 @@ class TorchBackend(ProcessBackend):
                     return axes
         return None
 
-    def _checked(self, native: Any, axes: tuple[str, ...], flat_name: str | None,
-                 target: Mesh, root: Mesh) -> Any:
+    def _checked(
+        self, native: Any, axes: tuple[str, ...], flat_name: str | None, target: Mesh, root: Mesh
+    ) -> Any:
         torch = _torch()
         order = [root.axis_names.index(a) for a in axes]
         if order != sorted(order):
@@ -358,12 +398,18 @@ class TorchBackend(ProcessBackend):
                 f"torch {torch.__version__} slices a DeviceMesh only with axes in mesh order; "
                 f"{target!r} takes {axes} of {root!r} in another order. Use "
                 f"{tuple(sorted(axes, key=root.axis_names.index))} (or transpose the whole mesh "
-                "first and convert that)", backend=self.name, capability="mesh")
+                "first and convert that)",
+                backend=self.name,
+                capability="mesh",
+            )
         sub = native[axes]
         if flat_name is not None:
             if not hasattr(sub, "_flatten"):  # pragma: no cover - torch < 2.6
-                raise UnsupportedError(f"torch {torch.__version__} cannot flatten mesh dims",
-                                       backend=self.name, capability="mesh")
+                raise UnsupportedError(
+                    f"torch {torch.__version__} cannot flatten mesh dims",
+                    backend=self.name,
+                    capability="mesh",
+                )
             sub = sub._flatten(flat_name)
         got = self.mesh_from_native(sub)
         if got != target:  # pragma: no cover - would be a torch change; never hand it out
@@ -372,7 +418,8 @@ class TorchBackend(ProcessBackend):
 
     def mesh_from_native(self, device_mesh: Any) -> Mesh:
         names = device_mesh.mesh_dim_names or tuple(
-            f"dim_{i}" for i in range(device_mesh.mesh.ndim))
+            f"dim_{i}" for i in range(device_mesh.mesh.ndim)
+        )
         ids = device_mesh.mesh.detach().cpu().numpy()
         return Mesh(ids.shape, tuple(names), ids)
 
@@ -386,16 +433,20 @@ class TorchBackend(ProcessBackend):
                 "and torch orders a group's ranks by global rank, not by mesh coordinate; the "
                 "shards would silently differ from the reference. Use a device order that "
                 "increases along the sharded axes, or replicate over that axis",
-                backend=self.name, capability="layout")
+                backend=self.name,
+                capability="layout",
+            )
 
-    def layout_to_native(self, layout: Layout, *, device_type: str | None = None,
-                         **options: Any) -> TorchLayout:
+    def layout_to_native(
+        self, layout: Layout, *, device_type: str | None = None, **options: Any
+    ) -> TorchLayout:
         """``TorchLayout(device_mesh, placements, ndim)``: the DTensor placements of the
         layout (``Shard``, ``_StridedShard``, ``Replicate``, ``Partial``)."""
         self._check_order(layout)
         native_mesh = self.mesh_to_native(layout.mesh, device_type=device_type, **options)
-        return TorchLayout(native_mesh, tuple(_to_torch(p) for p in layout.placements()),
-                           len(layout.spec))
+        return TorchLayout(
+            native_mesh, tuple(_to_torch(p) for p in layout.placements()), len(layout.spec)
+        )
 
     def from_native(self, obj: Any) -> Any:
         from torch.distributed.device_mesh import DeviceMesh
@@ -403,19 +454,33 @@ class TorchBackend(ProcessBackend):
         if isinstance(obj, DeviceMesh):
             return self.mesh_from_native(obj)
         if isinstance(obj, TorchLayout):
-            return Layout.from_placements(self.mesh_from_native(obj.device_mesh),
-                                          [_from_torch(p) for p in obj.placements], obj.ndim)
+            return Layout.from_placements(
+                self.mesh_from_native(obj.device_mesh),
+                [_from_torch(p) for p in obj.placements],
+                obj.ndim,
+            )
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):
-            return Layout.from_placements(self.mesh_from_native(obj.device_mesh),
-                                          [_from_torch(p) for p in obj.placements], obj.ndim)
+            return Layout.from_placements(
+                self.mesh_from_native(obj.device_mesh),
+                [_from_torch(p) for p in obj.placements],
+                obj.ndim,
+            )
         raise ConversionError(
             f"the torch backend converts DeviceMesh, DTensor and TorchLayout, not {short(obj)} "
-            f"({type(obj).__module__}.{type(obj).__qualname__})")
+            f"({type(obj).__module__}.{type(obj).__qualname__})"
+        )
 
-    def distribute(self, array: Any, layout: Layout, *, device_type: str | None = None,
-                   src_data_rank: int | None = 0, **options: Any) -> Any:
+    def distribute(
+        self,
+        array: Any,
+        layout: Layout,
+        *,
+        device_type: str | None = None,
+        src_data_rank: int | None = 0,
+        **options: Any,
+    ) -> Any:
         """A DTensor (``torch.distributed.tensor.distribute_tensor``) whose local tensor on each
         rank is the reference block ``layout.shard_slices(shape, rank)``."""
         torch = _torch()
@@ -425,9 +490,12 @@ class TorchBackend(ProcessBackend):
             raise UnsupportedError(
                 f"distribute() of a partial layout {layout.spec!r}: DTensor builds pending "
                 "reductions only from computations; distribute the replicated value and "
-                "compute the partial result", backend=self.name, capability="partial")
+                "compute the partial result",
+                backend=self.name,
+                capability="partial",
+            )
         shape = tuple(array.shape)
-        for d, p in enumerate(layout.placements()):
+        for _d, p in enumerate(layout.placements()):
             if isinstance(p, StridedShard):
                 entry = layout.spec[p.dim]
                 assert isinstance(entry, tuple)
@@ -438,12 +506,15 @@ class TorchBackend(ProcessBackend):
                         f"mesh order) into {parts} uneven parts: torch's _StridedShard does not "
                         "give the reference blocks there (its offsets overlap). Pad the dim to a "
                         f"multiple of {parts}, or list the axes in mesh order",
-                        backend=self.name, capability="uneven_shards")
+                        backend=self.name,
+                        capability="uneven_shards",
+                    )
         native = self.layout_to_native(layout, device_type=device_type, **options)
         from torch.distributed.tensor import distribute_tensor
 
-        return distribute_tensor(array, native.device_mesh, list(native.placements),
-                                 src_data_rank=src_data_rank)
+        return distribute_tensor(
+            array, native.device_mesh, list(native.placements), src_data_rank=src_data_rank
+        )
 
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         """``{rank: ranks of the process group along axis}`` (torch's order: by global rank)."""
@@ -458,7 +529,6 @@ class TorchBackend(ProcessBackend):
         if array.device_mesh.get_coordinate() is None:
             return {}
         return {_dist().get_rank(): array.to_local().detach().cpu().numpy()}
-
 
     # -- programs: the core's per-process engine on gloo/NCCL process groups -----------------------
     def process_index(self) -> int:
@@ -505,8 +575,9 @@ class TorchBackend(ProcessBackend):
         flat = x.contiguous().reshape(-1)
         out = torch.empty(flat.numel() // group.size, dtype=x.dtype, device=x.device)
         dist = _dist()  # reduce_scatter_tensor is deprecated from torch 2.13 on
-        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, flat,
-                                                                           group=group.pg)
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(
+            out, flat, group=group.pg
+        )
         return out.reshape(tuple(x.shape[1:]))
 
     def group_all_to_all(self, x: Any, group: Any) -> Any:
@@ -531,10 +602,14 @@ class TorchBackend(ProcessBackend):
             return x.detach().clone()
         ops = []
         if dest is not None:
-            ops.append(dist.P2POp(dist.isend, x.detach().contiguous(), group.members[dest],
-                                  group.pg))
-        out = torch.empty_like(x, memory_format=torch.contiguous_format) if src is not None \
+            ops.append(
+                dist.P2POp(dist.isend, x.detach().contiguous(), group.members[dest], group.pg)
+            )
+        out = (
+            torch.empty_like(x, memory_format=torch.contiguous_format)
+            if src is not None
             else torch.zeros_like(x)
+        )
         if src is not None:
             ops.append(dist.P2POp(dist.irecv, out, group.members[src], group.pg))
         for work in dist.batch_isend_irecv(ops) if ops else ():
@@ -597,8 +672,9 @@ class TorchBackend(ProcessBackend):
 
         if isinstance(arg, DTensor):
             native = self._native_layout(layout)
-            if arg.device_mesh is native.device_mesh and \
-                    tuple(arg.placements) == native.placements:  # the usual case, no conversions
+            if (
+                arg.device_mesh is native.device_mesh and tuple(arg.placements) == native.placements
+            ):  # the usual case, no conversions
                 leaf = getattr(arg, _LEAF, None)
                 if leaf is not None:  # a parameter value_and_grad differentiates
                     return leaf, False
@@ -608,8 +684,10 @@ class TorchBackend(ProcessBackend):
                 return local.view_as(local), False  # object (the engine tags it)
             have = self.from_native(arg)
             if have.mesh != layout.mesh:
-                raise ConversionError(f"a shard_map argument is a DTensor on {have.mesh!r}, not "
-                                      f"on the shard_map's {layout.mesh!r}")
+                raise ConversionError(
+                    f"a shard_map argument is a DTensor on {have.mesh!r}, not "
+                    f"on the shard_map's {layout.mesh!r}"
+                )
             if have != layout:
                 arg = arg.redistribute(native.device_mesh, list(native.placements))
             return arg.to_local(), False
@@ -629,10 +707,12 @@ class TorchBackend(ProcessBackend):
         if spec is None:
             from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-            stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+            stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
             spec = self._specs[key] = DTensorSpec(
-                native.device_mesh, tuple(native.placements),
-                tensor_meta=TensorMeta(torch.Size(shape), stride, block.dtype))
+                native.device_mesh,
+                tuple(native.placements),
+                tensor_meta=TensorMeta(torch.Size(shape), stride, block.dtype),
+            )
         if block.requires_grad and torch.is_grad_enabled():
             out = _from_local_function().apply(block, spec)
         else:
@@ -688,9 +768,12 @@ class TorchBackend(ProcessBackend):
             trees = []
             for i in argnums:
                 flat, treedef = optree.tree_flatten(args[i])
-                fresh = [fresh_leaf(leaf) if torch.is_tensor(leaf) and (
-                    leaf.is_floating_point() or leaf.is_complex()) else (leaf, False)
-                    for leaf in flat]
+                fresh = [
+                    fresh_leaf(leaf)
+                    if torch.is_tensor(leaf) and (leaf.is_floating_point() or leaf.is_complex())
+                    else (leaf, False)
+                    for leaf in flat
+                ]
                 trees.append((treedef, fresh))
                 for copy, block in fresh:
                     if block is not False:
@@ -709,7 +792,8 @@ class TorchBackend(ProcessBackend):
                 if not torch.is_tensor(scalar) or scalar.numel() != 1:
                     raise ConversionError(
                         f"value_and_grad needs {getattr(fn, '__name__', 'fn')} to return a "
-                        f"scalar, got {short(value)}")
+                        f"scalar, got {short(value)}"
+                    )
                 found = torch.autograd.grad(scalar.reshape(()), leaves, allow_unused=True)
             by_id = {id(leaf): g for leaf, g in zip(leaves, found)}
 
@@ -725,8 +809,10 @@ class TorchBackend(ProcessBackend):
                     whole = part if whole is None else whole + part
                 return torch.zeros_like(copy) if whole is None else whole
 
-            grads = tuple(optree.tree_unflatten(treedef, [grad_of(c, b) for c, b in fresh])
-                          for treedef, fresh in trees)
+            grads = tuple(
+                optree.tree_unflatten(treedef, [grad_of(c, b) for c, b in fresh])
+                for treedef, fresh in trees
+            )
             value = value.detach()
             return ((value, aux) if has_aux else value), grads
 
@@ -746,8 +832,9 @@ class TorchBackend(ProcessBackend):
         tied). In place; returns the module."""
         torch = _torch()
         if not isinstance(model, torch.nn.Module):
-            raise ConversionError(f"the torch backend shards the parameters of an nn.Module, "
-                                  f"not {short(model)}")
+            raise ConversionError(
+                f"the torch backend shards the parameters of an nn.Module, not {short(model)}"
+            )
         new: dict[int, Any] = {}
         for path, param in model.named_parameters():
             layout = resolve(path, tuple(param.shape))
@@ -773,8 +860,9 @@ class _TorchGroup:
         self.size = len(members)
         self.ranks = tuple(int(r) for r in _dist().get_process_group_ranks(pg))
         if sorted(self.ranks) != sorted(members):  # pragma: no cover - a torch change
-            raise MeshMismatchError(f"torch's group has ranks {self.ranks}, unimesh expects "
-                                    f"{members}")
+            raise MeshMismatchError(
+                f"torch's group has ranks {self.ranks}, unimesh expects {members}"
+            )
         self.rank = int(_dist().get_rank())
         if self.ranks == members:
             self.order: list[int] | None = None
@@ -834,8 +922,9 @@ def _vma_mode() -> Any:
                 return type(v)(self.lift(u, vma) for u in v)
             return v
 
-        def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             acc: list[Any] = [_NONE, None, False, False]
             scan(args, acc)
             if kwargs:
@@ -861,8 +950,11 @@ def _vma_mode() -> Any:
     return VmaMode
 
 
-_OPS = {"sum": lambda: _dist().ReduceOp.SUM, "max": lambda: _dist().ReduceOp.MAX,
-        "min": lambda: _dist().ReduceOp.MIN}
+_OPS = {
+    "sum": lambda: _dist().ReduceOp.SUM,
+    "max": lambda: _dist().ReduceOp.MAX,
+    "min": lambda: _dist().ReduceOp.MIN,
+}
 _VJP: list[Any] = []
 
 
@@ -915,8 +1007,7 @@ def _from_local_function() -> Any:
             @staticmethod
             def backward(ctx: Any, ct: Any) -> Any:
                 if isinstance(ct, DTensor):
-                    want = tuple(Replicate() if p.is_partial() else p
-                                 for p in ctx.spec.placements)
+                    want = tuple(Replicate() if p.is_partial() else p for p in ctx.spec.placements)
                     if tuple(ct.placements) != want:
                         ct = ct.redistribute(ctx.spec.mesh, want)
                     ct = ct.to_local()
@@ -956,12 +1047,16 @@ def _from_torch(p: Any) -> Any:
     if isinstance(p, TPartial):
         op = str(p.reduce_op)
         if op not in _REDUCE_OPS:
-            raise UnsupportedError(f"DTensor placement {p!r} reduces with {op!r}, which has no "
-                                   f"unimesh form; unimesh knows {_REDUCE_OPS}",
-                                   backend="torch", capability="partial")
+            raise UnsupportedError(
+                f"DTensor placement {p!r} reduces with {op!r}, which has no "
+                f"unimesh form; unimesh knows {_REDUCE_OPS}",
+                backend="torch",
+                capability="partial",
+            )
         return Partial(op)
-    raise UnsupportedError(f"DTensor placement {p!r} has no unimesh form", backend="torch",
-                           capability="layout")
+    raise UnsupportedError(
+        f"DTensor placement {p!r} has no unimesh form", backend="torch", capability="layout"
+    )
 
 
 def axis_mesh(mesh: Mesh, axes: str | tuple[str, ...], *, device_type: str | None = None) -> Any:

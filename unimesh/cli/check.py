@@ -74,11 +74,23 @@ class Run:
         return self.returncode == 0 and not self.failed and self.reports == self.processes
 
 
-def _command(backend: Any, processes: int, progress: Path) -> tuple[list[str], dict[str, str],
-                                                                    int, str]:
-    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--color=no", "--pyargs",
-            "unimesh.conformance", "--unimesh-backend", backend.name,
-            "--unimesh-progress", str(progress)]
+def _command(
+    backend: Any, processes: int, progress: Path
+) -> tuple[list[str], dict[str, str], int, str]:
+    args = [
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--color=no",
+        "--pyargs",
+        "unimesh.conformance",
+        "--unimesh-backend",
+        backend.name,
+        "--unimesh-progress",
+        str(progress),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("UNIMESH_CONFORMANCE_BACKENDS",)}
     env.setdefault("OMP_NUM_THREADS", "1")
     launch = backend.launcher(processes)
@@ -103,15 +115,18 @@ def run_suite(name: str, processes: int, timeout: float, tick: Any = None) -> Ru
         log = Path(tmp) / "output.txt"
         t0 = time.perf_counter()
         with open(log, "w") as out, open(progress) as feed:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True
+            )
             try:
                 while proc.poll() is None:
                     if time.perf_counter() - t0 > timeout:
                         os.killpg(proc.pid, signal.SIGKILL)
                         proc.wait()
-                        run.failed.setdefault("(timeout)", f"the suite did not finish within "
-                                                           f"{timeout:.0f} s and was killed")
+                        run.failed.setdefault(
+                            "(timeout)",
+                            f"the suite did not finish within {timeout:.0f} s and was killed",
+                        )
                         break
                     run.read(feed.readlines())
                     if tick is not None:
@@ -131,8 +146,13 @@ def run_suite(name: str, processes: int, timeout: float, tick: Any = None) -> Ru
     return run
 
 
-def check(names: list[str], processes: int = 4, timeout: float = 900.0,
-          json_path: str | None = None, markdown_path: str | None = None) -> int:
+def check(
+    names: list[str],
+    processes: int = 4,
+    timeout: float = 900.0,
+    json_path: str | None = None,
+    markdown_path: str | None = None,
+) -> int:
     """The ``unimesh check`` command: 0 when every chosen backend passes, 1 otherwise."""
     from rich.console import Console
     from rich.markup import escape
@@ -148,8 +168,9 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
             (names if load_backend(name).available() else missing).append(name)
     if not names:
         hints = "; ".join(load_backend(n).install_hint() for n in missing)
-        raise UnimeshError("no installed backend has its framework installed"
-                           + (f": {hints}" if hints else ""))
+        raise UnimeshError(
+            "no installed backend has its framework installed" + (f": {hints}" if hints else "")
+        )
     for name in names:
         load_backend(name)  # not installed: a clear error with the close matches
         get_backend(name)  # unusable (framework missing): its own clear error, before any run
@@ -159,16 +180,23 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
     if not console.is_terminal:
         console = Console(width=max(console.width, 110))
     runs: list[Run] = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TextColumn("{task.fields[note]}"), console=console,
-                  transient=not console.is_terminal) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[note]}"),
+        console=console,
+        transient=not console.is_terminal,
+    ) as bar:
         for name in names:
             task = bar.add_task(f"{name:<12}", total=None, note="starting")
 
             def tick(run: Run, task: Any = task) -> None:
                 bad = f"[red]{len(run.failed)} failed[/red]" if run.failed else ""
-                bar.update(task, total=run.total or None, completed=run.completed,
-                           note=f"{run.how} {bad}")
+                bar.update(
+                    task, total=run.total or None, completed=run.completed, note=f"{run.how} {bad}"
+                )
 
             runs.append(run_suite(name, processes, timeout, tick))
     console.print(matrix_table(runs))
@@ -178,15 +206,21 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
             for why in cell.notes():
                 console.print(escape(f"{run.backend}, {cap}: {why}"[:300]))
     for name in missing:
-        console.print(escape(f"{name}: not checked, its framework is not installed "
-                             f"({load_backend(name).install_hint()})"))
+        console.print(
+            escape(
+                f"{name}: not checked, its framework is not installed "
+                f"({load_backend(name).install_hint()})"
+            )
+        )
     failures = 0
     for run in runs:
         if run.ok:
             continue
         failures += 1
-        console.print(f"[bold red]{run.backend}: the suite failed[/] (exit {run.returncode}, "
-                      f"{run.reports} of {run.processes} processes reported)")
+        console.print(
+            f"[bold red]{run.backend}: the suite failed[/] (exit {run.returncode}, "
+            f"{run.reports} of {run.processes} processes reported)"
+        )
         for test, why in run.failed.items():
             console.print(f"  FAILED {escape(test)}: {escape(why)}")
         if not run.failed:
@@ -198,8 +232,13 @@ def check(names: list[str], processes: int = 4, timeout: float = 900.0,
     return 1 if failures else 0
 
 
-_STYLE = {"pass": "green", "fail": "bold red", "refused": "yellow", "skipped": "yellow",
-          "not declared": "dim"}
+_STYLE = {
+    "pass": "green",
+    "fail": "bold red",
+    "refused": "yellow",
+    "skipped": "yellow",
+    "not declared": "dim",
+}
 
 
 def matrix_table(runs: list[Run]) -> Any:
@@ -233,17 +272,25 @@ def report(runs: list[Run]) -> dict[str, Any]:
     from ..registry import get_backend
 
     return {
-        "run": {"command": "unimesh check " + " ".join(r.backend for r in runs),
-                "machine": f"{platform.system()} {platform.machine()}, "
-                           f"{os.cpu_count()} cores, Python {platform.python_version()}",
-                "date": time.strftime("%Y-%m-%d"), "unimesh": __version__},
-        "backends": {r.backend: {"processes": r.how, "ok": r.ok,
-                                 "framework": f"{get_backend(r.backend).framework} "
-                                              f"{get_backend(r.backend).framework_version()}",
-                                 "seconds": round(r.seconds, 1),
-                                 "matrix": {c: cell.verdict for c, cell in r.matrix().items()},
-                                 "cells": {c: cell.to_json() for c, cell in r.matrix().items()}}
-                     for r in runs},
+        "run": {
+            "command": "unimesh check " + " ".join(r.backend for r in runs),
+            "machine": f"{platform.system()} {platform.machine()}, "
+            f"{os.cpu_count()} cores, Python {platform.python_version()}",
+            "date": time.strftime("%Y-%m-%d"),
+            "unimesh": __version__,
+        },
+        "backends": {
+            r.backend: {
+                "processes": r.how,
+                "ok": r.ok,
+                "framework": f"{get_backend(r.backend).framework} "
+                f"{get_backend(r.backend).framework_version()}",
+                "seconds": round(r.seconds, 1),
+                "matrix": {c: cell.verdict for c, cell in r.matrix().items()},
+                "cells": {c: cell.to_json() for c, cell in r.matrix().items()},
+            }
+            for r in runs
+        },
     }
 
 

@@ -10,6 +10,7 @@ one process per device runs :func:`trial` in every process of its launcher
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -60,11 +61,19 @@ def trial(backend: Backend, mesh: Mesh) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"}
     ok_shards = bool(shards) and all(
         np.array_equal(np.asarray(block), x[layout.shard_slices(x.shape, d)])
-        for d, block in shards.items())
-    ok_result = None if result is None else bool(
-        np.allclose(np.asarray(result), x @ w, rtol=1e-5, atol=1e-4))
-    return {"native": type(native_mesh).__name__, "shards": ok_shards, "count": len(shards),
-            "result": ok_result}
+        for d, block in shards.items()
+    )
+    ok_result = (
+        None
+        if result is None
+        else bool(np.allclose(np.asarray(result), x @ w, rtol=1e-5, atol=1e-4))
+    )
+    return {
+        "native": type(native_mesh).__name__,
+        "shards": ok_shards,
+        "count": len(shards),
+        "result": ok_result,
+    }
 
 
 def _mark(ok: bool | None) -> str:
@@ -97,8 +106,13 @@ def _cells(name: str, report: dict[str, Any], how: str, ms: float) -> tuple[str,
     if "error" in report:
         kind, _, text = report["error"].partition(": ")
         return (name, f"[yellow]{escape(kind)}[/yellow]", "-", "-", escape(text[:70]))
-    return (name, f"{report['native']}, {how}", _mark(report["shards"]), _mark(report["result"]),
-            f"{ms:.0f} ms" + (" incl. launch" if "ranks" in how else ""))
+    return (
+        name,
+        f"{report['native']}, {how}",
+        _mark(report["shards"]),
+        _mark(report["result"]),
+        f"{ms:.0f} ms" + (" incl. launch" if "ranks" in how else ""),
+    )
 
 
 def _in_process_row(backend: Backend, mesh: Mesh) -> tuple[str, ...]:
@@ -120,8 +134,14 @@ def _launched_row(backend: Backend, spec: str, size: int) -> tuple[str, ...]:
     cmd = [*prefix, "-m", "unimesh.cli.demo_worker", name, spec]
     how = backend.launcher_name or os.path.basename(prefix[0])
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -129,17 +149,24 @@ def _launched_row(backend: Backend, spec: str, size: int) -> tuple[str, ...]:
         proc.communicate()
         return (name, "[red]launcher timed out[/red]", "-", "-", f"> {LAUNCH_TIMEOUT:.0f} s")
     ms = (time.perf_counter() - t0) * 1e3
-    reports = [json.loads(line[len("UNIMESH_DEMO "):]) for line in out.splitlines()
-               if line.startswith("UNIMESH_DEMO ")]
+    reports = [
+        json.loads(line[len("UNIMESH_DEMO ") :])
+        for line in out.splitlines()
+        if line.startswith("UNIMESH_DEMO ")
+    ]
     if proc.returncode != 0 or len(reports) != size:
         tail = out.strip().splitlines()[-1] if out.strip() else f"exit {proc.returncode}"
         return (name, "[red]launcher failed[/red]", "-", "-", escape(tail[:70]))
     errors = [r for r in reports if "error" in r]
     if errors:
         return _cells(name, errors[0], "", ms)
-    merged = {"native": reports[0]["native"], "shards": all(r["shards"] for r in reports),
-              "result": None if any(r["result"] is None for r in reports)
-              else all(r["result"] for r in reports)}
+    merged = {
+        "native": reports[0]["native"],
+        "shards": all(r["shards"] for r in reports),
+        "result": None
+        if any(r["result"] is None for r in reports)
+        else all(r["result"] for r in reports),
+    }
     return _cells(name, merged, f"{size} ranks ({how})", ms)
 
 
@@ -157,17 +184,22 @@ def demo(args: argparse.Namespace) -> int:
     mesh = Mesh.from_string(args.mesh)
     layout, x, _ = demo_problem(mesh)
     installed = backends()
-    chosen = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends \
-        else installed
+    chosen = (
+        [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else installed
+    )
     for name in chosen:
         if name not in installed:
             near = get_close_matches(name, installed, n=1)
             raise BackendNotFoundError(
-                f"no backend named {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
-                + f"; installed backends: {', '.join(installed) or 'none'}")
+                f"no backend named {name!r}"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+                + f"; installed backends: {', '.join(installed) or 'none'}"
+            )
 
-    console.print(f"[bold]mesh[/bold] {mesh!r}   [bold]layout[/bold] {layout.spec!r}   "
-                  f"[bold]tensor[/bold] {x.shape}")
+    console.print(
+        f"[bold]mesh[/bold] {mesh!r}   [bold]layout[/bold] {layout.spec!r}   "
+        f"[bold]tensor[/bold] {x.shape}"
+    )
     grid = Table(title="device ids", show_header=True)
     names = mesh.axis_names
     flat = mesh.device_ids.reshape(mesh.shape[0], -1)
@@ -182,21 +214,29 @@ def demo(args: argparse.Namespace) -> int:
     table = Table(title="one mesh, every backend")
     for col in ("backend", "native object", "shards vs reference", "result vs numpy", "time"):
         table.add_column(col)
-    table.add_row("reference (numpy)", f"{count} blocks", _mark(ok_tiles), _mark(ok_matmul),
-                  f"{ref_ms:.1f} ms")
+    table.add_row(
+        "reference (numpy)",
+        f"{count} blocks",
+        _mark(ok_tiles),
+        _mark(ok_matmul),
+        f"{ref_ms:.1f} ms",
+    )
     failures = 0 if ok_tiles and ok_matmul else 1
     plugins = {name: load_backend(name) for name in chosen}
     launched = {name for name, be in plugins.items() if be.launcher(mesh.size) is not None}
     for name, be in plugins.items():  # in-process frameworks hear how many devices, first
         if name not in launched and be.available():
-            try:
+            with contextlib.suppress(ImportError, UnimeshError):  # its row says what is missing
                 be.prepare_devices(max(8, mesh.size))
-            except (ImportError, UnimeshError):
-                pass  # its row reports what is missing
     for name, be in plugins.items():
         if not be.available():
-            table.add_row(name, f"[dim]{be.framework} not installed[/dim]", "-", "-",
-                          escape(be.install_hint()))
+            table.add_row(
+                name,
+                f"[dim]{be.framework} not installed[/dim]",
+                "-",
+                "-",
+                escape(be.install_hint()),
+            )
             continue
         if name in launched:
             cells = _launched_row(get_backend(name), args.mesh, mesh.size)

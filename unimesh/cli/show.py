@@ -28,8 +28,9 @@ def parse_shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise LayoutError(f"--shape must be sizes separated by commas, like 8,4; got "
-                          f"{short(text)}") from None
+        raise LayoutError(
+            f"--shape must be sizes separated by commas, like 8,4; got {short(text)}"
+        ) from None
     if any(n < 0 for n in shape):
         raise LayoutError(f"--shape sizes must be >= 0, got {short(text)}")
     return shape
@@ -40,16 +41,20 @@ def _process(mesh: Mesh, device: int) -> int | None:
     return None if dpp is None else device // dpp
 
 
-def describe(mesh: Mesh, layout: Layout | None = None,
-             shape: tuple[int, ...] | None = None) -> dict[str, Any]:
+def describe(
+    mesh: Mesh, layout: Layout | None = None, shape: tuple[int, ...] | None = None
+) -> dict[str, Any]:
     """The JSON form: the mesh (its dict form), each device's coordinate and process, and with a
     layout and a shape, each device's block as ``[start, stop]`` pairs."""
     if layout is not None and shape is None:
         raise LayoutError("a layout needs the tensor's shape too (--shape 8,4)")
     devices = []
     for device in mesh.device_ids.ravel().tolist():
-        entry: dict[str, Any] = {"id": device, "coords": mesh.coords(device),
-                                 "process": _process(mesh, device)}
+        entry: dict[str, Any] = {
+            "id": device,
+            "coords": mesh.coords(device),
+            "process": _process(mesh, device),
+        }
         if layout is not None and shape is not None:
             entry["block"] = [[s.start, s.stop] for s in layout.shard_slices(shape, device)]
         devices.append(entry)
@@ -83,7 +88,7 @@ def _tables(mesh: Mesh, layout: Layout | None, shape: tuple[int, ...] | None) ->
         row_name, col_name = names[-2], names[-1]
     lead = ids.shape[:-2] if ids.ndim > 2 else ()
     tables = []
-    for index in (list(_product(lead)) if lead else [()]):
+    for index in list(_product(lead)) if lead else [()]:
         grid = ids[index] if index else ids
         title = ", ".join(f"{n}={i}" for n, i in zip(names, index)) or None
         table = Table(title=title, show_lines=True)
@@ -128,17 +133,23 @@ def _tensor_table(layout: Layout, shape: tuple[int, ...]) -> Any:
     return table
 
 
-def draw(mesh: Mesh, layout: Layout | None = None, shape: tuple[int, ...] | None = None,
-         console: Any = None) -> None:
+def draw(
+    mesh: Mesh,
+    layout: Layout | None = None,
+    shape: tuple[int, ...] | None = None,
+    console: Any = None,
+) -> None:
     """Print the mesh grid(s), and with a layout the tensor's blocks, with rich."""
     from rich.console import Console
 
     if layout is not None and shape is None:
         raise LayoutError("a layout needs the tensor's shape too (--shape 8,4)")
     console = console or Console()
-    console.print(f"[bold]{mesh!r}[/bold]  ({mesh.size} devices"
-                  + (f", {mesh.devices_per_process} per process" if mesh.devices_per_process
-                     else "") + ")")
+    console.print(
+        f"[bold]{mesh!r}[/bold]  ({mesh.size} devices"
+        + (f", {mesh.devices_per_process} per process" if mesh.devices_per_process else "")
+        + ")"
+    )
     for table in _tables(mesh, layout, shape):
         console.print(table)
     if layout is not None and shape is not None:
@@ -147,8 +158,9 @@ def draw(mesh: Mesh, layout: Layout | None = None, shape: tuple[int, ...] | None
         console.print(_tensor_table(layout, shape))
 
 
-def check_layout_args(mesh: Mesh, spec: str | None, shape: str | None
-                      ) -> tuple[Layout | None, tuple[int, ...] | None]:
+def check_layout_args(
+    mesh: Mesh, spec: str | None, shape: str | None
+) -> tuple[Layout | None, tuple[int, ...] | None]:
     """The layout and shape from ``--layout`` / ``--shape`` (both or neither)."""
     if spec is None and shape is None:
         return None, None
@@ -159,7 +171,8 @@ def check_layout_args(mesh: Mesh, spec: str | None, shape: str | None
         raise LayoutError("--layout needs --shape (the tensor's sizes, like 8,4)")
     dims = parse_shape(shape)
     if len(dims) < len(layout.spec):
-        raise LayoutError(f"--shape {shape} has {len(dims)} dims, but the layout "
-                          f"{layout.spec!r} names {len(layout.spec)}")
+        raise LayoutError(
+            f"--shape {shape} has {len(dims)} dims, but the layout "
+            f"{layout.spec!r} names {len(layout.spec)}"
+        )
     return layout, dims
-

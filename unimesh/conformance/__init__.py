@@ -15,5 +15,15 @@ entry point and stays inert unless the suite is asked for.
 """
 
 #: The capabilities the suite exercises, in matrix order.
-CHECKED = ("mesh", "layout", "tuple_axes", "partial", "distribute", "uneven_shards", "layout_map",
-           "axis_groups", "shard_map", "grad")
+CHECKED = (
+    "mesh",
+    "layout",
+    "tuple_axes",
+    "partial",
+    "distribute",
+    "uneven_shards",
+    "layout_map",
+    "axis_groups",
+    "shard_map",
+    "grad",
+)

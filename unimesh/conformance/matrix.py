@@ -107,13 +107,20 @@ class Cell:
         return v
 
     def to_json(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, **self.counts, "reasons": list(self.reasons),
-                "skips": list(self.skips)}
+        return {
+            "verdict": self.verdict,
+            **self.counts,
+            "reasons": list(self.reasons),
+            "skips": list(self.skips),
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Cell:
-        return cls({k: int(data.get(k, 0)) for k in OUTCOMES}, list(data.get("reasons", [])),
-                   list(data.get("skips", [])))
+        return cls(
+            {k: int(data.get(k, 0)) for k in OUTCOMES},
+            list(data.get("reasons", [])),
+            list(data.get("skips", [])),
+        )
 
 
 def merge(cases: Iterable[Case]) -> dict[str, dict[str, Cell]]:
@@ -140,8 +147,9 @@ def merge(cases: Iterable[Case]) -> dict[str, dict[str, Cell]]:
 def text_rows(columns: Mapping[str, Mapping[str, Cell]]) -> list[tuple[str, list[str]]]:
     """(capability, a cell summary per column) in :data:`CHECKED` order: what every rendering
     of the matrix (terminal, rich, Markdown) shows."""
-    return [(cap, [m[cap].summary() if cap in m else "-" for m in columns.values()])
-            for cap in CHECKED]
+    return [
+        (cap, [m[cap].summary() if cap in m else "-" for m in columns.values()]) for cap in CHECKED
+    ]
 
 
 def verdict_legend() -> str:
@@ -156,8 +164,13 @@ def markdown(columns: Mapping[str, Mapping[str, Cell]]) -> str:
     for cap, cells in text_rows(columns):
         lines.append(f"| {cap} | " + " | ".join(cells) + " |")
     lines += ["", f"Counts are cases. {verdict_legend()}."]
-    notes = [(title, cap, why) for title, m in columns.items() for cap in CHECKED
-             if cap in m for why in m[cap].notes()]
+    notes = [
+        (title, cap, why)
+        for title, m in columns.items()
+        for cap in CHECKED
+        if cap in m
+        for why in m[cap].notes()
+    ]
     if notes:
         lines.append("")
         for title, cap, why in notes:

@@ -18,27 +18,46 @@ ENV = "UNIMESH_CONFORMANCE_BACKENDS"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("unimesh", "unimesh conformance suite")
-    group.addoption("--unimesh-backend", action="append", default=[], metavar="NAME",
-                    help="backend to check (repeatable; 'all' = every installed backend); "
-                         f"also the {ENV} environment variable")
-    group.addoption("--unimesh-matrix-json", metavar="PATH", default=None,
-                    help="write the capability matrix as JSON here")
-    group.addoption("--unimesh-matrix-md", metavar="PATH", default=None,
-                    help="write the capability matrix as Markdown here")
-    group.addoption("--unimesh-progress", metavar="PATH", default=None,
-                    help="append one line per finished test to PATH (for unimesh check)")
+    group.addoption(
+        "--unimesh-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="backend to check (repeatable; 'all' = every installed backend); "
+        f"also the {ENV} environment variable",
+    )
+    group.addoption(
+        "--unimesh-matrix-json",
+        metavar="PATH",
+        default=None,
+        help="write the capability matrix as JSON here",
+    )
+    group.addoption(
+        "--unimesh-matrix-md",
+        metavar="PATH",
+        default=None,
+        help="write the capability matrix as Markdown here",
+    )
+    group.addoption(
+        "--unimesh-progress",
+        metavar="PATH",
+        default=None,
+        help="append one line per finished test to PATH (for unimesh check)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     _config["config"] = config
-    config.addinivalue_line("markers", "unimesh_capability(name): the capability a conformance "
-                                       "test exercises")
+    config.addinivalue_line(
+        "markers", "unimesh_capability(name): the capability a conformance test exercises"
+    )
 
 
 def selected_backends(config: pytest.Config) -> list[str]:
     names: list[str] = []
     for item in list(config.getoption("--unimesh-backend")) + [
-            n for n in os.environ.get(ENV, "").split(",") if n.strip()]:
+        n for n in os.environ.get(ENV, "").split(",") if n.strip()
+    ]:
         names.extend(n.strip() for n in item.split(",") if n.strip())
     if "all" in names:
         import unimesh
@@ -52,7 +71,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         names = selected_backends(metafunc.config)
         if not names:
             raise pytest.UsageError(
-                f"the unimesh conformance suite needs a backend: --unimesh-backend NAME (or {ENV})")
+                f"the unimesh conformance suite needs a backend: --unimesh-backend NAME (or {ENV})"
+            )
         metafunc.parametrize("backend_name", names, scope="session")
 
 
@@ -80,8 +100,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         return
     if report.failed:
         message = str(report.longrepr).strip().splitlines()
-        _report(config, "failed", {"test": report.nodeid,
-                                   "why": message[-1][:300] if message else ""})
+        _report(
+            config, "failed", {"test": report.nodeid, "why": message[-1][:300] if message else ""}
+        )
     if report.when == "teardown":
         _progress["done"] += 1
         _report(config, "done", _progress["done"])
@@ -128,8 +149,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         return
     found = _outcome(report, bool(marker.kwargs.get("refusal")))
     if found is not None:
-        _cases.append(Case(callspec.params["backend_name"], marker.args[-1], item.nodeid,
-                           *found))
+        _cases.append(Case(callspec.params["backend_name"], marker.args[-1], item.nodeid, *found))
 
 
 def matrix() -> dict[str, dict[str, Cell]]:
@@ -137,8 +157,7 @@ def matrix() -> dict[str, dict[str, Cell]]:
     return merge(_cases)
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
-                            config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     m = matrix()
     _report(config, "cases", [c.to_json() for c in _cases])
     if not m:
@@ -147,12 +166,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
     names = sorted(m)
     rows = text_rows({b: m[b] for b in names})
     first = max(len(cap) for cap, _ in rows) + 2
-    widths = [max(len(b), *(len(cells[i]) for _, cells in rows)) + 2
-              for i, b in enumerate(names)]
+    widths = [max(len(b), *(len(cells[i]) for _, cells in rows)) + 2 for i, b in enumerate(names)]
     terminalreporter.write_line(" " * first + "".join(f"{b:>{w}s}" for b, w in zip(names, widths)))
     for cap, cells in rows:
-        terminalreporter.write_line(f"{cap:<{first}s}"
-                                    + "".join(f"{c:>{w}s}" for c, w in zip(cells, widths)))
+        terminalreporter.write_line(
+            f"{cap:<{first}s}" + "".join(f"{c:>{w}s}" for c, w in zip(cells, widths))
+        )
     terminalreporter.write_line(f"(counts are cases) {verdict_legend()}")
     for b in names:
         for cap, cell in m[b].items():
@@ -161,8 +180,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
     path = config.getoption("--unimesh-matrix-json")
     if path:
         with open(path, "w") as fh:
-            json.dump({b: {c: cell.to_json() for c, cell in m[b].items()} for b in names}, fh,
-                      indent=2, sort_keys=True)
+            json.dump(
+                {b: {c: cell.to_json() for c, cell in m[b].items()} for b in names},
+                fh,
+                indent=2,
+                sort_keys=True,
+            )
     path = config.getoption("--unimesh-matrix-md")
     if path:
         with open(path, "w") as fh:

@@ -87,8 +87,17 @@ def _mesh(key: str, n: int) -> Mesh:
     raise AssertionError(key)
 
 
-MESHES = ["1d", "1d-reversed", "2d", "2d-permuted", "3d", "4d", "transposed", "flattened",
-          "part-of-world"]
+MESHES = [
+    "1d",
+    "1d-reversed",
+    "2d",
+    "2d-permuted",
+    "3d",
+    "4d",
+    "transposed",
+    "flattened",
+    "part-of-world",
+]
 
 # spec key -> (builder from axis names, extra capabilities it needs)
 SPECS: dict[str, tuple[Callable[[tuple[str, ...]], P | None], tuple[str, ...]]] = {
@@ -103,8 +112,9 @@ SPECS: dict[str, tuple[Callable[[tuple[str, ...]], P | None], tuple[str, ...]]] 
 
 def _spec_params(base: str) -> list[Any]:
     """The spec keys as parameters, each marked with the capabilities it exercises."""
-    return [pytest.param(k, marks=capability(base, *extra), id=k) for k, (_, extra) in
-            SPECS.items()]
+    return [
+        pytest.param(k, marks=capability(base, *extra), id=k) for k, (_, extra) in SPECS.items()
+    ]
 
 
 def _spec(key: str, mesh: Mesh) -> P:
@@ -115,8 +125,10 @@ def _spec(key: str, mesh: Mesh) -> P:
 
 
 def _even_shape(mesh: Mesh, spec: P) -> tuple[int, ...]:
-    dims = [2 * math.prod(mesh.axis_size(a) for a in ((e,) if isinstance(e, str) else e or ()))
-            for e in spec]
+    dims = [
+        2 * math.prod(mesh.axis_size(a) for a in ((e,) if isinstance(e, str) else e or ()))
+        for e in spec
+    ]
     return tuple(dims) + (3,)
 
 
@@ -143,8 +155,9 @@ def test_mesh_round_trip(backend: unimesh.Backend, devices: int, mesh_key: str) 
 
 @capability("mesh", "axis_groups")
 @pytest.mark.parametrize("mesh_key", MESHES)
-def test_axis_groups_are_the_neutral_groups(backend: unimesh.Backend, devices: int,
-                                            mesh_key: str) -> None:
+def test_axis_groups_are_the_neutral_groups(
+    backend: unimesh.Backend, devices: int, mesh_key: str
+) -> None:
     mesh = _mesh(mesh_key, devices)
     native = _refused(lambda: unimesh.to_native(mesh, backend))
     for axis in mesh.axis_names:
@@ -159,8 +172,9 @@ def test_axis_groups_are_the_neutral_groups(backend: unimesh.Backend, devices: i
 
 @pytest.mark.parametrize("spec_key", _spec_params("layout"))
 @pytest.mark.parametrize("mesh_key", ["1d", "2d", "2d-permuted", "3d", "flattened"])
-def test_layout_round_trip(backend: unimesh.Backend, devices: int, mesh_key: str,
-                           spec_key: str) -> None:
+def test_layout_round_trip(
+    backend: unimesh.Backend, devices: int, mesh_key: str, spec_key: str
+) -> None:
     mesh = _mesh(mesh_key, devices)
     lay = Layout(mesh, _spec(spec_key, mesh))
     back = unimesh.from_native(_refused(lambda: unimesh.to_native(lay, backend)))
@@ -183,10 +197,23 @@ def test_partial_round_trip(backend: unimesh.Backend, devices: int) -> None:
 
 
 @pytest.mark.parametrize("spec_key", _spec_params("distribute"))
-@pytest.mark.parametrize("mesh_key", ["1d", "1d-reversed", "2d", "2d-permuted", "3d", "4d",
-                                      "transposed", "flattened", "part-of-world"])
-def test_distribute_gives_reference_shards(backend: unimesh.Backend, devices: int,
-                                           mesh_key: str, spec_key: str) -> None:
+@pytest.mark.parametrize(
+    "mesh_key",
+    [
+        "1d",
+        "1d-reversed",
+        "2d",
+        "2d-permuted",
+        "3d",
+        "4d",
+        "transposed",
+        "flattened",
+        "part-of-world",
+    ],
+)
+def test_distribute_gives_reference_shards(
+    backend: unimesh.Backend, devices: int, mesh_key: str, spec_key: str
+) -> None:
     mesh = _mesh(mesh_key, devices)
     lay = Layout(mesh, _spec(spec_key, mesh))
     shape = _even_shape(mesh, lay.spec)
@@ -194,14 +221,16 @@ def test_distribute_gives_reference_shards(backend: unimesh.Backend, devices: in
     shards = backend.local_shards(_refused(lambda: unimesh.distribute(x, lay, backend)))
     assert set(shards) <= set(mesh.device_ids.ravel().tolist())
     for device_id, block in shards.items():
-        np.testing.assert_array_equal(np.asarray(block), x[lay.shard_slices(shape, device_id)],
-                                      err_msg=f"device {device_id}")
+        np.testing.assert_array_equal(
+            np.asarray(block), x[lay.shard_slices(shape, device_id)], err_msg=f"device {device_id}"
+        )
 
 
 @capability("distribute", "uneven_shards")
 @pytest.mark.parametrize("mesh_key", ["1d", "2d"])
-def test_uneven_shards_follow_torch_chunk(backend: unimesh.Backend, devices: int,
-                                          mesh_key: str) -> None:
+def test_uneven_shards_follow_torch_chunk(
+    backend: unimesh.Backend, devices: int, mesh_key: str
+) -> None:
     mesh = _mesh(mesh_key, devices)
     if mesh.size == 1:
         pytest.skip("one device cannot hold uneven shards")
@@ -259,14 +288,23 @@ def test_shard_map_collectives(backend: unimesh.Backend, devices: int, mesh_key:
 
     stacked = P(None, *spec)
     for axes in _axis_sets(mesh):
-        def body(b: Any, axes: tuple[str, ...] = axes) -> tuple[Any, ...]:
-            return (unimesh.psum(b, axes), unimesh.pmean(b, axes), unimesh.pmax(b, axes),
-                    unimesh.pmin(b, axes), b * 0 + unimesh.axis_index(axes),
-                    b * 0 + unimesh.axis_size(axes), unimesh.all_gather(b, axes),
-                    unimesh.all_gather(b, axes, dim=1), unimesh.all_gather(b, axes, tiled=False))
 
-        program = _refused(lambda: unimesh.shard_map(
-            body, mesh, spec, (spec,) * 8 + (stacked,), backend=backend))
+        def body(b: Any, axes: tuple[str, ...] = axes) -> tuple[Any, ...]:
+            return (
+                unimesh.psum(b, axes),
+                unimesh.pmean(b, axes),
+                unimesh.pmax(b, axes),
+                unimesh.pmin(b, axes),
+                b * 0 + unimesh.axis_index(axes),
+                b * 0 + unimesh.axis_size(axes),
+                unimesh.all_gather(b, axes),
+                unimesh.all_gather(b, axes, dim=1),
+                unimesh.all_gather(b, axes, tiled=False),
+            )
+
+        program = _refused(
+            lambda: unimesh.shard_map(body, mesh, spec, (spec,) * 8 + (stacked,), backend=backend)
+        )
         got = [np.asarray(unimesh.full_array(a, backend=backend)) for a in program(placed)]
 
         def members(device: int, axes: tuple[str, ...] = axes) -> list[np.ndarray]:
@@ -290,16 +328,26 @@ def test_shard_map_collectives(backend: unimesh.Backend, devices: int, mesh_key:
             _assemble(mesh, spec, lambda d: np.concatenate(members(d), axis=1)),
             _assemble(mesh, stacked, lambda d: np.stack(members(d), axis=0)),
         ]
-        names = ["psum", "pmean", "pmax", "pmin", "axis_index", "axis_size", "all_gather",
-                 "all_gather(dim=1)", "all_gather(tiled=False)"]
+        names = [
+            "psum",
+            "pmean",
+            "pmax",
+            "pmin",
+            "axis_index",
+            "axis_size",
+            "all_gather",
+            "all_gather(dim=1)",
+            "all_gather(tiled=False)",
+        ]
         for name, g, w in zip(names, got, want):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"{name} over {axes}")
 
 
 @capability("shard_map")
 @pytest.mark.parametrize("mesh_key", ["1d-reversed", "2d-permuted", "transposed"])
-def test_all_gather_follows_the_axis_index(backend: unimesh.Backend, devices: int,
-                                          mesh_key: str) -> None:
+def test_all_gather_follows_the_axis_index(
+    backend: unimesh.Backend, devices: int, mesh_key: str
+) -> None:
     """On meshes whose device order is not increasing, the k-th piece of an all_gather comes
     from the device at index k along the axes (not from the k-th lowest device id)."""
     mesh = _mesh(mesh_key, devices)
@@ -312,13 +360,17 @@ def test_all_gather_follows_the_axis_index(backend: unimesh.Backend, devices: in
 
         program = _refused(lambda: unimesh.shard_map(body, mesh, P(), P(), backend=backend))
         got = np.asarray(unimesh.full_array(program(np.zeros(1, np.float32)), backend=backend))
-        np.testing.assert_array_equal(got, np.arange(math.prod(mesh.axis_size(a) for a in axes)),
-                                      err_msg=f"all_gather over {axes}")
+        np.testing.assert_array_equal(
+            got,
+            np.arange(math.prod(mesh.axis_size(a) for a in axes)),
+            err_msg=f"all_gather over {axes}",
+        )
 
 
 @capability("shard_map")
-def test_collectives_over_axes_where_the_value_is_equal(backend: unimesh.Backend,
-                                                        devices: int) -> None:
+def test_collectives_over_axes_where_the_value_is_equal(
+    backend: unimesh.Backend, devices: int
+) -> None:
     """A value equal along an axis still counts once per device there: psum gives size times
     the value, all_gather repeats it (the classic shard_map meaning, on every backend)."""
     mesh = _mesh("2d", devices)
@@ -331,8 +383,12 @@ def test_collectives_over_axes_where_the_value_is_equal(backend: unimesh.Backend
     program = _refused(lambda: unimesh.shard_map(body, mesh, P(a), (P(), P(a)), backend=backend))
     total, gathered = (np.asarray(unimesh.full_array(r, backend=backend)) for r in program(x))
     np.testing.assert_allclose(total, x.reshape(mesh.axis_size(a), 2).sum(0) * mesh.axis_size(b))
-    np.testing.assert_allclose(gathered, np.concatenate(
-        [np.tile(block, mesh.axis_size(b)) for block in x.reshape(mesh.axis_size(a), 2)]))
+    np.testing.assert_allclose(
+        gathered,
+        np.concatenate(
+            [np.tile(block, mesh.axis_size(b)) for block in x.reshape(mesh.axis_size(a), 2)]
+        ),
+    )
 
 
 @capability("shard_map")
@@ -346,8 +402,9 @@ def test_shard_map_takes_global_arrays(backend: unimesh.Backend, devices: int) -
     def matmul(xb: Any, wb: Any) -> Any:  # x split by rows over a, contraction over b
         return unimesh.psum(xb @ wb, b)
 
-    program = _refused(lambda: unimesh.shard_map(matmul, mesh, (P(a, b), P(b, None)),
-                                                 P(a, None), backend=backend))
+    program = _refused(
+        lambda: unimesh.shard_map(matmul, mesh, (P(a, b), P(b, None)), P(a, None), backend=backend)
+    )
     got = np.asarray(unimesh.full_array(program(x, w), backend=backend))
     np.testing.assert_allclose(got, x @ w, rtol=1e-5)
 
@@ -371,21 +428,30 @@ def _collective_table(axes: tuple[str, ...], n: int) -> dict[str, tuple[Any, Any
     return {
         "psum": (lambda b: unimesh.psum(b, axes), lambda blocks, i: np.sum(blocks, axis=0)),
         "pmean": (lambda b: unimesh.pmean(b, axes), lambda blocks, i: np.mean(blocks, axis=0)),
-        "all_gather": (lambda b: unimesh.all_gather(b, axes, dim=last),
-                       lambda blocks, i: np.concatenate(blocks, axis=last)),
+        "all_gather": (
+            lambda b: unimesh.all_gather(b, axes, dim=last),
+            lambda blocks, i: np.concatenate(blocks, axis=last),
+        ),
         "psum_scatter": (
             lambda b: unimesh.psum_scatter(b, axes, scatter_dimension=last, tiled=True),
-            lambda blocks, i: _chunk(np.sum(blocks, axis=0), last, n, i)),
+            lambda blocks, i: _chunk(np.sum(blocks, axis=0), last, n, i),
+        ),
         "all_to_all": (
             lambda b: unimesh.all_to_all(b, axes, split_axis=last, concat_axis=0, tiled=True),
-            lambda blocks, i: np.concatenate([_chunk(x, last, n, i) for x in blocks], axis=0)),
-        "ppermute(shift)": (lambda b: unimesh.ppermute(b, axes, shift),
-                            lambda blocks, i: blocks[(i - 1) % n]),
+            lambda blocks, i: np.concatenate([_chunk(x, last, n, i) for x in blocks], axis=0),
+        ),
+        "ppermute(shift)": (
+            lambda b: unimesh.ppermute(b, axes, shift),
+            lambda blocks, i: blocks[(i - 1) % n],
+        ),
         "ppermute(partial)": (
             lambda b: unimesh.ppermute(b, axes, partial),
-            lambda blocks, i: blocks[i - 1] if i > 0 else np.zeros_like(blocks[0])),
-        "pbroadcast": (lambda b: unimesh.pbroadcast(b, axes, n - 1),
-                       lambda blocks, i: blocks[n - 1]),
+            lambda blocks, i: blocks[i - 1] if i > 0 else np.zeros_like(blocks[0]),
+        ),
+        "pbroadcast": (
+            lambda b: unimesh.pbroadcast(b, axes, n - 1),
+            lambda blocks, i: blocks[n - 1],
+        ),
     }
 
 
@@ -409,8 +475,9 @@ def _reference(mesh: Mesh, spec: P, x: np.ndarray, axes: tuple[str, ...], ref: A
 
 @capability("shard_map")
 @pytest.mark.parametrize("mesh_key", ["1d", "1d-reversed", "2d", "2d-permuted", "3d"])
-def test_collectives_against_the_reference(backend: unimesh.Backend, devices: int,
-                                           mesh_key: str) -> None:
+def test_collectives_against_the_reference(
+    backend: unimesh.Backend, devices: int, mesh_key: str
+) -> None:
     """psum, pmean, all_gather, psum_scatter, all_to_all, ppermute and pbroadcast over every
     axis and pairs of axes in both orders, each device's result against numpy on the core's
     groups (members in the order of their index along the axes)."""
@@ -420,20 +487,32 @@ def test_collectives_against_the_reference(backend: unimesh.Backend, devices: in
     for axes in _axis_sets(mesh):
         n = math.prod(mesh.axis_size(a) for a in axes)
         table = _collective_table(axes, n)
-        program = _refused(lambda: unimesh.shard_map(
-            lambda b: {k: op(b) for k, (op, _) in table.items()}, mesh, spec, spec,  # noqa: B023
-            backend=backend))
+        program = _refused(
+            lambda: unimesh.shard_map(
+                lambda b: {k: op(b) for k, (op, _) in table.items()},  # noqa: B023
+                mesh,
+                spec,
+                spec,
+                backend=backend,
+            )
+        )
         got = program(placed)
         for name, (_, ref) in table.items():
             want = _reference(mesh, spec, x, axes, ref)
-            np.testing.assert_allclose(np.asarray(unimesh.full_array(got[name], backend=backend)),
-                                       want, rtol=1e-5, atol=1e-5, err_msg=f"{name} over {axes}")
+            np.testing.assert_allclose(
+                np.asarray(unimesh.full_array(got[name], backend=backend)),
+                want,
+                rtol=1e-5,
+                atol=1e-5,
+                err_msg=f"{name} over {axes}",
+            )
 
 
 @capability("shard_map", "grad")
 @pytest.mark.parametrize("mesh_key", ["1d", "1d-reversed", "2d-permuted", "3d"])
-def test_collective_gradients_are_the_global_gradients(backend: unimesh.Backend, devices: int,
-                                                       mesh_key: str) -> None:
+def test_collective_gradients_are_the_global_gradients(
+    backend: unimesh.Backend, devices: int, mesh_key: str
+) -> None:
     """For L(x) = sum over devices of <w_d, c(x)_d> (each collective c, weights w varying by
     device), unimesh.value_and_grad must give the gradient of that global function: L is
     linear, so <grad, probe> equals L(probe) computed by the numpy reference, for any probe.
@@ -445,33 +524,46 @@ def test_collective_gradients_are_the_global_gradients(backend: unimesh.Backend,
     probes = [rng.standard_normal(shape) for _ in range(2)]
     for axes in _axis_sets(mesh)[:3]:
         table = _collective_table(axes, math.prod(mesh.axis_size(a) for a in axes))
-        weights = {name: rng.standard_normal(_reference(mesh, spec, x, axes, ref).shape)
-                   .astype(np.float32) for name, (_, ref) in table.items()}
+        weights = {
+            name: rng.standard_normal(_reference(mesh, spec, x, axes, ref).shape).astype(np.float32)
+            for name, (_, ref) in table.items()
+        }
 
-        def body(xb: dict[str, Any], wb: dict[str, Any],
-                 table: dict[str, Any] = table) -> Any:
+        def body(xb: dict[str, Any], wb: dict[str, Any], table: dict[str, Any] = table) -> Any:
             total = sum((wb[k] * op(xb[k])).sum() for k, (op, _) in table.items())
             return unimesh.psum(total, mesh.axis_names)
 
-        program = _refused(lambda: unimesh.shard_map(
-            body, mesh, (spec, spec), P(), backend=backend))
+        program = _refused(
+            lambda: unimesh.shard_map(body, mesh, (spec, spec), P(), backend=backend)
+        )
         xs = _refused(lambda: {k: unimesh.distribute(x, lay, backend) for k in table})  # noqa: B023
         ws = {k: unimesh.distribute(w, lay, backend) for k, w in weights.items()}
         value, grads = unimesh.value_and_grad(program, backend=backend)(xs, ws)
 
-        def loss(a: np.ndarray, name: str, axes: tuple[str, ...] = axes,
-                 table: dict[str, Any] = table, weights: dict[str, Any] = weights) -> float:
-            return float((weights[name].astype(np.float64)
-                          * _reference(mesh, spec, a, axes, table[name][1])).sum())
+        def loss(
+            a: np.ndarray,
+            name: str,
+            axes: tuple[str, ...] = axes,
+            table: dict[str, Any] = table,
+            weights: dict[str, Any] = weights,
+        ) -> float:
+            return float(
+                (
+                    weights[name].astype(np.float64)
+                    * _reference(mesh, spec, a, axes, table[name][1])
+                ).sum()
+            )
 
         total = sum(loss(x.astype(np.float64), k) for k in table)
-        assert float(np.asarray(unimesh.full_array(value, backend=backend))) == \
-            pytest.approx(total, rel=1e-4, abs=1e-4), f"loss over {axes}"
+        assert float(np.asarray(unimesh.full_array(value, backend=backend))) == pytest.approx(
+            total, rel=1e-4, abs=1e-4
+        ), f"loss over {axes}"
         for name in table:
             grad = np.asarray(unimesh.full_array(grads[name], backend=backend), np.float64)
             for probe in probes:
                 assert float((grad * probe).sum()) == pytest.approx(
-                    loss(probe, name), rel=1e-4, abs=1e-4), f"gradient of {name} over {axes}"
+                    loss(probe, name), rel=1e-4, abs=1e-4
+                ), f"gradient of {name} over {axes}"
 
 
 @capability("shard_map")
@@ -487,13 +579,21 @@ def test_pytrees_of_arguments_and_results(backend: unimesh.Backend, devices: int
         assert nothing is None
         return {"sum": [unimesh.psum(params["w"], b), pair[0] + pair[1]]}
 
-    program = _refused(lambda: unimesh.shard_map(
-        body, mesh, ({"w": P(a, b)}, P(a), None), {"sum": P(a)}, backend=backend))
+    program = _refused(
+        lambda: unimesh.shard_map(
+            body, mesh, ({"w": P(a, b)}, P(a), None), {"sum": P(a)}, backend=backend
+        )
+    )
     got = program({"w": x}, (x, 2 * x), None)
     total, pair = (np.asarray(unimesh.full_array(r, backend=backend)) for r in got["sum"])
     lay = Layout(mesh, P(a, b))
-    want = _assemble(mesh, P(a), lambda d: np.sum(
-        [x[lay.shard_slices(shape, m)] for m in _members(mesh, (b,), d)[0]], axis=0))
+    want = _assemble(
+        mesh,
+        P(a),
+        lambda d: np.sum(
+            [x[lay.shard_slices(shape, m)] for m in _members(mesh, (b,), d)[0]], axis=0
+        ),
+    )
     np.testing.assert_allclose(total, want)
     np.testing.assert_allclose(pair, 3 * x)
 

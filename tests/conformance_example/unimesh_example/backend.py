@@ -39,10 +39,11 @@ class ExampleBackend(ProcessBackend):
     extra = "example"
     native_modules = ("unimesh_example",)
     capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes"})
-    native_api: ClassVar[dict[str, str]] = {"mesh": "unimesh_example.Mesh (ids and names)",
-                                            "layout": "unimesh_example.Layout (mesh and spec "
-                                                      "entries)",
-                                            "distribute": "a dict of numpy blocks by device"}
+    native_api: ClassVar[dict[str, str]] = {
+        "mesh": "unimesh_example.Mesh (ids and names)",
+        "layout": "unimesh_example.Layout (mesh and spec entries)",
+        "distribute": "a dict of numpy blocks by device",
+    }
 
     def prepare_devices(self, count: int) -> int:
         return count
@@ -67,17 +68,20 @@ class ExampleBackend(ProcessBackend):
         mesh = self.from_native(native.mesh)  # the blocks follow the native mesh
         as_laid = Layout(mesh, layout.spec)
         host = np.asarray(array)
-        return ExampleArray(native, {d: host[sl] for d, sl in
-                                     as_laid.device_slices(host.shape).items()}, host.shape)
+        return ExampleArray(
+            native, {d: host[sl] for d, sl in as_laid.device_slices(host.shape).items()}, host.shape
+        )
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         return dict(array.blocks)
 
     # -- what the command line and the docs ask of a backend --------------------------------------
     def native_code(self, mesh: Mesh) -> str:
-        return ("import numpy as np\nfrom unimesh_example.backend import ExampleMesh\n\n"
-                f"mesh = ExampleMesh(np.array({mesh.device_ids.tolist()}), "
-                f"{tuple(mesh.axis_names)})")
+        return (
+            "import numpy as np\nfrom unimesh_example.backend import ExampleMesh\n\n"
+            f"mesh = ExampleMesh(np.array({mesh.device_ids.tolist()}), "
+            f"{tuple(mesh.axis_names)})"
+        )
 
     def demo_compute(self, array: Any, weight: Any) -> np.ndarray:
         """Each block times its rows of the weight, added into its rows of the product once
@@ -201,10 +205,13 @@ class ThreadedExampleBackend(ExampleBackend):
                     for board in list(self._boards.values()):
                         board.barrier.abort()
 
-            program_for = {int(d): ProcessBackend.shard_map(self, body, mesh, ins, outs)
-                           for d in mesh.device_ids.ravel()}
-            threads = [threading.Thread(target=device, args=(int(d),))
-                       for d in mesh.device_ids.ravel()]
+            program_for = {
+                int(d): ProcessBackend.shard_map(self, body, mesh, ins, outs)
+                for d in mesh.device_ids.ravel()
+            }
+            threads = [
+                threading.Thread(target=device, args=(int(d),)) for d in mesh.device_ids.ravel()
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -212,15 +219,21 @@ class ThreadedExampleBackend(ExampleBackend):
             if errors:  # the first real error; peers woken by the abort report a broken barrier
                 for board in self._boards.values():
                     board.barrier.reset()  # every thread has ended: the boards serve again
-                raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
-                           errors[0])
+                raise next(
+                    (e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
+                    errors[0],
+                )
             first = results[int(mesh.device_ids.flat[0])]
             treedef = optree.tree_structure(first)
             layouts = outs.for_leaves(first, treedef)
             per_device = {d: optree.tree_leaves(r) for d, r in results.items()}
-            return optree.tree_unflatten(treedef, [
-                ExampleArray(self.layout_to_native(lay), {d: per_device[d][i] for d in results})
-                for i, lay in enumerate(layouts)])
+            return optree.tree_unflatten(
+                treedef,
+                [
+                    ExampleArray(self.layout_to_native(lay), {d: per_device[d][i] for d in results})
+                    for i, lay in enumerate(layouts)
+                ],
+            )
 
         return run
 
