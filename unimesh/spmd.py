@@ -209,6 +209,12 @@ class ProcessBackend(Backend):
         """Runs ``body`` on this process's blocks; the engine does the rest."""
         return _Program(self, body, mesh, ins, outs)
 
+    def forget_pending(self) -> None:
+        """Drop the engine's references to collective results (a lazy backend's chain), e.g.
+        before the framework's runtime shuts down: an unevaluated result may hold a group."""
+        for env in self.__dict__.get("_axis_envs", {}).values():
+            env._last = None
+
     def axis_env(self, mesh: Mesh) -> ProcessAxisEnv:
         """The (cached) collectives of this process on ``mesh``."""
         key = (self.group_cache_key(), mesh)

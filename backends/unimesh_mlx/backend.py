@@ -35,6 +35,7 @@ __all__ = ["AxisGroup", "MLXArray", "MLXBackend", "MLXLayout", "MLXMesh", "shard
 _LIVE: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
 _LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but weakly referable
 _REGISTERED = False
+_ENGINES: weakref.WeakSet[MLXBackend] = weakref.WeakSet()  # their programs' pending results
 _STARTED: list[Any] = []  # the world group, once initialize() checked it
 
 
@@ -53,6 +54,8 @@ def _mx() -> Any:
 def _release_groups() -> None:
     """Drop every split group before the interpreter (and MPI) shuts down: a split group still
     alive at MPI_Finalize makes every rank abort."""
+    for engine in list(_ENGINES):
+        engine.forget_pending()
     for group in list(_LIVE):
         group._group = None
     for ref in _LAYERS:
@@ -289,6 +292,7 @@ class MLXBackend(ProcessBackend):
     }
 
     def _world(self) -> Any:
+        _ENGINES.add(self)
         if _STARTED:
             return _STARTED[0]
         self.initialize(300.0)
