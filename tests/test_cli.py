@@ -6,13 +6,16 @@ import subprocess
 import sys
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m unimesh ARGS`` (``python -c CODE`` when args start with ``-c``)."""
+    command = list(args) if args[:1] == ("-c",) else ["-m", "unimesh", *args]
     return subprocess.run(
-        [sys.executable, "-m", "unimesh", *args],
+        [sys.executable, *command],
         capture_output=True,
         text=True,
         timeout=170,
         check=False,
+        env=env,
     )
 
 
@@ -328,40 +331,23 @@ def test_a_third_party_backend_appears_everywhere_without_an_edit_in_unimesh(exa
 
     env = {**os.environ, "PYTHONPATH": str(example_site)}
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "unimesh", *args],
-            capture_output=True,
-            text=True,
-            timeout=170,
-            check=False,
-            env=env,
-        )
-
-    listed = cli("backends")
+    listed = run("backends", env=env)
     assert listed.returncode == 0, listed.stderr
     assert "example: numpy" in listed.stdout and "runs: one process" in listed.stdout
 
-    demo = cli("demo", "--backends", "example", "--mesh", "a=2,b=3;ids=5,4,3,2,1,0")
+    demo = run("demo", "--backends", "example", "--mesh", "a=2,b=3;ids=5,4,3,2,1,0", env=env)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     line = row(demo.stdout, "example")
     assert "ExampleMesh, 6 shards" in line and line.count(" ok ") == 2, demo.stdout
 
     spec = "dp=2,tp=2;ids=3,1,2,0"
-    code = cli("convert", spec, "--to", "example", "--code")
+    code = run("convert", spec, "--to", "example", "--code", env=env)
     assert code.returncode == 0, code.stderr
     program = (
         code.stdout + "\nimport unimesh\nassert unimesh.from_native(mesh) == "
         f"unimesh.Mesh.from_string({spec!r}), unimesh.from_native(mesh)\nprint('SAME')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", program],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        check=False,
-        env=env,
-    )
+    done = run("-c", program, env=env)
     assert done.returncode == 0 and "SAME" in done.stdout, (program, done.stderr)
 
     docs = Path(__file__).parents[1] / "docs"
@@ -369,14 +355,7 @@ def test_a_third_party_backend_appears_everywhere_without_an_edit_in_unimesh(exa
         f"import sys; sys.path.insert(0, {str(docs)!r}); import _gen; "
         "print(_gen.api_table()); print(_gen.collectives_table())"
     )
-    tables = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        check=False,
-        env=env,
-    )
+    tables = run("-c", script, env=env)
     assert tables.returncode == 0, tables.stderr
     api, primitives = tables.stdout.split("\n\n", 1)
     assert " example |" in api.splitlines()[0], api

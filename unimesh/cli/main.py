@@ -5,7 +5,6 @@ and ``check`` have their own modules. User errors print one line and exit 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ from ..mesh import Mesh
 
 
 def _backends(args: argparse.Namespace) -> int:
-    from ..registry import backends, get_backend, load_backend
+    from ..registry import backends, get_backend
 
     for name in backends():
         try:
@@ -27,11 +26,8 @@ def _backends(args: argparse.Namespace) -> int:
                 f"{name}: {be.framework} {be.framework_version()}; runs: {runs}{needs}; "
                 f"capabilities: {', '.join(sorted(be.capabilities))}"
             )
-        except UnimeshError as exc:
-            hint = ""
-            with contextlib.suppress(UnimeshError):
-                hint = f"; {load_backend(name).install_hint()}"
-            print(f"{name}: unavailable ({exc}){hint if hint not in str(exc) else ''}")
+        except UnimeshError as exc:  # its message carries the install hint
+            print(f"{name}: unavailable ({exc})")
     if not backends():
         print('no backends installed; e.g. pip install "unimesh[jax]"')
     return 0
