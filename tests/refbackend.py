@@ -30,7 +30,7 @@ class RefBackend(Backend):
     framework = "numpy"
     extra = "ref"
     native_modules = (__name__.split(".")[0],)
-    capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards"})
+    features = frozenset({"uneven_shards"})
 
     def mesh_to_native(self, mesh: Mesh, **options: Any) -> NativeMesh:
         return NativeMesh(np.array(mesh.device_ids), mesh.axis_names)
@@ -47,3 +47,6 @@ class RefBackend(Backend):
 
     def distribute(self, array: Any, layout: Layout, **options: Any) -> dict[int, np.ndarray]:
         return {d: np.asarray(array)[sl] for d, sl in layout.device_slices(array.shape).items()}
+
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        return dict(array)

@@ -278,7 +278,8 @@ def test_check_without_names_skips_backends_whose_framework_is_missing(monkeypat
             "name": "ghost",
             "framework": "no_such_fw_xyz",
             "extra": "ghost",
-            "capabilities": frozenset({"mesh"}),
+            "mesh_to_native": lambda self, mesh, **options: mesh,
+            "from_native": lambda self, obj: obj,
         },
     )()
     unimesh.register_backend(ghost)
@@ -309,7 +310,8 @@ def test_demo_names_a_backend_whose_framework_is_missing():
     code = (
         "import sys, unimesh\nfrom unimesh.cli import main\n"
         "ghost = type('Ghost', (unimesh.Backend,), {'name': 'ghost', 'framework': "
-        "'no_such_fw_xyz', 'extra': 'ghost', 'capabilities': frozenset({'mesh'})})()\n"
+        "'no_such_fw_xyz', 'extra': 'ghost', 'mesh_to_native': lambda s, m, **o: m, "
+        "'from_native': lambda s, o: o})()\n"
         "unimesh.register_backend(ghost)\n"
         "sys.exit(main(['demo', '--backends', 'jax,ghost']))\n"
     )

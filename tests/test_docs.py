@@ -249,3 +249,20 @@ def test_config_page_example(tmp_path):
     assert config.layout_map.get("block_1/dense/kernel").spec == unimesh.P(None, "model")
     assert config.axis_rules.spec(("batch", "mlp")) == unimesh.P("batch", "model")
     assert unimesh.Config.from_json(config.to_json()) == config
+
+
+def test_writing_a_backend_starts_from_a_backend_that_runs_and_names_every_hook():
+    """The guide's smallest backend is real code (run here, then unregistered), and every hook
+    and feature of the contract appears in the guide."""
+    text = (DOCS / "writing-a-backend.md").read_text()
+    first = text.split("```python\n", 1)[1].split("```", 1)[0]
+    try:
+        exec(compile(first, "writing-a-backend.md", "exec"), {})  # noqa: S102 - our own docs
+        assert unimesh.get_backend("dict").layers() == ("translator",)
+    finally:
+        unimesh.unregister_backend("dict")
+    for layer in unimesh.LAYERS:
+        for hook in (*[h for hs in layer.hooks.values() for h in hs], *layer.extra_hooks):
+            assert f"`{hook}" in text, hook
+    for feature in unimesh.FEATURES:
+        assert f"`{feature}`" in text, feature

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -40,18 +41,27 @@ def ref():
     unimesh.unregister_backend("ref")
 
 
-def make_backend(name: str, framework: str, caps=("mesh",), wraps=()) -> Backend:
-    cls = type(
-        f"B_{name}",
-        (Backend,),
-        {
-            "name": name,
-            "framework": framework,
-            "capabilities": frozenset(caps),
-            "wraps": tuple(wraps),
-        },
-    )
-    return cls()
+def _hook(name: str):
+    def hook(self, *args, **kwargs):
+        raise AssertionError(f"{name} is not called in these tests")
+
+    return hook
+
+
+def make_backend(
+    name: str,
+    framework: str,
+    hooks=("mesh_to_native", "from_native"),
+    features=(),
+    wraps=(),
+    **attrs,
+) -> Backend:
+    """A backend class made on the spot, implementing ``hooks`` (each one a stub unless
+    ``attrs`` gives it) and declaring ``features``."""
+    body = {h: _hook(h) for h in hooks}
+    body.update(name=name, framework=framework, features=frozenset(features), wraps=wraps)
+    body.update(attrs)
+    return type(f"B_{name}", (Backend,), body)()
 
 
 def test_register_lookup_and_round_trips(ref):
@@ -88,12 +98,24 @@ def test_unsupported_capabilities_name_backend_and_capability(ref):
         unimesh.to_native(Layout(MESH, P("dp", partial={"tp": "sum"})), "ref")
     with pytest.raises(UnsupportedError, match="does not support 'layout_map'"):
         unimesh.to_native(LayoutMap(MESH, {"w": P("dp")}), "ref")
-    even_only = make_backend("evenonly", "numpy", caps=("mesh", "layout", "distribute"))
+    translate = ("mesh_to_native", "from_native", "layout_to_native")
+    even_only = make_backend(
+        "evenonly",
+        "numpy",
+        (*translate, "local_shards"),
+        distribute=lambda self, array, layout, **o: "distributed",
+    )
     with pytest.raises(UnsupportedError, match=r"shape \(5,\) does not divide evenly"):
         unimesh.distribute(np.zeros(5), Layout(MESH, P("dp")), even_only)
-    with pytest.raises(UnsupportedError, match="declares no 'distribute' translation"):
-        unimesh.distribute(np.zeros(4), Layout(MESH, P("dp")), even_only)
-    bare = make_backend("bare", "numpy", caps=())
+    assert unimesh.distribute(np.zeros(4), Layout(MESH, P("dp")), even_only) == "distributed"
+    no_distribute = make_backend("nodist", "numpy", translate)
+    with pytest.raises(UnsupportedError, match="does not support 'distribute'") as e:
+        unimesh.distribute(np.zeros(4), Layout(MESH, P("dp")), no_distribute)
+    assert e.value.capability == "distribute"
+    with pytest.raises(UnsupportedError, match="does not implement local_shards") as e:
+        no_distribute.local_shards(None)
+    assert e.value.capability == "distribute"
+    bare = make_backend("bare", "numpy", hooks=())
     with pytest.raises(UnsupportedError, match="backend 'bare' does not support 'mesh'"):
         unimesh.to_native(MESH, bare)
 
@@ -104,8 +126,8 @@ def test_registration_errors_leave_no_state(ref):
         unimesh.register_backend(RefBackend())
     with pytest.raises(BackendRegistrationError, match="must be an instance of unimesh.Backend"):
         unimesh.register_backend(object())  # type: ignore[arg-type]
-    with pytest.raises(BackendRegistrationError, match="unknown capabilities \\['teleport'\\]"):
-        unimesh.register_backend(make_backend("x", "numpy", caps=("teleport",)))
+    with pytest.raises(BackendRegistrationError, match="unknown features \\['teleport'\\]"):
+        unimesh.register_backend(make_backend("x", "numpy", features=("teleport",)))
     with pytest.raises(BackendRegistrationError, match="backend name 'bad name'"):
         unimesh.register_backend(make_backend("bad name", "numpy"))
     with pytest.raises(BackendRegistrationError, match="must set `framework`"):
@@ -209,10 +231,12 @@ PLUGIN = """
     class FakeBackend(Backend):
         name = "{name}"
         framework = "json"
-        capabilities = frozenset({{"mesh"}})
 
         def mesh_to_native(self, mesh, **options):
             return {{"names": list(mesh.axis_names), "ids": mesh.device_ids.tolist()}}
+
+        def from_native(self, obj):
+            return Mesh(len(obj["ids"]), obj["names"], obj["ids"])
 
     @hookimpl
     def unimesh_backend():
@@ -270,7 +294,8 @@ def test_installed_backends_declare_native_apis_for_what_they_do():
         "psum": "shard_map",
         "all_gather": "shard_map",
         "axis_index": "shard_map",
-        "shard_params": "distribute",
+        "shard_params": "shard_params",
+        "value_and_grad": "grad",
         "layout": "layout",
         "mesh": "mesh",
     }
@@ -283,3 +308,95 @@ def test_installed_backends_declare_native_apis_for_what_they_do():
         for cap in ("mesh", "layout", "distribute", "layout_map", "shard_map"):
             if cap in be.capabilities:
                 assert cap in be.native_api, (name, cap)
+
+
+def test_capabilities_follow_from_the_hooks_a_backend_implements():
+    """A hook capability is there exactly when all of its hooks are implemented; features add
+    declared refinements; the layers a backend reaches follow too."""
+    smallest = make_backend("smallest", "numpy")
+    assert smallest.capabilities == {"mesh"}
+    assert smallest.layers() == ("translator",)
+    grown = make_backend(
+        "grown",
+        "numpy",
+        ("mesh_to_native", "from_native", "layout_to_native", "distribute", "local_shards"),
+        features=("uneven_shards",),
+        initialize=lambda self, timeout: (0, 1),
+    )
+    assert grown.capabilities == {"mesh", "layout", "distribute", "uneven_shards"}
+    assert grown.layers() == ("translator", "runtime")
+    for name in unimesh.backends():
+        be = unimesh.get_backend(name)
+        for layer in unimesh.LAYERS:
+            for cap, hooks in layer.hooks.items():
+                has = all(type(be).implements(h) for h in hooks)
+                assert (cap in be.capabilities) == has, (name, cap)
+        assert be.capabilities - set(be.features) <= {
+            c for layer in unimesh.LAYERS for c in layer.hooks
+        }
+
+
+def test_registration_names_every_break_of_the_contract():
+    """What the contract asks of a backend class is checked when it is registered, and the
+    message names the fix; nothing is registered."""
+    before = unimesh.backends()
+    cases = [
+        (make_backend("nomesh", "numpy", hooks=("mesh_to_native",)), "implements no from_native"),
+        (
+            make_backend("half", "numpy", (*("mesh_to_native", "from_native"), "distribute")),
+            "implements distribute but not local_shards: 'distribute' needs all of",
+        ),
+        (
+            make_backend("noparent", "numpy", features=("partial",)),
+            (
+                "declares 'partial', a refinement of 'layout', which it does not implement "
+                "(layout_to_native)"
+            ),
+        ),
+        (
+            make_backend("alone", "numpy", features=("multi_process",)),
+            "declares 'multi_process' but implements no initialize and exchange",
+        ),
+        (
+            make_backend("byhand", "numpy", capabilities=frozenset({"mesh", "shard_map"})),
+            "sets capabilities=['mesh', 'shard_map'] by hand",
+        ),
+    ]
+    for be, message in cases:
+        with pytest.raises(BackendRegistrationError, match=re.escape(message)):
+            unimesh.register_backend(be)
+    assert unimesh.backends() == before
+
+
+def test_a_process_backend_gets_shard_map_only_with_the_engine_primitives():
+    from unimesh.spmd import ENGINE_REQUIRED, ProcessBackend
+
+    base = {"mesh_to_native": _hook("m"), "from_native": _hook("f"), "framework": "numpy"}
+    bare = type("Bare", (ProcessBackend,), {**base, "name": "pbare"})
+    assert "shard_map" not in bare.capabilities and bare.contract_problems() == []
+    engine = {h: _hook(h) for h in ENGINE_REQUIRED}
+    full = type("Full", (ProcessBackend,), {**base, **engine, "name": "pfull"})
+    assert "shard_map" not in full.capabilities  # full_array is the other half of the layer
+    assert full.contract_problems() == [
+        "implements shard_map but not full_array: 'shard_map' needs all of shard_map, full_array"
+    ]
+    full = type("Full", (ProcessBackend,), {**base, **engine, "full_array": _hook("fa")})
+    assert "shard_map" in full.capabilities and full.contract_problems() == []
+    part = dict(engine)
+    del part["wrap_result"]
+    half = type("Half", (ProcessBackend,), {**base, **part, "name": "phalf"})
+    assert "shard_map" not in half.capabilities
+    assert any("not wrap_result" in p for p in half.contract_problems())
+    liar = type(
+        "Liar",
+        (ProcessBackend,),
+        {
+            **base,
+            **engine,
+            "full_array": _hook("fa"),
+            "native_primitives": frozenset({"all_reduce", "all_gather", "split"}),
+        },
+    )
+    assert liar.contract_problems() == [
+        "lists 'split' in native_primitives but implements no split_group"
+    ]

@@ -6,7 +6,7 @@ a backend needs it.
 
 from __future__ import annotations
 
-from .backend import CAPABILITIES, CONCEPTS, Backend
+from .backend import CAPABILITIES, CONCEPTS, FEATURES, LAYERS, Backend
 from .config import Config, load_config
 from .errors import (
     AxisContextError,
@@ -22,18 +22,7 @@ from .errors import (
     UnimeshError,
     UnsupportedError,
 )
-from .layout import (
-    AxisRules,
-    Layout,
-    LayoutMap,
-    P,
-    Partial,
-    PartitionSpec,
-    Placement,
-    Replicate,
-    Shard,
-    StridedShard,
-)
+from .layout import Layout
 from .mesh import Mesh, current_mesh, make_mesh
 from .parallel import (
     all_gather,
@@ -53,6 +42,7 @@ from .parallel import (
     shard_params,
     value_and_grad,
 )
+from .placements import Partial, Placement, Replicate, Shard, StridedShard
 from .registry import (
     backends,
     distribute,
@@ -63,13 +53,17 @@ from .registry import (
     to_native,
     unregister_backend,
 )
+from .rules import AxisRules, LayoutMap
 from .runtime import initialize, verify
+from .spec import P, PartitionSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CAPABILITIES",
     "CONCEPTS",
+    "FEATURES",
+    "LAYERS",
     "AxisContextError",
     "AxisRules",
     "Backend",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ._validate import check_size, fail, short
+from ._validate import check_size, fail
+from .messages import short
 
 _AXIS_RE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d{1,12})\s*\Z")
 _INT_RE = re.compile(r"\s*(\d{1,18})\s*\Z")

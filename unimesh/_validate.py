@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 import numbers
 import re
-import reprlib
 from collections.abc import Iterable
 from typing import NoReturn
 
 from .errors import MeshSpecError
+from .messages import short
 
 #: Largest mesh unimesh builds: 2**26 devices (64x the biggest machines in use). Larger sizes are
 #: rejected before any array is allocated.
@@ -22,31 +22,6 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 def fail(message: str, cls: type[Exception] = MeshSpecError) -> NoReturn:
     raise cls(message)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 12
-_REPR.maxstring = _REPR.maxother = 100
-_REPR.maxlevel = 4
-
-
-def short(value: object, limit: int = 80) -> str:
-    """``repr`` of a value, cut to ``limit`` characters so that messages stay readable; a huge
-    or deep container costs no more than its first few items."""
-    try:
-        text = repr(value) if type(value) in (str, int, float, bool) else _REPR.repr(value)
-    except Exception:  # noqa: BLE001 - a repr that raises, or an int of > 4300 digits
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message (framework errors run to pages), or
-    its repr when the message is empty."""
-    for line in str(exc).splitlines():
-        if line.strip():
-            return line.strip()
-    return repr(exc)
 
 
 def check_int(

@@ -1,35 +1,125 @@
-"""The base class every backend derives from, and the capabilities a backend may declare.
+"""The backend contract: three layers, and the capabilities that follow from them.
 
 A backend only translates: it turns the neutral objects into its framework's objects and back.
-Everything shared (coordinates, groups, shard blocks, the placements rule) comes from the core.
-It must not import its framework at module import time, only inside its methods.
+Everything shared (coordinates, groups, shard blocks, the placements rule, the SPMD engine)
+comes from the core. A backend must not import its framework at module import time.
+
+The contract has three layers, each a set of hooks on :class:`Backend` (see :data:`LAYERS`):
+
+- **translator** (required): ``mesh_to_native`` and ``from_native``, then optionally
+  ``layout_to_native``, ``layout_map_to_native``, ``distribute`` with ``local_shards``;
+- **runtime** (optional): ``initialize`` and ``exchange`` (several processes), ``launcher``,
+  ``prepare_devices``, ``axis_groups``;
+- **programs** (optional): ``shard_map`` with ``full_array``, ``value_and_grad``,
+  ``shard_params``. A backend with one device per process gets ``shard_map`` from
+  :class:`unimesh.spmd.ProcessBackend` by implementing the engine's primitives instead.
+
+A backend's :attr:`Backend.capabilities` are not written by hand: each hook capability follows
+from the hooks the class implements, and a backend declares only its :attr:`Backend.features`
+(refinements of a capability it has, such as ``uneven_shards``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import UnsupportedError
 
 if TYPE_CHECKING:
+    from .layout import Layout
     from .mesh import Mesh
+    from .parallel import Body, SpecTree
+    from .rules import LayoutMap
 
-__all__ = ["CAPABILITIES", "CONCEPTS", "Backend"]
+__all__ = ["CAPABILITIES", "CONCEPTS", "FEATURES", "LAYERS", "Backend", "Layer"]
 
-#: Capabilities a backend may declare, with what each promises.
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the contract: each capability it gives, with the hooks that give it (all
+    of them must be implemented) and what it promises."""
+
+    name: str
+    required: bool
+    summary: str
+    hooks: dict[str, tuple[str, ...]]
+    promises: dict[str, str]
+    #: hooks of the layer that give no capability of their own (defaults that do nothing)
+    extra_hooks: tuple[str, ...] = ()
+
+
+#: The layers of the contract, in the order a backend grows.
+LAYERS: tuple[Layer, ...] = (
+    Layer(
+        "translator",
+        True,
+        "neutral objects <-> the framework's objects",
+        {
+            "mesh": ("mesh_to_native", "from_native"),
+            "layout": ("layout_to_native",),
+            "layout_map": ("layout_map_to_native",),
+            "distribute": ("distribute", "local_shards"),
+        },
+        {
+            "mesh": "Mesh <-> the framework's mesh object (to_native / from_native)",
+            "layout": "Layout <-> the framework's sharding/layout object",
+            "layout_map": "LayoutMap -> the framework's layout map",
+            "distribute": "distribute(array, layout) gives a native distributed array",
+        },
+    ),
+    Layer(
+        "runtime",
+        False,
+        "processes, devices and communication groups",
+        {
+            "axis_groups": ("axis_groups",),
+        },
+        {
+            "axis_groups": "a communication group per mesh axis",
+        },
+        ("prepare_devices", "initialize", "exchange", "launcher"),
+    ),
+    Layer(
+        "programs",
+        False,
+        "per-shard programs, their gradients and sharded models",
+        {
+            "shard_map": ("shard_map", "full_array"),
+            "grad": ("value_and_grad",),
+            "shard_params": ("shard_params",),
+        },
+        {
+            "shard_map": "unimesh.shard_map runs per-shard functions",
+            "grad": "unimesh.value_and_grad differentiates programs (the global function's "
+            "gradient)",
+            "shard_params": "unimesh.shard_params lays out a model's parameters by rule",
+        },
+    ),
+)
+
+#: Refinements a backend declares in :attr:`Backend.features`: what each promises, and the
+#: capability (or, for ``multi_process``, the runtime hooks) it needs.
+FEATURES: dict[str, tuple[str, str]] = {
+    "uneven_shards": (
+        "layouts whose sharded dims do not divide evenly (torch.chunk blocks)",
+        "layout",
+    ),
+    "tuple_axes": ("one tensor dim split over several mesh axes (P(('dp', 'tp')))", "layout"),
+    "partial": ("pending reductions (P(..., partial={axis: op}))", "layout"),
+    "axis_types": ("auto / explicit / manual axis types round-trip", "mesh"),
+    "multi_process": ("meshes spanning several processes", "initialize+exchange"),
+}
+
+#: Every capability, with what it promises: the layers' hook capabilities, then the features.
 CAPABILITIES: dict[str, str] = {
-    "mesh": "Mesh <-> the framework's mesh object (to_native / from_native)",
-    "layout": "Layout <-> the framework's sharding/layout object",
-    "layout_map": "LayoutMap -> the framework's layout map",
-    "distribute": "distribute(array, layout) gives a native distributed array",
-    "uneven_shards": "layouts whose sharded dims do not divide evenly (torch.chunk blocks)",
-    "tuple_axes": "one tensor dim split over several mesh axes (P(('dp', 'tp')))",
-    "partial": "pending reductions (P(..., partial={axis: op}))",
-    "axis_types": "auto / explicit / manual axis types round-trip",
-    "axis_groups": "a communication group per mesh axis",
-    "multi_process": "meshes spanning several processes",
-    "shard_map": "unimesh.shard_map runs per-shard functions",
-    "grad": "unimesh.value_and_grad differentiates programs (the global function's gradient)",
+    **{cap: text for layer in LAYERS for cap, text in layer.promises.items()},
+    **{name: text for name, (text, _) in FEATURES.items()},
+}
+
+_HOOK_CAPABILITY: dict[str, str] = {
+    hook: cap for layer in LAYERS for cap, hooks in layer.hooks.items() for hook in hooks
 }
 
 #: The concepts a backend maps to native APIs (:attr:`Backend.native_api`), with the neutral API
@@ -39,7 +129,7 @@ CONCEPTS: dict[str, str] = {
     "layout": "unimesh.Layout (mesh + PartitionSpec)",
     "layout_map": "unimesh.LayoutMap",
     "distribute": "unimesh.distribute(array, layout)",
-    "axis_group": "Mesh.groups(axis)",
+    "axis_groups": "Mesh.groups(axis)",
     "shard_map": "unimesh.shard_map(f, mesh, in_specs, out_specs)",
     "psum": "unimesh.psum(x, axis)",
     "all_gather": "unimesh.all_gather(x, axis)",
@@ -54,15 +144,20 @@ CONCEPTS: dict[str, str] = {
 
 
 class Backend:
-    """Base class of a unimesh backend. Subclasses set the class attributes and override the
-    translation methods for the capabilities they declare.
+    """Base class of a unimesh backend.
+
+    The smallest backend sets :attr:`name` and :attr:`framework` and implements
+    ``mesh_to_native`` and ``from_native``; each further hook it implements adds the capability
+    :data:`LAYERS` names for it, and :attr:`features` adds declared refinements.
 
     Attributes:
         name: the backend's name (``"torch"``, ``"jax"``, ...), also its entry-point name.
         framework: the top-level module of the framework (checked with ``find_spec``, never
             imported by the core).
+        distributions: the pip distributions that may carry the framework, for
+            :meth:`framework_version` (default: ``framework``).
         extra: the pip extra that installs the framework: ``pip install "unimesh[extra]"``.
-        capabilities: names from :data:`CAPABILITIES`.
+        features: names from :data:`FEATURES` this backend supports.
         native_modules: top-level modules whose objects ``from_native`` accepts (default:
             ``(framework,)``).
         wraps: frameworks this one runs on (Keras: jax, tensorflow, torch); when both are
@@ -74,6 +169,9 @@ class Backend:
         requires: backends this one builds on (Keras: ``("jax",)``); they must be installed
             too.
 
+    Derived (never set by hand): :attr:`capabilities`, the hook capabilities of the hooks the
+    class implements plus its :attr:`features`.
+
     Everything the rest of the project knows about a backend comes from these declarations
     and the hooks below: the command line, the docs' tables and the conformance runner name
     no backend.
@@ -81,13 +179,89 @@ class Backend:
 
     name: ClassVar[str] = ""
     framework: ClassVar[str] = ""
+    distributions: ClassVar[tuple[str, ...]] = ()
     extra: ClassVar[str] = ""
-    capabilities: ClassVar[frozenset[str]] = frozenset()
+    features: ClassVar[frozenset[str]] = frozenset()
     native_modules: ClassVar[tuple[str, ...]] = ()
     wraps: ClassVar[tuple[str, ...]] = ()
     native_api: ClassVar[dict[str, str]] = {}
     launcher_name: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()
+    #: derived in ``__init_subclass__``: see the class docstring
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "capabilities" in cls.__dict__:
+            # written by hand: registration refuses it with the fix (contract_problems)
+            type.__setattr__(cls, "_hand_written_capabilities", cls.__dict__["capabilities"])
+        caps = {
+            cap
+            for layer in LAYERS
+            for cap, hooks in layer.hooks.items()
+            if all(cls.implements(hook) for hook in hooks)
+        }
+        cls.capabilities = frozenset(caps | set(cls.features))
+
+    @classmethod
+    def implements(cls, hook: str) -> bool:
+        """Whether this class implements ``hook`` (overrides the base class's default)."""
+        return getattr(cls, hook, None) is not getattr(Backend, hook, None)
+
+    @classmethod
+    def layers(cls) -> tuple[str, ...]:
+        """The layers this class implements at least one hook of (the translator always
+        counts: it is required)."""
+        return tuple(
+            layer.name
+            for layer in LAYERS
+            if layer.required
+            or any(cls.implements(h) for h in (*_hooks_of(layer), *layer.extra_hooks))
+        )
+
+    @classmethod
+    def contract_problems(cls) -> list[str]:
+        """What this class gets wrong about the contract (checked when it is registered), each
+        with its fix; empty when nothing."""
+        problems: list[str] = []
+        hand = cls.__dict__.get("_hand_written_capabilities")
+        if hand is not None:
+            problems.append(
+                f"sets capabilities={sorted(hand)} by hand: capabilities follow from the hooks "
+                "it implements; declare only `features` (some of "
+                f"{sorted(FEATURES)})"
+            )
+        for hook in ("mesh_to_native", "from_native"):
+            if not cls.implements(hook):
+                problems.append(f"implements no {hook}: the translator layer is required")
+        for layer in LAYERS:
+            for cap, hooks in layer.hooks.items():
+                done = [h for h in hooks if cls.implements(h)]
+                if done and len(done) < len(hooks):
+                    missing = [h for h in hooks if h not in done]
+                    problems.append(
+                        f"implements {', '.join(done)} but not {', '.join(missing)}: "
+                        f"{cap!r} needs all of {', '.join(hooks)}"
+                    )
+        unknown = sorted(set(cls.features) - set(FEATURES))
+        if unknown:
+            problems.append(
+                f"declares unknown features {unknown}; known features are {sorted(FEATURES)}"
+            )
+        for feature in sorted(set(cls.features) & set(FEATURES)):
+            needs = FEATURES[feature][1]
+            if needs == "initialize+exchange":
+                if not (cls.implements("initialize") and cls.implements("exchange")):
+                    problems.append(
+                        f"declares {feature!r} but implements no initialize and exchange "
+                        "(the runtime layer)"
+                    )
+            elif needs not in cls.capabilities:
+                problems.append(
+                    f"declares {feature!r}, a refinement of {needs!r}, which it does not "
+                    f"implement ({', '.join(_hooks_for(needs))})"
+                )
+        return problems
 
     # -- facts, answered without importing the framework ----------------------------------------
     @property
@@ -107,10 +281,11 @@ class Backend:
             return False
 
     def framework_version(self) -> str | None:
-        """The installed framework's distribution version, or None."""
+        """The installed framework's distribution version (the first of
+        :attr:`distributions` installed), or None."""
         from importlib import metadata
 
-        for dist in (self.framework, self.framework.replace("_", "-"), f"{self.framework}-cpu"):
+        for dist in self.distributions or (self.framework,):
             try:
                 return metadata.version(dist)
             except metadata.PackageNotFoundError:
@@ -121,13 +296,13 @@ class Backend:
         return capability in self.capabilities
 
     def require(self, capability: str, detail: str = "") -> None:
-        """Raise :class:`UnsupportedError` unless ``capability`` is declared."""
+        """Raise :class:`UnsupportedError` unless this backend has ``capability``."""
         if capability not in self.capabilities:
             what = CAPABILITIES.get(capability, capability)
             raise UnsupportedError(
                 f"backend {self.name!r} does not support {capability!r} ({what})"
                 + (f": {detail}" if detail else "")
-                + f"; it declares {sorted(self.capabilities)}",
+                + f"; it supports {sorted(self.capabilities)}",
                 backend=self.name,
                 capability=capability,
             )
@@ -161,46 +336,51 @@ class Backend:
     def __repr__(self) -> str:
         return f"<unimesh backend {self.name!r} ({type(self).__module__}.{type(self).__name__})>"
 
-    # -- translation, overridden by subclasses ---------------------------------------------------
-    def _missing(self, capability: str) -> Any:
+    def _missing(self, hook: str) -> Any:
+        cap = _HOOK_CAPABILITY.get(hook, hook)
         raise UnsupportedError(
-            f"backend {self.name!r} declares no {capability!r} translation",
+            f"backend {self.name!r} does not implement {hook} (capability {cap!r})",
             backend=self.name,
-            capability=capability,
+            capability=cap,
         )
 
-    def mesh_to_native(self, mesh: Any, **options: Any) -> Any:
-        """Neutral :class:`~unimesh.Mesh` -> the framework's mesh object."""
-        return self._missing("mesh")
+    # == layer 1, translator (required) ==========================================================
+    def mesh_to_native(self, mesh: Mesh, **options: Any) -> Any:
+        """Neutral :class:`~unimesh.Mesh` -> the framework's mesh object (``mesh``)."""
+        return self._missing("mesh_to_native")
 
-    def layout_to_native(self, layout: Any, **options: Any) -> Any:
-        """Neutral :class:`~unimesh.Layout` -> the framework's sharding/layout object."""
-        return self._missing("layout")
+    def from_native(self, obj: Any) -> Mesh | Layout | LayoutMap:
+        """A native object this backend :meth:`owns` -> Mesh, Layout or LayoutMap (``mesh``)."""
+        out: Mesh | Layout | LayoutMap = self._missing("from_native")
+        return out
 
-    def layout_map_to_native(self, layout_map: Any, **options: Any) -> Any:
-        """Neutral :class:`~unimesh.LayoutMap` -> the framework's layout map."""
-        return self._missing("layout_map")
+    def layout_to_native(self, layout: Layout, **options: Any) -> Any:
+        """Neutral :class:`~unimesh.Layout` -> the framework's sharding/layout object
+        (``layout``)."""
+        return self._missing("layout_to_native")
 
-    def from_native(self, obj: Any) -> Any:
-        """A native object this backend :meth:`owns` -> Mesh, Layout or LayoutMap."""
-        return self._missing("mesh")
+    def layout_map_to_native(self, layout_map: LayoutMap, **options: Any) -> Any:
+        """Neutral :class:`~unimesh.LayoutMap` -> the framework's layout map
+        (``layout_map``)."""
+        return self._missing("layout_map_to_native")
 
-    def distribute(self, array: Any, layout: Any, **options: Any) -> Any:
-        """A native distributed array whose shards are ``layout``'s reference blocks."""
+    def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
+        """A native distributed array whose shards are ``layout``'s reference blocks
+        (``distribute``, with :meth:`local_shards`)."""
         return self._missing("distribute")
 
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        """This process's shards of a native distributed array, as numpy arrays keyed by
+        logical device id (the inverse view of :meth:`distribute`, for checks)."""
+        out: dict[int, Any] = self._missing("local_shards")
+        return out
+
+    # == layer 2, runtime (optional; the defaults are one process with one device) ==============
     def prepare_devices(self, count: int) -> int:
         """Ask for ``count`` logical devices in this process where the framework allows it
         (before its runtime starts), and return how many devices meshes may use here. Used by
         the conformance suite; the default claims nothing beyond one device."""
         return 1
-
-    def launcher(self, processes: int) -> tuple[list[str], dict[str, str]] | None:
-        """How to run Python in ``processes`` processes of this framework's distributed runtime:
-        a command prefix that ``-m module args...`` completes, and environment additions. None
-        (the default) when the backend runs in one process. Used by ``unimesh check`` and the
-        demo."""
-        return None
 
     def initialize(self, timeout: float) -> tuple[int, int]:
         """Start the framework's distributed runtime from the launcher's environment (once;
@@ -214,37 +394,53 @@ class Backend:
         within ``timeout`` seconds (used by :func:`unimesh.verify`). Default: one process."""
         return [payload]
 
+    def launcher(self, processes: int) -> tuple[list[str], dict[str, str]] | None:
+        """How to run Python in ``processes`` processes of this framework's distributed runtime:
+        a command prefix that ``-m module args...`` completes, and environment additions. None
+        (the default) when the backend runs in one process. Used by ``unimesh check`` and the
+        demo."""
+        return None
+
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         """For each of this process's devices in the native mesh, the members of its
         communication group along ``axis``, as the framework orders them (``axis_groups``)."""
         out: dict[int, tuple[int, ...]] = self._missing("axis_groups")
         return out
 
-    def local_shards(self, array: Any) -> dict[int, Any]:
-        """This process's shards of a native distributed array, as numpy arrays keyed by
-        logical device id (the inverse view of :meth:`distribute`, for checks)."""
-        out: dict[int, Any] = self._missing("distribute")
-        return out
-
-    def shard_map(self, body: Any, mesh: Any, ins: Any, outs: Any) -> Any:
+    # == layer 3, programs (optional) ============================================================
+    def shard_map(self, body: Body, mesh: Mesh, ins: SpecTree, outs: SpecTree) -> Any:
         """A function of the global arguments that runs ``body(env, *blocks)`` on every device
         with an :class:`~unimesh.parallel.AxisEnv` ``env`` and returns the native distributed
-        results (``shard_map``). ``ins`` and ``outs`` are :class:`~unimesh.parallel.SpecTree`
-        (pytree prefixes of Layouts). Backends that run one device per process derive from
+        results (``shard_map``, with :meth:`full_array`). ``ins`` and ``outs`` are pytree
+        prefixes of Layouts. Backends that run one device per process derive from
         :class:`unimesh.spmd.ProcessBackend`, which implements this."""
-        return self._missing("shard_map")
-
-    def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
-        """A function of ``fn``'s arguments returning ``(value, grads)`` with the framework's
-        autodiff, ``grads`` a tuple with one tree per entry of ``argnums``, each gradient laid
-        out like its argument (:func:`unimesh.value_and_grad`)."""
         return self._missing("shard_map")
 
     def full_array(self, array: Any) -> Any:
         """The whole global value of a native distributed array, as numpy, on every process."""
-        return self._missing("distribute")
+        return self._missing("full_array")
 
-    def shard_params(self, model: Any, resolve: Any) -> Any:
-        """Every parameter of ``model`` laid out as ``resolve(path, shape)`` says (a
-        :class:`~unimesh.Layout`); see :func:`unimesh.shard_params`."""
-        return self._missing("distribute")
+    def value_and_grad(
+        self, fn: Callable[..., Any], argnums: tuple[int, ...], has_aux: bool
+    ) -> Callable[..., Any]:
+        """A function of ``fn``'s arguments returning ``(value, grads)`` with the framework's
+        autodiff, ``grads`` a tuple with one tree per entry of ``argnums``, each gradient laid
+        out like its argument (``grad``; :func:`unimesh.value_and_grad`)."""
+        out: Callable[..., Any] = self._missing("value_and_grad")
+        return out
+
+    def shard_params(self, model: Any, resolve: Callable[[str, tuple[int, ...]], Layout]) -> Any:
+        """Every parameter of ``model`` laid out as ``resolve(path, shape)`` says
+        (``shard_params``; :func:`unimesh.shard_params`)."""
+        return self._missing("shard_params")
+
+
+def _hooks_of(layer: Layer) -> tuple[str, ...]:
+    return tuple(h for hooks in layer.hooks.values() for h in hooks)
+
+
+def _hooks_for(capability: str) -> tuple[str, ...]:
+    for layer in LAYERS:
+        if capability in layer.hooks:
+            return layer.hooks[capability]
+    return ()

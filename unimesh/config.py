@@ -22,10 +22,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._validate import short
 from .errors import ConfigError, UnimeshError
-from .layout import AxisRules, LayoutMap, PartitionSpec
 from .mesh import Mesh
+from .messages import short
+from .rules import AxisRules, LayoutMap
+from .spec import PartitionSpec
 
 __all__ = ["Config", "load_config"]
 

@@ -16,8 +16,8 @@ from ._validate import (
     check_int,
     check_size,
     fail,
-    short,
 )
+from .messages import short
 
 __all__ = ["Mesh", "current_mesh", "make_mesh"]
 

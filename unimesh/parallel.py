@@ -19,11 +19,13 @@ from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any
 
-from ._validate import short
 from .backend import Backend
 from .errors import AxisContextError, LayoutError
-from .layout import AxisRules, Layout, LayoutMap, PartitionSpec
+from .layout import Layout
 from .mesh import Mesh
+from .messages import short
+from .rules import AxisRules, LayoutMap
+from .spec import PartitionSpec
 
 __all__ = [
     "AxisEnv",
@@ -410,7 +412,7 @@ def shard_map(
         A function of the global arguments that returns the backend's distributed arrays
         (``jax.Array``, torch ``DTensor``, ``unimesh_mlx.MLXArray``) in the result's tree.
     """
-    from .registry import check_layout, get_backend
+    from .registry import get_backend, require_layout
 
     if not callable(f):
         raise LayoutError(f"shard_map() needs a function, got {short(f)}")
@@ -421,7 +423,7 @@ def shard_map(
     be = get_backend(backend)
     be.require("shard_map")
     for layout in set(ins.layouts + outs.layouts):
-        check_layout(be, layout)
+        require_layout(be, layout)
     if checked is None:
         import os
 
@@ -560,7 +562,7 @@ def full_array(array: Any, backend: str | Backend | None = None) -> Any:
 def _resolver(
     rules: LayoutMap | AxisRules, mesh: Mesh | None, logical_axes: Any, be: Backend
 ) -> Callable[[str, tuple[int, ...]], Layout]:
-    from .registry import check_layout
+    from .registry import require_layout
 
     if isinstance(rules, LayoutMap):
         if mesh is not None and mesh != rules.mesh:
@@ -596,7 +598,7 @@ def _resolver(
                 f"parameter {path!r} has shape {shape}, but its layout "
                 f"{layout.spec!r} names {len(layout.spec)} dims"
             )
-        check_layout(be, layout)
+        require_layout(be, layout)
         if not layout.is_even(shape) and not be.supports("uneven_shards"):
             raise LayoutError(
                 f"parameter {path!r} of shape {shape} does not divide evenly under "
@@ -632,6 +634,6 @@ def shard_params(
     from .registry import get_backend
 
     be = get_backend(backend)
-    be.require("distribute")
+    be.require("shard_params")
     resolve = _resolver(rules, mesh, logical_axes, be)
     return be.shard_params(model, resolve)

@@ -12,8 +12,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ._validate import short
-from .backend import CAPABILITIES, CONCEPTS, Backend
+from .backend import CONCEPTS, Backend
 from .errors import (
     BackendNotFoundError,
     BackendRegistrationError,
@@ -22,6 +21,7 @@ from .errors import (
     LayoutError,
     UnimeshError,
 )
+from .messages import short
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "backends",
-    "check_layout",
     "distribute",
     "from_native",
     "get_backend",
@@ -38,6 +37,7 @@ __all__ = [
     "owner_of",
     "refresh_backends",
     "register_backend",
+    "require_layout",
     "to_native",
     "unregister_backend",
 ]
@@ -187,11 +187,11 @@ def _validated(backend: object) -> Backend:
         raise BackendRegistrationError(
             f"backend {name!r} must set `framework` to its top-level module name"
         )
-    unknown = sorted(set(backend.capabilities) - set(CAPABILITIES))
-    if unknown:
+    problems = type(backend).contract_problems()
+    if problems:
         raise BackendRegistrationError(
-            f"backend {name!r} declares unknown capabilities {unknown}; known "
-            f"capabilities are {sorted(CAPABILITIES)}"
+            f"backend {name!r} ({type(backend).__qualname__}) does not keep the backend "
+            "contract (docs/writing-a-backend.md): " + "; ".join(problems)
         )
     if not isinstance(backend.launcher_name, str):
         raise BackendRegistrationError(
@@ -301,8 +301,8 @@ def _detect() -> Backend:
     )
 
 
-def check_layout(backend: Backend, layout: Any) -> None:
-    """Raise :class:`~unimesh.UnsupportedError` unless ``backend`` declares what ``layout``
+def require_layout(backend: Backend, layout: Any) -> None:
+    """Raise :class:`~unimesh.UnsupportedError` unless ``backend`` supports what ``layout``
     needs (layouts, tuple axes, pending reductions): the checks shared by every backend."""
     backend.require("layout")
     spec = layout.spec
@@ -321,8 +321,9 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
 
     ``options`` go to the backend (e.g. ``device_type`` for torch).
     """
-    from .layout import Layout, LayoutMap
+    from .layout import Layout
     from .mesh import Mesh
+    from .rules import LayoutMap
 
     if not isinstance(obj, (Mesh, Layout, LayoutMap)):
         raise ConversionError(
@@ -334,11 +335,11 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
         be.require("mesh")
         return be.mesh_to_native(obj, **options)
     if isinstance(obj, Layout):
-        check_layout(be, obj)
+        require_layout(be, obj)
         return be.layout_to_native(obj, **options)
     be.require("layout_map")
     for layout in obj.values():
-        check_layout(be, layout)
+        require_layout(be, layout)
     return be.layout_map_to_native(obj, **options)
 
 
@@ -359,8 +360,9 @@ def owner_of(obj: Any) -> Backend:
 def from_native(obj: Any) -> Any:
     """A framework's mesh/layout object as the neutral Mesh or Layout (unimesh objects pass
     through). The backend is found from the object's type; nothing new is imported."""
-    from .layout import Layout, LayoutMap
+    from .layout import Layout
     from .mesh import Mesh
+    from .rules import LayoutMap
 
     if isinstance(obj, (Mesh, Layout, LayoutMap)):
         return obj
@@ -391,7 +393,7 @@ def distribute(
         raise ConversionError(f"distribute() needs an array with a .shape, got {short(array)}")
     be = get_backend(backend)
     be.require("distribute")
-    check_layout(be, layout)
+    require_layout(be, layout)
     if not layout.is_even(tuple(shape)):
         be.require(
             "uneven_shards",

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._validate import short
 from .errors import LayoutError, MeshMismatchError, UnimeshError
 from .mesh import Mesh
+from .messages import short
 
 __all__ = ["fingerprint", "initialize", "verify"]
 

@@ -39,7 +39,7 @@ from .layout import Layout
 from .mesh import Mesh
 from .parallel import AxisEnv, Body, SpecTree
 
-__all__ = ["PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
+__all__ = ["ENGINE_REQUIRED", "PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
 
 #: The primitives a per-process backend may implement natively (``native_primitives``);
 #: ``all_reduce`` and ``all_gather`` are required, the engine builds the others from them.
@@ -53,7 +53,33 @@ PRIMITIVES: dict[str, str] = {
     "split": "split_group(mesh, axes, rows, row): a group per row, this process's returned",
 }
 
+_PRIMITIVE_HOOK: dict[str, str] = {
+    p: ("split_group" if p == "split" else f"group_{p}") for p in PRIMITIVES
+}
+
+#: What a :class:`ProcessBackend` implements for the engine to give it ``shard_map``.
+ENGINE_REQUIRED: tuple[str, ...] = (
+    "process_index",
+    "world_group",
+    "group_all_reduce",
+    "group_all_gather",
+    "as_array",
+    "moveaxis",
+    "take",
+    "reduce_stack",
+    "zeros_like",
+    "local_block",
+    "wrap_result",
+)
+
+_REQUIRED_PRIMITIVES = frozenset({"all_reduce", "all_gather"})
+
 _REDUCE = ("sum", "max", "min")
+
+
+def _engine_base(cls: type) -> Any:
+    # ProcessBackend itself, found through the MRO (its name is unbound while it is created)
+    return next(c for c in cls.__mro__ if c.__dict__.get("_is_engine_base"))
 
 
 class Group:
@@ -90,6 +116,40 @@ class ProcessBackend(Backend):
     #: the engine then chains them (each one's input depends on the previous one's result), so
     #: every process runs them in program order, whatever order its graph would be walked in
     lazy: ClassVar[bool] = False
+    _is_engine_base: ClassVar[bool] = True
+
+    @classmethod
+    def implements(cls, hook: str) -> bool:
+        """``shard_map`` counts as implemented once the engine's required primitives are."""
+        if hook == "shard_map" and cls.shard_map is _engine_base(cls).shard_map:
+            return not cls._engine_missing()
+        return super().implements(hook)
+
+    @classmethod
+    def _engine_missing(cls) -> list[str]:
+        base = _engine_base(cls)
+        return [h for h in ENGINE_REQUIRED if getattr(cls, h) is getattr(base, h)]
+
+    @classmethod
+    def contract_problems(cls) -> list[str]:
+        problems = super().contract_problems()
+        unknown = sorted(set(cls.native_primitives) - set(PRIMITIVES))
+        if unknown:
+            problems.append(
+                f"native_primitives names unknown primitives {unknown}; known: {sorted(PRIMITIVES)}"
+            )
+        # all_reduce and all_gather are required primitives, checked with the others below
+        for prim in sorted(set(cls.native_primitives) & set(PRIMITIVES) - _REQUIRED_PRIMITIVES):
+            hook = _PRIMITIVE_HOOK[prim]
+            if getattr(cls, hook) is getattr(ProcessBackend, hook):
+                problems.append(f"lists {prim!r} in native_primitives but implements no {hook}")
+        missing = cls._engine_missing()
+        if 0 < len(missing) < len(ENGINE_REQUIRED) and cls.shard_map is ProcessBackend.shard_map:
+            problems.append(
+                f"implements part of the engine's primitives but not {', '.join(missing)}: "
+                "shard_map needs all of them"
+            )
+        return problems
 
     # -- the process world --------------------------------------------------------------------
     def process_index(self) -> int:

@@ -22,7 +22,7 @@ from unimesh import (
     P,
     UnsupportedError,
 )
-from unimesh._validate import first_line, short
+from unimesh.messages import first_line, short
 from unimesh.parallel import AxisEnv
 
 __all__ = [
@@ -70,24 +70,12 @@ class JaxBackend(Backend):
     framework = "jax"
     extra = "jax"
     native_modules = ("jax",)
-    capabilities = frozenset(
-        {
-            "mesh",
-            "layout",
-            "distribute",
-            "tuple_axes",
-            "partial",
-            "shard_map",
-            "axis_types",
-            "multi_process",
-            "grad",
-        }
-    )
+    features = frozenset({"axis_types", "multi_process", "partial", "tuple_axes"})
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "jax.sharding.Mesh (AbstractMesh from_native)",
         "layout": "jax.sharding.NamedSharding(mesh, PartitionSpec)",
         "distribute": "jax.make_array_from_callback",
-        "axis_group": "named axis inside shard_map (no group object)",
+        "axis_groups": "named axis inside shard_map (no group object)",
         "shard_map": "jax.shard_map",
         "psum": "jax.lax.psum",
         "psum_scatter": "jax.lax.psum_scatter",

@@ -23,7 +23,7 @@ from unimesh import (
     P,
     UnsupportedError,
 )
-from unimesh._validate import short
+from unimesh.messages import short
 
 __all__ = ["KerasBackend", "distribution"]
 
@@ -49,7 +49,6 @@ class KerasBackend(Backend):
     extra = "keras"
     native_modules = ("keras",)
     wraps = ("jax", "tensorflow", "torch")
-    capabilities = frozenset({"mesh", "layout", "layout_map", "distribute", "shard_map", "grad"})
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "keras.distribution.DeviceMesh",
         "layout": "keras.distribution.TensorLayout",

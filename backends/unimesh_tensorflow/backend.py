@@ -23,7 +23,7 @@ from unimesh import (
     P,
     UnsupportedError,
 )
-from unimesh._validate import short
+from unimesh.messages import short
 
 __all__ = ["TensorFlowBackend", "configure_cpu_devices"]
 
@@ -65,9 +65,10 @@ class TensorFlowBackend(Backend):
 
     name = "tensorflow"
     framework = "tensorflow"
+    #: the CPU wheel is a distribution of its own
+    distributions = ("tensorflow", "tensorflow-cpu")
     extra = "tensorflow"
     native_modules = ("tensorflow",)
-    capabilities = frozenset({"mesh", "layout", "distribute"})
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "tf.experimental.dtensor.Mesh",
         "layout": "tf.experimental.dtensor.Layout",

@@ -21,8 +21,9 @@ from typing import Any
 
 from ..backend import Backend
 from ..errors import BackendNotFoundError, UnimeshError
-from ..layout import Layout, PartitionSpec
+from ..layout import Layout
 from ..mesh import Mesh
+from ..spec import PartitionSpec
 
 #: Launched demos larger than this are not started (one process per device).
 MAX_PROCESSES = 16

@@ -24,6 +24,7 @@ def _backends(args: argparse.Namespace) -> int:
             needs = f"; builds on {', '.join(be.requires)}" if be.requires else ""
             print(
                 f"{name}: {be.framework} {be.framework_version()}; runs: {runs}{needs}; "
+                f"layers: {' + '.join(be.layers())}; "
                 f"capabilities: {', '.join(sorted(be.capabilities))}"
             )
         except UnimeshError as exc:  # its message carries the install hint
@@ -34,10 +35,10 @@ def _backends(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from .show import check_layout_args, describe, draw
+    from .show import describe, draw, layout_from_args
 
     mesh = Mesh.from_string(args.spec)
-    layout, shape = check_layout_args(mesh, args.layout, args.shape)
+    layout, shape = layout_from_args(mesh, args.layout, args.shape)
     if args.json:
         print(json.dumps(describe(mesh, layout, shape), indent=2))
     else:

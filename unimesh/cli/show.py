@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._validate import short
 from ..errors import LayoutError
-from ..layout import Layout, PartitionSpec
+from ..layout import Layout
 from ..mesh import Mesh
+from ..messages import short
+from ..spec import PartitionSpec
 
-__all__ = ["check_layout_args", "describe", "draw", "parse_shape", "parse_spec"]
+__all__ = ["describe", "draw", "layout_from_args", "parse_shape", "parse_spec"]
 
 #: colours for process boundaries (cycled)
 _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red")
@@ -158,7 +159,7 @@ def draw(
         console.print(_tensor_table(layout, shape))
 
 
-def check_layout_args(
+def layout_from_args(
     mesh: Mesh, spec: str | None, shape: str | None
 ) -> tuple[Layout | None, tuple[int, ...] | None]:
     """The layout and shape from ``--layout`` / ``--shape`` (both or neither)."""

@@ -9,9 +9,9 @@ semantics, run through any installed backend.
 Each test names the capability it exercises; a test for a capability the backend does not
 declare is skipped with that name. Requests a backend does not declare must raise
 ``unimesh.UnsupportedError``. At the end a capability matrix (backend x capability: pass / fail /
-not declared) is printed, and written with ``--unimesh-matrix-json PATH`` / ``--unimesh-matrix-md
-PATH``. The pytest plugin (``unimesh.conformance.plugin``) is registered through the ``pytest11``
-entry point and stays inert unless the suite is asked for.
+not declared) is printed, and written with ``--unimesh-matrix-json PATH`` /
+``--unimesh-matrix-md PATH``. The pytest plugin (``unimesh.conformance.pytest_plugin``) is
+registered through the ``pytest11`` entry point and stays inert unless the suite is asked for.
 """
 
 #: The capabilities the suite exercises, in matrix order.

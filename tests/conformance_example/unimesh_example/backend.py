@@ -38,7 +38,7 @@ class ExampleBackend(ProcessBackend):
     framework = "numpy"
     extra = "example"
     native_modules = ("unimesh_example",)
-    capabilities = frozenset({"mesh", "layout", "distribute", "uneven_shards", "tuple_axes"})
+    features = frozenset({"tuple_axes", "uneven_shards"})
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "unimesh_example.Mesh (ids and names)",
         "layout": "unimesh_example.Layout (mesh and spec entries)",
@@ -125,7 +125,6 @@ class ThreadedExampleBackend(ExampleBackend):
     only primitives written here are all-gather and all-reduce over a group (the engine builds
     reduce-scatter, all-to-all, permute and broadcast from them)."""
 
-    capabilities = ExampleBackend.capabilities | {"shard_map"}
     native_primitives = frozenset({"all_reduce", "all_gather", "split"})
 
     def __init__(self) -> None:

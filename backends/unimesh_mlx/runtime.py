@@ -1,0 +1,192 @@
+"""The MLX backend's runtime layer: ``mx.distributed.init`` checked against the launcher
+(mlx.launch, mpirun), the exchange ``unimesh.verify`` uses, a watchdog for collectives that
+cannot be interrupted, and the exit hook that releases split groups before MPI finalizes."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from unimesh import LaunchError, MeshMismatchError
+from unimesh.spmd import ProcessBackend
+
+if TYPE_CHECKING:
+    from .translate import AxisGroup
+
+_LIVE: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
+_LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but weakly referable
+_REGISTERED = False
+_ENGINES: weakref.WeakSet[MLXRuntime] = weakref.WeakSet()  # their programs' pending results
+_STARTED: list[Any] = []  # the world group, once initialize() checked it
+
+
+_MX: Any = None
+
+
+def _mx() -> Any:
+    global _MX
+    if _MX is None:
+        import mlx.core as mx
+
+        _MX = mx
+    return _MX
+
+
+def _release_groups() -> None:
+    """Drop every split group before the interpreter (and MPI) shuts down: a split group still
+    alive at MPI_Finalize makes every rank abort."""
+    for engine in list(_ENGINES):
+        engine.forget_pending()
+    for group in list(_LIVE):
+        group._group = None
+    for ref in _LAYERS:
+        layer = ref()
+        if layer is not None and "group" in vars(layer):
+            vars(layer)["group"] = None
+    import sys
+
+    distributed = sys.modules.get("mlx.nn.layers.distributed")
+    cached: Any = getattr(distributed, "sum_gradients", None)
+    if hasattr(cached, "cache_clear"):  # MLX memoises a gradient hook per group: let it go
+        cached.cache_clear()
+    import gc
+
+    gc.collect()
+
+
+def _init_world() -> Any:
+    """``mx.distributed.init()``, then (once) the exit hook that releases split groups. It is
+    registered after MLX's own, and exit hooks run last-registered first, so it runs before
+    MPI is finalized."""
+    global _REGISTERED
+    world = _mx().distributed.init()
+    if not _REGISTERED:
+        atexit.register(_release_groups)
+        _REGISTERED = True
+    return world
+
+
+def launcher_world_size() -> tuple[int, str] | None:
+    """How many processes the launcher says it started, and the variable that says so:
+    mpirun's ``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE``, ``MLX_WORLD_SIZE``, or the number of
+    hosts in mlx.launch's ring ``MLX_HOSTFILE``. None outside a launcher."""
+    import json
+
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MLX_WORLD_SIZE"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value), f"{var}={value}"
+    path = os.environ.get("MLX_HOSTFILE")
+    if path:
+        try:
+            with open(path) as fh:
+                text = fh.read().strip()
+            hosts = json.loads(text) if text else []
+        except (OSError, ValueError):
+            return None
+        if isinstance(hosts, list) and hosts:
+            return len(hosts), f"MLX_HOSTFILE lists {len(hosts)} hosts"
+    return None
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, what: str) -> Iterator[None]:
+    """MLX collectives cannot be interrupted: if ``what`` does not finish within ``seconds``,
+    say so on stderr and end this process (status 1) instead of hanging."""
+    import sys
+    import threading
+
+    def fire() -> None:
+        sys.stderr.write(
+            f"unimesh: {what} did not finish within {seconds:.0f} s: a peer process "
+            "is gone or stuck; MLX collectives cannot be interrupted, so this "
+            "process exits (status 1)\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()  # no thread of ours may still run when MPI is finalized at exit
+
+
+class MLXRuntime(ProcessBackend):
+    """The runtime layer: MLX's distributed world, one device per process."""
+
+    def _world(self) -> Any:
+        _ENGINES.add(self)
+        if _STARTED:
+            return _STARTED[0]
+        self.initialize(300.0)
+        return _STARTED[0]
+
+    def initialize(self, timeout: float) -> tuple[int, int]:
+        """``mx.distributed.init()`` (within ``timeout`` seconds, see :func:`watchdog`), checked
+        against the process count the launcher says it started: MLX silently falls back to a
+        1-process group when it finds no distributed backend."""
+        if not _STARTED:
+            rank_hint = next(
+                (os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "MLX_RANK") if v in os.environ),
+                "?",
+            )
+            with watchdog(timeout, f"mx.distributed.init() on rank {rank_hint}"):
+                world = _init_world()
+            expected = launcher_world_size()
+            if expected is not None and expected[0] != int(world.size()):
+                raise LaunchError(
+                    f"the launcher started {expected[0]} processes ({expected[1]}) but "
+                    f"mx.distributed.init() gave a group of {int(world.size())}: MLX found no "
+                    "distributed backend for this launcher (mpirun: is openmpi's libmpi "
+                    "installed, apt-get install libopenmpi-dev; mlx.launch: is the ring "
+                    "hostfile readable?)"
+                )
+            _STARTED.append(world)
+        world = _STARTED[0]
+        return int(world.rank()), int(world.size())
+
+    def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
+        """``mx.distributed.all_gather`` of the lengths, then of the padded bytes, over the
+        world group, under :func:`watchdog`."""
+        mx = _mx()
+        rank, world_size = self.initialize(timeout)
+        if world_size == 1:
+            return [payload]
+        world = _STARTED[0]
+        with watchdog(timeout, f"the mesh check on rank {rank} of {world_size}"):
+            try:
+                sizes = mx.distributed.all_gather(
+                    mx.array([len(payload)], dtype=mx.int32), group=world
+                )
+                longest = int(mx.max(sizes).item())
+                mine = np.zeros(longest, dtype=np.int32)
+                mine[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                every = mx.distributed.all_gather(mx.array(mine), group=world)
+                mx.eval(every)
+            except RuntimeError as exc:
+                raise MeshMismatchError(
+                    f"rank {rank} of {world_size}: a peer process is gone ({exc})"
+                ) from exc
+        rows = np.array(every).reshape(world_size, longest)
+        return [bytes(rows[r, : int(n)].astype(np.uint8)) for r, n in enumerate(np.array(sizes))]
+
+    def launcher(self, processes: int) -> tuple[list[str], dict[str, str]]:
+        """``mlx.launch -n N --backend ring -- python`` (the ring backend needs no MPI)."""
+        import sys
+        from pathlib import Path
+
+        launch = Path(sys.executable).with_name("mlx.launch")
+        return [str(launch), "-n", str(processes), "--backend", "ring", "--", sys.executable], {}
+
+    def prepare_devices(self, count: int) -> int:
+        return self.initialize(300.0)[1]

@@ -1,0 +1,215 @@
+"""The MLX backend's translator layer. MLX has no mesh type: ``to_native(mesh)`` gives an
+:class:`MLXMesh` (the world group, this process's ``mx.Device``, its coordinates, and an
+:class:`AxisGroup` per mesh axis whose members are the neutral group holding this rank, in the
+neutral order); a layout is this process's block (:class:`MLXLayout`, :class:`MLXArray`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from unimesh import (
+    ConversionError,
+    Layout,
+    Mesh,
+    MeshMismatchError,
+    UnsupportedError,
+)
+from unimesh.messages import short
+
+from .runtime import _LIVE, MLXRuntime, _mx
+
+
+class AxisGroup:
+    """This rank's communication group along some mesh axes: ``members`` in the neutral order.
+
+    With a real split group the collectives go to MLX directly; without one (ring backend, or a
+    single process) they run over the world group and keep the members' contributions.
+    """
+
+    def __init__(
+        self, axes: tuple[str, ...], members: tuple[int, ...], world: Any, group: Any
+    ) -> None:
+        self.axes = axes
+        self.members = members
+        self.world = world
+        self._group = group
+        _LIVE.add(self)
+
+    @property
+    def emulated(self) -> bool:
+        return self._group is None
+
+    @property
+    def group(self) -> Any:
+        """The ``mx.distributed.Group`` (None when emulated)."""
+        return self._group
+
+    def rank(self) -> int:
+        return self.members.index(self.world.rank())
+
+    def size(self) -> int:
+        return len(self.members)
+
+    def _gathered(self, x: Any) -> Any:
+        mx = _mx()
+        every = mx.distributed.all_gather(mx.expand_dims(x, 0), group=self.world)
+        return every[mx.array(list(self.members))]
+
+    def _reduce(self, x: Any, collective: str, local: str) -> Any:
+        """``mx.distributed.<collective>`` on the split group, or ``mx.<local>`` over the
+        members' contributions gathered from the world group."""
+        mx = _mx()
+        if self._group is not None:
+            return getattr(mx.distributed, collective)(x, group=self._group)
+        return getattr(mx, local)(self._gathered(x), axis=0)
+
+    def all_sum(self, x: Any) -> Any:
+        return self._reduce(x, "all_sum", "sum")
+
+    def all_max(self, x: Any) -> Any:
+        return self._reduce(x, "all_max", "max")
+
+    def all_min(self, x: Any) -> Any:
+        return self._reduce(x, "all_min", "min")
+
+    def all_gather(self, x: Any) -> Any:
+        """The members' arrays concatenated along axis 0, in the neutral member order."""
+        mx = _mx()
+        if self._group is not None:
+            return mx.distributed.all_gather(x, group=self._group)
+        return mx.concatenate(list(self._gathered(x)), axis=0)
+
+    def __repr__(self) -> str:
+        how = "emulated over the world group" if self.emulated else "split group"
+        return f"AxisGroup(axes={self.axes}, members={self.members}, {how})"
+
+
+class MLXMesh:
+    """The MLX form of a neutral mesh for this process."""
+
+    def __init__(self, mesh: Mesh, world: Any, device: Any) -> None:
+        self.mesh = mesh
+        self.world = world
+        self.device = device
+        self.rank = int(world.rank())
+        self.coords = mesh.coords(self.rank)
+        self._groups: dict[tuple[str, ...], AxisGroup] = {}
+        self._can_split: bool | None = None
+
+    def axis_group(self, axes: str | tuple[str, ...]) -> AxisGroup:
+        """The group along ``axes`` holding this rank (built on first use, by every rank)."""
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        if names in self._groups:
+            return self._groups[names]
+        rows = self.mesh.groups_array(names)  # validates the names
+        row = int(np.flatnonzero((rows == self.rank).any(axis=1))[0])
+        members = tuple(int(d) for d in rows[row])
+        group = None
+        if self._can_split is not False and self.world.size() > 1:
+            try:  # collective: every rank splits, colour = which group, key = place in it
+                group = self.world.split(row, members.index(self.rank))
+                self._can_split = True
+            except RuntimeError:
+                self._can_split = False  # MLX's ring backend has no split: emulate
+        made = AxisGroup(names, members, self.world, group)
+        self._groups[names] = made
+        return made
+
+    @property
+    def uses_split_groups(self) -> bool | None:
+        """True (MPI), False (emulated, e.g. ring), None (no group built yet)."""
+        return self._can_split
+
+    def __repr__(self) -> str:
+        return f"MLXMesh({self.mesh!r}, rank={self.rank}, coords={self.coords}, {self.device})"
+
+
+class MLXLayout:
+    """The MLX form of a layout: this process's mesh view and the block it holds."""
+
+    def __init__(self, native_mesh: MLXMesh, layout: Layout) -> None:
+        self.native_mesh = native_mesh
+        self.layout = layout
+
+    def local_slices(self, global_shape: tuple[int, ...]) -> tuple[slice, ...]:
+        """The block of a global array that this process holds."""
+        return self.layout.shard_slices(global_shape, self.native_mesh.rank)
+
+    def __repr__(self) -> str:
+        return f"MLXLayout({self.layout.spec!r} on {self.native_mesh!r})"
+
+
+class MLXArray:
+    """What a shard_map returns on MLX, which has no global array type: this process's block
+    (``local``, an ``mx.array``), the layout it follows, and the global ``shape``.
+    :func:`unimesh.full_array` gathers the whole value."""
+
+    def __init__(self, local: Any, layout: Layout, shape: tuple[int, ...]) -> None:
+        self.local = local
+        self.layout = layout
+        self.shape = shape
+
+    def __repr__(self) -> str:
+        return (
+            f"MLXArray(shape={self.shape}, block={tuple(self.local.shape)}, "
+            f"spec={self.layout.spec!r})"
+        )
+
+
+class MLXTranslator(MLXRuntime):
+    """The translator layer (and ``axis_groups``, the groups of an :class:`MLXMesh`)."""
+
+    def mesh_to_native(self, mesh: Mesh, **options: Any) -> MLXMesh:
+        self.reject_options(options)
+        world = self._world()
+        n = int(world.size())
+        if mesh.size < n and int(mesh.device_ids.max()) < n:
+            raise UnsupportedError(
+                f"{mesh!r} uses {mesh.size} of the {n} MLX processes; an MLX mesh spans the whole "
+                "world (every process builds the same groups): launch as many processes as the "
+                "mesh has devices",
+                backend=self.name,
+                capability="mesh",
+            )
+        if mesh.size != n or sorted(mesh.device_ids.ravel().tolist()) != list(range(n)):
+            raise MeshMismatchError(
+                f"{mesh!r} needs {mesh.size} MLX processes holding devices 0..{mesh.size - 1}, "
+                f"but this MLX world has {n}; start them with: mpirun --allow-run-as-root -np "
+                f"{mesh.size} python script.py (MPI) or mlx.launch -n {mesh.size} --backend ring "
+                "-- python script.py"
+            )
+        return MLXMesh(mesh, world, _mx().default_device())
+
+    def layout_to_native(self, layout: Layout, **options: Any) -> MLXLayout:
+        """An :class:`MLXLayout`: which block of each global array this process holds."""
+        return MLXLayout(self.mesh_to_native(layout.mesh, **options), layout)
+
+    def from_native(self, obj: Any) -> Any:
+        mx = _mx()
+        if isinstance(obj, MLXMesh):
+            return obj.mesh
+        if isinstance(obj, MLXLayout):
+            return obj.layout
+        if isinstance(obj, mx.Device):
+            return Mesh((1,), ("device",))
+        raise ConversionError(
+            f"the mlx backend converts MLXMesh and mx.Device, not {short(obj)} "
+            f"({type(obj).__module__}.{type(obj).__qualname__})"
+        )
+
+    def distribute(self, array: Any, layout: Layout, **options: Any) -> MLXArray:
+        """An :class:`MLXArray` holding this process's block,
+        ``array[layout.shard_slices(shape, rank)]`` (its ``local`` mx.array)."""
+        native = self.mesh_to_native(layout.mesh, **options)
+        host = np.asarray(array)
+        block = _mx().array(host[layout.shard_slices(host.shape, native.rank)])
+        return MLXArray(block, layout, tuple(host.shape))
+
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        local = array.local if isinstance(array, MLXArray) else array
+        return {int(self._world().rank()): np.array(local)}
+
+    def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
+        return {native_mesh.rank: native_mesh.axis_group(axis).members}

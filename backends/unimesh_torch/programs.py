@@ -1,0 +1,505 @@
+"""The torch backend's program layer: the core's per-process engine on gloo/NCCL process
+groups (DeviceMesh groups), DTensors in and out, JAX's check_vma gradient rules through a
+``TorchFunctionMode``, ``value_and_grad`` with torch autograd, and ``shard_params``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from unimesh import ConversionError, Layout, Mesh, MeshMismatchError
+from unimesh.messages import short
+
+from .runtime import _dist, _torch
+from .translate import TorchLayout, TorchTranslator
+
+
+class TorchPrograms(TorchTranslator):
+    """The program layer, on the primitives of the core's SPMD engine."""
+
+    def process_index(self) -> int:
+        return int(_dist().get_rank())
+
+    def world_group(self) -> Any:
+        return _TorchGroup(_dist().group.WORLD, tuple(range(_dist().get_world_size())))
+
+    def group_cache_key(self) -> Any:
+        return _dist().group.WORLD
+
+    def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
+        """The DeviceMesh's own group along ``axes`` (``get_group``; for several axes the
+        group of the dims flattened with ``_flatten``), so torch makes and names it as for
+        any DeviceMesh."""
+        device_mesh = self.mesh_to_native(mesh)
+        ordered = tuple(sorted(axes, key=mesh.axis_names.index))
+        if len(ordered) == 1:
+            pg = device_mesh.get_group(ordered[0])
+        else:
+            pg = device_mesh[ordered]._flatten("unimesh_" + "_".join(ordered)).get_group()
+        return _TorchGroup(pg, tuple(int(m) for m in rows[row]))
+
+    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
+        dist = _dist()
+        out = x.detach().clone(memory_format=_torch().contiguous_format)
+        dist.all_reduce(out, op=_OPS[op](), group=group.pg)
+        return out
+
+    def group_all_gather(self, x: Any, group: Any) -> Any:
+        torch = _torch()
+        flat = x.detach().contiguous().reshape(-1)  # gloo gathers into one flat buffer
+        out = torch.empty(group.size * flat.numel(), dtype=x.dtype, device=x.device)
+        dist = _dist()  # all_gather_into_tensor is deprecated from torch 2.13 on
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=group.pg)
+        out = out.reshape((group.size,) + tuple(x.shape))
+        return out if group.order is None else out[group.order]
+
+    def group_reduce_scatter(self, x: Any, group: Any) -> Any:
+        torch = _torch()
+        x = x.detach()
+        if group.inverse is not None:
+            x = x[group.inverse]
+        flat = x.contiguous().reshape(-1)
+        out = torch.empty(flat.numel() // group.size, dtype=x.dtype, device=x.device)
+        dist = _dist()  # reduce_scatter_tensor is deprecated from torch 2.13 on
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(
+            out, flat, group=group.pg
+        )
+        return out.reshape(tuple(x.shape[1:]))
+
+    def group_all_to_all(self, x: Any, group: Any) -> Any:
+        torch = _torch()
+        x = x.detach()
+        if group.inverse is not None:
+            x = x[group.inverse]
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        _dist().all_to_all_single(out, x, group=group.pg)
+        return out if group.order is None else out[group.order]
+
+    def group_permute(self, x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
+        """Point to point: ``x`` sent to the member that takes it, the source's received
+        (``batch_isend_irecv``; only the pairs of the permutation talk)."""
+        torch = _torch()
+        dist = _dist()
+        me = group.members.index(group.rank)
+        dest = next((i for i, s in enumerate(sources) if s == me), None)
+        src = sources[me]
+        if src == me:
+            return x.detach().clone()
+        ops = []
+        if dest is not None:
+            ops.append(
+                dist.P2POp(dist.isend, x.detach().contiguous(), group.members[dest], group.pg)
+            )
+        out = (
+            torch.empty_like(x, memory_format=torch.contiguous_format)
+            if src is not None
+            else torch.zeros_like(x)
+        )
+        if src is not None:
+            ops.append(dist.P2POp(dist.irecv, out, group.members[src], group.pg))
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+        return out
+
+    def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
+        out = x.detach().clone(memory_format=_torch().contiguous_format)
+        _dist().broadcast(out, src=group.members[root], group=group.pg)
+        return out
+
+    def as_array(self, value: Any) -> Any:
+        torch = _torch()
+        return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
+        return _torch().movedim(x, source, destination)
+
+    def take(self, x: Any, index: list[int]) -> Any:
+        return x[index]
+
+    def reduce_stack(self, x: Any, op: str) -> Any:
+        return x.sum(0) if op == "sum" else x.amax(0) if op == "max" else x.amin(0)
+
+    def zeros_like(self, x: Any) -> Any:
+        return _torch().zeros_like(x)
+
+    def to_host(self, x: Any) -> np.ndarray:
+        return x.detach().cpu().numpy()  # type: ignore[no-any-return]
+
+    def needs_grad(self, x: Any) -> bool:
+        return bool(x.requires_grad) and _torch().is_grad_enabled()
+
+    def typing(self, env: Any) -> Any:
+        """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
+        axes of variation and passes a gradient-carrying argument that lacks some of them
+        through ``env.pvary`` (JAX inserts the same pvary)."""
+        return _vma_mode()(env)
+
+    def vma_of(self, x: Any) -> frozenset[str]:
+        return getattr(x, _VMA, _NONE)
+
+    def tag(self, x: Any, vma: frozenset[str]) -> Any:
+        setattr(x, _VMA, vma)
+        return x
+
+    def untyped(self, fn: Any, x: Any) -> Any:
+        with _torch()._C.DisableTorchFunction():
+            return fn(x)
+
+    def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
+        function = _vjp_function()
+        return lambda x: function.apply(x, fwd, bwd)
+
+    def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
+        """A DTensor's local tensor (redistributed to ``layout`` first when it is laid out
+        otherwise), or a global tensor (numpy and lists become tensors) for the engine to cut."""
+        torch = _torch()
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(arg, DTensor):
+            native = self._native_layout(layout)
+            if (
+                arg.device_mesh is native.device_mesh and tuple(arg.placements) == native.placements
+            ):  # the usual case, no conversions
+                leaf = getattr(arg, _LEAF, None)
+                if leaf is not None:  # a parameter value_and_grad differentiates
+                    return leaf, False
+                if arg.requires_grad and torch.is_grad_enabled():
+                    return arg.to_local(), False
+                local = arg._local_tensor  # what to_local() gives without autograd, as a new
+                return local.view_as(local), False  # object (the engine tags it)
+            have = self.from_native(arg)
+            if have.mesh != layout.mesh:
+                raise ConversionError(
+                    f"a shard_map argument is a DTensor on {have.mesh!r}, not "
+                    f"on the shard_map's {layout.mesh!r}"
+                )
+            if have != layout:
+                arg = arg.redistribute(native.device_mesh, list(native.placements))
+            return arg.to_local(), False
+        if not torch.is_tensor(arg):
+            arg = torch.as_tensor(np.asarray(arg))
+        return arg, True
+
+    def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
+        """A DTensor of the layout's placements and the global shape: what
+        ``DTensor.from_local(block, ..., run_check=False, shape=..., stride=...)`` makes, with
+        its spec built once per (layout, shape, dtype) instead of per call."""
+        torch = _torch()
+
+        native = self._native_layout(layout)  # a new world empties the spec cache too
+        key = (layout, shape, block.dtype)
+        spec = self._specs.get(key)
+        if spec is None:
+            from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+            stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+            spec = self._specs[key] = DTensorSpec(
+                native.device_mesh,
+                tuple(native.placements),
+                tensor_meta=TensorMeta(torch.Size(shape), stride, block.dtype),
+            )
+        if block.requires_grad and torch.is_grad_enabled():
+            out = _from_local_function().apply(block, spec)
+        else:
+            out = _dtensor(block.view_as(block), spec, requires_grad=False)
+        setattr(out, _BLOCK, block)
+        return out
+
+    def _native_layout(self, layout: Layout) -> TorchLayout:
+        cache: dict[Layout, TorchLayout] = self.__dict__.setdefault("_native_layouts", {})
+        if self._world_group is not _dist().group.WORLD:  # a new world: rebuild everything
+            cache.clear()
+            self._specs.clear()
+        native = cache.get(layout)
+        if native is None:  # layout_to_native records the world it was built in
+            native = cache[layout] = self.layout_to_native(layout)
+        return native
+
+    def prepare_program(self, mesh: Mesh, layouts: tuple[Layout, ...]) -> None:
+        """The DeviceMesh and placements of every in/out layout, built by every rank together
+        before the first run (DTensor needs them; building one is collective)."""
+        for layout in layouts:
+            self._check_order(layout)
+        for layout in layouts:
+            self._native_layout(layout)
+
+    def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
+        """torch autograd: the differentiated leaves are detached copies that require grad;
+        ``torch.autograd.grad`` of the scalar value gives their gradients (DTensors for DTensor
+        arguments).
+
+        A DTensor leaf also carries a plain tensor leaf for its local block, which shard_map
+        takes as the block (no ``to_local``/``from_local`` round trip through autograd); its
+        gradient is added to whatever reaches the DTensor itself through DTensor operations.
+        """
+        import optree
+
+        torch = _torch()
+        from torch.distributed.tensor import DTensor
+
+        def fresh_leaf(leaf: Any) -> tuple[Any, Any]:
+            """(the copy the function gets, its block leaf or None)."""
+            if isinstance(leaf, DTensor):
+                local = leaf._local_tensor.detach()
+                copy = _dtensor(local, leaf._spec, requires_grad=True)
+                block = local.view_as(local).requires_grad_(True)
+                setattr(copy, _LEAF, block)
+                return copy, block
+            return leaf.detach().requires_grad_(True), None
+
+        def run(*given: Any) -> Any:
+            args = list(given)
+            leaves: list[Any] = []
+            trees = []
+            for i in argnums:
+                flat, treedef = optree.tree_flatten(args[i])
+                fresh = [
+                    fresh_leaf(leaf)
+                    if torch.is_tensor(leaf) and (leaf.is_floating_point() or leaf.is_complex())
+                    else (leaf, False)
+                    for leaf in flat
+                ]
+                trees.append((treedef, fresh))
+                for copy, block in fresh:
+                    if block is not False:
+                        leaves += [copy] if block is None else [copy, block]
+                args[i] = optree.tree_unflatten(treedef, [copy for copy, _ in fresh])
+            with torch.enable_grad():
+                out = fn(*args)
+                value, aux = out if has_aux else (out, None)
+                scalar = value
+                if isinstance(value, DTensor):
+                    if any(not p.is_replicate() for p in value.placements):
+                        scalar = value.full_tensor()
+                    else:  # a shard_map result: its block, else the local tensor
+                        scalar = getattr(value, _BLOCK, None)
+                        scalar = value.to_local() if scalar is None else scalar
+                if not torch.is_tensor(scalar) or scalar.numel() != 1:
+                    raise ConversionError(
+                        f"value_and_grad needs {getattr(fn, '__name__', 'fn')} to return a "
+                        f"scalar, got {short(value)}"
+                    )
+                found = torch.autograd.grad(scalar.reshape(()), leaves, allow_unused=True)
+            by_id = {id(leaf): g for leaf, g in zip(leaves, found)}
+
+            def grad_of(copy: Any, block: Any) -> Any:
+                if block is False:
+                    return None
+                whole = by_id.get(id(copy))
+                if block is not None and by_id.get(id(block)) is not None:
+                    local = by_id[id(block)]
+                    if local.dtype != copy.dtype:  # pragma: no cover - autograd keeps dtypes
+                        local = local.to(copy.dtype)
+                    part = _dtensor(local, copy._spec, requires_grad=False)
+                    whole = part if whole is None else whole + part
+                return torch.zeros_like(copy) if whole is None else whole
+
+            grads = tuple(
+                optree.tree_unflatten(treedef, [grad_of(c, b) for c, b in fresh])
+                for treedef, fresh in trees
+            )
+            value = value.detach()
+            return ((value, aux) if has_aux else value), grads
+
+        return run
+
+    def full_array(self, array: Any) -> Any:
+        """numpy of a DTensor's whole value (``full_tensor()``, a collective) or of a tensor."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(array, DTensor):
+            array = array.full_tensor()
+        return array.detach().cpu().numpy()
+
+    def shard_params(self, model: Any, resolve: Any) -> Any:
+        """Every parameter of an ``nn.Module`` becomes a DTensor parameter laid out as
+        ``resolve(name, shape)`` says (names from ``named_parameters``; tied parameters stay
+        tied). In place; returns the module."""
+        torch = _torch()
+        if not isinstance(model, torch.nn.Module):
+            raise ConversionError(
+                f"the torch backend shards the parameters of an nn.Module, not {short(model)}"
+            )
+        new: dict[int, Any] = {}
+        for path, param in model.named_parameters():
+            layout = resolve(path, tuple(param.shape))
+            placed = self.distribute(param.detach(), layout)
+            new[id(param)] = torch.nn.Parameter(placed, requires_grad=param.requires_grad)
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if id(param) in new:
+                    module.register_parameter(name, new[id(param)])
+        return model
+
+
+class _TorchGroup:
+    """A process group with its members in the neutral order. torch has its own order of a
+    group's ranks (by global rank), so ``order`` / ``inverse`` re-index the pieces when the
+    two differ."""
+
+    __slots__ = ("inverse", "members", "order", "pg", "rank", "ranks", "size")
+
+    def __init__(self, pg: Any, members: tuple[int, ...]) -> None:
+        self.pg = pg
+        self.members = members
+        self.size = len(members)
+        self.ranks = tuple(int(r) for r in _dist().get_process_group_ranks(pg))
+        if sorted(self.ranks) != sorted(members):  # pragma: no cover - a torch change
+            raise MeshMismatchError(
+                f"torch's group has ranks {self.ranks}, unimesh expects {members}"
+            )
+        self.rank = int(_dist().get_rank())
+        if self.ranks == members:
+            self.order: list[int] | None = None
+            self.inverse: list[int] | None = None
+        else:  # piece k in torch's order is member ranks[k]
+            self.order = [self.ranks.index(m) for m in members]
+            self.inverse = [members.index(r) for r in self.ranks]
+
+
+_VMA = "_unimesh_vma"
+_LEAF = "_unimesh_leaf"  # on a DTensor value_and_grad made: the plain leaf of its local block
+_BLOCK = "_unimesh_block"  # on a shard_map result: the block it was made from
+_NONE: frozenset[str] = frozenset()
+_MODE: list[Any] = []
+
+
+def _vma_mode() -> Any:
+    """The TorchFunctionMode class of :meth:`TorchBackend.typing` (made once, on first use)."""
+    if _MODE:
+        return _MODE[0]
+    torch = _torch()
+    from torch.overrides import TorchFunctionMode
+
+    tensor = torch.Tensor
+    grad_enabled = torch.is_grad_enabled
+
+    def scan(values: Any, acc: list[Any]) -> None:
+        """Into ``acc`` = [union of the tensors' axes, the first tensor's axes, whether two
+        tensors differ, whether one needs a gradient], for tensors in lists/tuples too."""
+        for v in values:
+            if isinstance(v, tensor):
+                have = getattr(v, _VMA, _NONE)
+                if acc[1] is None:
+                    acc[1] = have
+                elif have != acc[1]:
+                    acc[2] = True
+                if have:
+                    acc[0] = acc[0] | have
+                if v.requires_grad:
+                    acc[3] = True
+            elif isinstance(v, (list, tuple)):
+                scan(v, acc)
+
+    class VmaMode(TorchFunctionMode):
+        def __init__(self, env: Any) -> None:
+            super().__init__()
+            self.env = env
+
+        def lift(self, v: Any, vma: frozenset[str]) -> Any:
+            """``v`` (or the tensors in a list/tuple) made varying along all of ``vma``."""
+            if isinstance(v, tensor):
+                have = getattr(v, _VMA, _NONE)
+                if have != vma and v.requires_grad:
+                    return self.env.pvary(v, vma - have)
+                return v
+            if isinstance(v, (list, tuple)):
+                return type(v)(self.lift(u, vma) for u in v)
+            return v
+
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            acc: list[Any] = [_NONE, None, False, False]
+            scan(args, acc)
+            if kwargs:
+                scan(kwargs.values(), acc)
+            else:
+                kwargs = {}
+            vma = acc[0]
+            if not vma:
+                return func(*args, **kwargs)
+            if acc[2] and acc[3] and grad_enabled():  # a pvary is needed somewhere
+                args = tuple(self.lift(a, vma) for a in args)
+                kwargs = {k: self.lift(v, vma) for k, v in kwargs.items()}
+            out = func(*args, **kwargs)
+            if isinstance(out, tensor):
+                setattr(out, _VMA, vma)
+            elif isinstance(out, (list, tuple)):
+                for o in out:
+                    if isinstance(o, tensor):
+                        setattr(o, _VMA, vma)
+            return out
+
+    _MODE.append(VmaMode)
+    return VmaMode
+
+
+_OPS = {
+    "sum": lambda: _dist().ReduceOp.SUM,
+    "max": lambda: _dist().ReduceOp.MAX,
+    "min": lambda: _dist().ReduceOp.MIN,
+}
+_VJP: list[Any] = []
+
+
+def _vjp_function() -> Any:
+    """One ``torch.autograd.Function`` running a forward and a backward given per call."""
+    if not _VJP:
+        torch = _torch()
+
+        class Vjp(torch.autograd.Function):  # type: ignore[name-defined,misc]
+            @staticmethod
+            def forward(ctx: Any, x: Any, fwd: Any, bwd: Any) -> Any:
+                ctx.bwd = bwd
+                y = fwd(x)
+                return y.view_as(y) if y is x else y
+
+            @staticmethod
+            def backward(ctx: Any, ct: Any) -> Any:
+                return ctx.bwd(ct), None, None
+
+        _VJP.append(Vjp)
+    return _VJP[0]
+
+
+_FROM_LOCAL: list[Any] = []
+
+
+def _dtensor(local: Any, spec: Any, requires_grad: bool) -> Any:
+    """The DTensor of ``local`` with a spec built in advance: the constructor
+    ``DTensor.from_local`` ends in, without building the spec on every call."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
+
+
+def _from_local_function() -> Any:
+    """``DTensor.from_local``'s autograd function for a spec built in advance: the gradient
+    of the block is the cotangent's local tensor, laid out as the result (a Partial result's
+    cotangent is made Replicate, as ``from_local`` does)."""
+    if not _FROM_LOCAL:
+        torch = _torch()
+        from torch.distributed.tensor import DTensor, Replicate
+
+        class FromLocal(torch.autograd.Function):  # type: ignore[name-defined,misc]
+            @staticmethod
+            def forward(ctx: Any, block: Any, spec: Any) -> Any:
+                ctx.spec = spec
+                ctx.set_materialize_grads(False)
+                return _dtensor(block.view_as(block), spec, requires_grad=block.requires_grad)
+
+            @staticmethod
+            def backward(ctx: Any, ct: Any) -> Any:
+                if isinstance(ct, DTensor):
+                    want = tuple(Replicate() if p.is_partial() else p for p in ctx.spec.placements)
+                    if tuple(ct.placements) != want:
+                        ct = ct.redistribute(ctx.spec.mesh, want)
+                    ct = ct.to_local()
+                return ct, None
+
+        _FROM_LOCAL.append(FromLocal)
+    return _FROM_LOCAL[0]

@@ -1,0 +1,196 @@
+"""The torch backend's runtime layer: the process group (torchrun, gloo), the exchange that
+``unimesh.verify`` uses, and the agreement of ranks before a DeviceMesh is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unimesh import LaunchError, Layout, Mesh, MeshMismatchError, UnsupportedError
+from unimesh.messages import first_line, short
+from unimesh.spmd import ProcessBackend
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _gather_texts(text: str, device: str) -> list[str]:
+    """Every rank's ``text``, by fixed-size ``all_gather`` calls (gloo can abort at exit after
+    ``all_gather_object``, so the byte strings travel padded to the longest one)."""
+    torch, dist = _torch(), _dist()
+    world = dist.get_world_size()
+    data = text.encode()
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(t.item()) for t in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return [bytes(t[: int(n.item())].tolist()).decode() for t, n in zip(every, sizes)]
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+_BROKEN = {"peer_gone": False}
+
+
+def _finish_process_group() -> None:
+    """At exit, for a process group this backend started: leave together, then destroy it (a
+    rank gone early can make gloo abort the others). After a peer was found gone, no barrier:
+    it would wait for that peer until the group's timeout."""
+    dist = _dist()
+    if dist.is_initialized():
+        if not _BROKEN["peer_gone"]:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+class TorchRuntime(ProcessBackend):
+    """The runtime layer: torch.distributed's process group, one device per rank."""
+
+    def __init__(self) -> None:
+        # DeviceMeshes built in this process under the current world group:
+        # (device type, mesh) -> DeviceMesh. Sub-meshes are sliced from these, so that no
+        # rank-dependent group is ever created. A new world group empties it.
+        self._meshes: dict[tuple[str, Mesh], Any] = {}
+        self._world_group: Any = None
+        # (layout, global shape, dtype) -> DTensorSpec of shard_map results (wrap_result)
+        self._specs: dict[tuple[Layout, tuple[int, ...], Any], Any] = {}
+
+    def _world(self) -> tuple[int, int]:
+        dist = _dist()
+        if not dist.is_available() or not dist.is_initialized():
+            raise MeshMismatchError(
+                "torch.distributed is not initialized: run under torchrun and call "
+                "unimesh.initialize() (or torch.distributed.init_process_group) before "
+                "converting a mesh to torch"
+            )
+        return dist.get_rank(), dist.get_world_size()
+
+    def _device_type(self, device_type: str | None) -> str:
+        if device_type is not None:
+            if not isinstance(device_type, str) or not device_type:
+                raise UnsupportedError(
+                    f"device_type must be a str like 'cpu' or 'cuda', got {short(device_type)}",
+                    backend=self.name,
+                )
+            return device_type
+        torch, dist = _torch(), _dist()
+        pg_backend = str(dist.get_backend()).lower()
+        if "nccl" in pg_backend and torch.cuda.is_available():
+            return "cuda"
+        return "cpu"
+
+    def _agree(self, mesh: Mesh) -> None:
+        """Before a collective group creation: every rank must be building the same mesh, or
+        torch would hang. Raise MeshMismatchError on every rank instead (skipped under the fake
+        process group, whose collectives carry no data)."""
+        dist = _dist()
+        if str(dist.get_backend()).lower() == "fake" or dist.get_world_size() == 1:
+            return
+        import hashlib
+
+        torch = _torch()
+        text = mesh.to_string()
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+        device = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+        mine = torch.tensor([digest], dtype=torch.int64, device=device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        if all(int(t.item()) == digest for t in every):
+            return
+        seen = _gather_texts(text, device)  # only now: to say how they differ
+        rank = dist.get_rank()
+        other = next(r for r, s in enumerate(seen) if s != text)
+        raise MeshMismatchError(
+            f"ranks disagree about the mesh to build: rank {rank} has {text!r}, rank {other} "
+            f"has {seen[other]!r}. A DeviceMesh is created by every rank together; to get a "
+            "rank's own submesh, convert the whole mesh first and then its submesh "
+            "(unimesh_torch.axis_mesh(mesh, axes))"
+        )
+
+    def launcher(self, processes: int) -> tuple[list[str], dict[str, str]]:
+        """torchrun (``python -m torch.distributed.run --standalone``), gloo over loopback."""
+        import os
+        import sys
+
+        return (
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={processes}",
+            ],
+            {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")},
+        )
+
+    def initialize(self, timeout: float) -> tuple[int, int]:
+        """``init_process_group`` (gloo; gloo + nccl when CUDA is there) from the launcher's
+        ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, every rank joining within
+        ``timeout`` seconds. A process group already started (by the user or torchrun code) is
+        used as it is."""
+        import os
+        from datetime import timedelta
+
+        dist = _dist()
+        if not dist.is_initialized():
+            needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+            missing = [v for v in needed if v not in os.environ]
+            if missing:
+                raise LaunchError(
+                    f"the torch backend needs a process group, and the launcher's "
+                    f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: run "
+                    "under torchrun (torchrun --standalone --nproc-per-node 4 script.py), or "
+                    f"set {', '.join(needed)}"
+                )
+            kind = "cpu:gloo,cuda:nccl" if _torch().cuda.is_available() else "gloo"
+            try:
+                dist.init_process_group(kind, timeout=timedelta(seconds=timeout))
+            except (RuntimeError, ValueError) as exc:
+                first = first_line(exc)
+                raise LaunchError(
+                    f"torch.distributed.init_process_group({kind!r}) failed for RANK="
+                    f"{os.environ['RANK']} of WORLD_SIZE={os.environ['WORLD_SIZE']} at "
+                    f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                    f"{timeout:.0f} s (a peer process may be gone): {first}"
+                ) from exc
+            import atexit
+
+            atexit.register(_finish_process_group)
+        return int(dist.get_rank()), int(dist.get_world_size())
+
+    def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
+        """A gloo ``monitored_barrier`` first (a rank that is gone or stuck is reported within
+        ``timeout`` instead of hanging), then fixed-size ``all_gather`` calls."""
+        from datetime import timedelta
+
+        dist = _dist()
+        rank, world = self.initialize(timeout)
+        if world == 1 or str(dist.get_backend()).lower() == "fake":
+            return [payload] * world
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+            texts = _gather_texts(payload.hex(), "cpu")
+        except (RuntimeError, dist.DistError) as exc:
+            _BROKEN["peer_gone"] = True
+            raise MeshMismatchError(
+                f"rank {rank} of {world}: a peer process is gone or stuck (it did not take part "
+                f"in the check within {timeout:.0f} s): {first_line(exc)}"
+            ) from exc
+        return [bytes.fromhex(t) for t in texts]
+
+    def prepare_devices(self, count: int) -> int:
+        """The world size: under a launcher (torchrun sets RANK/WORLD_SIZE) the gloo process
+        group is started if it is not (:meth:`initialize`); with no launcher and no process
+        group, a :class:`~unimesh.LaunchError` that names the launcher. ``count`` cannot change
+        it: the launcher decides."""
+        return self.initialize(1800.0)[1]

@@ -1,0 +1,335 @@
+"""The torch backend's translator layer: neutral Mesh <-> ``DeviceMesh``, Layout <-> DTensor
+placements, ``distribute_tensor``, and the communication groups of a DeviceMesh."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from unimesh import (
+    ConversionError,
+    Layout,
+    Mesh,
+    MeshMismatchError,
+    Partial,
+    Replicate,
+    Shard,
+    StridedShard,
+    UnsupportedError,
+)
+from unimesh.messages import short
+
+from .runtime import TorchRuntime, _dist, _torch
+
+_REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class TorchLayout(NamedTuple):
+    """A layout in torch's terms: the DeviceMesh, one DTensor placement per mesh dim, and the
+    number of tensor dims the spec covers."""
+
+    device_mesh: Any
+    placements: tuple[Any, ...]
+    ndim: int
+
+
+def _plain(mesh: Mesh) -> Mesh:
+    """The mesh as torch can hold it: no axis types, no process layout (ranks are devices)."""
+    if mesh.axis_types is None and mesh.devices_per_process is None:
+        return mesh
+    return Mesh(mesh.shape, mesh.axis_names, mesh.device_ids)
+
+
+def _non_increasing_axes(mesh: Mesh, axes: tuple[str, ...]) -> list[str]:
+    """Axes along which some group's ranks are not increasing."""
+    bad = []
+    for ax in axes:
+        groups = mesh.groups_array(ax)
+        if groups.shape[1] > 1 and not bool(np.all(np.diff(groups, axis=1) > 0)):
+            bad.append(ax)
+    return bad
+
+
+class TorchTranslator(TorchRuntime):
+    """The translator layer (and ``axis_groups``, the groups of a translated DeviceMesh)."""
+
+    # -- meshes --------------------------------------------------------------------------------
+    def mesh_to_native(self, mesh: Mesh, *, device_type: str | None = None, **options: Any) -> Any:
+        """A ``DeviceMesh`` over the ranks in ``mesh.device_ids``.
+
+        A mesh already converted in this process is returned again. A submesh (or a flattened
+        axis) of one that contains this rank is sliced from it with torch's own slicing, which
+        creates no process group; any other mesh is built anew, which every rank must do with
+        the same mesh (checked, so a disagreement is an error, not a hang).
+        """
+        self.reject_options(options, "device_type")
+        rank, world = self._world()
+        top = mesh.size - 1 if mesh.is_default_order else int(mesh.device_ids.max())
+        if top >= world:
+            raise MeshMismatchError(
+                f"{mesh!r} uses rank {top}, but the torch world has {world} ranks "
+                f"(0..{world - 1}); start at least {top + 1} processes "
+                f"(torchrun --nproc-per-node {top + 1}) or use a smaller mesh"
+            )
+        dtype = self._device_type(device_type)
+        world_group = _dist().group.WORLD
+        if world_group is not self._world_group:
+            self._meshes.clear()
+            self._world_group = world_group
+        plain = _plain(mesh)
+        key = (dtype, plain)
+        if key in self._meshes:
+            return self._meshes[key]
+        native = self._slice(plain, rank, dtype)
+        if native is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._agree(plain)
+            ids = _torch().from_numpy(plain.device_ids.astype(np.int32))
+            native = DeviceMesh(dtype, ids, mesh_dim_names=plain.axis_names)
+        self._meshes[key] = native
+        return native
+
+    def _slice(self, target: Mesh, rank: int, dtype: str) -> Any:
+        """Slice ``target`` from a DeviceMesh built earlier, or None when it is no submesh (or
+        flattened submesh) of one. The decision does not depend on the rank, so every rank
+        takes the same path: members slice, non-members get an error, nobody waits."""
+        anchor = int(target.device_ids.flat[0])
+        for (d, root), native in list(self._meshes.items()):
+            if d != dtype or root.size <= target.size:
+                continue
+            names = target.axis_names
+            axes: tuple[str, ...] | None = None
+            flat_name = None
+            if set(names) < set(root.axis_names) and anchor in root.device_ids:
+                if root.submesh(names, containing=anchor) == target:
+                    axes = names
+            elif target.ndim == 1 and names[0] not in root.axis_names:
+                axes = self._flattened_axes(root, target, anchor)
+                flat_name = names[0]
+            if axes is None:
+                continue
+            if rank not in target.device_ids:
+                raise MeshMismatchError(
+                    f"rank {rank} is not in {target!r}, a submesh of {root!r}: each rank converts "
+                    "the submeshes that contain it (mesh.submesh(axes, containing=rank))"
+                )
+            return self._checked(native, axes, flat_name, target, root)
+        return None
+
+    @staticmethod
+    def _flattened_axes(root: Mesh, target: Mesh, anchor: int) -> tuple[str, ...] | None:
+        """The axes of ``root`` (in some order) whose flattening, at the submesh holding
+        ``anchor``, is ``target``; None if there are none."""
+        if anchor not in root.device_ids:
+            return None
+        name = target.axis_names[0]
+        for k in range(2, root.ndim + 1):
+            for axes in itertools.permutations(root.axis_names, k):
+                if math.prod(root.axis_size(a) for a in axes) != target.size:
+                    continue
+                if root.flatten(axes, name).submesh(name, containing=anchor) == target:
+                    return axes
+        return None
+
+    def _checked(
+        self, native: Any, axes: tuple[str, ...], flat_name: str | None, target: Mesh, root: Mesh
+    ) -> Any:
+        torch = _torch()
+        order = [root.axis_names.index(a) for a in axes]
+        if order != sorted(order):
+            raise UnsupportedError(
+                f"torch {torch.__version__} slices a DeviceMesh only with axes in mesh order; "
+                f"{target!r} takes {axes} of {root!r} in another order. Use "
+                f"{tuple(sorted(axes, key=root.axis_names.index))} (or transpose the whole mesh "
+                "first and convert that)",
+                backend=self.name,
+                capability="mesh",
+            )
+        sub = native[axes]
+        if flat_name is not None:
+            if not hasattr(sub, "_flatten"):  # pragma: no cover - torch < 2.6
+                raise UnsupportedError(
+                    f"torch {torch.__version__} cannot flatten mesh dims",
+                    backend=self.name,
+                    capability="mesh",
+                )
+            sub = sub._flatten(flat_name)
+        got = self.mesh_from_native(sub)
+        if got != target:  # pragma: no cover - would be a torch change; never hand it out
+            raise MeshMismatchError(f"torch sliced {got!r} where unimesh expects {target!r}")
+        return sub
+
+    def mesh_from_native(self, device_mesh: Any) -> Mesh:
+        names = device_mesh.mesh_dim_names or tuple(
+            f"dim_{i}" for i in range(device_mesh.mesh.ndim)
+        )
+        ids = device_mesh.mesh.detach().cpu().numpy()
+        return Mesh(ids.shape, tuple(names), ids)
+
+    # -- layouts -------------------------------------------------------------------------------
+    def _check_order(self, layout: Layout) -> None:
+        bad = _non_increasing_axes(layout.mesh, layout.spec.axes())
+        if bad:
+            raise UnsupportedError(
+                f"{layout!r} shards over axis {bad[0]!r}, along which the device order is not "
+                "increasing. DTensor puts shard k on the k-th rank of the axis's process group, "
+                "and torch orders a group's ranks by global rank, not by mesh coordinate; the "
+                "shards would silently differ from the reference. Use a device order that "
+                "increases along the sharded axes, or replicate over that axis",
+                backend=self.name,
+                capability="layout",
+            )
+
+    def layout_to_native(
+        self, layout: Layout, *, device_type: str | None = None, **options: Any
+    ) -> TorchLayout:
+        """``TorchLayout(device_mesh, placements, ndim)``: the DTensor placements of the
+        layout (``Shard``, ``_StridedShard``, ``Replicate``, ``Partial``)."""
+        self._check_order(layout)
+        native_mesh = self.mesh_to_native(layout.mesh, device_type=device_type, **options)
+        return TorchLayout(
+            native_mesh, tuple(_to_torch(p) for p in layout.placements()), len(layout.spec)
+        )
+
+    def from_native(self, obj: Any) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(obj, DeviceMesh):
+            return self.mesh_from_native(obj)
+        if isinstance(obj, TorchLayout):
+            return Layout.from_placements(
+                self.mesh_from_native(obj.device_mesh),
+                [_from_torch(p) for p in obj.placements],
+                obj.ndim,
+            )
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):
+            return Layout.from_placements(
+                self.mesh_from_native(obj.device_mesh),
+                [_from_torch(p) for p in obj.placements],
+                obj.ndim,
+            )
+        raise ConversionError(
+            f"the torch backend converts DeviceMesh, DTensor and TorchLayout, not {short(obj)} "
+            f"({type(obj).__module__}.{type(obj).__qualname__})"
+        )
+
+    def distribute(
+        self,
+        array: Any,
+        layout: Layout,
+        *,
+        device_type: str | None = None,
+        src_data_rank: int | None = 0,
+        **options: Any,
+    ) -> Any:
+        """A DTensor (``torch.distributed.tensor.distribute_tensor``) whose local tensor on each
+        rank is the reference block ``layout.shard_slices(shape, rank)``."""
+        torch = _torch()
+        if not torch.is_tensor(array):
+            array = torch.as_tensor(np.asarray(array))
+        if layout.spec.partial:
+            raise UnsupportedError(
+                f"distribute() of a partial layout {layout.spec!r}: DTensor builds pending "
+                "reductions only from computations; distribute the replicated value and "
+                "compute the partial result",
+                backend=self.name,
+                capability="partial",
+            )
+        shape = tuple(array.shape)
+        for _d, p in enumerate(layout.placements()):
+            if isinstance(p, StridedShard):
+                entry = layout.spec[p.dim]
+                assert isinstance(entry, tuple)
+                parts = math.prod(layout.mesh.axis_size(a) for a in entry)
+                if shape[p.dim] % parts:
+                    raise UnsupportedError(
+                        f"tensor dim {p.dim} of size {shape[p.dim]} is split over {entry} (not in "
+                        f"mesh order) into {parts} uneven parts: torch's _StridedShard does not "
+                        "give the reference blocks there (its offsets overlap). Pad the dim to a "
+                        f"multiple of {parts}, or list the axes in mesh order",
+                        backend=self.name,
+                        capability="uneven_shards",
+                    )
+        native = self.layout_to_native(layout, device_type=device_type, **options)
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(
+            array, native.device_mesh, list(native.placements), src_data_rank=src_data_rank
+        )
+
+    def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
+        """``{rank: ranks of the process group along axis}`` (torch's order: by global rank)."""
+        if native_mesh.get_coordinate() is None:
+            return {}
+        group = native_mesh.get_group(axis)
+        return {_dist().get_rank(): tuple(_dist().get_process_group_ranks(group))}
+
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        """``{rank: numpy block}``: this rank's local tensor of a DTensor (empty when the rank
+        is outside its mesh)."""
+        if array.device_mesh.get_coordinate() is None:
+            return {}
+        return {_dist().get_rank(): array.to_local().detach().cpu().numpy()}
+
+
+def _to_torch(p: Any) -> Any:
+    from torch.distributed.tensor.placement_types import Partial as TPartial
+    from torch.distributed.tensor.placement_types import Replicate as TReplicate
+    from torch.distributed.tensor.placement_types import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, StridedShard):
+        return _StridedShard(p.dim, split_factor=p.split_factor)
+    if isinstance(p, Shard):
+        return TShard(p.dim)
+    if isinstance(p, Partial):
+        return TPartial(p.op)
+    return TReplicate()
+
+
+def _from_torch(p: Any) -> Any:
+    from torch.distributed.tensor.placement_types import Partial as TPartial
+    from torch.distributed.tensor.placement_types import Replicate as TReplicate
+    from torch.distributed.tensor.placement_types import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(p, _StridedShard):  # before Shard: older torch derives it from Shard
+        return StridedShard(int(p.dim), int(p.split_factor))
+    if isinstance(p, TShard):
+        return Shard(int(p.dim))
+    if isinstance(p, TReplicate):
+        return Replicate()
+    if isinstance(p, TPartial):
+        op = str(p.reduce_op)
+        if op not in _REDUCE_OPS:
+            raise UnsupportedError(
+                f"DTensor placement {p!r} reduces with {op!r}, which has no "
+                f"unimesh form; unimesh knows {_REDUCE_OPS}",
+                backend="torch",
+                capability="partial",
+            )
+        return Partial(op)
+    raise UnsupportedError(
+        f"DTensor placement {p!r} has no unimesh form", backend="torch", capability="layout"
+    )
+
+
+def axis_mesh(mesh: Mesh, axes: str | tuple[str, ...], *, device_type: str | None = None) -> Any:
+    """This rank's DeviceMesh over ``axes`` of ``mesh`` (e.g. the 1-D "dp" mesh that
+    ``DistributedDataParallel(device_mesh=...)`` takes), sliced from the whole mesh's DeviceMesh.
+
+    Every rank calls it with the same ``mesh``; the whole mesh is converted first if needed.
+    """
+    import unimesh
+
+    be = unimesh.get_backend("torch")
+    assert isinstance(be, TorchTranslator)
+    be.mesh_to_native(mesh, device_type=device_type)
+    rank = _dist().get_rank()
+    return be.mesh_to_native(mesh.submesh(axes, containing=rank), device_type=device_type)

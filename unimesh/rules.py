@@ -1,0 +1,194 @@
+"""Parameter-rule policies: which layout each parameter of a model gets. :class:`LayoutMap`
+matches parameter paths (Keras' ``LayoutMap``); :class:`AxisRules` resolves logical axis names
+(flax's ``logical_to_mesh_axes``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from .layout import Layout
+from .mesh import Mesh
+from .messages import short
+from .spec import Entry, PartitionSpec, _axes_of, _entry, _lfail
+
+__all__ = ["AxisRules", "LayoutMap"]
+
+
+def _pairs(rules: object, what: str, form: str) -> list[tuple[Any, Any]]:
+    """A mapping or a sequence of pairs as a list of pairs."""
+    if isinstance(rules, Mapping):
+        return list(rules.items())
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+        _lfail(f"{what}s must be a mapping or a list of {form} pairs, got {short(rules)}")
+    out = []
+    for pair in rules:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            _lfail(f"{what} {short(pair)} is not a {form} pair")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+class LayoutMap:
+    """Ordered mapping of variable-path patterns to layouts (``keras.distribution.LayoutMap``).
+
+    Lookup follows Keras 3: an exact key wins; else every key is tried as a regex that must
+    match the whole path (``re.fullmatch``); two matching keys are an error naming both; none
+    gives None.
+    Values may be PartitionSpecs or tuples of entries and are validated against ``mesh``.
+    """
+
+    def __init__(
+        self, mesh: Mesh, rules: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()
+    ) -> None:
+        if not isinstance(mesh, Mesh):
+            _lfail(f"LayoutMap() needs a unimesh.Mesh, got {short(mesh)}")
+        self._mesh = mesh
+        self._rules: dict[str, Layout] = {}
+        self._compiled: dict[str, re.Pattern[str]] = {}
+        for key, value in _pairs(rules, "LayoutMap rule", "(pattern, spec)"):
+            self[key] = value
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if not isinstance(key, str):
+            _lfail(f"LayoutMap keys are regex strings, got {short(key)}")
+        try:
+            pattern = re.compile(key)
+        except re.error as exc:
+            _lfail(f"LayoutMap key {key!r} is not a valid regex ({exc})")
+        if isinstance(value, Layout):
+            if value.mesh != self._mesh:
+                _lfail(f"layout for {key!r} is on {value.mesh!r}, not this map's {self._mesh!r}")
+            layout = value
+        else:
+            layout = Layout(self._mesh, value)
+        self._rules[key] = layout
+        self._compiled[key] = pattern
+
+    def __delitem__(self, key: str) -> None:
+        del self._rules[key]
+        del self._compiled[key]
+
+    def __getitem__(self, path: str) -> Layout | None:
+        return self.get(path)
+
+    def get(self, path: str) -> Layout | None:
+        """The layout for a variable path, or None when no key matches."""
+        if not isinstance(path, str):
+            _lfail(f"LayoutMap lookups take a str path, got {short(path)}")
+        if path in self._rules:
+            return self._rules[path]
+        hits = [k for k, pat in self._compiled.items() if pat.fullmatch(path)]
+        if len(hits) > 1:
+            _lfail(
+                f"path {path!r} matches more than one LayoutMap key: {hits[0]!r} and "
+                f"{hits[1]!r}; make the patterns exclusive"
+            )
+        return self._rules[hits[0]] if hits else None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rules
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+    def items(self) -> list[tuple[str, Layout]]:
+        return list(self._rules.items())
+
+    def values(self) -> list[Layout]:
+        return list(self._rules.values())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LayoutMap):
+            return NotImplemented
+        return self._mesh == other._mesh and list(self._rules.items()) == list(other._rules.items())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k!r}: {v.spec!r}" for k, v in self._rules.items())
+        return f"LayoutMap({self._mesh!r}, {{{body}}})"
+
+
+class AxisRules:
+    """Logical axis names -> mesh axes (flax/MaxText logical axis rules).
+
+    ``rules`` is a sequence of ``(logical, mesh_axes)`` pairs (or a mapping); ``mesh_axes`` is a
+    mesh axis name, a tuple of names, or None. A logical name may have several rules: for each
+    tensor dim the first rule whose mesh axes are all still unused wins (earlier dims first).
+    A logical name with no usable rule is replicated, or an error with ``strict=True``.
+    """
+
+    def __init__(self, rules: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> None:
+        out: list[tuple[str, Entry]] = []
+        for logical, target in _pairs(rules, "axis rule", "(logical name, mesh axes)"):
+            if not isinstance(logical, str) or not logical:
+                _lfail(f"logical axis name {short(logical)} must be a non-empty str")
+            out.append((logical, _entry(target, f"rule for {logical!r}")))
+        self._rules = tuple(out)
+
+    @property
+    def rules(self) -> tuple[tuple[str, Entry], ...]:
+        return self._rules
+
+    def __repr__(self) -> str:
+        return f"AxisRules({list(self._rules)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AxisRules) and self._rules == other._rules
+
+    def __hash__(self) -> int:
+        return hash(self._rules)
+
+    def spec(
+        self, logical_axes: Sequence[str | None], mesh: Mesh | None = None, *, strict: bool = False
+    ) -> PartitionSpec:
+        """The PartitionSpec for a tensor whose dims have these logical names (None: replicated).
+
+        With ``mesh``, rules naming axes absent from it are an error.
+        """
+        if isinstance(logical_axes, str) or not isinstance(logical_axes, Sequence):
+            _lfail(f"logical_axes must be a tuple of logical names, got {short(logical_axes)}")
+        if mesh is not None and not isinstance(mesh, Mesh):
+            _lfail(f"mesh must be a unimesh.Mesh, got {short(mesh)}")
+        known = {name for name, _ in self._rules}
+        used: set[str] = set()
+        entries: list[Entry] = []
+        for name in logical_axes:
+            if name is None:
+                entries.append(None)
+                continue
+            if not isinstance(name, str):
+                _lfail(f"logical axis {short(name)} must be a str or None")
+            if name not in known and strict:
+                _lfail(f"no rule for logical axis {name!r}; rules cover {sorted(known)}")
+            chosen: Entry = None
+            for logical, target in self._rules:
+                if logical != name:
+                    continue
+                axes = _axes_of(target)
+                if mesh is not None:
+                    for a in axes:
+                        if a not in mesh.axis_names:
+                            _lfail(
+                                f"rule {logical!r} -> {target!r} names axis {a!r}, which is not "
+                                f"in {mesh!r}"
+                            )
+                if target is None or not used.intersection(axes):
+                    chosen = target
+                    break
+            used.update(_axes_of(chosen))
+            entries.append(chosen)
+        return PartitionSpec(*entries)
+
+    def layout(self, logical_axes: Sequence[str | None], mesh: Mesh) -> Layout:
+        """``Layout(mesh, self.spec(logical_axes, mesh))``."""
+        return Layout(mesh, self.spec(logical_axes, mesh))
