@@ -249,3 +249,12 @@ def test_layout_equality_is_by_meaning():
         assert Layout(m, P("dp")).device_slices(shape) == Layout(m, P("dp", None)).device_slices(
             shape
         )
+
+
+def test_partition_spec_from_string_is_the_config_and_command_line_form():
+    from unimesh import LayoutError
+
+    assert P.from_string("dp+fsdp, None,_,tp,") == P(("dp", "fsdp"), None, None, "tp", None)
+    assert P.from_string("") == P(None)
+    with pytest.raises(LayoutError, match="must be a str like 'dp,None', got 3"):
+        P.from_string(3)  # type: ignore[arg-type]

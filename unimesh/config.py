@@ -264,9 +264,7 @@ def _axes(value: object) -> Any:
 
 def _spec(value: object) -> PartitionSpec:
     if isinstance(value, str):
-        from ._text import parse_spec_text
-
-        return PartitionSpec(*parse_spec_text(value))
+        return PartitionSpec.from_string(value)
     if isinstance(value, list):
         return PartitionSpec(*(_axes(v) for v in value))
     raise ConfigError(

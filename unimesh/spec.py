@@ -123,6 +123,18 @@ class PartitionSpec:
     def __hash__(self) -> int:
         return hash((self._entries, frozenset(self._partial)))
 
+    @classmethod
+    def from_string(cls, text: str) -> PartitionSpec:
+        """A spec from text, as config files and the command line write it: entries split by
+        ``,``; an entry is an axis name, ``a+b`` for several axes on one dim, or ``None`` /
+        ``_`` / nothing for a replicated dim (``"dp+fsdp,None"`` is ``P(("dp", "fsdp"),
+        None)``). Names are checked later, against a mesh."""
+        from ._text import parse_spec_text
+
+        if not isinstance(text, str):
+            _lfail(f"a spec string must be a str like 'dp,None', got {short(text)}")
+        return cls(*parse_spec_text(text))
+
     def __repr__(self) -> str:
         return _spec_repr(self._entries, self._partial)
 

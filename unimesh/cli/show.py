@@ -18,10 +18,8 @@ _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red")
 
 
 def parse_spec(text: str) -> PartitionSpec:
-    """A spec from the command line (see :func:`unimesh._text.parse_spec_text`)."""
-    from .._text import parse_spec_text
-
-    return PartitionSpec(*parse_spec_text(text))
+    """A spec from the command line (:meth:`unimesh.PartitionSpec.from_string`)."""
+    return PartitionSpec.from_string(text)
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
