@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+
+import unimesh
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -56,9 +60,72 @@ def test_bad_spec_is_one_line_and_exit_2():
     assert "Traceback" not in proc.stderr
 
 
-def test_backends_command():
-    proc = run("backends")
+def test_backends_is_an_aligned_table_in_80_columns_and_json_with_the_same_facts():
+    env = {**os.environ, "COLUMNS": "80"}
+    proc = run("backends", env=env)
     assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["backend", "version", "runs", "layers", "capabilities"]
+    assert all(len(line) <= 80 for line in lines), lines
+    starts = [lines[0].index(c) for c in ("version", "runs", "layers", "capabilities")]
+    listed = json.loads(run("backends", "--json").stdout)
+    assert [r["name"] for r in listed] == unimesh.backends()
+    for entry in listed:
+        be = unimesh.get_backend(entry["name"])
+        assert entry["capabilities"] == sorted(be.capabilities)
+        assert entry["layers"] == list(be.layers())
+        assert entry["version"] == be.framework_version()
+        first = next(line for line in lines if line.startswith(entry["name"] + " "))
+        # every column starts where its heading does: the table is aligned
+        assert all(first[i - 1] == " " and first[i] != " " for i in starts), first
+        assert first[starts[0] :].startswith(str(entry["version"])[:10])
+
+
+def test_version_help_examples_and_typo_suggestions():
+    from unimesh import __version__
+
+    assert run("--version").stdout.strip() == f"unimesh {__version__}"
+    top = run("--help").stdout
+    assert "``" not in top and "examples:" in top
+    for command in ("demo", "backends", "show", "convert", "check"):
+        text = run(command, "--help").stdout
+        assert f"examples:\n  unimesh {command}" in text, (command, text)
+    proc = run("shwo")
+    assert proc.returncode == 2
+    assert "invalid choice: 'shwo'" in proc.stderr and "did you mean 'show'?" in proc.stderr
+    proc = run("convert", "dp=8", "--to", "pytorch")
+    assert proc.returncode == 2 and "did you mean 'torch'?" in proc.stderr, proc.stderr
+    proc = run("demo", "--backends", "jaxx")
+    assert proc.returncode == 2, proc.stdout
+    assert "did you mean 'jax'?" in proc.stderr and "unimesh[jaxx]" not in proc.stderr
+
+
+def test_a_closed_pipe_ends_quietly():
+    """``unimesh backends | head -1``: the reader goes away; no traceback, exit 0."""
+    for args in (["backends"], ["show", "dp=64,tp=64", "--json"]):
+        reader = subprocess.Popen(
+            ["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", "unimesh", *args],
+            stdout=reader.stdin,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=170,
+            check=False,
+        )
+        assert reader.stdin is not None
+        reader.stdin.close()
+        reader.wait(timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == "", proc.stderr
+
+
+def test_show_json_is_compact():
+    proc = run("show", "dp=2,tp=2", "--layout", "dp,None", "--shape", "4,2", "--json")
+    lines = proc.stdout.splitlines()
+    assert '  "mesh": {"axis_names": ["dp", "tp"], "shape": [2, 2]},' in lines
+    assert len(lines) == 11, lines  # a line per device, not per number
 
 
 def test_show_draws_the_grid_and_each_device_block():
@@ -335,7 +402,8 @@ def test_a_third_party_backend_appears_everywhere_without_an_edit_in_unimesh(exa
 
     listed = run("backends", env=env)
     assert listed.returncode == 0, listed.stderr
-    assert "example: numpy" in listed.stdout and "runs: one process" in listed.stdout
+    line = next(x for x in listed.stdout.splitlines() if x.startswith("example "))
+    assert "numpy" in line and "one process" in line, listed.stdout
 
     demo = run("demo", "--backends", "example", "--mesh", "a=2,b=3;ids=5,4,3,2,1,0", env=env)
     assert demo.returncode == 0, demo.stdout + demo.stderr

@@ -91,7 +91,8 @@ class _Registry:
                 near = get_close_matches(name, choices, n=1) if isinstance(name, str) else []
                 hint = f" (did you mean {near[0]!r}?)" if near else ""
                 raise BackendNotFoundError(
-                    f"no backend named {short(name)}{hint}; installed backends: {choices or 'none'}"
+                    f"no backend named {short(name)}{hint}; installed backends: "
+                    f"{', '.join(choices) or 'none'}"
                 )
             try:
                 plugin = ep.load()

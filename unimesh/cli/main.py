@@ -1,5 +1,6 @@
 """The argument parser and the small commands (``backends``, ``show``, ``convert``); ``demo``
-and ``check`` have their own modules. User errors print one line and exit 2.
+and ``check`` have their own modules. User errors print one line and exit 2; a closed pipe
+(``unimesh backends | head -1``) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -8,30 +9,91 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from ..errors import UnimeshError
 from ..mesh import Mesh
 
 
-def _backends(args: argparse.Namespace) -> int:
-    from ..registry import backends, get_backend
+def backend_rows() -> list[dict[str, Any]]:
+    """One row per installed backend: what ``unimesh backends`` prints (``--json`` as is)."""
+    from ..registry import backends, load_backend
 
+    rows: list[dict[str, Any]] = []
     for name in backends():
+        row: dict[str, Any] = {"name": name}
         try:
-            be = get_backend(name)
-            launch = be.launcher(2)
-            runs = "one process" if launch is None else (be.launcher_name or launch[0][0])
-            needs = f"; builds on {', '.join(be.requires)}" if be.requires else ""
-            print(
-                f"{name}: {be.framework} {be.framework_version()}; runs: {runs}{needs}; "
-                f"layers: {' + '.join(be.layers())}; "
-                f"capabilities: {', '.join(sorted(be.capabilities))}"
-            )
-        except UnimeshError as exc:  # its message carries the install hint
-            print(f"{name}: unavailable ({exc})")
-    if not backends():
+            be = load_backend(name)
+        except UnimeshError as exc:  # a broken plugin: its message says how to fix it
+            rows.append({**row, "available": False, "error": str(exc)})
+            continue
+        launch = be.launcher(2) if be.available() else None
+        row.update(
+            available=be.available(),
+            framework=be.framework,
+            version=be.framework_version(),
+            runs="one process" if launch is None else (be.launcher_name or launch[0][0]),
+            requires=list(be.requires),
+            layers=list(be.layers()),
+            capabilities=sorted(be.capabilities),
+        )
+        if not be.available():
+            row["error"] = f"{be.framework} is not installed: {be.install_hint()}"
+        rows.append(row)
+    return rows
+
+
+def _backends(args: argparse.Namespace) -> int:
+    rows = backend_rows()
+    if args.json:
+        print(compact_json(rows))
+        return 0
+    if not rows:
         print('no backends installed; e.g. pip install "unimesh[jax]"')
+        return 0
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col in ("backend", "version", "runs", "layers", "capabilities"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        if "framework" not in row or not row["available"]:
+            table.add_row(row["name"], "[red]unavailable[/red]", escape(row["error"]), "", "")
+            continue
+        runs = row["runs"] + (f"; on {', '.join(row['requires'])}" if row["requires"] else "")
+        same = row["framework"] == row["name"]
+        table.add_row(
+            row["name"],
+            str(row["version"]) if same else f"{row['framework']} {row['version']}",
+            runs,
+            ", ".join(row["layers"]),
+            ", ".join(row["capabilities"]),
+        )
+    Console(soft_wrap=False).print(table)
     return 0
+
+
+def compact_json(value: Any, indent: int = 2, _level: int = 0, width: int = 88) -> str:
+    """JSON with one item per line, except that a list or object that fits in ``width``
+    columns stays on one line (``[0, 1]``, ``{"dp": 0, "tp": 1}``, ``[[0, 2], [0, 4]]``)."""
+    if isinstance(value, (list, dict)):
+        flat = json.dumps(value)
+        if len(flat) + indent * _level <= width:
+            return flat
+        pad = " " * (indent * (_level + 1))
+        if isinstance(value, dict):
+            body = [
+                f"{pad}{json.dumps(k)}: {compact_json(v, indent, _level + 1)}"
+                for k, v in value.items()
+            ]
+            open_, close = "{", "}"
+        else:
+            body = [f"{pad}{compact_json(v, indent, _level + 1)}" for v in value]
+            open_, close = "[", "]"
+        return open_ + "\n" + ",\n".join(body) + "\n" + " " * (indent * _level) + close
+    return json.dumps(value)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -40,7 +102,7 @@ def _show(args: argparse.Namespace) -> int:
     mesh = Mesh.from_string(args.spec)
     layout, shape = layout_from_args(mesh, args.layout, args.shape)
     if args.json:
-        print(json.dumps(describe(mesh, layout, shape), indent=2))
+        print(compact_json(describe(mesh, layout, shape)))
     else:
         draw(mesh, layout, shape)
     return 0
@@ -97,19 +159,87 @@ def _check(args: argparse.Namespace) -> int:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="unimesh", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="build one mesh on every installed backend")
-    demo.add_argument("--mesh", default="dp=2,tp=4", help="mesh spec, e.g. dp=2,tp=4")
+DESCRIPTION = """\
+Describe a device mesh once; get PyTorch, JAX, Keras, TensorFlow DTensor and MLX objects.
+
+examples:
+  unimesh demo                              one mesh on every installed backend
+  unimesh show dp=2,tp=4 --layout dp,tp --shape 8,8
+  unimesh convert dp=2,tp=4 --to jax --code native code that builds the mesh
+  unimesh check torch                       the conformance suite, under torchrun
+"""
+
+EXAMPLES = {
+    "demo": """\
+examples:
+  unimesh demo
+  unimesh demo --mesh dp=4,tp=2 --backends jax,torch
+""",
+    "backends": """\
+examples:
+  unimesh backends
+  unimesh backends --json
+""",
+    "show": """\
+examples:
+  unimesh show dp=2,tp=4
+  unimesh show dp=2,tp=4 --layout dp,tp --shape 8,8
+  unimesh show 'dp=2,tp=2;ids=3,2,1,0' --layout dp+tp,None --shape 8,4 --json
+""",
+    "convert": """\
+examples:
+  unimesh convert dp=2,tp=4 --to jax
+  unimesh convert dp=2,tp=4 --to torch --code
+""",
+    "check": """\
+examples:
+  unimesh check
+  unimesh check jax mlx --processes 2 --json matrix.json
+""",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a close-match suggestion for a mistyped choice (``unimesh shwo``)."""
+
+    def error(self, message: str) -> NoReturn:
+        import re
+        from difflib import get_close_matches
+
+        found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if found:
+            choices = re.findall(r"'([^']*)'", found.group(2))
+            near = get_close_matches(found.group(1), choices, n=1)
+            if near:
+                message += f"; did you mean {near[0]!r}?"
+        super().error(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="unimesh", description=DESCRIPTION, formatter_class=raw)
+    parser.add_argument("--version", action="version", version=f"unimesh {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=help, description=help, epilog=EXAMPLES[name], formatter_class=raw
+        )
+
+    demo = command("demo", "build one mesh on every installed backend and check its blocks")
+    demo.add_argument("--mesh", default="dp=2,tp=4", help="mesh spec (default: dp=2,tp=4)")
     demo.add_argument(
         "--backends",
         default="",
         help="comma-separated backends to run (default: every installed one)",
     )
     demo.set_defaults(run=_demo)
-    sub.add_parser("backends", help="list installed backends").set_defaults(run=_backends)
-    show = sub.add_parser("show", help="draw a mesh (and a layout's blocks) in the terminal")
+    listing = command("backends", "list the installed backends, their layers and capabilities")
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    listing.set_defaults(run=_backends)
+    show = command("show", "draw a mesh (and a layout's blocks) in the terminal")
     show.add_argument("spec", help="mesh spec, e.g. 'dp=2,tp=4' or 'dp=2,tp=2;ids=3,2,1,0'")
     show.add_argument(
         "--layout",
@@ -119,10 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("--shape", help="the tensor's shape for --layout, e.g. 8,4")
     show.add_argument("--json", action="store_true", help="print JSON instead of drawing")
     show.set_defaults(run=_show)
-    convert = sub.add_parser(
+    convert = command(
         "convert",
-        help="build a mesh on a backend and print the native "
-        "object (or, with --code, the native code)",
+        "build a mesh on a backend and print the native object (or, with --code, the native code)",
     )
     convert.add_argument("spec", help="mesh spec, e.g. 'dp=2,tp=4'")
     convert.add_argument("--to", required=True, help="an installed backend (see: unimesh backends)")
@@ -130,9 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--code", action="store_true", help="print the native Python that builds it by hand"
     )
     convert.set_defaults(run=_convert)
-    chk = sub.add_parser(
-        "check", help="run the conformance suite on backends and print the capability matrix"
-    )
+    chk = command("check", "run the conformance suite on backends and print the capability matrix")
     chk.add_argument(
         "backends",
         nargs="*",
@@ -154,9 +281,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     chk.add_argument("--json", metavar="PATH", help="also write the matrix as JSON")
     chk.add_argument("--markdown", metavar="PATH", help="also write the matrix as Markdown")
     chk.set_defaults(run=_check)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
     try:
         return int(args.run(args))
     except UnimeshError as exc:
         print(f"unimesh: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader is gone (| head): stop quietly; stdout goes to devnull so that Python's
+        # own flush at exit does not raise again
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
