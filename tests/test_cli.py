@@ -431,3 +431,23 @@ def test_a_third_party_backend_appears_everywhere_without_an_edit_in_unimesh(exa
     assert " example |" in api.splitlines()[0], api
     assert "| mesh | `unimesh.Mesh` |" in api and "unimesh_example.Mesh (ids and names)" in api
     assert " example |" in primitives.splitlines()[0], primitives
+
+
+def test_check_without_pytest_names_the_conformance_extra(monkeypatch):
+    """In a `pip install "unimesh[jax]"` environment pytest is absent: `check` says which extra
+    brings it instead of printing a matrix of dashes."""
+    import importlib.util
+
+    import pytest
+
+    from unimesh.cli import check as _check
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real(name, *a)
+    )
+    with pytest.raises(
+        unimesh.UnimeshError,
+        match=r'pytest is not installed here: pip install "unimesh\[conformance\]"',
+    ):
+        _check.check(["jax"])

@@ -154,12 +154,20 @@ def check(
     markdown_path: str | None = None,
 ) -> int:
     """The ``unimesh check`` command: 0 when every chosen backend passes, 1 otherwise."""
+    import importlib.util
+
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..registry import backends, get_backend, load_backend
 
+    absent = [m for m in ("pytest", "pytest_timeout") if importlib.util.find_spec(m) is None]
+    if absent:
+        raise UnimeshError(
+            f"unimesh check runs the conformance suite with pytest, and {', '.join(absent)} "
+            'is not installed here: pip install "unimesh[conformance]"'
+        )
     installed = backends()
     missing: list[str] = []
     if not names or names == ["all"]:  # every backend whose framework is there; name the rest
