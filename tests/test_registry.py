@@ -236,7 +236,7 @@ PLUGIN = """
             return {{"names": list(mesh.axis_names), "ids": mesh.device_ids.tolist()}}
 
         def from_native(self, obj):
-            return Mesh(len(obj["ids"]), obj["names"], obj["ids"])
+            return Mesh((len(obj["ids"]),), obj["names"], obj["ids"])
 
     @hookimpl
     def unimesh_backend():

@@ -56,6 +56,7 @@ from .registry import (
 from .rules import AxisRules, LayoutMap
 from .runtime import initialize, verify
 from .spec import P, PartitionSpec
+from .visual import visualize
 
 __version__ = "0.1.0"
 
@@ -118,4 +119,5 @@ __all__ = [
     "unregister_backend",
     "value_and_grad",
     "verify",
+    "visualize",
 ]

@@ -97,6 +97,13 @@ class Layout:
     def __repr__(self) -> str:
         return f"Layout({self._mesh!r}, {self._spec!r})"
 
+    def _repr_html_(self) -> str:
+        """The mesh's grid in a notebook, each device with its block index per tensor dim
+        (:func:`unimesh.visual.html`)."""
+        from .visual import html
+
+        return html(self._mesh, self)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (Layout, (self._mesh, self._spec))
 

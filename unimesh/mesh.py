@@ -204,6 +204,12 @@ class Mesh:
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.to_dict(),))
 
+    def _repr_html_(self) -> str:
+        """The grid of device ids in a notebook (:func:`unimesh.visual.html`)."""
+        from .visual import html
+
+        return html(self)
+
     def __repr__(self) -> str:
         parts = [f"{n}={s}" for n, s in zip(self._names, self._shape)]
         if self._ids is not None:
