@@ -229,15 +229,9 @@ def demo(args: argparse.Namespace) -> int:
         if name not in launched and be.available():
             with contextlib.suppress(ImportError, UnimeshError):  # its row says what is missing
                 be.prepare_devices(max(8, mesh.size))
+    absent = [be for be in plugins.values() if not be.available()]
     for name, be in plugins.items():
         if not be.available():
-            table.add_row(
-                name,
-                f"[dim]{be.framework} not installed[/dim]",
-                "-",
-                "-",
-                escape(be.install_hint()),
-            )
             continue
         if name in launched:
             cells = _launched_row(get_backend(name), args.mesh, mesh.size)
@@ -246,4 +240,9 @@ def demo(args: argparse.Namespace) -> int:
         failures += "FAIL" in "".join(cells) or "failed" in cells[1] or "timed out" in cells[1]
         table.add_row(*cells)
     console.print(table)
+    for be in absent:  # a note under the table, not a row of dashes
+        console.print(
+            f"[dim]not run:[/dim] {be.name} ({be.framework} is not installed: "
+            f"{escape(be.install_hint())})"
+        )
     return 1 if failures else 0
