@@ -262,7 +262,7 @@ def test_writing_a_backend_starts_from_a_backend_that_runs_and_names_every_hook(
     finally:
         unimesh.unregister_backend("dict")
     for layer in unimesh.LAYERS:
-        for hook in (*[h for hs in layer.hooks.values() for h in hs], *layer.extra_hooks):
+        for hook in layer.all_hooks:
             assert f"`{hook}" in text, hook
     for feature in unimesh.FEATURES:
         assert f"`{feature}`" in text, feature

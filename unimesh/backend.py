@@ -22,8 +22,7 @@ from the hooks the class implements, and a backend declares only its :attr:`Back
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from .errors import UnsupportedError
 
@@ -36,10 +35,10 @@ if TYPE_CHECKING:
 __all__ = ["CAPABILITIES", "CONCEPTS", "FEATURES", "LAYERS", "Backend", "Layer"]
 
 
-@dataclass(frozen=True)
-class Layer:
+class Layer(NamedTuple):
     """One layer of the contract: each capability it gives, with the hooks that give it (all
-    of them must be implemented) and what it promises."""
+    of them must be implemented) and what it promises. (A NamedTuple: ``dataclasses`` would
+    add its import, and ``inspect``'s, to ``import unimesh``.)"""
 
     name: str
     required: bool
@@ -48,6 +47,11 @@ class Layer:
     promises: dict[str, str]
     #: hooks of the layer that give no capability of their own (defaults that do nothing)
     extra_hooks: tuple[str, ...] = ()
+
+    @property
+    def all_hooks(self) -> tuple[str, ...]:
+        """Every hook of the layer: those that give its capabilities, then the others."""
+        return (*(h for hooks in self.hooks.values() for h in hooks), *self.extra_hooks)
 
 
 #: The layers of the contract, in the order a backend grows.
@@ -118,8 +122,12 @@ CAPABILITIES: dict[str, str] = {
     **{name: text for name, (text, _) in FEATURES.items()},
 }
 
+#: capability -> the hooks that give it, over every layer
+_CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
+    cap: hooks for layer in LAYERS for cap, hooks in layer.hooks.items()
+}
 _HOOK_CAPABILITY: dict[str, str] = {
-    hook: cap for layer in LAYERS for cap, hooks in layer.hooks.items() for hook in hooks
+    hook: cap for cap, hooks in _CAPABILITY_HOOKS.items() for hook in hooks
 }
 
 #: The concepts a backend maps to native APIs (:attr:`Backend.native_api`), with the neutral API
@@ -197,8 +205,7 @@ class Backend:
             type.__setattr__(cls, "_hand_written_capabilities", cls.__dict__["capabilities"])
         caps = {
             cap
-            for layer in LAYERS
-            for cap, hooks in layer.hooks.items()
+            for cap, hooks in _CAPABILITY_HOOKS.items()
             if all(cls.implements(hook) for hook in hooks)
         }
         cls.capabilities = frozenset(caps | set(cls.features))
@@ -215,8 +222,7 @@ class Backend:
         return tuple(
             layer.name
             for layer in LAYERS
-            if layer.required
-            or any(cls.implements(h) for h in (*_hooks_of(layer), *layer.extra_hooks))
+            if layer.required or any(cls.implements(h) for h in layer.all_hooks)
         )
 
     @classmethod
@@ -234,15 +240,14 @@ class Backend:
         for hook in ("mesh_to_native", "from_native"):
             if not cls.implements(hook):
                 problems.append(f"implements no {hook}: the translator layer is required")
-        for layer in LAYERS:
-            for cap, hooks in layer.hooks.items():
-                done = [h for h in hooks if cls.implements(h)]
-                if done and len(done) < len(hooks):
-                    missing = [h for h in hooks if h not in done]
-                    problems.append(
-                        f"implements {', '.join(done)} but not {', '.join(missing)}: "
-                        f"{cap!r} needs all of {', '.join(hooks)}"
-                    )
+        for cap, hooks in _CAPABILITY_HOOKS.items():
+            done = [h for h in hooks if cls.implements(h)]
+            if done and len(done) < len(hooks):
+                missing = [h for h in hooks if h not in done]
+                problems.append(
+                    f"implements {', '.join(done)} but not {', '.join(missing)}: "
+                    f"{cap!r} needs all of {', '.join(hooks)}"
+                )
         unknown = sorted(set(cls.features) - set(FEATURES))
         if unknown:
             problems.append(
@@ -259,7 +264,7 @@ class Backend:
             elif needs not in cls.capabilities:
                 problems.append(
                     f"declares {feature!r}, a refinement of {needs!r}, which it does not "
-                    f"implement ({', '.join(_hooks_for(needs))})"
+                    f"implement ({', '.join(_CAPABILITY_HOOKS[needs])})"
                 )
         return problems
 
@@ -433,14 +438,3 @@ class Backend:
         """Every parameter of ``model`` laid out as ``resolve(path, shape)`` says
         (``shard_params``; :func:`unimesh.shard_params`)."""
         return self._missing("shard_params")
-
-
-def _hooks_of(layer: Layer) -> tuple[str, ...]:
-    return tuple(h for hooks in layer.hooks.values() for h in hooks)
-
-
-def _hooks_for(capability: str) -> tuple[str, ...]:
-    for layer in LAYERS:
-        if capability in layer.hooks:
-            return layer.hooks[capability]
-    return ()

@@ -5,7 +5,6 @@ or as JSON (:func:`describe`)."""
 
 from __future__ import annotations
 
-from html import escape
 from typing import Any
 
 from .errors import LayoutError
@@ -59,28 +58,35 @@ def _cell(mesh: Mesh, device: int, layout: Layout | None, shape: tuple[int, ...]
     return text
 
 
+def _grids(mesh: Mesh) -> list[tuple[str, str, list[str], list[str], Any]]:
+    """The mesh as 2-D grids of device ids, one per index of its leading axes, each as (title,
+    corner heading, column headings, row headings, ids): what the terminal and HTML drawings
+    both show."""
+    names = mesh.axis_names
+    ids = mesh.device_ids if mesh.ndim > 1 else mesh.device_ids.reshape(1, -1)
+    row_name, col_name = (names[-2], names[-1]) if mesh.ndim > 1 else ("", names[0])
+    corner = f"{row_name} \\ {col_name}" if row_name else ""
+    grids = []
+    for index in _product(ids.shape[:-2]):  # one empty index for a 1-D or 2-D mesh
+        grid = ids[index]
+        title = ", ".join(f"{n}={i}" for n, i in zip(names, index))
+        cols = [f"{col_name}={c}" for c in range(grid.shape[1])]
+        rows = [f"{row_name}={r}" if row_name else "" for r in range(grid.shape[0])]
+        grids.append((title, corner, cols, rows, grid))
+    return grids
+
+
 def _tables(mesh: Mesh, layout: Layout | None, shape: tuple[int, ...] | None) -> list[Any]:
     from rich.table import Table
 
-    ids = mesh.device_ids
-    names = mesh.axis_names
-    if mesh.ndim == 1:
-        ids = ids.reshape(1, -1)
-        row_name, col_name = None, names[0]
-    else:
-        row_name, col_name = names[-2], names[-1]
-    lead = ids.shape[:-2] if ids.ndim > 2 else ()
     tables = []
-    for index in list(_product(lead)) if lead else [()]:
-        grid = ids[index] if index else ids
-        title = ", ".join(f"{n}={i}" for n, i in zip(names, index)) or None
-        table = Table(title=title, show_lines=True)
-        table.add_column(f"{row_name} \\ {col_name}" if row_name else "", justify="right")
-        for c in range(grid.shape[1]):
-            table.add_column(f"{col_name}={c}", justify="center")
-        for r in range(grid.shape[0]):
-            label = f"{row_name}={r}" if row_name else ""
-            table.add_row(label, *(_cell(mesh, int(d), layout, shape) for d in grid[r]))
+    for title, corner, cols, rows, grid in _grids(mesh):
+        table = Table(title=title or None, show_lines=True)
+        table.add_column(corner, justify="right")
+        for col in cols:
+            table.add_column(col, justify="center")
+        for label, ids in zip(rows, grid.tolist()):
+            table.add_row(label, *(_cell(mesh, d, layout, shape) for d in ids))
         tables.append(table)
     return tables
 
@@ -168,31 +174,23 @@ def html(mesh: Mesh, layout: Layout | None = None) -> str:
     """The mesh as HTML tables (one per index of the leading axes), a cell per device with its
     id and process; with a layout, each cell also gives the device's block index along each
     tensor dim (``(i, j)``: the i-th block of dim 0, the j-th of dim 1)."""
+    from html import escape  # here, not at import: html.entities is a large table
+
     counts = layout.shard_counts() if layout is not None else ()
-    ids = mesh.device_ids if mesh.ndim > 1 else mesh.device_ids.reshape(1, -1)
-    names = mesh.axis_names
-    row_name, col_name = (names[-2], names[-1]) if mesh.ndim > 1 else ("", names[0])
-    lead = ids.shape[:-2]
     style = "border-collapse:collapse;font-family:monospace;margin:4px 0"
     cell = "border:1px solid #999;padding:2px 8px;text-align:center"
     title = escape(repr(mesh) if layout is None else f"{layout!r}")
     parts = [f'<div class="unimesh"><div><b>{title}</b></div>']
-    for index in list(_product(lead)) if lead else [()]:
-        grid = ids[index] if index else ids
-        caption = ", ".join(f"{n}={i}" for n, i in zip(names, index))
+    for caption, corner, cols, rows, grid in _grids(mesh):
         parts.append(f'<table style="{style}">')
         if caption:
             parts.append(f"<caption>{escape(caption)}</caption>")
-        head = escape(f"{row_name} \\ {col_name}" if row_name else "")
-        parts.append(f'<tr><th style="{cell}">{head}</th>')
-        parts.extend(
-            f'<th style="{cell}">{escape(col_name)}={c}</th>' for c in range(grid.shape[1])
-        )
+        heads = [corner, *cols]
+        parts.append("<tr>" + "".join(f'<th style="{cell}">{escape(h)}</th>' for h in heads))
         parts.append("</tr>")
-        for r in range(grid.shape[0]):
-            label = f"{row_name}={r}" if row_name else ""
+        for label, ids in zip(rows, grid.tolist()):
             parts.append(f'<tr><th style="{cell}">{escape(label)}</th>')
-            for d in grid[r].tolist():
+            for d in ids:
                 proc = _process(mesh, d)
                 text = f"{d}" + ("" if proc is None else f" p{proc}")
                 if layout is not None:

@@ -27,9 +27,10 @@ def backend_rows() -> list[dict[str, Any]]:
         except UnimeshError as exc:  # a broken plugin: its message says how to fix it
             rows.append({**row, "available": False, "error": str(exc)})
             continue
-        launch = be.launcher(2) if be.available() else None
+        available = be.available()  # find_spec: asked once
+        launch = be.launcher(2) if available else None
         row.update(
-            available=be.available(),
+            available=available,
             framework=be.framework,
             version=be.framework_version(),
             runs="one process" if launch is None else (be.launcher_name or launch[0][0]),
@@ -37,7 +38,7 @@ def backend_rows() -> list[dict[str, Any]]:
             layers=list(be.layers()),
             capabilities=sorted(be.capabilities),
         )
-        if not be.available():
+        if not available:
             row["error"] = f"{be.framework} is not installed: {be.install_hint()}"
         rows.append(row)
     return rows
@@ -59,7 +60,7 @@ def _backends(args: argparse.Namespace) -> int:
     for col in ("backend", "version", "runs", "layers", "capabilities"):
         table.add_column(col, overflow="fold")
     for row in rows:
-        if "framework" not in row or not row["available"]:
+        if not row["available"]:  # a broken plugin, or its framework is missing
             table.add_row(row["name"], "[red]unavailable[/red]", escape(row["error"]), "", "")
             continue
         runs = row["runs"] + (f"; on {', '.join(row['requires'])}" if row["requires"] else "")
@@ -85,12 +86,12 @@ def compact_json(value: Any, indent: int = 2, _level: int = 0, width: int = 88) 
         pad = " " * (indent * (_level + 1))
         if isinstance(value, dict):
             body = [
-                f"{pad}{json.dumps(k)}: {compact_json(v, indent, _level + 1)}"
+                f"{pad}{json.dumps(k)}: {compact_json(v, indent, _level + 1, width)}"
                 for k, v in value.items()
             ]
             open_, close = "{", "}"
         else:
-            body = [f"{pad}{compact_json(v, indent, _level + 1)}" for v in value]
+            body = [f"{pad}{compact_json(v, indent, _level + 1, width)}" for v in value]
             open_, close = "[", "]"
         return open_ + "\n" + ",\n".join(body) + "\n" + " " * (indent * _level) + close
     return json.dumps(value)
