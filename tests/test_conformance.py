@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import pytest
 
 import unimesh
 
-from .launch import require_mpirun, run_bounded
+from .launch import require_mpirun, run_bounded, run_ranks
 
 LIMIT = 600  # one suite run (JAX in process: about 110 s here); our kill comes before pytest's
 IN_PROCESS = ("jax", "keras", "tensorflow")
@@ -37,6 +35,22 @@ def run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str]:
     return run_bounded(cmd, env, LIMIT, cwd)
 
 
+def suite_args(backend: str) -> list[str]:
+    """``-m pytest ...``: the conformance suite on ``backend``, for any launcher to run."""
+    return [
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--color=no",
+        "--pyargs",
+        "unimesh.conformance",
+        "--unimesh-backend",
+        backend,
+    ]
+
+
 def suite(
     backend: str,
     tmp_path: Path,
@@ -45,15 +59,7 @@ def suite(
     matrix = tmp_path / f"matrix-{backend}.json"
     cmd = [
         sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--pyargs",
-        "unimesh.conformance",
-        "--unimesh-backend",
-        backend,
+        *suite_args(backend),
         "--unimesh-matrix-json",
         str(matrix),
         "--unimesh-matrix-md",
@@ -87,15 +93,7 @@ def test_suite_in_every_torchrun_rank(tmp_path: Path) -> None:
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=4",
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--pyargs",
-        "unimesh.conformance",
-        "--unimesh-backend",
-        "torch",
+        *suite_args("torch"),
     ]
     rc, out = run(
         cmd, clean_env(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")), tmp_path
@@ -143,18 +141,6 @@ def test_broken_backend_fails_named_tests(example_site: Path, tmp_path: Path) ->
 @pytest.mark.parametrize("launcher", ["ring", "mpi"])
 def test_suite_in_every_mlx_process(launcher: str, tmp_path: Path) -> None:
     pytest.importorskip("mlx.core")
-    suite_args = [
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--color=no",
-        "--pyargs",
-        "unimesh.conformance",
-        "--unimesh-backend",
-        "mlx",
-    ]
     if launcher == "ring":
         cmd = [
             str(Path(sys.executable).with_name("mlx.launch")),
@@ -164,7 +150,7 @@ def test_suite_in_every_mlx_process(launcher: str, tmp_path: Path) -> None:
             "ring",
             "--",
             sys.executable,
-            *suite_args,
+            *suite_args("mlx"),
         ]
     else:
         mpirun = require_mpirun()
@@ -175,7 +161,7 @@ def test_suite_in_every_mlx_process(launcher: str, tmp_path: Path) -> None:
             "-np",
             "4",
             sys.executable,
-            *suite_args,
+            *suite_args("mlx"),
         ]
     rc, out = run(cmd, clean_env(), tmp_path)
     assert rc == 0, out[-6000:]
@@ -191,44 +177,13 @@ def test_suite_in_every_jax_distributed_process(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--color=no",
-        "--pyargs",
-        "unimesh.conformance",
-        "--unimesh-backend",
-        "jax",
-    ]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=tmp_path,
-            start_new_session=True,
-            env=clean_env(
-                JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)
-            ),
-        )
+    envs = [
+        clean_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
         for i in range(2)
     ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=LIMIT)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail(f"the jax.distributed suite run did not finish within {LIMIT} s")
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-6000:]
+    codes, outs, _ = run_ranks([sys.executable, *suite_args("jax")], envs, LIMIT, tmp_path)
+    for code, out in zip(codes, outs):
+        assert code == 0, out[-6000:]
         (summary,) = re.findall(r"(\d+) passed, (\d+) skipped", out)
         assert int(summary[0]) >= 40
         assert "unimesh capability matrix" in out
