@@ -109,3 +109,10 @@ def test_visualize_bad_input():
         unimesh.visualize(mesh, (4, 4))
     with pytest.raises(LayoutError, match="shape must be a tuple of sizes"):
         unimesh.visualize(Layout(mesh, P("dp")), "8,4")
+    from unimesh.visual import html
+
+    with pytest.raises(LayoutError, match="html\\(\\) takes a unimesh Mesh, got 'dp=2'"):
+        html("dp=2")  # type: ignore[arg-type]
+    other = Layout(Mesh((4,), ("x",)), P("x"))
+    with pytest.raises(LayoutError, match="needs a unimesh Layout on that mesh, got Layout"):
+        html(mesh, other)

@@ -176,6 +176,12 @@ def html(mesh: Mesh, layout: Layout | None = None) -> str:
     tensor dim (``(i, j)``: the i-th block of dim 0, the j-th of dim 1)."""
     from html import escape  # here, not at import: html.entities is a large table
 
+    if not isinstance(mesh, Mesh):
+        raise LayoutError(f"html() takes a unimesh Mesh, got {short(mesh)}")
+    if layout is not None and (not isinstance(layout, Layout) or layout.mesh != mesh):
+        raise LayoutError(
+            f"html(mesh, layout) needs a unimesh Layout on that mesh, got {short(layout)}"
+        )
     counts = layout.shard_counts() if layout is not None else ()
     style = "border-collapse:collapse;font-family:monospace;margin:4px 0"
     cell = "border:1px solid #999;padding:2px 8px;text-align:center"
