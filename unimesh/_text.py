@@ -8,8 +8,11 @@ from typing import Any
 from ._validate import check_size, fail
 from .messages import short
 
-_AXIS_RE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d{1,12})\s*\Z")
-_INT_RE = re.compile(r"\s*(\d{1,18})\s*\Z")
+# ASCII only: "dp=\u0662" (an Arabic-Indic two) or a full-width digit is refused, not read as 2,
+# so that every accepted text is what to_string writes back.
+_AXIS_RE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d{1,12})\s*\Z", re.ASCII)
+_INT_RE = re.compile(r"\s*0*(\d{1,19})\s*\Z", re.ASCII)
+_INT64_MAX = (1 << 63) - 1
 _SECTIONS = ("ids", "types", "per_process")
 _FORM = "'dp=2,tp=4' (optionally followed by ';ids=...', ';types=...', ';per_process=k')"
 
@@ -41,6 +44,10 @@ def parse_mesh_string(s: object) -> dict[str, Any]:
         seen.add(key)
         if key == "ids":
             size = check_size(tuple(shape))
+            fast = _canonical_ids(value, size)
+            if fast is not None:
+                out["device_ids"] = fast.reshape(tuple(shape))
+                continue
             items = value.split(",")
             if len(items) != size:
                 fail(
@@ -50,10 +57,10 @@ def parse_mesh_string(s: object) -> dict[str, Any]:
             ids = []
             for item in items:
                 m = _INT_RE.match(item)
-                if not m:
+                if not m or int(m.group(1)) > _INT64_MAX:
                     fail(
                         f"device id {short(item.strip())} in mesh string {short(s)} is not a "
-                        "non-negative int"
+                        f"non-negative int64 (0 to {_INT64_MAX})"
                     )
                 ids.append(int(m.group(1)))
             out["device_ids"] = _reshape(ids, tuple(shape))
@@ -67,6 +74,86 @@ def parse_mesh_string(s: object) -> dict[str, Any]:
                     "positive int"
                 )
             out["devices_per_process"] = int(m.group(1))
+    return out
+
+
+def _canonical_ids(text: str, size: int) -> Any:
+    """The ids of the form ``to_string`` writes (ASCII digits and commas, nothing else), read by
+    numpy in one pass; None for anything else, which the careful per-item path then reads or
+    refuses with a message."""
+    import warnings
+
+    import numpy as np
+
+    if not text.isascii() or not text[:1].isdigit() or not text[-1:].isdigit():
+        return None
+    raw = text.encode("ascii")
+    if raw.translate(None, b"0123456789,"):
+        return None  # spaces, signs or other characters: the careful path
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            ids = np.fromstring(raw, dtype=np.int64, sep=",")
+        except (ValueError, DeprecationWarning):
+            return None  # an empty item (",,")
+    if ids.size != size or (ids.size and int(ids.max()) == _INT64_MAX):
+        return None  # a count to report, or an id numpy clipped at int64's top
+    return ids
+
+
+def _skeleton(shape: tuple[int, ...]) -> bytes:
+    """The brackets and commas of a JSON array of ``shape`` with the numbers taken out:
+    ``(2, 3)`` -> ``[[,,],[,,]]``."""
+    inner = b""
+    for n in reversed(shape):
+        inner = b"[" + b",".join([inner] * n) + b"]"
+    return inner
+
+
+_JSON_IDS_KEY = '"device_ids":['
+
+
+def json_ids_fast(text: str) -> dict[str, Any] | None:
+    """A mesh dict from JSON of the compact form ``Mesh.to_json`` writes, its ``device_ids``
+    read by numpy straight from the text (no million Python ints); None for any other form,
+    which ``json.loads`` then reads. The array must have exactly the nesting of the mesh's
+    shape, with one number in each place."""
+    import json
+
+    import numpy as np
+
+    at = text.find(_JSON_IDS_KEY)
+    if at < 0 or (at and text[at - 1] == "\\") or text.find(_JSON_IDS_KEY, at + 1) >= 0:
+        return None
+    start = at + len(_JSON_IDS_KEY) - 1
+    stops = [i for i in (text.find('"', start), text.find("}", start)) if i >= 0]
+    if not stops:
+        return None
+    array = text[start : min(stops)].rstrip(",")
+    try:
+        rest = json.loads(text[:start] + "null" + text[start + len(array) :])
+    except (ValueError, RecursionError):
+        return None
+    shape = rest.get("shape") if isinstance(rest, dict) else None
+    if (
+        "device_ids" not in rest
+        or rest["device_ids"] is not None
+        or not isinstance(shape, list)
+        or not shape
+        or not all(type(n) is int and n > 0 for n in shape)
+        or not array.isascii()
+    ):
+        return None
+    raw = array.encode("ascii")
+    if raw.translate(None, b"0123456789") != _skeleton(tuple(shape)):
+        return None  # other characters, or another nesting: json.loads and the checks say what
+    if any(gap in raw for gap in (b",,", b"[,", b",]", b"[]")):
+        return None
+    ids = np.fromstring(raw.translate(None, b"[]"), dtype=np.int64, sep=",")
+    if ids.size != check_size(tuple(shape)) or int(ids.max()) == _INT64_MAX:
+        return None
+    out: dict[str, Any] = rest
+    out["device_ids"] = ids.reshape(tuple(shape))
     return out
 
 

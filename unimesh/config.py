@@ -198,19 +198,35 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in (".toml", ".json"):
         raise ConfigError(f"config file {path!r} must end in .toml or .json")
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_TEXT:
-            raise ConfigError(
-                f"config file {path!r} is {size} bytes; a config is at most {MAX_TEXT}"
-            )
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path!r}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {path!r} is not UTF-8 text") from None
+    text = read_text_file(path, "config file", MAX_TEXT, ConfigError)
     return Config.from_toml(text) if suffix == ".toml" else Config.from_json(text)
+
+
+def read_text_file(
+    path: str, what: str, limit: int = MAX_TEXT, cls: type[Exception] = ConfigError
+) -> str:
+    """The UTF-8 text of a regular file of at most ``limit`` bytes. A FIFO, a device (a link to
+    /dev/zero) or a directory is refused without reading it, so nothing blocks or reads
+    forever."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise cls(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise cls(f"{what} {path!r} is not a regular file; give the path of a text file")
+        if info.st_size > limit:
+            raise cls(f"{what} {path!r} is {info.st_size} bytes; it may be at most {limit}")
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise cls(f"{what} {path!r} is more than {limit} bytes; it may be at most {limit}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise cls(f"{what} {path!r} is not UTF-8 text") from None
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -64,37 +64,80 @@ def _check_nesting(value: object, shape: tuple[int, ...], depth: int = 0) -> Non
         _check_nesting(v, shape, depth + 1)
 
 
+def _first_chain(value: object, shape: tuple[int, ...]) -> None:
+    """O(ndim) check along the first element of each level, so that a list far larger than the
+    mesh (a flat list of millions for a 4-device mesh) is refused before numpy copies it."""
+    item = value
+    for n in shape:
+        if not isinstance(item, (list, tuple)):
+            return
+        if len(item) != n:
+            _check_nesting(value, shape)  # raises, naming the offending shape
+            return
+        if not item:
+            return
+        item = item[0]
+
+
 def _ids_array(device_ids: object, shape: tuple[int, ...]) -> np.ndarray:
-    """Validate user device ids (ndarray or nested lists) into a fresh int64 array of ``shape``."""
-    _check_nesting(device_ids, shape)
+    """Validate user device ids (ndarray or nested lists) into a fresh int64 array of ``shape``.
+
+    Linear in the number of ids: numpy reads the nesting (a ragged or too-deep input is walked
+    again, in Python, only to name what is wrong), and distinctness is a count of each id, not a
+    sort, whenever the ids are compact (max id < 4 * size + 1024)."""
+    _first_chain(device_ids, shape)
     try:
         arr = np.array(device_ids)
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        _check_nesting(device_ids, shape)
         fail(f"device_ids {short(device_ids)} is not a rectangular array of ints ({exc})")
     if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
         if arr.size == 0 and arr.dtype.kind == "f":
             arr = arr.astype(np.int64)
         else:
+            if arr.dtype == object:
+                _check_nesting(device_ids, shape)
             fail(f"device_ids must be ints, got {short(device_ids)} (dtype {arr.dtype})")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         fail(f"device_ids {short(device_ids)} holds values larger than int64")
     arr = arr.astype(np.int64, copy=False)
     if arr.shape != shape:
+        _check_nesting(device_ids, shape)
         fail(
             f"device_ids has shape {arr.shape} but the mesh shape is {shape}; give one id per "
-            "device "
-            "as an array of the mesh's shape"
+            "device as an array of the mesh's shape"
         )
-    if arr.size and int(arr.min()) < 0:
-        fail(
-            f"device_ids must be >= 0 (logical positions in the global device order), got "
-            f"{int(arr.min())}"
-        )
-    flat = np.sort(arr, axis=None)
-    dup = flat[1:][flat[1:] == flat[:-1]]
-    if dup.size:
-        fail(f"device_ids must be distinct, but {int(dup[0])} appears more than once")
+    flat = arr.ravel()
+    lo, hi = int(flat.min()), int(flat.max())
+    if lo < 0:
+        fail(f"device_ids must be >= 0 (logical positions in the global device order), got {lo}")
+    if hi < 4 * flat.size + 1024:
+        seen = np.zeros(hi + 1, dtype=np.bool_)
+        seen[flat] = True
+        if int(np.count_nonzero(seen)) != flat.size:
+            counts = np.bincount(flat)
+            fail(
+                f"device_ids must be distinct, but {int(np.argmax(counts > 1))} appears more "
+                "than once"
+            )
+    else:
+        ordered = np.sort(flat)
+        dup = ordered[1:][ordered[1:] == ordered[:-1]]
+        if dup.size:
+            fail(f"device_ids must be distinct, but {int(dup[0])} appears more than once")
     return arr
+
+
+def _is_arange(flat: np.ndarray) -> bool:
+    """``flat == arange(flat.size)``, looking at a short prefix first so that a permuted array
+    is told apart without a full pass."""
+    n = flat.size
+    if n == 0 or int(flat[0]) != 0 or int(flat[-1]) != n - 1:
+        return n == 0
+    head = min(n, 1024)
+    if not np.array_equal(flat[:head], np.arange(head)):
+        return False
+    return bool(np.array_equal(flat, np.arange(n)))
 
 
 class Mesh:
@@ -140,16 +183,19 @@ class Mesh:
                 f"axis_names {names} has {len(names)} names but shape {shape_t} has "
                 f"{len(shape_t)} axes; give one name per axis"
             )
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            fail(
-                f"axis name {dup!r} appears more than once in {names}; axis names must be distinct"
-            )
-        size = check_size(shape_t)
+        seen: set[str] = set()
+        for name in names:  # linear, and the message stays short for 20,000 names
+            if name in seen:
+                fail(
+                    f"axis name {name!r} appears more than once in {short(names)}; axis names "
+                    "must be distinct"
+                )
+            seen.add(name)
+        check_size(shape_t)
         ids: np.ndarray | None = None
         if device_ids is not None:
             ids = _ids_array(device_ids, shape_t)
-            if np.array_equal(ids.ravel(), np.arange(size)):
+            if _is_arange(ids.ravel()):
                 ids = None  # the default order: keep it implicit (O(1) and equal by value)
             else:
                 ids.flags.writeable = False
@@ -171,6 +217,35 @@ class Mesh:
         set_(self, "_types", types)
         set_(self, "_dpp", dpp)
         set_(self, "_cache", {})
+
+    @classmethod
+    def _derived(
+        cls,
+        shape: tuple[int, ...],
+        names: tuple[str, ...],
+        ids: np.ndarray,
+        types: tuple[str, ...] | None,
+        dpp: int | None,
+    ) -> Mesh:
+        """A mesh from parts that a mesh already checked (flatten, transpose, submeshes, ...):
+        the ids are a rearrangement of checked ids, so they are not validated again."""
+        mesh = object.__new__(cls)
+        flat = ids.ravel()
+        own: np.ndarray | None = None
+        if not _is_arange(flat):
+            own = np.ascontiguousarray(ids).reshape(shape)
+            own.flags.writeable = False
+        set_ = object.__setattr__
+        for field, value in (
+            ("_shape", shape),
+            ("_names", names),
+            ("_ids", own),
+            ("_types", types),
+            ("_dpp", dpp),
+            ("_cache", {}),
+        ):
+            set_(mesh, field, value)
+        return mesh
 
     # -- immutability, equality, hashing, pickling ---------------------------------------------
     def __setattr__(self, name: str, value: object) -> None:
@@ -438,13 +513,7 @@ class Mesh:
         types = None
         if self._types is not None:
             types = tuple(self._types[self._names.index(n)] for n in names)
-        return Mesh(
-            tuple(self.axis_size(n) for n in names),
-            names,
-            ids,
-            axis_types=types,
-            devices_per_process=self._dpp,
-        )
+        return Mesh._derived(tuple(self.axis_size(n) for n in names), names, ids, types, self._dpp)
 
     def submesh(self, axes: str | Sequence[str], containing: int | None = None) -> Mesh:
         """The mesh over ``axes`` (any order) that contains device ``containing``.
@@ -521,13 +590,8 @@ class Mesh:
                 if self._types is not None:
                     new_types.append(self._types[i])
         ids = self.device_ids.transpose(perm).reshape(new_shape)
-        return Mesh(
-            new_shape,
-            new_names,
-            ids,
-            axis_types=tuple(new_types) if self._types is not None else None,
-            devices_per_process=self._dpp,
-        )
+        types = tuple(new_types) if self._types is not None else None
+        return Mesh._derived(tuple(new_shape), tuple(new_names), ids, types, self._dpp)
 
     def unflatten(self, axis: str, sizes: Mapping[str, int]) -> Mesh:
         """Split ``axis`` into the named axes ``sizes`` (row-major, major first), in its place.
@@ -546,13 +610,7 @@ class Mesh:
         types = None
         if self._types is not None:
             types = self._types[:i] + (self._types[i],) * len(new) + self._types[i + 1 :]
-        return Mesh(
-            shape,
-            names,
-            self.device_ids.reshape(shape),
-            axis_types=types,
-            devices_per_process=self._dpp,
-        )
+        return Mesh._derived(shape, names, self.device_ids.reshape(shape), types, self._dpp)
 
     def rename(self, mapping: Mapping[str, str]) -> Mesh:
         """A mesh with axes renamed by ``mapping`` (old name -> new name)."""
@@ -560,10 +618,14 @@ class Mesh:
             fail(f"rename() takes a mapping old name -> new name, got {short(mapping)}")
         for old in mapping:
             self._axis_index(old)
-        names = tuple(mapping.get(n, n) for n in self._names)
-        return Mesh(
-            self._shape, names, self._ids, axis_types=self._types, devices_per_process=self._dpp
-        )
+        names = tuple(check_axis_name(mapping.get(n, n)) for n in self._names)
+        if len(set(names)) != len(names):
+            dup = next(n for i, n in enumerate(names) if n in names[:i])
+            fail(
+                f"rename({short(dict(mapping))}): axis name {dup!r} appears more than once in "
+                f"{short(names)}; axis names must be distinct"
+            )
+        return Mesh._derived(self._shape, names, self.device_ids, self._types, self._dpp)
 
     def transpose(self, axis_names: Sequence[str]) -> Mesh:
         """The same devices with the axes in a new order (a permutation of ``axis_names``)."""
@@ -575,13 +637,8 @@ class Mesh:
             )
         perm = [self._names.index(n) for n in names]
         types = None if self._types is None else tuple(self._types[p] for p in perm)
-        return Mesh(
-            tuple(self._shape[p] for p in perm),
-            names,
-            self.device_ids.transpose(perm),
-            axis_types=types,
-            devices_per_process=self._dpp,
-        )
+        shape = tuple(self._shape[p] for p in perm)
+        return Mesh._derived(shape, names, self.device_ids.transpose(perm), types, self._dpp)
 
     # -- processes -----------------------------------------------------------------------------
     def _process_of(self) -> np.ndarray:
@@ -623,9 +680,7 @@ class Mesh:
                 f"{[(s.start, s.stop) for s in block]} also holds other processes' devices"
             )
         ids = self.device_ids[block]
-        return Mesh(
-            ids.shape, self._names, ids, axis_types=self._types, devices_per_process=self._dpp
-        )
+        return Mesh._derived(ids.shape, self._names, ids, self._types, self._dpp)
 
     # -- serial forms --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -677,6 +732,12 @@ class Mesh:
 
         if not isinstance(s, (str, bytes, bytearray)):
             fail(f"Mesh.from_json() takes a str, got {short(s)} ({type(s).__name__})")
+        if isinstance(s, str) and len(s) > 1 << 16:
+            from ._text import json_ids_fast
+
+            fast = json_ids_fast(s)
+            if fast is not None:
+                return cls.from_dict(fast)
         try:
             d = json.loads(s)
         except (ValueError, RecursionError, UnicodeDecodeError) as exc:

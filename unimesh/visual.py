@@ -12,10 +12,16 @@ from .layout import Layout
 from .mesh import Mesh
 from .messages import short
 
-__all__ = ["describe", "draw", "html", "visualize"]
+__all__ = ["EDGE", "THRESHOLD", "describe", "draw", "html", "visualize", "write_json"]
 
 #: colours for process boundaries (cycled)
 _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red")
+
+
+#: Above this many devices a drawing is a summary (numpy's print threshold is also 1000).
+THRESHOLD = 1000
+#: Rows and columns kept at each end of an axis in a summary (numpy's ``edgeitems``).
+EDGE = 3
 
 
 def _process(mesh: Mesh, device: int) -> int | None:
@@ -23,31 +29,121 @@ def _process(mesh: Mesh, device: int) -> int | None:
     return None if dpp is None else device // dpp
 
 
-def describe(
-    mesh: Mesh, layout: Layout | None = None, shape: tuple[int, ...] | None = None
+def _description(
+    mesh: Mesh, layout: Layout | None, shape: tuple[int, ...] | None
 ) -> dict[str, Any]:
-    """The JSON form: the mesh (its dict form), each device's coordinate and process, and with a
-    layout and a shape, each device's block as ``[start, stop]`` pairs."""
+    """:func:`describe` with the per-device facts as numpy arrays of the mesh's shape."""
+    import numpy as np
+
     if layout is not None and shape is None:
         raise LayoutError("a layout needs the tensor's shape too (--shape 8,4)")
-    devices = []
-    for device in mesh.device_ids.ravel().tolist():
-        entry: dict[str, Any] = {
-            "id": device,
-            "coords": mesh.coords(device),
-            "process": _process(mesh, device),
-        }
-        if layout is not None and shape is not None:
-            entry["block"] = [[s.start, s.stop] for s in layout.shard_slices(shape, device)]
-        devices.append(entry)
-    out: dict[str, Any] = {"mesh": mesh.to_dict(), "devices": devices}
-    if layout is not None:
+    ids = mesh.device_ids
+    dpp = mesh.devices_per_process
+    out: dict[str, Any] = {
+        "mesh": mesh.to_dict(),
+        "size": mesh.size,
+        "device_ids": ids,
+        "process": None if dpp is None else ids // dpp,
+    }
+    if layout is not None and shape is not None:
+        lo, hi = layout.shard_bounds(shape)
         out["spec"] = repr(layout.spec)
-        out["shape"] = list(shape or ())
+        out["shape"] = list(shape)
+        out["blocks"] = np.stack([lo, hi], axis=-1).reshape(*mesh.shape, len(shape), 2)
     return out
 
 
-def _cell(mesh: Mesh, device: int, layout: Layout | None, shape: tuple[int, ...] | None) -> str:
+def describe(
+    mesh: Mesh, layout: Layout | None = None, shape: tuple[int, ...] | None = None
+) -> dict[str, Any]:
+    """The JSON form, array-shaped like the mesh: ``mesh`` (its dict form), ``size``,
+    ``device_ids`` (nested lists of the mesh's shape: a device's coordinates are its index),
+    ``process`` (the same shape; None without ``devices_per_process``), and with a layout and a
+    shape, ``spec``, ``shape`` and ``blocks``: for each device, ``[start, stop]`` per tensor dim
+    (``blocks[i][j]`` is the block of the device at ``device_ids[i][j]``)."""
+    return {k: _plain(v) for k, v in _description(mesh, layout, shape).items()}
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def write_json(
+    write: Any, mesh: Mesh, layout: Layout | None = None, shape: tuple[int, ...] | None = None
+) -> None:
+    """:func:`describe`'s JSON, written piece by piece through ``write`` (one slice of the
+    mesh's first axis at a time), so memory stays bounded by a slice at any mesh size."""
+    import json
+
+    write("{")
+    for i, (key, value) in enumerate(_description(mesh, layout, shape).items()):
+        write(("," if i else "") + json.dumps(key) + ":")
+        if hasattr(value, "tolist") and value.ndim > 1:
+            write("[")
+            for j, part in enumerate(value):
+                write(("," if j else "") + json.dumps(part.tolist(), separators=(",", ":")))
+            write("]")
+        else:
+            write(json.dumps(_plain(value), separators=(",", ":")))
+    write("}\n")
+
+
+def _pick(n: int, edge: int | None) -> list[int | None]:
+    """Indices 0..n-1, or with ``edge``, the first and last ``edge`` with None between."""
+    if edge is None or n <= 2 * edge + 1:
+        return list(range(n))
+    return [*range(edge), None, *range(n - edge, n)]
+
+
+def _grids(
+    mesh: Mesh,
+    edge: int | None = None,
+    panels: int | None = None,
+    col_edge: int | None = None,
+) -> list[tuple[str, str, list[str], list[str], list[list[int | None]]]]:
+    """The mesh as 2-D grids of device ids, one per index of its leading axes, each as (title,
+    corner heading, column headings, row headings, ids): what the terminal and HTML drawings
+    both show. ``edge``: keep that many rows and columns at each end (None marks the gap);
+    ``panels``: keep only the first and last ``panels`` grids; ``col_edge``: columns kept at
+    each end when fewer than ``edge`` fit."""
+    names = mesh.axis_names
+    ids = mesh.device_ids if mesh.ndim > 1 else mesh.device_ids.reshape(1, -1)
+    row_name, col_name = (names[-2], names[-1]) if mesh.ndim > 1 else ("", names[0])
+    corner = f"{row_name} \\ {col_name}" if row_name else ""
+    rows_at = _pick(ids.shape[-2], edge)
+    cols_at = _pick(ids.shape[-1], edge if col_edge is None else col_edge)
+    cols = [f"{col_name}={c}" if c is not None else "\u2026" for c in cols_at]
+    rows = [(f"{row_name}={r}" if row_name else "") if r is not None else "\u2026" for r in rows_at]
+    lead = ids.shape[:-2]
+    count = 1
+    for n in lead:
+        count *= n
+    chosen = range(count)
+    if panels is not None and count > 2 * panels:
+        chosen = [*range(panels), *range(count - panels, count)]  # type: ignore[assignment]
+    grids = []
+    for flat in chosen:
+        index = _unravel(flat, lead)
+        grid = ids[index]
+        title = ", ".join(f"{n}={i}" for n, i in zip(names, index))
+        cells = [
+            [None if r is None or c is None else int(grid[r, c]) for c in cols_at] for r in rows_at
+        ]
+        grids.append((title, corner, cols, rows, cells))
+    return grids
+
+
+def _unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(dims):
+        flat, i = divmod(flat, n)
+        out.append(i)
+    return tuple(reversed(out))
+
+
+def _cell(mesh: Mesh, device: int | None, layout: Layout | None, shape: Any) -> str:
+    if device is None:
+        return "\u2026"
     proc = _process(mesh, device)
     text = f"[bold]{device}[/bold]"
     if proc is not None:
@@ -58,68 +154,114 @@ def _cell(mesh: Mesh, device: int, layout: Layout | None, shape: tuple[int, ...]
     return text
 
 
-def _grids(mesh: Mesh) -> list[tuple[str, str, list[str], list[str], Any]]:
-    """The mesh as 2-D grids of device ids, one per index of its leading axes, each as (title,
-    corner heading, column headings, row headings, ids): what the terminal and HTML drawings
-    both show."""
-    names = mesh.axis_names
-    ids = mesh.device_ids if mesh.ndim > 1 else mesh.device_ids.reshape(1, -1)
-    row_name, col_name = (names[-2], names[-1]) if mesh.ndim > 1 else ("", names[0])
-    corner = f"{row_name} \\ {col_name}" if row_name else ""
-    grids = []
-    for index in _product(ids.shape[:-2]):  # one empty index for a 1-D or 2-D mesh
-        grid = ids[index]
-        title = ", ".join(f"{n}={i}" for n, i in zip(names, index))
-        cols = [f"{col_name}={c}" for c in range(grid.shape[1])]
-        rows = [f"{row_name}={r}" if row_name else "" for r in range(grid.shape[0])]
-        grids.append((title, corner, cols, rows, grid))
-    return grids
+def _cell_width(mesh: Mesh, layout: Layout | None, shape: tuple[int, ...] | None) -> int:
+    """The widest cell text a grid of this mesh can have (ids, process marks, blocks)."""
+    width = len(str(int(mesh.device_ids.max())))
+    if mesh.devices_per_process is not None:
+        width += 2 + len(str(int(mesh.device_ids.max()) // mesh.devices_per_process))
+    if layout is not None and shape is not None:
+        width = max(width, 2 + sum(2 * len(str(n)) + 3 for n in shape))
+    return width
 
 
-def _tables(mesh: Mesh, layout: Layout | None, shape: tuple[int, ...] | None) -> list[Any]:
+def _fit(mesh: Mesh, width: int, cell: int, edge: int | None) -> int | None:
+    """The ``edge`` that makes one grid fit ``width`` columns (never cutting a cell)."""
+    cols = mesh.shape[-1]
+    rows = mesh.shape[-2] if mesh.ndim > 1 else 1
+    label = 4 + len(" \\ ".join(mesh.axis_names[-2:])) + len(str(rows))
+    per = max(cell, len(mesh.axis_names[-1]) + 1 + len(str(cols - 1))) + 3
+    room = max(3, (width - label) // per)
+    shown = cols if edge is None else min(cols, 2 * edge + 1)
+    if shown <= room:
+        return edge
+    return max(1, (room - 1) // 2)
+
+
+def _tables(
+    mesh: Mesh,
+    layout: Layout | None,
+    shape: tuple[int, ...] | None,
+    edge: int | None = None,
+    panels: int | None = None,
+    col_edge: int | None = None,
+) -> list[Any]:
     from rich.table import Table
 
     tables = []
-    for title, corner, cols, rows, grid in _grids(mesh):
+    for title, corner, cols, rows, grid in _grids(mesh, edge, panels, col_edge):
         table = Table(title=title or None, show_lines=True)
-        table.add_column(corner, justify="right")
+        table.add_column(corner, justify="right", no_wrap=True)
         for col in cols:
-            table.add_column(col, justify="center")
-        for label, ids in zip(rows, grid.tolist()):
+            table.add_column(col, justify="center", no_wrap=True)
+        for label, ids in zip(rows, grid):
             table.add_row(label, *(_cell(mesh, d, layout, shape) for d in ids))
         tables.append(table)
     return tables
 
 
-def _product(dims: tuple[int, ...]) -> Any:
-    import itertools
-
-    return itertools.product(*(range(n) for n in dims))
-
-
-def _tensor_table(layout: Layout, shape: tuple[int, ...]) -> Any:
+def _tensor_table(
+    layout: Layout, shape: tuple[int, ...], edge: int | None = None, width: int | None = None
+) -> Any:
     """The tensor's blocks (first two dims) and the devices that hold each, like JAX's
-    ``visualize_array_sharding``."""
+    ``visualize_array_sharding``; with ``edge``, the first and last blocks of each dim and at
+    most ``2 * edge`` device ids per block; with ``width``, as many columns as fit."""
+    import numpy as np
     from rich.table import Table
 
-    holders: dict[tuple[tuple[int, int], ...], list[int]] = {}
-    for device in layout.mesh.device_ids.ravel().tolist():
-        key = tuple((s.start, s.stop) for s in layout.shard_slices(shape, device)[:2])
-        holders.setdefault(key, []).append(device)
-    rows = sorted({k[0] for k in holders}) if shape else [(0, 0)]
-    cols = sorted({k[1] for k in holders}) if len(shape) > 1 else [None]
+    ids = layout.mesh.device_ids.ravel()
+    lo, hi = layout.shard_bounds(shape)
+    keep = min(len(shape), 2)
+    index = []  # per kept dim: each device's block number, and the blocks' (start, stop)
+    bounds = []
+    for d in range(keep):
+        key = lo[:, d] * (shape[d] + 1) + hi[:, d]
+        uniq, inverse = np.unique(key, return_inverse=True)
+        index.append(inverse.ravel())
+        bounds.append([(int(k) // (shape[d] + 1), int(k) % (shape[d] + 1)) for k in uniq])
+    nrows = len(bounds[0]) if keep else 1
+    ncols = len(bounds[1]) if keep > 1 else 1
+    cell = (index[0] if keep else np.zeros(ids.size, np.int64)) * ncols
+    if keep > 1:
+        cell = cell + index[1]
+    order = np.argsort(cell, kind="stable")
+    starts = np.searchsorted(cell[order], np.arange(nrows * ncols + 1))
+
+    def holders(r: int, c: int) -> Any:
+        k = r * ncols + c
+        return np.sort(ids[order[starts[k] : starts[k + 1]]])
+
+    heads = [f"{a}:{b}" for a, b in bounds[1]] if keep > 1 else [""]
+    col_edge = edge
+    if width is not None and ncols > 1:
+        per = max(len(h) for h in heads) + 3
+        per = max(per, min(len(_id_list(holders(0, 0), edge)), 24) + 3)
+        room = max(3, (width - 14) // per)
+        shown = ncols if edge is None else min(ncols, 2 * edge + 1)
+        if shown > room:
+            col_edge = max(1, (room - 1) // 2)
+    rows_at = _pick(nrows, edge)
+    cols_at = _pick(ncols, col_edge)
     table = Table(title=f"tensor {shape} as {layout.spec!r}", show_lines=True)
-    table.add_column("rows", justify="right")
-    for c in cols:
-        table.add_column("" if c is None else f"cols {c[0]}:{c[1]}", justify="center")
-    for r in rows:
-        cells = []
-        for c in cols:
-            key = (r,) if c is None else (r, c)
-            devices = holders.get(key if shape else (), [])
-            cells.append(" ".join(map(str, sorted(devices))) or "-")
-        table.add_row(f"{r[0]}:{r[1]}" if shape else "", *cells)
+    table.add_column("rows \\ cols" if keep > 1 else "rows", justify="right", no_wrap=True)
+    for c in cols_at:
+        table.add_column("\u2026" if c is None else heads[c], justify="center")
+    for r in rows_at:
+        if r is None:
+            table.add_row("\u2026", *("\u2026" for _ in cols_at))
+            continue
+        cells = ["\u2026" if c is None else _id_list(holders(r, c), edge) for c in cols_at]
+        label = f"{bounds[0][r][0]}:{bounds[0][r][1]}" if keep else ""
+        table.add_row(label, *cells)
     return table
+
+
+def _id_list(devices: Any, edge: int | None) -> str:
+    if not len(devices):
+        return "-"
+    if edge is not None and len(devices) > 4 * edge:
+        head = " ".join(map(str, devices[: 2 * edge].tolist()))
+        return f"{head} \u2026 {int(devices[-1])} ({len(devices)} devices)"
+    return " ".join(map(str, devices.tolist()))
 
 
 def draw(
@@ -127,37 +269,87 @@ def draw(
     layout: Layout | None = None,
     shape: tuple[int, ...] | None = None,
     console: Any = None,
+    *,
+    full: bool = False,
 ) -> None:
-    """Print the mesh grid(s), and with a layout the tensor's blocks, with rich."""
+    """Print the mesh grid(s), and with a layout the tensor's blocks, with rich.
+
+    A mesh of more than :data:`THRESHOLD` devices is summarised (like numpy's print): its
+    axes, its processes, the first and last grid, and the first and last :data:`EDGE` rows and
+    columns of each; a grid wider than the terminal keeps as many columns as fit, never cutting
+    an id. ``full=True`` draws every device whatever the size."""
     from rich.console import Console
 
     if layout is not None and shape is None:
         raise LayoutError("a layout needs the tensor's shape too (--shape 8,4)")
     console = console or Console()
-    console.print(
-        f"[bold]{mesh!r}[/bold]  ({mesh.size} devices"
-        + (f", {mesh.devices_per_process} per process" if mesh.devices_per_process else "")
-        + ")"
-    )
-    for table in _tables(mesh, layout, shape):
+    summary = not full and mesh.size > THRESHOLD
+    edge = EDGE if summary else None
+    col_edge = edge
+    if not full:
+        col_edge = _fit(mesh, console.width, _cell_width(mesh, layout, shape), edge)
+    dpp = mesh.devices_per_process
+    if summary:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.shape))
+        order = "default order" if mesh.is_default_order else "permuted ids"
+        head = f"[bold]Mesh({axes})[/bold]  {mesh.size:,} devices, {order}"
+        if dpp:
+            head += f", {dpp:,} per process on {mesh.num_processes:,} processes"
+    else:
+        head = f"[bold]{_escape(repr(mesh))}[/bold]  ({mesh.size} devices"
+        head += (f", {dpp} per process" if dpp else "") + ")"
+    console.print(head)
+    if summary and dpp:
+        console.print(_process_blocks(mesh))
+    panels = 1 if summary else None
+    for table in _tables(mesh, layout, shape, edge, panels, col_edge):
         console.print(table)
+    lead = mesh.size // (mesh.shape[-1] * (mesh.shape[-2] if mesh.ndim > 1 else 1))
+    if col_edge is not None or (panels and lead > 2):
+        shown = "the first and last grid of " + f"{lead:,}" if panels and lead > 2 else "every grid"
+        console.print(
+            f"[dim]\u2026 marks rows and columns left out; shown: {shown}. "
+            "`unimesh show --full` (visualize(..., full=True)) draws every device.[/dim]"
+        )
     if layout is not None and shape is not None:
         if len(shape) > 2:
             console.print(f"(the tensor view shows dims 0 and 1 of {len(shape)})")
-        console.print(_tensor_table(layout, shape))
+        width = None if full else console.width
+        console.print(_tensor_table(layout, shape, EDGE if summary else None, width))
 
 
-def visualize(obj: Mesh | Layout, shape: Any = None, *, console: Any = None) -> None:
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _process_blocks(mesh: Mesh) -> str:
+    """One line on where process 0's devices sit: the block of the mesh they form."""
+    from .errors import MeshSpecError
+
+    try:
+        block = mesh.local_mesh(0)
+    except MeshSpecError:
+        return "process 0's devices do not form a block of the mesh"
+    dims = ", ".join(f"{n}={s}" for n, s in zip(block.axis_names, block.shape))
+    return f"process 0 holds the block {dims} (devices {_id_list(block.device_ids.ravel(), EDGE)})"
+
+
+def visualize(
+    obj: Mesh | Layout, shape: Any = None, *, console: Any = None, full: bool = False
+) -> None:
     """Draw a mesh, or a layout's blocks of a tensor of ``shape``, in the terminal (what
     ``unimesh show`` prints; a layout without a shape draws its mesh). ``console``: a rich
-    ``Console`` (default: a new one on stdout)."""
+    ``Console`` (default: a new one on stdout); ``full``: every device even when the mesh is
+    large or the terminal narrow (:func:`draw`)."""
     if isinstance(obj, Layout):
         dims = None if shape is None else _shape(shape)
-        draw(obj.mesh, obj if dims is not None else None, dims, console)
+        draw(obj.mesh, obj if dims is not None else None, dims, console, full=full)
     elif isinstance(obj, Mesh):
         if shape is not None:
             raise LayoutError("visualize(mesh, shape) needs a Layout for the shape to be cut by")
-        draw(obj, None, None, console)
+        draw(obj, None, None, console, full=full)
     else:
         raise LayoutError(f"visualize() takes a unimesh Mesh or Layout, got {short(obj)}")
 
@@ -170,10 +362,12 @@ def _shape(shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def html(mesh: Mesh, layout: Layout | None = None) -> str:
+def html(mesh: Mesh, layout: Layout | None = None, *, full: bool = False) -> str:
     """The mesh as HTML tables (one per index of the leading axes), a cell per device with its
     id and process; with a layout, each cell also gives the device's block index along each
-    tensor dim (``(i, j)``: the i-th block of dim 0, the j-th of dim 1)."""
+    tensor dim (``(i, j)``: the i-th block of dim 0, the j-th of dim 1). Above
+    :data:`THRESHOLD` devices, the first and last grid and :data:`EDGE` rows and columns at each
+    end, unless ``full``."""
     from html import escape  # here, not at import: html.entities is a large table
 
     if not isinstance(mesh, Mesh):
@@ -187,16 +381,22 @@ def html(mesh: Mesh, layout: Layout | None = None) -> str:
     cell = "border:1px solid #999;padding:2px 8px;text-align:center"
     title = escape(repr(mesh) if layout is None else f"{layout!r}")
     parts = [f'<div class="unimesh"><div><b>{title}</b></div>']
-    for caption, corner, cols, rows, grid in _grids(mesh):
+    summary = not full and mesh.size > THRESHOLD
+    for caption, corner, cols, rows, grid in _grids(
+        mesh, EDGE if summary else None, 1 if summary else None
+    ):
         parts.append(f'<table style="{style}">')
         if caption:
             parts.append(f"<caption>{escape(caption)}</caption>")
         heads = [corner, *cols]
         parts.append("<tr>" + "".join(f'<th style="{cell}">{escape(h)}</th>' for h in heads))
         parts.append("</tr>")
-        for label, ids in zip(rows, grid.tolist()):
+        for label, ids in zip(rows, grid):
             parts.append(f'<tr><th style="{cell}">{escape(label)}</th>')
             for d in ids:
+                if d is None:
+                    parts.append(f'<td style="{cell}">\u2026</td>')
+                    continue
                 proc = _process(mesh, d)
                 text = f"{d}" + ("" if proc is None else f" p{proc}")
                 if layout is not None:

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from ..errors import UnimeshError
 from ..mesh import Mesh
+from ..visual import THRESHOLD
 
 
 def backend_rows() -> list[dict[str, Any]]:
@@ -97,22 +98,41 @@ def compact_json(value: Any, indent: int = 2, _level: int = 0, width: int = 88) 
     return json.dumps(value)
 
 
-def _show(args: argparse.Namespace) -> int:
-    from .show import describe, draw, layout_from_args
-
-    mesh = Mesh.from_string(args.spec)
-    layout, shape = layout_from_args(mesh, args.layout, args.shape)
-    if args.json:
-        print(compact_json(describe(mesh, layout, shape)))
+def mesh_from_arg(text: str) -> Mesh:
+    """The mesh a command names: a spec (``dp=2,tp=4``), or ``@FILE`` / ``-`` (stdin) holding a
+    spec or a mesh's JSON (``Mesh.to_json``): a big mesh's ids do not fit on a command line
+    (Linux caps one argument at 128 KiB)."""
+    if text != "-" and not text.startswith("@"):
+        return Mesh.from_string(text)
+    if text == "-":
+        body = sys.stdin.read()
     else:
-        draw(mesh, layout, shape)
+        from ..config import read_text_file
+        from ..errors import MeshSpecError
+
+        body = read_text_file(text[1:], "mesh file", 1 << 30, MeshSpecError)
+    body = body.strip()
+    return Mesh.from_json(body) if body.startswith("{") else Mesh.from_string(body)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from .show import describe, draw, layout_from_args, write_json
+
+    mesh = mesh_from_arg(args.spec)
+    layout, shape = layout_from_args(mesh, args.layout, args.shape)
+    if args.json and mesh.size <= THRESHOLD:
+        print(compact_json(describe(mesh, layout, shape)))  # laid out for reading
+    elif args.json:
+        write_json(sys.stdout.write, mesh, layout, shape)  # one line, streamed: bounded memory
+    else:
+        draw(mesh, layout, shape, full=args.full)
     return 0
 
 
 def _convert(args: argparse.Namespace) -> int:
     from ..registry import backends, get_backend, load_backend, to_native
 
-    mesh = Mesh.from_string(args.spec)
+    mesh = mesh_from_arg(args.spec)
     if args.code:
         code = load_backend(args.to).native_code(mesh)
         if code is None:
@@ -241,20 +261,35 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     listing.set_defaults(run=_backends)
     show = command("show", "draw a mesh (and a layout's blocks) in the terminal")
-    show.add_argument("spec", help="mesh spec, e.g. 'dp=2,tp=4' or 'dp=2,tp=2;ids=3,2,1,0'")
+    show.add_argument(
+        "spec",
+        help="mesh spec, e.g. 'dp=2,tp=4' or 'dp=2,tp=2;ids=3,2,1,0'; @FILE or - (stdin) for a "
+        "file holding a spec or the mesh's JSON",
+    )
     show.add_argument(
         "--layout",
         help="a spec: axis names by tensor dim, a+b for several axes, "
         "None for replicated, e.g. 'dp,None'",
     )
     show.add_argument("--shape", help="the tensor's shape for --layout, e.g. 8,4")
-    show.add_argument("--json", action="store_true", help="print JSON instead of drawing")
+    show.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON instead of drawing: the device ids, processes and blocks as arrays "
+        "of the mesh's shape",
+    )
+    show.add_argument(
+        "--full",
+        action="store_true",
+        help=f"draw every device (a mesh of more than {THRESHOLD} devices, or wider than the "
+        "terminal, is otherwise summarised)",
+    )
     show.set_defaults(run=_show)
     convert = command(
         "convert",
         "build a mesh on a backend and print the native object (or, with --code, the native code)",
     )
-    convert.add_argument("spec", help="mesh spec, e.g. 'dp=2,tp=4'")
+    convert.add_argument("spec", help="mesh spec, e.g. 'dp=2,tp=4'; @FILE or - (stdin) as for show")
     convert.add_argument("--to", required=True, help="an installed backend (see: unimesh backends)")
     convert.add_argument(
         "--code", action="store_true", help="print the native Python that builds it by hand"

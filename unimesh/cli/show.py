@@ -7,9 +7,9 @@ from ..layout import Layout
 from ..mesh import Mesh
 from ..messages import short
 from ..spec import PartitionSpec
-from ..visual import describe, draw
+from ..visual import describe, draw, write_json
 
-__all__ = ["describe", "draw", "layout_from_args", "parse_shape", "parse_spec"]
+__all__ = ["describe", "draw", "layout_from_args", "parse_shape", "parse_spec", "write_json"]
 
 
 def parse_spec(text: str) -> PartitionSpec:
