@@ -169,3 +169,65 @@ def test_show_refuses_files_that_are_not_regular(path):
     proc = _show(f"@{path}")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert path in proc.stderr, proc.stderr
+
+
+def test_device_slices_equal_the_tuples_built_from_shard_bounds():
+    mesh = Mesh(
+        (4, 2, 3), ("dp", "cp", "tp"), np.random.default_rng(1).permutation(24).reshape(4, 2, 3)
+    )
+    for spec in [P("dp", "tp"), P(("dp", "cp"), "tp"), P(None, "cp"), P(), P(("tp", "dp", "cp"))]:
+        layout = Layout(mesh, spec)
+        shape = (10, 7)
+        lo, hi = layout.shard_bounds(shape)
+        want = {
+            d: tuple(slice(a, b) for a, b in zip(r0, r1))
+            for d, r0, r1 in zip(mesh.device_ids.ravel().tolist(), lo.tolist(), hi.tolist())
+        }
+        assert layout.device_slices(shape) == want, spec
+        for d in want:
+            assert layout.device_slices(shape)[d] == layout.shard_slices(shape, d)
+
+
+@pytest.mark.parametrize("backend", ["jax", "tensorflow", "keras"])
+def test_convert_refuses_a_mesh_too_big_to_simulate_before_the_framework_starts(backend):
+    from unimesh import backends
+
+    if backend not in backends():
+        pytest.skip(f"{backend} is not installed")
+    proc = subprocess.run(
+        [sys.executable, "-m", "unimesh", "convert", "dp=1024,tp=1024", "--to", backend],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "1048576 devices" in proc.stderr and "(4096)" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_request_devices_names_the_size_and_the_limit():
+    import unimesh
+    from unimesh import UnsupportedError
+
+    if "jax" not in unimesh.backends():
+        pytest.skip("jax is not installed")
+    from unimesh.registry import load_backend
+
+    be = load_backend("jax")
+    with pytest.raises(UnsupportedError, match=r"needs 8193 devices in one process.*\(4096\)"):
+        be.request_devices(8193)
+    with pytest.raises(UnsupportedError, match=r"needs 4097 devices"):
+        be.request_devices(8193, processes=2)  # 4097 per process
+
+
+def test_abstract_jax_mesh_of_a_million_devices(big):
+    import unimesh
+
+    if "jax" not in unimesh.backends():
+        pytest.skip("jax is not installed")
+    abstract = unimesh.to_native(big, "jax", abstract=True)
+    assert type(abstract).__name__ == "AbstractMesh"
+    assert dict(zip(abstract.axis_names, abstract.axis_sizes)) == big.axis_sizes
+    back = unimesh.from_native(abstract)  # no devices: the default order
+    assert back.shape == big.shape and back.is_default_order

@@ -21,6 +21,7 @@ from the hooks the class implements, and a backend declares only its :attr:`Back
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -176,6 +177,9 @@ class Backend:
             (``"torchrun, gloo"``); the launcher's program name when empty.
         requires: backends this one builds on (Keras: ``("jax",)``); they must be installed
             too.
+        max_simulated_devices: the most devices :meth:`prepare_devices` will ask the framework
+            to simulate in one process (None: no limit); :meth:`request_devices` refuses more
+            before the framework starts.
 
     Derived (never set by hand): :attr:`capabilities`, the hook capabilities of the hooks the
     class implements plus its :attr:`features`.
@@ -195,6 +199,7 @@ class Backend:
     native_api: ClassVar[dict[str, str]] = {}
     launcher_name: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()
+    max_simulated_devices: ClassVar[int | None] = None
     #: derived in ``__init_subclass__``: see the class docstring
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
@@ -278,6 +283,8 @@ class Backend:
 
     def available(self) -> bool:
         """True when the framework can be imported (it is not imported to find out)."""
+        if self.framework in sys.modules:
+            return True
         import importlib.util
 
         try:
@@ -311,6 +318,24 @@ class Backend:
                 backend=self.name,
                 capability=capability,
             )
+
+    def request_devices(self, count: int, processes: int = 1) -> int:
+        """:meth:`prepare_devices` for ``count`` devices over ``processes`` processes, refused
+        with :class:`UnsupportedError` before any framework work when one process would have to
+        simulate more than :attr:`max_simulated_devices` (a million simulated devices never
+        finish starting). Returns how many devices meshes may use."""
+        limit = self.max_simulated_devices
+        per_process = -(-count // max(processes, 1))
+        if limit is not None and per_process > limit:
+            raise UnsupportedError(
+                f"this needs {per_process} devices in one process, more than the {self.name} "
+                f"backend simulates ({limit}); convert a part of the mesh (Mesh.submesh, "
+                "Mesh.local_mesh), run more processes under the launcher, or build a device-free "
+                "form where the framework has one (jax: to_native(mesh, 'jax', abstract=True))",
+                backend=self.name,
+                capability="mesh",
+            )
+        return self.prepare_devices(count)
 
     def reject_options(self, options: dict[str, Any], accepted: str = "") -> None:
         """Raise :class:`UnsupportedError` naming any option this backend does not take."""

@@ -21,7 +21,10 @@ from .errors import (
     LayoutError,
     UnimeshError,
 )
+from .layout import Layout
+from .mesh import Mesh
 from .messages import short
+from .rules import LayoutMap
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -80,6 +83,9 @@ class _Registry:
             return sorted(set(self.entry_points()) | set(self._loaded))
 
     def load(self, name: str) -> Backend:
+        loaded = self._loaded.get(name) if isinstance(name, str) else None
+        if loaded is not None:  # the common case, without the lock (a dict read is atomic)
+            return loaded
         with self._lock:
             if name in self._loaded:
                 return self._loaded[name]
@@ -322,10 +328,6 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
 
     ``options`` go to the backend (e.g. ``device_type`` for torch).
     """
-    from .layout import Layout
-    from .mesh import Mesh
-    from .rules import LayoutMap
-
     if not isinstance(obj, (Mesh, Layout, LayoutMap)):
         raise ConversionError(
             f"to_native() takes a unimesh Mesh, Layout or LayoutMap, got {short(obj)} "

@@ -123,7 +123,7 @@ def verify(mesh: Mesh, backend: Any = None, *, layout: Any = None, timeout: floa
             f"{_describe(prints)}. Build the mesh from the same spec on every process."
         )
     need = int(mesh.device_ids.max()) + 1
-    have = be.prepare_devices(need)
+    have = be.request_devices(need, world)
     if have < need:
         raise MeshMismatchError(
             f"{mesh!r} uses device {need - 1}, but the {be.name} runtime has {have} devices "

@@ -7,6 +7,7 @@ in the global device order (sorted by process, then by id within the process), n
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -45,7 +46,28 @@ def _jax() -> Any:
 
 def global_devices() -> list[Any]:
     """JAX's devices in unimesh's logical order: by process, then by id within the process."""
-    return sorted(_jax().devices(), key=lambda d: (d.process_index, d.id))
+    return list(_device_array())
+
+
+_DEVICES: list[Any] = []  # [(device count, object array in logical order)]
+
+
+def _device_array() -> np.ndarray:
+    """:func:`global_devices` as an object array, sorted once per device set (JAX's device
+    list is fixed once its runtime has started)."""
+    count = _jax().device_count()
+    if _DEVICES and _DEVICES[0][0] == count:
+        cached: np.ndarray = _DEVICES[0][1]
+        return cached
+    devs = sorted(_jax().devices(), key=lambda d: (d.process_index, d.id))
+    arr = np.fromiter(devs, dtype=object, count=len(devs))  # no per-object inspection
+    _DEVICES[:] = [(count, arr)]
+    return arr
+
+
+#: Meshes up to this size are remembered (a repeated conversion returns the same native mesh,
+#: as jax.sharding.Mesh itself does for equal devices and names).
+_CACHED_MESH_SIZE = 4096
 
 
 def request_cpu_devices(count: int) -> None:
@@ -57,6 +79,40 @@ def request_cpu_devices(count: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+
+def _axis_types(mesh: Mesh) -> tuple[Any, ...] | None:
+    if mesh.axis_types is None:
+        return None
+    from jax.sharding import AxisType
+
+    return tuple(getattr(AxisType, _TYPES[t]) for t in mesh.axis_types)
+
+
+def _plain_spec(spec: P) -> Any:
+    """JAX's PartitionSpec of a spec with no pending reductions (immutable, so shared)."""
+    return _jax_spec(tuple(spec))  # by entries: P() and P(None) are equal, JAX's are not
+
+
+@functools.lru_cache(maxsize=256)
+def _jax_spec(entries: tuple[Any, ...]) -> Any:
+    return _jax().sharding.PartitionSpec(*entries)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_sharding(
+    backend: JaxBackend, layout: Layout, entries: tuple[Any, ...], device_count: int
+) -> Any:
+    """The NamedSharding of a small layout (immutable in JAX, so shared)."""
+    from jax.sharding import NamedSharding
+
+    return NamedSharding(backend.mesh_to_native(layout.mesh), backend._spec(layout))
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_mesh(backend: JaxBackend, mesh: Mesh, device_count: int) -> Any:
+    """The native mesh of a small mesh, remembered per device set (a mesh hashes by value)."""
+    return backend._build_mesh(mesh)
 
 
 _JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -71,6 +127,8 @@ class JaxBackend(Backend):
     extra = "jax"
     native_modules = ("jax",)
     features = frozenset({"axis_types", "multi_process", "partial", "tuple_axes"})
+    #: XLA's host platform: 4096 CPU devices start in ~1 s; 8192 take ~30 s and 1 GB
+    max_simulated_devices = 4096
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "jax.sharding.Mesh (AbstractMesh from_native)",
         "layout": "jax.sharding.NamedSharding(mesh, PartitionSpec)",
@@ -182,7 +240,7 @@ class JaxBackend(Backend):
 
     # -- meshes --------------------------------------------------------------------------------
     def _devices_for(self, mesh: Mesh) -> np.ndarray:
-        devs = global_devices()
+        devs = _device_array()
         top = int(mesh.device_ids.max())
         if top >= len(devs):
             raise MeshMismatchError(
@@ -196,26 +254,37 @@ class JaxBackend(Backend):
             raise MeshMismatchError(
                 f"{mesh!r} says {k} devices per process, but each JAX process has {local}"
             )
-        arr = np.empty(len(devs), dtype=object)
-        arr[:] = devs
-        out: np.ndarray = arr[mesh.device_ids]
+        out: np.ndarray = devs[mesh.device_ids]
         return out
 
-    def mesh_to_native(self, mesh: Mesh, **options: Any) -> Any:
-        """A ``jax.sharding.Mesh`` over the devices at the mesh's logical positions.
+    def mesh_to_native(self, mesh: Mesh, *, abstract: bool = False, **options: Any) -> Any:
+        """A ``jax.sharding.Mesh`` over the devices at the mesh's logical positions; with
+        ``abstract=True`` a ``jax.sharding.AbstractMesh`` (sizes, names and types, no devices:
+        for any size, on any machine).
 
         ``axis_types`` become ``jax.sharding.AxisType``; with None the mesh gets the default of
         ``jax.sharding.Mesh(...)``, which is ``Auto`` for every axis (``jax.make_mesh`` would
         give ``Explicit``).
         """
-        self.reject_options(options)
-        from jax.sharding import AxisType
+        self.reject_options(options, "abstract")
+        if abstract:
+            from jax.sharding import AbstractMesh
+
+            types = _axis_types(mesh)
+            if types is None:
+                return AbstractMesh(mesh.shape, mesh.axis_names)
+            return AbstractMesh(mesh.shape, mesh.axis_names, axis_types=types)
+        if mesh.size <= _CACHED_MESH_SIZE:
+            return _cached_mesh(self, mesh, _jax().device_count())
+        return self._build_mesh(mesh)
+
+    def _build_mesh(self, mesh: Mesh) -> Any:
         from jax.sharding import Mesh as JMesh
 
         devices = self._devices_for(mesh)
-        if mesh.axis_types is None:
+        types = _axis_types(mesh)
+        if types is None:
             return JMesh(devices, mesh.axis_names)
-        types = tuple(getattr(AxisType, _TYPES[t]) for t in mesh.axis_types)
         return JMesh(devices, mesh.axis_names, axis_types=types)
 
     def _mesh_from_native(self, jmesh: Any) -> Mesh:
@@ -243,9 +312,11 @@ class JaxBackend(Backend):
 
     # -- layouts -------------------------------------------------------------------------------
     def _spec(self, layout: Layout) -> Any:
+        partial = layout.spec.partial
+        if not partial:
+            return _plain_spec(layout.spec)
         jp: Any = _jax().sharding.PartitionSpec
 
-        partial = layout.spec.partial
         bad = {a: op for a, op in partial.items() if op != "sum"}
         if bad:
             raise UnsupportedError(
@@ -268,6 +339,9 @@ class JaxBackend(Backend):
 
     def layout_to_native(self, layout: Layout, **options: Any) -> Any:
         """A ``NamedSharding`` on the converted mesh; partial sums become ``unreduced`` axes."""
+        if not options and layout.mesh.size <= _CACHED_MESH_SIZE:
+            key = tuple(layout.spec)  # P() and P(None) are equal, JAX's specs are not
+            return _cached_sharding(self, layout, key, _jax().device_count())
         from jax.sharding import NamedSharding
 
         return NamedSharding(self.mesh_to_native(layout.mesh, **options), self._spec(layout))

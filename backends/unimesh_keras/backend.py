@@ -7,6 +7,7 @@ keras is imported inside the functions, never at module import.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import numpy as np
@@ -44,6 +45,8 @@ class KerasBackend(Backend):
     """Keras 3 ``keras.distribution`` (which runs on Keras's JAX backend)."""
 
     name = "keras"
+    #: it simulates devices through JAX (XLA_FLAGS), with JAX's limit
+    max_simulated_devices = 4096
     requires = ("jax",)
     framework = "keras"
     extra = "keras"
@@ -87,8 +90,15 @@ class KerasBackend(Backend):
 
     # -- meshes --------------------------------------------------------------------------------
     def mesh_to_native(self, mesh: Mesh, **options: Any) -> Any:
-        """``keras.distribution.DeviceMesh`` with ``list_devices()[id]`` at each position."""
+        """``keras.distribution.DeviceMesh`` with ``list_devices()[id]`` at each position. A
+        small mesh converted again gets the same DeviceMesh (it has no setters, and keeps the
+        backend mesh it derives)."""
         self.reject_options(options)
+        if mesh.size <= _CACHED_MESH_SIZE:
+            return _cached_mesh(self, mesh, _keras_backend())
+        return self._build_mesh(mesh)
+
+    def _build_mesh(self, mesh: Mesh) -> Any:
         kd = _kd()
         devices = _devices(int(mesh.device_ids.max()) + 1)
         top = int(mesh.device_ids.max())
@@ -234,6 +244,15 @@ class KerasBackend(Backend):
             host = np.asarray(variable.value)
             variable.assign(be.distribute(host, resolve(variable.path, host.shape)))
         return model
+
+
+#: Meshes up to this size keep their DeviceMesh for the next conversion.
+_CACHED_MESH_SIZE = 4096
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_mesh(backend: KerasBackend, mesh: Mesh, keras_backend: str) -> Any:
+    return backend._build_mesh(mesh)
 
 
 def _devices(needed: int) -> list[str]:

@@ -228,7 +228,7 @@ def demo(args: argparse.Namespace) -> int:
     for name, be in plugins.items():  # in-process frameworks hear how many devices, first
         if name not in launched and be.available():
             with contextlib.suppress(ImportError, UnimeshError):  # its row says what is missing
-                be.prepare_devices(max(8, mesh.size))
+                be.request_devices(max(8, mesh.size))
     absent = [be for be in plugins.values() if not be.available()]
     for name, be in plugins.items():
         if not be.available():

@@ -144,10 +144,13 @@ def _convert(args: argparse.Namespace) -> int:
         print(code)
         return 0
     backend = get_backend(args.to)
-    backend.prepare_devices(int(mesh.device_ids.max()) + 1)
-    native = to_native(mesh, backend)
+    if args.abstract:
+        native = to_native(mesh, backend, abstract=True)
+    else:
+        backend.request_devices(int(mesh.device_ids.max()) + 1)
+        native = to_native(mesh, backend)
     print(repr(native))
-    devices = getattr(native, "devices", None)
+    devices = None if args.abstract else getattr(native, "devices", None)
     if devices is not None and not callable(devices):
         print(f"devices:\n{devices}")
     return 0
@@ -293,6 +296,12 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", required=True, help="an installed backend (see: unimesh backends)")
     convert.add_argument(
         "--code", action="store_true", help="print the native Python that builds it by hand"
+    )
+    convert.add_argument(
+        "--abstract",
+        action="store_true",
+        help="a device-free mesh (jax.sharding.AbstractMesh) where the backend has one: any "
+        "size, no devices created",
     )
     convert.set_defaults(run=_convert)
     chk = command("check", "run the conformance suite on backends and print the capability matrix")

@@ -28,7 +28,7 @@ def backend(backend_name: str) -> unimesh.Backend:
 @pytest.fixture(scope="session")
 def devices(backend: unimesh.Backend) -> int:
     try:
-        return backend.prepare_devices(WANTED_DEVICES)
+        return backend.request_devices(WANTED_DEVICES)
     except unimesh.UnimeshError as exc:
         pytest.skip(f"backend {backend.name!r} has no devices here: {exc}")
 
