@@ -23,6 +23,10 @@ from .spec import PartitionSpec, _axes_of, _lfail
 __all__ = ["Layout"]
 
 
+#: devices per slice in shard_bounds (2 MiB per temporary array)
+_ROWS = 1 << 18
+
+
 def _chunk(start: np.ndarray, stop: np.ndarray, n: int, k: np.ndarray) -> tuple[np.ndarray, ...]:
     """``torch.chunk`` of [start, stop) into ``n`` chunks; chunk ``k`` (vectorised). Chunks have
     ceil(len / n) elements, trailing ones short or empty."""
@@ -138,16 +142,24 @@ class Layout:
         ceil division, trailing chunks short or empty), then each chunk by x2, and so on.
         """
         shape = self._shape(global_shape)
-        coords = self._mesh.coords_array(device_ids)
-        n = coords.shape[0]
+        mesh = self._mesh
+        if device_ids is None:
+            pos = np.arange(mesh.size, dtype=np.int64)
+        else:
+            pos = mesh.positions(device_ids).ravel()
+        n = pos.shape[0]
         starts = np.zeros((n, len(shape)), dtype=np.int64)
-        stops = np.tile(np.asarray(shape, dtype=np.int64), (n, 1))
-        for d, entry in enumerate(self._spec):
-            lo, hi = starts[:, d], stops[:, d]
-            for ax in _axes_of(entry):
-                i = self._mesh.axis_names.index(ax)
-                lo, hi = _chunk(lo, hi, self._mesh.shape[i], coords[:, i])
-            starts[:, d], stops[:, d] = lo, hi
+        stops = np.empty((n, len(shape)), dtype=np.int64)
+        stops[:] = shape
+        for at in range(0, n, _ROWS):  # in slices: temporaries stay small at any mesh size
+            part = pos[at : at + _ROWS]
+            for d, entry in enumerate(self._spec):
+                lo, hi = starts[at : at + _ROWS, d], stops[at : at + _ROWS, d]
+                for ax in _axes_of(entry):
+                    i = mesh.axis_names.index(ax)
+                    coord = (part // math.prod(mesh.shape[i + 1 :])) % mesh.shape[i]
+                    lo, hi = _chunk(lo, hi, mesh.shape[i], coord)
+                starts[at : at + _ROWS, d], stops[at : at + _ROWS, d] = lo, hi
         return starts, stops
 
     def shard_slices(self, global_shape: Sequence[int], device_id: int) -> tuple[slice, ...]:

@@ -39,8 +39,9 @@ def _description(
         raise LayoutError("a layout needs the tensor's shape too (--shape 8,4)")
     ids = mesh.device_ids
     dpp = mesh.devices_per_process
+    as_dict = mesh.to_dict() if mesh.is_default_order else {**_no_ids(mesh), "device_ids": ids}
     out: dict[str, Any] = {
-        "mesh": mesh.to_dict(),
+        "mesh": as_dict,
         "size": mesh.size,
         "device_ids": ids,
         "process": None if dpp is None else ids // dpp,
@@ -50,6 +51,15 @@ def _description(
         out["spec"] = repr(layout.spec)
         out["shape"] = list(shape)
         out["blocks"] = np.stack([lo, hi], axis=-1).reshape(*mesh.shape, len(shape), 2)
+    return out
+
+
+def _no_ids(mesh: Mesh) -> dict[str, Any]:
+    """The mesh's dict form without the ids (they are written as an array, in a stream)."""
+    copy = Mesh(mesh.shape, mesh.axis_names, axis_types=mesh.axis_types)
+    out = copy.to_dict()
+    if mesh.devices_per_process is not None:
+        out["devices_per_process"] = mesh.devices_per_process
     return out
 
 
@@ -65,6 +75,8 @@ def describe(
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     return value.tolist() if hasattr(value, "tolist") else value
 
 
@@ -73,19 +85,26 @@ def write_json(
 ) -> None:
     """:func:`describe`'s JSON, written piece by piece through ``write`` (one slice of the
     mesh's first axis at a time), so memory stays bounded by a slice at any mesh size."""
+    _write_value(write, _description(mesh, layout, shape))
+    write("\n")
+
+
+def _write_value(write: Any, value: Any) -> None:
     import json
 
-    write("{")
-    for i, (key, value) in enumerate(_description(mesh, layout, shape).items()):
-        write(("," if i else "") + json.dumps(key) + ":")
-        if hasattr(value, "tolist") and value.ndim > 1:
-            write("[")
-            for j, part in enumerate(value):
-                write(("," if j else "") + json.dumps(part.tolist(), separators=(",", ":")))
-            write("]")
-        else:
-            write(json.dumps(_plain(value), separators=(",", ":")))
-    write("}\n")
+    if isinstance(value, dict):
+        write("{")
+        for i, (key, item) in enumerate(value.items()):
+            write(("," if i else "") + json.dumps(key) + ":")
+            _write_value(write, item)
+        write("}")
+    elif hasattr(value, "tolist") and value.ndim > 1:
+        write("[")
+        for j, part in enumerate(value):
+            write(("," if j else "") + json.dumps(part.tolist(), separators=(",", ":")))
+        write("]")
+    else:
+        write(json.dumps(_plain(value), separators=(",", ":")))
 
 
 def _pick(n: int, edge: int | None) -> list[int | None]:
