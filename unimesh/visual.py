@@ -5,6 +5,7 @@ or as JSON (:func:`describe`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .errors import LayoutError
@@ -33,7 +34,6 @@ def _description(
     mesh: Mesh, layout: Layout | None, shape: tuple[int, ...] | None
 ) -> dict[str, Any]:
     """:func:`describe` with the per-device facts as numpy arrays of the mesh's shape."""
-    import numpy as np
 
     if layout is not None and shape is None:
         raise LayoutError("a layout needs the tensor's shape too (--shape 8,4)")
@@ -47,11 +47,30 @@ def _description(
         "process": None if dpp is None else ids // dpp,
     }
     if layout is not None and shape is not None:
-        lo, hi = layout.shard_bounds(shape)
         out["spec"] = repr(layout.spec)
         out["shape"] = list(shape)
-        out["blocks"] = np.stack([lo, hi], axis=-1).reshape(*mesh.shape, len(shape), 2)
+        out["blocks"] = _Blocks(layout, shape)
     return out
+
+
+class _Blocks:
+    """Every device's ``[start, stop]`` per tensor dim, an array of shape ``mesh.shape +
+    (ndim, 2)`` computed one slice of the mesh's first axis at a time when iterated (so that
+    :func:`write_json` never holds it whole)."""
+
+    def __init__(self, layout: Layout, shape: tuple[int, ...]) -> None:
+        self.layout, self.shape, self.ndim = layout, shape, layout.mesh.ndim + 2
+
+    def __iter__(self) -> Any:
+        import numpy as np
+
+        mesh = self.layout.mesh
+        for row in mesh.device_ids:
+            lo, hi = self.layout.shard_bounds(self.shape, np.ravel(row))
+            yield np.stack([lo, hi], axis=-1).reshape(*np.shape(row), len(self.shape), 2)
+
+    def tolist(self) -> list[Any]:
+        return [part.tolist() for part in self]
 
 
 def _no_ids(mesh: Mesh) -> dict[str, Any]:
@@ -98,7 +117,7 @@ def _write_value(write: Any, value: Any) -> None:
             write(("," if i else "") + json.dumps(key) + ":")
             _write_value(write, item)
         write("}")
-    elif hasattr(value, "tolist") and value.ndim > 1:
+    elif isinstance(value, _Blocks) or (hasattr(value, "tolist") and value.ndim > 1):
         write("[")
         for j, part in enumerate(value):
             write(("," if j else "") + json.dumps(part.tolist(), separators=(",", ":")))
@@ -227,49 +246,51 @@ def _tensor_table(
     import numpy as np
     from rich.table import Table
 
-    ids = layout.mesh.device_ids.ravel()
-    lo, hi = layout.shard_bounds(shape)
+    from .spec import _axes_of
+
+    mesh = layout.mesh
     keep = min(len(shape), 2)
-    index = []  # per kept dim: each device's block number, and the blocks' (start, stop)
-    bounds = []
-    for d in range(keep):
-        key = lo[:, d] * (shape[d] + 1) + hi[:, d]
-        uniq, inverse = np.unique(key, return_inverse=True)
-        index.append(inverse.ravel())
-        bounds.append([(int(k) // (shape[d] + 1), int(k) % (shape[d] + 1)) for k in uniq])
-    nrows = len(bounds[0]) if keep else 1
-    ncols = len(bounds[1]) if keep > 1 else 1
-    cell = (index[0] if keep else np.zeros(ids.size, np.int64)) * ncols
-    if keep > 1:
-        cell = cell + index[1]
-    order = np.argsort(cell, kind="stable")
-    starts = np.searchsorted(cell[order], np.arange(nrows * ncols + 1))
+    # a device's block along dim d is fixed by its coordinates along the axes of spec entry d
+    # (block k: those coordinates as the digits of k, the first axis major); the devices of
+    # a cell are a slice of the id grid, so nothing is computed for all devices at once
+    entries = [_axes_of(layout.spec[d]) if d < len(layout.spec) else () for d in range(keep)]
+    counts = [math.prod(mesh.axis_size(a) for a in axes) for axes in entries]
+    nrows = counts[0] if keep else 1
+    ncols = counts[1] if keep > 1 else 1
 
     def holders(r: int, c: int) -> Any:
-        k = r * ncols + c
-        return np.sort(ids[order[starts[k] : starts[k + 1]]])
+        index: list[Any] = [slice(None)] * mesh.ndim
+        for axes, k in zip(entries, (r, c)):
+            for a in reversed(axes):
+                k, index[mesh.axis_names.index(a)] = divmod(k, mesh.axis_size(a))
+        return np.sort(mesh.device_ids[tuple(index)].ravel())
 
-    heads = [f"{a}:{b}" for a, b in bounds[1]] if keep > 1 else [""]
+    def bounds(d: int, k: int) -> tuple[int, int]:
+        device = int(holders(k, 0)[0] if d == 0 else holders(0, k)[0])
+        block = layout.shard_slices(shape, device)[d]
+        return block.start, block.stop
+
+    rows_at = _pick(nrows, edge)
     col_edge = edge
     if width is not None and ncols > 1:
-        per = max(len(h) for h in heads) + 3
+        per = 2 * len(str(shape[1])) + 4  # the widest heading, "start:stop"
         per = max(per, min(len(_id_list(holders(0, 0), edge)), 24) + 3)
         room = max(3, (width - 14) // per)
         shown = ncols if edge is None else min(ncols, 2 * edge + 1)
         if shown > room:
             col_edge = max(1, (room - 1) // 2)
-    rows_at = _pick(nrows, edge)
     cols_at = _pick(ncols, col_edge)
     table = Table(title=f"tensor {shape} as {layout.spec!r}", show_lines=True)
     table.add_column("rows \\ cols" if keep > 1 else "rows", justify="right", no_wrap=True)
     for c in cols_at:
-        table.add_column("\u2026" if c is None else heads[c], justify="center")
+        head = "\u2026" if c is None else "{}:{}".format(*bounds(1, c)) if keep > 1 else ""
+        table.add_column(head, justify="center")
     for r in rows_at:
         if r is None:
             table.add_row("\u2026", *("\u2026" for _ in cols_at))
             continue
         cells = ["\u2026" if c is None else _id_list(holders(r, c), edge) for c in cols_at]
-        label = f"{bounds[0][r][0]}:{bounds[0][r][1]}" if keep else ""
+        label = "{}:{}".format(*bounds(0, r)) if keep else ""
         table.add_row(label, *cells)
     return table
 
