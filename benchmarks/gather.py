@@ -5,9 +5,11 @@ generated from. Every figure is a ratio (or a time) measured in this one run.
 
 1. import cost: ``import unimesh`` / ``import numpy`` in fresh interpreters (bench_core.py).
 2. to_native overhead per backend: the first conversion of a neutral mesh by a fresh backend
-   against the framework's own constructor for the same mesh (JAX ``jax.sharding.Mesh``, Keras
-   ``DeviceMesh``, TensorFlow ``dtensor.Mesh`` in process; torch ``DeviceMesh`` under the fake
-   process group, bench_torch.py). MLX has no mesh type: not measured.
+   (no cache) against the idiom a user writes for the same mesh (JAX ``jax.sharding.Mesh(
+   np.array(jax.devices())...)``, Keras ``DeviceMesh(..., devices=list_devices()...)``,
+   TensorFlow ``dtensor.Mesh`` in process; torch ``DeviceMesh`` under the fake process group,
+   bench_torch.py). MLX has no mesh type: not measured. bench_scale.py adds repeated
+   conversions and layouts.
 3. the core at 1,048,576 devices (bench_core.py).
 4. program-step overhead: the example MLP step through unimesh.shard_map against the native
    step (bench_step.py: JAX in process, torch under torchrun, MLX under mpirun).
@@ -44,16 +46,14 @@ name, repeat = sys.argv[1], int(sys.argv[2])
 mesh = unimesh.Mesh((2, 4), ("dp", "tp"), np.arange(8)[::-1].reshape(2, 4))
 cls = type(unimesh.get_backend(name))
 cls().prepare_devices(8)
-if name == "jax":
+if name == "jax":  # the idioms a user writes: the device list asked for, then reshaped
     import jax
-    from unimesh_jax import global_devices
-    devs = np.array(global_devices(), dtype=object)
-    native = lambda: jax.sharding.Mesh(devs[mesh.device_ids], mesh.axis_names)
+    native = lambda: jax.sharding.Mesh(np.array(jax.devices())[::-1].reshape(2, 4), ("dp", "tp"))
 elif name == "keras":
     import keras
-    devs = np.array(keras.distribution.list_devices(), dtype=object)
-    native = lambda: keras.distribution.DeviceMesh(mesh.shape, list(mesh.axis_names),
-                                                   devices=devs[mesh.device_ids])
+    kd = keras.distribution
+    native = lambda: kd.DeviceMesh((2, 4), ["dp", "tp"],
+                                   devices=np.array(kd.list_devices())[::-1].reshape(2, 4))
 else:
     from tensorflow.experimental import dtensor
     local = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in mesh.device_ids.ravel()]

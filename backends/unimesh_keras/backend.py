@@ -100,15 +100,15 @@ class KerasBackend(Backend):
 
     def _build_mesh(self, mesh: Mesh) -> Any:
         kd = _kd()
-        devices = _devices(int(mesh.device_ids.max()) + 1)
         top = int(mesh.device_ids.max())
+        devices = _device_array(_keras_backend(), top + 1)
         if top >= len(devices):
             raise MeshMismatchError(
                 f"{mesh!r} uses device {top}, but keras.distribution.list_devices() has "
                 f"{len(devices)}; for CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
                 f"{top + 1} before importing keras"
             )
-        arr = np.asarray(devices, dtype=object)[mesh.device_ids]
+        arr = devices[mesh.device_ids]
         return kd.DeviceMesh(mesh.shape, list(mesh.axis_names), devices=arr)
 
     def _mesh_from_native(self, device_mesh: Any) -> Mesh:
@@ -253,6 +253,14 @@ _CACHED_MESH_SIZE = 4096
 @functools.lru_cache(maxsize=32)
 def _cached_mesh(backend: KerasBackend, mesh: Mesh, keras_backend: str) -> Any:
     return backend._build_mesh(mesh)
+
+
+@functools.lru_cache(maxsize=8)
+def _device_array(keras_backend: str, needed: int) -> np.ndarray:
+    """:func:`_devices` as an object array, listed once (the list is fixed once the runtime
+    has started)."""
+    names = _devices(needed)
+    return np.fromiter(names, dtype=object, count=len(names))
 
 
 def _devices(needed: int) -> list[str]:
