@@ -144,6 +144,8 @@ def _grids(
     both show. ``edge``: keep that many rows and columns at each end (None marks the gap);
     ``panels``: keep only the first and last ``panels`` grids; ``col_edge``: columns kept at
     each end when fewer than ``edge`` fit."""
+    import numpy as np
+
     names = mesh.axis_names
     ids = mesh.device_ids if mesh.ndim > 1 else mesh.device_ids.reshape(1, -1)
     row_name, col_name = (names[-2], names[-1]) if mesh.ndim > 1 else ("", names[0])
@@ -153,15 +155,13 @@ def _grids(
     cols = [f"{col_name}={c}" if c is not None else "\u2026" for c in cols_at]
     rows = [(f"{row_name}={r}" if row_name else "") if r is not None else "\u2026" for r in rows_at]
     lead = ids.shape[:-2]
-    count = 1
-    for n in lead:
-        count *= n
+    count = math.prod(lead)
     chosen = range(count)
     if panels is not None and count > 2 * panels:
         chosen = [*range(panels), *range(count - panels, count)]  # type: ignore[assignment]
     grids = []
     for flat in chosen:
-        index = _unravel(flat, lead)
+        index = tuple(int(i) for i in np.unravel_index(flat, lead))
         grid = ids[index]
         title = ", ".join(f"{n}={i}" for n, i in zip(names, index))
         cells = [
@@ -169,14 +169,6 @@ def _grids(
         ]
         grids.append((title, corner, cols, rows, cells))
     return grids
-
-
-def _unravel(flat: int, dims: tuple[int, ...]) -> tuple[int, ...]:
-    out = []
-    for n in reversed(dims):
-        flat, i = divmod(flat, n)
-        out.append(i)
-    return tuple(reversed(out))
 
 
 def _cell(mesh: Mesh, device: int | None, layout: Layout | None, shape: Any) -> str:
@@ -208,8 +200,14 @@ def _fit(mesh: Mesh, width: int, cell: int, edge: int | None) -> int | None:
     rows = mesh.shape[-2] if mesh.ndim > 1 else 1
     label = 4 + len(" \\ ".join(mesh.axis_names[-2:])) + len(str(rows))
     per = max(cell, len(mesh.axis_names[-1]) + 1 + len(str(cols - 1))) + 3
+    return _fit_columns(cols, per, label, width, edge)
+
+
+def _fit_columns(count: int, per: int, label: int, width: int, edge: int | None) -> int | None:
+    """The ``edge`` (columns kept at each end) that fits ``count`` columns of ``per``
+    characters beside a ``label``-wide heading into ``width``; ``edge`` when all it keeps fit."""
     room = max(3, (width - label) // per)
-    shown = cols if edge is None else min(cols, 2 * edge + 1)
+    shown = count if edge is None else min(count, 2 * edge + 1)
     if shown <= room:
         return edge
     return max(1, (room - 1) // 2)
@@ -275,10 +273,7 @@ def _tensor_table(
     if width is not None and ncols > 1:
         per = 2 * len(str(shape[1])) + 4  # the widest heading, "start:stop"
         per = max(per, min(len(_id_list(holders(0, 0), edge)), 24) + 3)
-        room = max(3, (width - 14) // per)
-        shown = ncols if edge is None else min(ncols, 2 * edge + 1)
-        if shown > room:
-            col_edge = max(1, (room - 1) // 2)
+        col_edge = _fit_columns(ncols, per, 14, width, edge)
     cols_at = _pick(ncols, col_edge)
     table = Table(title=f"tensor {shape} as {layout.spec!r}", show_lines=True)
     table.add_column("rows \\ cols" if keep > 1 else "rows", justify="right", no_wrap=True)

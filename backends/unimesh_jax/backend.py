@@ -89,13 +89,10 @@ def _axis_types(mesh: Mesh) -> tuple[Any, ...] | None:
     return tuple(getattr(AxisType, _TYPES[t]) for t in mesh.axis_types)
 
 
-def _plain_spec(spec: P) -> Any:
-    """JAX's PartitionSpec of a spec with no pending reductions (immutable, so shared)."""
-    return _jax_spec(tuple(spec))  # by entries: P() and P(None) are equal, JAX's are not
-
-
 @functools.lru_cache(maxsize=256)
 def _jax_spec(entries: tuple[Any, ...]) -> Any:
+    """JAX's PartitionSpec of a spec's entries with no pending reductions (immutable, so
+    shared; keyed by entries: P() and P(None) are equal, JAX's are not)."""
     return _jax().sharding.PartitionSpec(*entries)
 
 
@@ -314,7 +311,7 @@ class JaxBackend(Backend):
     def _spec(self, layout: Layout) -> Any:
         partial = layout.spec.partial
         if not partial:
-            return _plain_spec(layout.spec)
+            return _jax_spec(tuple(layout.spec))
         jp: Any = _jax().sharding.PartitionSpec
 
         bad = {a: op for a, op in partial.items() if op != "sum"}
