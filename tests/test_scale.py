@@ -231,3 +231,31 @@ def test_abstract_jax_mesh_of_a_million_devices(big):
     assert dict(zip(abstract.axis_names, abstract.axis_sizes)) == big.axis_sizes
     back = unimesh.from_native(abstract)  # no devices: the default order
     assert back.shape == big.shape and back.is_default_order
+
+
+def test_abstract_is_refused_where_a_backend_has_no_device_free_mesh():
+    import unimesh
+    from unimesh import UnsupportedError
+
+    if "tensorflow" not in unimesh.backends():
+        pytest.skip("tensorflow is not installed")
+    with pytest.raises(UnsupportedError, match=r"unknown option\(s\) \['abstract'\]"):
+        unimesh.to_native(Mesh((2,), ("dp",)), "tensorflow", abstract=True)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_load_config_refuses_what_is_not_a_regular_file(kind, tmp_path):
+    import os
+
+    from unimesh import ConfigError, load_config
+
+    path = tmp_path / "dist.toml"
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it to read would block forever
+    elif kind == "device":
+        path.symlink_to("/dev/zero")  # reading it would never end
+    else:
+        path.mkdir()
+    with pytest.raises(ConfigError, match="is not a regular file") as info:
+        load_config(path)
+    assert str(path) in str(info.value)

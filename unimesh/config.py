@@ -214,10 +214,11 @@ def read_text_file(
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise cls(f"cannot read {what} {path!r}: {exc.strerror or exc}") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # before fdopen, which refuses a directory itself
+        os.close(fd)
+        raise cls(f"{what} {path!r} is not a regular file; give the path of a text file")
     with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise cls(f"{what} {path!r} is not a regular file; give the path of a text file")
         if info.st_size > limit:
             raise cls(f"{what} {path!r} is {info.st_size} bytes; it may be at most {limit}")
         data = fh.read(limit + 1)
