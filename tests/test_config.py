@@ -82,6 +82,49 @@ def test_json_round_trip_is_exact(data):
     assert np.array_equal(again.mesh.device_ids, mesh.device_ids)
 
 
+MAXTEXT_RULES = """
+mesh = "data=1,fsdp=2,tensor=2,expert=2"
+axis_rules = [
+  ["activation_batch", ["data", "fsdp"]],
+  ["embed", ["fsdp", "expert"]],
+  ["embed", "fsdp"],
+  ["q_lora", ["fsdp", "expert"]],
+  ["q_lora", "fsdp"],
+  ["q_lora", "_"],
+  ["mlp", ["tensor", "expert"]],
+  ["norm", "_"],
+]
+"""
+
+
+def test_axis_rules_as_an_ordered_list_keep_every_fallback():
+    """MaxText's rule lists name `embed`, `q_lora`, ... more than once; a table cannot."""
+    c = Config.from_toml(MAXTEXT_RULES)
+    assert c.axis_rules == AxisRules(
+        [
+            ("activation_batch", ("data", "fsdp")),
+            ("embed", ("fsdp", "expert")),
+            ("embed", "fsdp"),
+            ("q_lora", ("fsdp", "expert")),
+            ("q_lora", "fsdp"),
+            ("q_lora", None),
+            ("mlp", ("tensor", "expert")),
+            ("norm", None),
+        ]
+    )
+    # flax.linen.logical_to_mesh_axes gives these (rule order decides: embed's first rule
+    # takes "expert" before mlp's rule is read)
+    assert c.axis_rules.spec(("embed", "mlp")) == P(("fsdp", "expert"), None)
+    assert c.axis_rules.spec(("activation_batch", "q_lora")) == P(("data", "fsdp"), None)
+    assert c.axis_rules.spec(("mlp", "q_lora")) == P(None, ("fsdp", "expert"))
+    text = c.to_json()
+    assert isinstance(json.loads(text)["axis_rules"], list)  # duplicates: written as a list
+    assert Config.from_json(text) == c
+    assert Config.from_json(text).axis_rules.rules == c.axis_rules.rules  # order kept
+    as_json = json.dumps({"mesh": "dp=2", "axis_rules": [["b", "dp"], ["b", None]]})
+    assert Config.from_json(as_json).axis_rules == AxisRules([("b", "dp"), ("b", None)])
+
+
 BAD = [
     # (text in TOML, error class, text the message must contain)
     ("mesh = 1", ConfigError, "got 1"),
@@ -97,6 +140,12 @@ BAD = [
     ("mesh = 'dp=2'\naxis_rules = 4", ConfigError, "4"),
     ("mesh = 'dp=2'\n[axis_rules]\nbatch = 'tp'", ConfigError, "'tp'"),
     ("mesh = 'dp=2'\n[axis_rules]\nbatch = 7", unimesh.LayoutError, "7"),
+    ("mesh = 'dp=2'\naxis_rules = [['b', 'dp', 'tp']]", ConfigError, "axis_rules[0]"),
+    ("mesh = 'dp=2'\naxis_rules = ['b']", ConfigError, "'b'"),
+    ("mesh = 'dp=2'\naxis_rules = [['b', 'dp'], 3]", ConfigError, "axis_rules[1] is 3"),
+    ("mesh = 'dp=2'\naxis_rules = [[3, 'dp']]", unimesh.LayoutError, "3"),
+    ("mesh = 'dp=2'\naxis_rules = [['b', 'tp']]", ConfigError, "'tp'"),
+    ("mesh = 'dp=2'\naxis_rules = [['b', ['dp', 9]]]", unimesh.LayoutError, "9"),
     ("mesh = 'dp=0'", unimesh.MeshSpecError, "0"),
     ("mesh = 'dp=1000000000000'", unimesh.MeshSpecError, "1000000000000"),
     ("mesh = 'dp=2;ids=0,0'", unimesh.MeshSpecError, "0"),

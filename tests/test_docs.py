@@ -241,7 +241,12 @@ def test_porting_unimesh_version_on_every_backend(backend, tmp_path):
 
 
 def test_config_page_example(tmp_path):
-    (toml,) = blocks("configs.md", "toml")
+    toml, rule_list = blocks("configs.md", "toml")
+    listed = unimesh.Config.from_toml('mesh = "batch=2,fsdp=2,model=2"\n' + rule_list)
+    # flax.linen.logical_to_mesh_axes gives the same (tests/test_axis_rules.py compares them)
+    assert listed.axis_rules.spec(("embed", "mlp")) == unimesh.P("fsdp", "model")
+    assert listed.axis_rules.spec(("norm", "embed")) == unimesh.P(None, ("fsdp", "model"))
+    assert unimesh.Config.from_json(listed.to_json()) == listed
     path = tmp_path / "dist.toml"
     path.write_text(toml)
     config = unimesh.load_config(path)

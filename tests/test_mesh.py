@@ -207,6 +207,32 @@ def test_make_mesh_hybrid_matches_process_blocks():
     assert inferred.shape == (8, 2) and inferred.devices_per_process == 8
     with pytest.raises(MeshSpecError, match="not one of the mesh axes"):
         make_mesh({"dp": 2}, dcn_axes={"pp": 2})
+
+
+def test_make_mesh_infers_a_dcn_axis_of_minus_one():
+    """MaxText's defaults: dcn_data_parallelism -1 (and often ici_fsdp_parallelism -1)."""
+    explicit = make_mesh({"data": 1, "fsdp": 4}, dcn_axes={"data": 4})
+    assert make_mesh({"data": 1, "fsdp": 4}, 16, dcn_axes={"data": -1}) == explicit
+    both = make_mesh({"data": 1, "fsdp": -1}, 16, dcn_axes={"data": -1}, devices_per_process=4)
+    assert both == explicit
+    two = make_mesh({"data": 1, "fsdp": 2, "tp": 2}, 32, dcn_axes={"data": -1, "fsdp": 2})
+    assert two == make_mesh({"data": 1, "fsdp": 2, "tp": 2}, dcn_axes={"data": 4, "fsdp": 2})
+    assert two.shape == (4, 4, 2) and two.devices_per_process == 4
+    with pytest.raises(MeshSpecError, match="inferred from num_devices; pass num_devices"):
+        make_mesh({"data": 1, "fsdp": 4}, dcn_axes={"data": -1})
+    with pytest.raises(MeshSpecError, match="pass devices_per_process"):
+        make_mesh({"data": 1, "fsdp": -1}, 16, dcn_axes={"data": -1})
+    with pytest.raises(MeshSpecError, match="num_devices=18 is not a multiple of the 4 devices"):
+        make_mesh({"data": 1, "fsdp": 4}, 18, dcn_axes={"data": -1})
+    with pytest.raises(
+        MeshSpecError,
+        match=r"cannot infer axis 'data': data=-1 x fsdp=3 leaves 8 / 3, which is not a whole",
+    ):
+        make_mesh({"data": 1, "fsdp": 2}, 16, dcn_axes={"data": -1, "fsdp": 3})
+    with pytest.raises(MeshSpecError, match="only one axis size may be -1"):
+        make_mesh({"a": 1, "b": 2}, 16, dcn_axes={"a": -1, "b": -1})
+    with pytest.raises(MeshSpecError, match="dcn size of axis 'a'.*-2"):
+        make_mesh({"a": 1, "b": 2}, 16, dcn_axes={"a": -2})
     with pytest.raises(MeshSpecError, match="devices_per_process=3"):
         make_mesh({"dp": 2}, dcn_axes={"dp": 2}, devices_per_process=3)
 

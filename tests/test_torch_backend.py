@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import Layout, Mesh, MeshMismatchError, P, UnsupportedError
 
-from .strategies import NAMES
+from .strategies import NAMES, meshes, specs
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -148,6 +148,52 @@ def test_layout_round_trips_and_placements() -> None:
         assert native.placements == placements
         assert native.device_mesh is unimesh.to_native(mesh, "torch")
         assert unimesh.from_native(native) == lay
+
+
+def test_from_placements_takes_torch_own_objects() -> None:
+    """Layout.from_placements reads torch's Shard/_StridedShard/Replicate/Partial as they are."""
+    mesh = Mesh((2, 3, 4), ("a", "b", "c"))
+    cases = {
+        P("a", None): [TShard(0), TReplicate(), TReplicate()],
+        P(("c", "a")): [_StridedShard(0, split_factor=4), TReplicate(), TShard(0)],
+        P(("a", "c"), "b"): [TShard(0), TShard(1), TShard(0)],
+        P(None, "c", partial={"b": "max"}): [TReplicate(), TPartial("max"), TShard(-1)],
+    }
+    for spec, placements in cases.items():
+        assert Layout.from_placements(mesh, placements, 2) == Layout(mesh, spec)
+    mixed = [TShard(0), unimesh.Replicate(), unimesh.Shard(1)]  # both kinds in one list
+    assert Layout.from_placements(mesh, mixed, 2) == Layout(mesh, P("a", "c"))
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    with pytest.raises(unimesh.LayoutError, match=r"torch placement .*_MaskPartial.* no Partition"):
+        Layout.from_placements(mesh, [_MaskPartial(), TReplicate(), TReplicate()], 1)
+    with pytest.raises(unimesh.LayoutError, match=r"Partial op 'bogus' on axis 'a'"):
+        Layout.from_placements(mesh, [TPartial("bogus"), TReplicate(), TReplicate()], 1)
+    with pytest.raises(unimesh.LayoutError, match=r"shards dim 5, out of range"):
+        Layout.from_placements(mesh, [TShard(5), TReplicate(), TReplicate()], 2)
+
+
+def _torch_placement(p: object) -> object:
+    if isinstance(p, unimesh.StridedShard):
+        return _StridedShard(p.dim, split_factor=p.split_factor)
+    if isinstance(p, unimesh.Shard):
+        return TShard(p.dim)
+    if isinstance(p, unimesh.Partial):
+        return TPartial(p.op)
+    return TReplicate()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_torch_placements_read_back_to_the_same_layout(data: st.DataObject) -> None:
+    mesh = data.draw(meshes(max_ndim=4, max_size=64))
+    spec = data.draw(specs(mesh))
+    ndim = len(spec.entries)
+    ours = Layout(mesh, spec).placements()
+    read = Layout.from_placements(mesh, [_torch_placement(p) for p in ours], ndim)
+    # the same as reading the core's own placements (size-1 axes may reorder the spec)
+    assert read == Layout.from_placements(mesh, ours, ndim)
+    assert read.placements() == ours
 
 
 def test_not_initialized_is_a_clear_error() -> None:

@@ -14,6 +14,11 @@ the batch axis and logical axis rules. One file, every framework (e.g. a Keras
     [axis_rules]                      # logical axis name -> mesh axis (or list, or "_")
     embed = "_"
     mlp = "model"
+
+``axis_rules`` may instead be an ordered list of ``[logical, mesh_axes]`` pairs, where a logical
+name may have several rules, tried in order (MaxText's fallbacks)::
+
+    axis_rules = [["embed", ["fsdp", "model"]], ["embed", "fsdp"], ["mlp", "model"]]
 """
 
 from __future__ import annotations
@@ -114,12 +119,7 @@ class Config:
             raise ConfigError(f"batch_axis must be an axis name (str), got {short(batch)}")
         axis_rules = None
         if "axis_rules" in d:
-            raw = d["axis_rules"]
-            if not isinstance(raw, Mapping):
-                raise ConfigError(
-                    f"[axis_rules] must be a table of logical = mesh axes, got {short(raw)}"
-                )
-            pairs = [(k, _axes(v)) for k, v in raw.items()]
+            pairs = [(k, _axes(v)) for k, v in _rule_pairs(d["axis_rules"])]
             axis_rules = _in("[axis_rules]", lambda: AxisRules(pairs))
             for logical, target in axis_rules.rules:
                 named = (target,) if isinstance(target, str) else target or ()
@@ -266,6 +266,27 @@ def _mesh(value: object) -> Mesh:
             raise ConfigError("give the mesh either axes = {...} or axis_names and shape, not both")
         d["axis_names"], d["shape"] = list(axes), list(axes.values())
     return Mesh.from_dict(d)
+
+
+def _rule_pairs(raw: object) -> list[tuple[Any, Any]]:
+    """``axis_rules`` as (logical, mesh axes) pairs: a table, or an ordered list of
+    ``[logical, mesh_axes]`` pairs where a logical name may appear more than once."""
+    if isinstance(raw, Mapping):
+        return list(raw.items())
+    if not isinstance(raw, list):
+        raise ConfigError(
+            "axis_rules must be a table of logical = mesh axes or a list of [logical, "
+            f'mesh_axes] pairs (e.g. [["embed", "fsdp"], ["embed", "_"]]), got {short(raw)}'
+        )
+    pairs = []
+    for i, pair in enumerate(raw):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ConfigError(
+                f"axis_rules[{i}] is {short(pair)}; each rule is a pair [logical, mesh_axes], "
+                'e.g. ["embed", "fsdp"] or ["mlp", ["tp", "ep"]]'
+            )
+        pairs.append((pair[0], pair[1]))
+    return pairs
 
 
 def _axes(value: object) -> Any:

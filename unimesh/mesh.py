@@ -816,7 +816,9 @@ def make_mesh(
     With ``dcn_axes`` (JAX ``create_hybrid_device_mesh``): ``axes`` is the part of the mesh inside
     one process and ``dcn_axes`` (name -> size, names from ``axes``) how processes tile it; axis i
     of the result has size ``axes[i] * dcn_axes.get(i, 1)``, each process's devices form one
-    contiguous block, and ``devices_per_process`` is the product of ``axes``.
+    contiguous block, and ``devices_per_process`` is the product of ``axes``. One dcn size may be
+    -1 (MaxText's ``dcn_data_parallelism: -1``): the number of processes is ``num_devices`` over
+    the in-process product (or ``devices_per_process``), and the -1 axis takes what is left.
     """
     if not isinstance(axes, Mapping) or not axes:
         fail(f"make_mesh() takes a non-empty mapping axis name -> size, got {short(axes)}")
@@ -838,7 +840,34 @@ def make_mesh(
                 f"dcn axis {short(n)} is not one of the mesh axes {tuple(axes)}; dcn_axes must "
                 "name axes of `axes`"
             )
-    dcn = {n: check_int(dcn_axes.get(n, 1), f"dcn size of axis {n!r}", minimum=1) for n in axes}
+    dcn_raw = {n: check_int(dcn_axes.get(n, 1), f"dcn size of axis {n!r}") for n in axes}
+    if -1 in dcn_raw.values():
+        # MaxText's dcn_*_parallelism: -1: the number of processes is num_devices over the
+        # devices each process holds, and the -1 axis takes what the other dcn axes leave.
+        if num_devices is None:
+            fail(
+                "a dcn axis of size -1 is inferred from num_devices; pass num_devices (e.g. "
+                "len(jax.devices())) or give every dcn size"
+            )
+        if devices_per_process is not None:
+            in_process = check_int(devices_per_process, "devices_per_process", minimum=1)
+        elif -1 in axes.values():
+            fail(
+                "both axes and dcn_axes have a size -1, so the devices per process are "
+                "unknown; pass devices_per_process (e.g. jax.local_device_count()) or give "
+                "the in-process sizes"
+            )
+        else:
+            in_process = math.prod(_resolve_sizes(axes, None, "the in-process axes").values())
+        if num_devices % in_process:
+            fail(
+                f"num_devices={num_devices} is not a multiple of the {in_process} devices each "
+                "process holds, so the number of processes cannot be inferred"
+            )
+        procs = num_devices // in_process
+        dcn = _resolve_sizes(dcn_raw, procs, f"the {procs} processes")
+    else:
+        dcn = {n: check_int(v, f"dcn size of axis {n!r}", minimum=1) for n, v in dcn_raw.items()}
     n_proc = math.prod(dcn.values())
     per_proc_total = None
     if num_devices is not None:

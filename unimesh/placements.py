@@ -19,6 +19,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "StridedShard",
+    "from_torch_placement",
     "spec_from_placements",
     "to_placements",
 ]
@@ -117,8 +118,36 @@ def to_placements(mesh: Mesh, spec: PartitionSpec) -> tuple[Placement, ...]:
     return tuple(out)
 
 
+def from_torch_placement(p: object) -> Placement | None:
+    """torch's own placement object as the core's, or None when ``p`` is not one of torch's.
+
+    Recognised by class (``Shard``, ``_StridedShard``, ``Replicate``, ``Partial`` from a
+    ``torch.`` module), so torch is never imported here. torch's other placements (a masked or
+    norm ``Partial``) have no PartitionSpec form and raise :class:`LayoutError`.
+    """
+    cls = type(p)
+    if not cls.__module__.startswith("torch."):
+        return None
+    name = cls.__name__
+    if name in ("_StridedShard", "StridedShard"):
+        return StridedShard(int(p.dim), int(p.split_factor))  # type: ignore[attr-defined]
+    if name == "Shard":
+        return Shard(int(p.dim))  # type: ignore[attr-defined]
+    if name == "Replicate":
+        return Replicate()
+    if name == "Partial":
+        return Partial(str(p.reduce_op))  # type: ignore[attr-defined]
+    _lfail(
+        f"torch placement {short(p)} ({cls.__module__}.{name}) has no PartitionSpec "
+        "equivalent; only Shard, _StridedShard, Replicate and Partial do"
+    )
+
+
 def spec_from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int) -> PartitionSpec:
     """The spec whose :func:`to_placements` are ``placements`` for a tensor of ``ndim`` dims.
+
+    ``placements`` may be the core's objects or torch's own (``torch.distributed.tensor.Shard``
+    and the rest; see :func:`from_torch_placement`).
 
     The spec has exactly ``ndim`` entries. Where size-1 axes make several orders equivalent,
     the most ascending order is chosen.
@@ -137,6 +166,7 @@ def spec_from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int)
     by_dim: dict[int, list[tuple[int, int]]] = {}
     partial: dict[str, str] = {}
     for m, p in enumerate(placements):
+        p = from_torch_placement(p) or p
         if isinstance(p, Replicate):
             continue
         if isinstance(p, Partial):

@@ -122,9 +122,12 @@ class AxisRules:
     """Logical axis names -> mesh axes (flax/MaxText logical axis rules).
 
     ``rules`` is a sequence of ``(logical, mesh_axes)`` pairs (or a mapping); ``mesh_axes`` is a
-    mesh axis name, a tuple of names, or None. A logical name may have several rules: for each
-    tensor dim the first rule whose mesh axes are all still unused wins (earlier dims first).
-    A logical name with no usable rule is replicated, or an error with ``strict=True``.
+    mesh axis name, a tuple of names, or None. A logical name may have several rules. Resolution
+    is flax's ``logical_to_mesh_axes``: the rules are read in order, and a rule applies when its
+    logical name is a dim of the tensor, that dim has no mesh axes yet and none of the rule's mesh
+    axes is taken by another dim (a None rule always applies, leaving its dim replicated). A
+    dim no rule applies to is replicated; ``strict=True`` makes a logical name with no rule at
+    all an error.
     """
 
     def __init__(self, rules: Mapping[str, Any] | Sequence[tuple[str, Any]]) -> None:
@@ -159,35 +162,47 @@ class AxisRules:
             _lfail(f"logical_axes must be a tuple of logical names, got {short(logical_axes)}")
         if mesh is not None and not isinstance(mesh, Mesh):
             _lfail(f"mesh must be a unimesh.Mesh, got {short(mesh)}")
-        known = {name for name, _ in self._rules}
-        used: set[str] = set()
-        entries: list[Entry] = []
+        names: list[str | None] = []
         for name in logical_axes:
-            if name is None:
-                entries.append(None)
-                continue
-            if not isinstance(name, str):
+            if name is not None and not isinstance(name, str):
                 _lfail(f"logical axis {short(name)} must be a str or None")
-            if name not in known and strict:
-                _lfail(f"no rule for logical axis {name!r}; rules cover {sorted(known)}")
-            chosen: Entry = None
-            for logical, target in self._rules:
-                if logical != name:
-                    continue
-                axes = _axes_of(target)
-                if mesh is not None:
-                    for a in axes:
-                        if a not in mesh.axis_names:
-                            _lfail(
-                                f"rule {logical!r} -> {target!r} names axis {a!r}, which is not "
-                                f"in {mesh!r}"
-                            )
-                if target is None or not used.intersection(axes):
-                    chosen = target
-                    break
-            used.update(_axes_of(chosen))
-            entries.append(chosen)
-        return PartitionSpec(*entries)
+            names.append(name)
+        seen: set[str] = set()
+        for name in names:
+            if name is not None:
+                if name in seen:
+                    _lfail(
+                        f"logical axis {name!r} names more than one dim of {tuple(names)}; "
+                        "give each dim its own logical name (flax refuses this too)"
+                    )
+                seen.add(name)
+        if strict:
+            known = {logical for logical, _ in self._rules}
+            for name in names:
+                if name is not None and name not in known:
+                    _lfail(f"no rule for logical axis {name!r}; rules cover {sorted(known)}")
+        # flax's order: rule by rule, a rule applies when its logical name is a dim of the tensor,
+        # that dim is still unassigned and none of its mesh axes is used yet.
+        position = {name: i for i, name in enumerate(names) if name is not None}
+        assigned: dict[int, Entry] = {}
+        used: set[str] = set()
+        for logical, target in self._rules:
+            pos = position.get(logical)
+            if pos is None:
+                continue
+            axes = _axes_of(target)
+            if mesh is not None:
+                for a in axes:
+                    if a not in mesh.axis_names:
+                        _lfail(
+                            f"rule {logical!r} -> {target!r} names axis {a!r}, which is not "
+                            f"in {mesh!r}"
+                        )
+            if pos in assigned or used.intersection(axes):
+                continue
+            assigned[pos] = target
+            used.update(axes)
+        return PartitionSpec(*(assigned.get(i) for i in range(len(names))))
 
     def layout(self, logical_axes: Sequence[str | None], mesh: Mesh) -> Layout:
         """``Layout(mesh, self.spec(logical_axes, mesh))``."""

@@ -12,15 +12,16 @@ import numpy as np
 from unimesh import (
     ConversionError,
     Layout,
+    LayoutError,
     Mesh,
     MeshMismatchError,
     Partial,
-    Replicate,
     Shard,
     StridedShard,
     UnsupportedError,
 )
 from unimesh.messages import short
+from unimesh.placements import from_torch_placement
 
 from .runtime import TorchRuntime, _dist, _torch
 
@@ -294,30 +295,22 @@ def _to_torch(p: Any) -> Any:
 
 
 def _from_torch(p: Any) -> Any:
-    from torch.distributed.tensor.placement_types import Partial as TPartial
-    from torch.distributed.tensor.placement_types import Replicate as TReplicate
-    from torch.distributed.tensor.placement_types import Shard as TShard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if isinstance(p, _StridedShard):  # before Shard: older torch derives it from Shard
-        return StridedShard(int(p.dim), int(p.split_factor))
-    if isinstance(p, TShard):
-        return Shard(int(p.dim))
-    if isinstance(p, TReplicate):
-        return Replicate()
-    if isinstance(p, TPartial):
-        op = str(p.reduce_op)
-        if op not in _REDUCE_OPS:
-            raise UnsupportedError(
-                f"DTensor placement {p!r} reduces with {op!r}, which has no "
-                f"unimesh form; unimesh knows {_REDUCE_OPS}",
-                backend="torch",
-                capability="partial",
-            )
-        return Partial(op)
-    raise UnsupportedError(
-        f"DTensor placement {p!r} has no unimesh form", backend="torch", capability="layout"
-    )
+    try:
+        out = from_torch_placement(p)
+    except LayoutError as exc:
+        raise UnsupportedError(str(exc), backend="torch", capability="layout") from None
+    if out is None:
+        raise UnsupportedError(
+            f"DTensor placement {p!r} has no unimesh form", backend="torch", capability="layout"
+        )
+    if isinstance(out, Partial) and out.op not in _REDUCE_OPS:
+        raise UnsupportedError(
+            f"DTensor placement {p!r} reduces with {out.op!r}, which has no "
+            f"unimesh form; unimesh knows {_REDUCE_OPS}",
+            backend="torch",
+            capability="partial",
+        )
+    return out
 
 
 def axis_mesh(mesh: Mesh, axes: str | tuple[str, ...], *, device_type: str | None = None) -> Any:
