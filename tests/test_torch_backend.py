@@ -196,9 +196,31 @@ def test_torch_placements_read_back_to_the_same_layout(data: st.DataObject) -> N
     assert read.placements() == ours
 
 
+def test_backend_override_bad_input() -> None:
+    fake_world(0, 8)
+    mesh = Mesh((2, 4), ("dp", "tp"))
+    dm = unimesh.to_native(mesh, "torch", backend_override={"dp": "fake", 1: ("fake", None)})
+    assert unimesh.from_native(dm) == mesh
+    assert dm is not unimesh.to_native(mesh, "torch")  # its own groups, not the plain mesh's
+    bad = [
+        ("fake", r"backend_override must be a dict .* got 'fake'"),
+        ({"pp": "fake"}, r"names 'pp', which is not an axis of Mesh\(dp=2, tp=4\)"),
+        ({5: "fake"}, r"names 5, which is not an axis"),
+        ({True: "fake"}, r"names True, which is not an axis"),
+        ({"dp": "fake", 0: "fake"}, r"gives axis 'dp' twice"),
+        ({"dp": 3}, r"backend_override for axis 'dp' is 3; give a backend name"),
+        ({"dp": ("fake", "opts")}, r"for axis 'dp' is \('fake', 'opts'\)"),
+        ({"dp": ""}, r"for axis 'dp' is ''"),
+        ({"dp": "nosuch"}, r"backend 'nosuch', which is not available in this process"),
+    ]
+    for value, match in bad:
+        with pytest.raises(UnsupportedError, match=match):
+            unimesh.to_native(mesh, "torch", backend_override=value)
+
+
 def test_not_initialized_is_a_clear_error() -> None:
     assert not dist.is_initialized()
-    with pytest.raises(MeshMismatchError, match="torch.distributed is not initialized: run under"):
+    with pytest.raises(unimesh.LaunchError, match="torch.distributed is not initialized: run"):
         unimesh.to_native(Mesh((2,), ("dp",)), "torch")
 
 

@@ -8,6 +8,7 @@ line per check and a final ``RANK r OK n`` line, and exits non-zero on the first
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import sys
@@ -66,6 +67,42 @@ def main() -> None:
         check(
             int(t.item()) == sum(group), f"all_reduce over {axis!r}: {int(t.item())} == sum{group}"
         )
+
+    # backend_override per axis (torch's init_device_mesh spelling): a size-1 axis on the fake
+    # backend, as torchtitan does, and gloo with its own options on the others
+    from datetime import timedelta
+
+    a = mesh.axis_names[0]
+    try:
+        unimesh.to_native(mesh, backend_override={a: "fake"})
+        check(False, "an unregistered backend in backend_override must be refused")
+    except UnsupportedError as exc:
+        check("'fake', which is not available" in str(exc), f"unregistered 'fake' refused: {exc}")
+    importlib.import_module("torch.testing._internal.distributed.fake_pg")  # registers "fake"
+
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=123)
+    with_one = Mesh((*mesh.shape, 1), (*mesh.axis_names, "solo"), mesh.device_ids[..., None])
+    over = unimesh.to_native(with_one, backend_override={"solo": "fake", a: ("gloo", opts)})
+    check(
+        str(dist.get_backend(over.get_group("solo"))) == "fake"
+        and str(dist.get_backend(over.get_group(a))) == "gloo",
+        f"backend_override: solo group on {dist.get_backend(over.get_group('solo'))}, {a!r} on "
+        f"{dist.get_backend(over.get_group(a))}",
+    )
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=over.get_group(a))
+    (group_a,) = [g for g in mesh.groups(a) if rank in g]
+    check(int(t.item()) == sum(group_a), f"all_reduce over overridden {a!r} == sum{group_a}")
+    check(
+        unimesh.to_native(with_one, backend_override={"solo": "fake", a: ("gloo", opts)}) is over,
+        "the same mesh and override give the same DeviceMesh back",
+    )
+    try:
+        unimesh.to_native(with_one, backend_override={"zz": "fake"})
+        check(False, "an override for an unknown axis must be refused")
+    except UnsupportedError as exc:
+        check("'zz', which is not an axis" in str(exc), f"unknown override axis refused: {exc}")
 
     # distribute: every local tensor is the reference block
     a, b, last = mesh.axis_names[0], mesh.axis_names[1], mesh.axis_names[-1]

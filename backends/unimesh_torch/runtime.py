@@ -58,9 +58,9 @@ class TorchRuntime(ProcessBackend):
 
     def __init__(self) -> None:
         # DeviceMeshes built in this process under the current world group:
-        # (device type, mesh) -> DeviceMesh. Sub-meshes are sliced from these, so that no
-        # rank-dependent group is ever created. A new world group empties it.
-        self._meshes: dict[tuple[str, Mesh], Any] = {}
+        # (device type, mesh[, backend override]) -> DeviceMesh. Sub-meshes are sliced from
+        # these, so that no rank-dependent group is ever created. A new world group empties it.
+        self._meshes: dict[tuple[Any, ...], Any] = {}
         self._world_group: Any = None
         # (layout, global shape, dtype) -> DTensorSpec of shard_map results (wrap_result)
         self._specs: dict[tuple[Layout, tuple[int, ...], Any], Any] = {}
@@ -68,7 +68,7 @@ class TorchRuntime(ProcessBackend):
     def _world(self) -> tuple[int, int]:
         dist = _dist()
         if not dist.is_available() or not dist.is_initialized():
-            raise MeshMismatchError(
+            raise LaunchError(
                 "torch.distributed is not initialized: run under torchrun and call "
                 "unimesh.initialize() (or torch.distributed.init_process_group) before "
                 "converting a mesh to torch"

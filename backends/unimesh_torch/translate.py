@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -58,15 +59,26 @@ class TorchTranslator(TorchRuntime):
     """The translator layer (and ``axis_groups``, the groups of a translated DeviceMesh)."""
 
     # -- meshes --------------------------------------------------------------------------------
-    def mesh_to_native(self, mesh: Mesh, *, device_type: str | None = None, **options: Any) -> Any:
+    def mesh_to_native(
+        self,
+        mesh: Mesh,
+        *,
+        device_type: str | None = None,
+        backend_override: Mapping[str | int, Any] | None = None,
+        **options: Any,
+    ) -> Any:
         """A ``DeviceMesh`` over the ranks in ``mesh.device_ids``.
+
+        ``backend_override`` is ``init_device_mesh``'s: per mesh axis (name, or index), a
+        process-group backend name (``"fake"`` for a size-1 axis, as torchtitan does), a
+        ``Backend.Options``, or a ``(name, options)`` pair.
 
         A mesh already converted in this process is returned again. A submesh (or a flattened
         axis) of one that contains this rank is sliced from it with torch's own slicing, which
         creates no process group; any other mesh is built anew, which every rank must do with
         the same mesh (checked, so a disagreement is an error, not a hang).
         """
-        self.reject_options(options, "device_type")
+        self.reject_options(options, "device_type, backend_override")
         rank, world = self._world()
         top = mesh.size - 1 if mesh.is_default_order else int(mesh.device_ids.max())
         if top >= world:
@@ -81,25 +93,106 @@ class TorchTranslator(TorchRuntime):
             self._meshes.clear()
             self._world_group = world_group
         plain = _plain(mesh)
-        key = (dtype, plain)
-        if key in self._meshes:
-            return self._meshes[key]
-        native = self._slice(plain, rank, dtype)
+        override = None if backend_override is None else self._override(plain, backend_override)
+        key: Any = (dtype, plain) if override is None else (dtype, plain, override)
+        try:
+            if key in self._meshes:
+                return self._meshes[key]
+        except TypeError:  # options that cannot be hashed: build, do not cache
+            key = None
+        # a mesh with its own process-group options gets its own groups, never a slice
+        native = self._slice(plain, rank, dtype) if override is None else None
         if native is None:
             from torch.distributed.device_mesh import DeviceMesh
 
             self._agree(plain)
             ids = _torch().from_numpy(plain.device_ids.astype(np.int32))
-            native = DeviceMesh(dtype, ids, mesh_dim_names=plain.axis_names)
-        self._meshes[key] = native
+            native = DeviceMesh(
+                dtype, ids, mesh_dim_names=plain.axis_names, backend_override=override
+            )
+        if key is not None:
+            self._meshes[key] = native
         return native
+
+    def _override(self, mesh: Mesh, value: object) -> tuple[tuple[str | None, Any], ...]:
+        """``backend_override`` as torch's per-dim ``(backend name, options)`` tuple."""
+        from torch._C._distributed_c10d import Backend as C10dBackend
+
+        forms = (
+            "{axis name: backend}, the backend a name like 'gloo' or 'fake', a "
+            "Backend.Options, or a (name, options) pair"
+        )
+        if not isinstance(value, Mapping):
+            raise UnsupportedError(
+                f"backend_override must be a dict {forms}; got {short(value)}",
+                backend=self.name,
+            )
+        by_axis: dict[int, Any] = {}
+        for k, v in value.items():
+            if isinstance(k, str) and k in mesh.axis_names:
+                i = mesh.axis_names.index(k)
+            elif isinstance(k, int) and not isinstance(k, bool) and 0 <= k < mesh.ndim:
+                i = k
+            else:
+                raise UnsupportedError(
+                    f"backend_override names {short(k)}, which is not an axis of {mesh!r}; "
+                    f"use one of {list(mesh.axis_names)} (or an index below {mesh.ndim})",
+                    backend=self.name,
+                )
+            if i in by_axis:
+                raise UnsupportedError(
+                    f"backend_override gives axis {mesh.axis_names[i]!r} twice (by name and by "
+                    "index); give it once",
+                    backend=self.name,
+                )
+            by_axis[i] = v
+        out: list[tuple[str | None, Any]] = []
+        for i in range(mesh.ndim):
+            v = by_axis.get(i)
+            name, opts = v if isinstance(v, tuple) and len(v) == 2 else (v, None)
+            if isinstance(name, C10dBackend.Options) and opts is None:
+                name, opts = None, name
+            good_name = name is None or (isinstance(name, str) and name != "")
+            if not good_name or not (opts is None or isinstance(opts, C10dBackend.Options)):
+                raise UnsupportedError(
+                    f"backend_override for axis {mesh.axis_names[i]!r} is {short(v)}; give "
+                    f"a backend name like 'gloo' or 'fake', a Backend.Options, or a (name, "
+                    "options) pair",
+                    backend=self.name,
+                )
+            if isinstance(name, str):
+                self._check_pg_backend(name, mesh.axis_names[i])
+            out.append((name if isinstance(name, str) else None, opts))
+        return tuple(out)
+
+    def _check_pg_backend(self, name: str, axis: str) -> None:
+        """A backend name torch can build a group with here (torch itself fails later, on
+        every rank, with a bare assertion)."""
+        dist = _dist()
+        low = name.lower()
+        available = getattr(dist, f"is_{low}_available", None)
+        if low in ("gloo", "nccl", "mpi", "ucc", "xccl") and callable(available):
+            ok = bool(available())
+        else:
+            ok = low.upper() in getattr(dist.Backend, "_plugins", {})
+        if not ok:
+            raise UnsupportedError(
+                f"backend_override for axis {axis!r} names process-group backend {name!r}, "
+                "which is not available in this process; use one that is (e.g. 'gloo') or "
+                "register it first (torch.distributed.Backend.register_backend; importing "
+                "torch.testing._internal.distributed.fake_pg registers 'fake')",
+                backend=self.name,
+            )
 
     def _slice(self, target: Mesh, rank: int, dtype: str) -> Any:
         """Slice ``target`` from a DeviceMesh built earlier, or None when it is no submesh (or
         flattened submesh) of one. The decision does not depend on the rank, so every rank
         takes the same path: members slice, non-members get an error, nobody waits."""
         anchor = int(target.device_ids.flat[0])
-        for (d, root), native in list(self._meshes.items()):
+        for key, native in list(self._meshes.items()):
+            if len(key) != 2:  # a mesh with a backend_override is no root to slice from
+                continue
+            d, root = key
             if d != dtype or root.size <= target.size:
                 continue
             names = target.axis_names
