@@ -54,7 +54,7 @@ from .registry import (
     unregister_backend,
 )
 from .rules import AxisRules, LayoutMap
-from .runtime import initialize, verify
+from .runtime import Launcher, detect_launcher, initialize, verify
 from .spec import P, PartitionSpec
 from .visual import visualize
 
@@ -75,6 +75,7 @@ __all__ = [
     "ConfigError",
     "ConversionError",
     "LaunchError",
+    "Launcher",
     "Layout",
     "LayoutError",
     "LayoutMap",
@@ -96,6 +97,7 @@ __all__ = [
     "axis_size",
     "backends",
     "current_mesh",
+    "detect_launcher",
     "distribute",
     "from_native",
     "full_array",

@@ -269,8 +269,9 @@ def get_backend(name: str | Backend | None = None) -> Backend:
 
     ``name`` given: that backend. None: the ``UNIMESH_BACKEND`` environment variable if set,
     else the one backend whose framework is already imported (``sys.modules``; a framework that
-    another imported one runs on, like jax under keras, yields to it), else an error listing the
-    choices. Raises :class:`BackendUnavailableError` when the framework is not installed.
+    another imported one runs on, like jax under keras, yields to it), else the backend of the
+    launcher that started this process (:func:`unimesh.detect_launcher`), else an error listing
+    the choices. Raises :class:`BackendUnavailableError` when the framework is not installed.
     """
     if isinstance(name, Backend):
         return _check_available(name)
@@ -298,6 +299,11 @@ def _detect() -> Backend:
         return live[0]
     names = [b.name for b in loaded]
     if not live:
+        from .runtime import detect_launcher
+
+        launcher = detect_launcher()
+        if launcher is not None and launcher.backend in names:
+            return _check_available(_REGISTRY.load(launcher.backend))
         raise BackendNotFoundError(
             "no backend given and none detected: no installed backend's framework is imported "
             f"yet. Pass backend=NAME or set {ENV_VAR}; installed backends: {names or 'none'}"

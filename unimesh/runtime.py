@@ -4,13 +4,123 @@ on a disagreement. Framework-free; each backend exchanges the bytes with its own
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
-from .errors import LayoutError, MeshMismatchError, UnimeshError
+from .errors import BackendNotFoundError, LaunchError, LayoutError, MeshMismatchError, UnimeshError
 from .mesh import Mesh
 from .messages import short
 
-__all__ = ["fingerprint", "initialize", "verify"]
+__all__ = ["Launcher", "detect_launcher", "fingerprint", "initialize", "verify"]
+
+
+class Launcher(NamedTuple):
+    """A launcher found in this process's environment (:func:`detect_launcher`)."""
+
+    #: ``"torchrun"``, ``"jax.distributed"``, ``"mlx.launch"`` or ``"mpirun"``
+    name: str
+    #: the unimesh backend whose runtime it starts
+    backend: str
+    #: this process's index and the number of processes, where the environment says them
+    rank: int | None
+    processes: int | None
+    #: the variables that gave it away, as ``NAME=value`` text
+    evidence: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.evidence})"
+
+
+def _int(env: Mapping[str, str], var: str) -> int | None:
+    value = env.get(var, "")
+    return int(value) if value.isascii() and value.isdigit() and len(value) < 10 else None
+
+
+def _evidence(env: Mapping[str, str], names: tuple[str, ...]) -> str:
+    return ", ".join(f"{v}={short(env[v], 40)}" for v in names if v in env)
+
+
+def _launchers(env: Mapping[str, str]) -> list[Launcher]:
+    found: list[Launcher] = []
+    names: tuple[str, ...]
+    torch_vars = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if "TORCHELASTIC_RUN_ID" in env or all(v in env for v in torch_vars):
+        names = ("TORCHELASTIC_RUN_ID", *torch_vars)
+        found.append(
+            Launcher(
+                "torchrun",
+                "torch",
+                _int(env, "RANK"),
+                _int(env, "WORLD_SIZE"),
+                _evidence(env, names),
+            )
+        )
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+        rank, procs = _int(env, "JAX_PROCESS_ID"), _int(env, "JAX_NUM_PROCESSES")
+        found.append(Launcher("jax.distributed", "jax", rank, procs, _evidence(env, names)))
+    if "MLX_RANK" in env:
+        names = ("MLX_RANK", "MLX_WORLD_SIZE", "MLX_HOSTFILE")
+        rank, procs = _int(env, "MLX_RANK"), _int(env, "MLX_WORLD_SIZE")
+        found.append(Launcher("mlx.launch", "mlx", rank, procs, _evidence(env, names)))
+    for rank_var, size_var in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+    ):
+        if size_var in env:
+            rank, procs = _int(env, rank_var), _int(env, size_var)
+            evidence = _evidence(env, (rank_var, size_var))
+            found.append(Launcher("mpirun", "mlx", rank, procs, evidence))
+            break
+    return found
+
+
+def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None:
+    """The launcher that started this process, read from its environment (``os.environ``
+    unless ``environ`` is given), or None outside one.
+
+    torchrun (``TORCHELASTIC_RUN_ID``, or ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
+    ``MASTER_PORT``) starts the torch backend; ``JAX_COORDINATOR_ADDRESS`` the jax backend;
+    mlx.launch (``MLX_RANK``) and mpirun (``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE``) the mlx
+    backend. torchrun and jax.distributed name their framework, so they win over an MPI
+    environment around them; both at once is a :class:`~unimesh.LaunchError`.
+    """
+    env = os.environ if environ is None else environ
+    found = _launchers(env)
+    named = [f for f in found if f.name in ("torchrun", "jax.distributed")]
+    if len(named) > 1:
+        raise LaunchError(
+            f"this process looks started by both {named[0]} and {named[1]}; pass backend=... "
+            "to say which runtime to start"
+        )
+    if named:
+        return named[0]
+    return found[0] if found else None
+
+
+def _runtime_backend(backend: Any) -> Any:
+    """The backend to start: the one given, else the launcher's, else the detected one."""
+    from .registry import get_backend
+
+    if backend is not None:
+        return get_backend(backend)
+    launcher = detect_launcher()
+    if launcher is None:
+        return get_backend(None)
+    try:
+        be = get_backend(launcher.backend)
+    except BackendNotFoundError as exc:
+        raise LaunchError(
+            f"found the launcher {launcher}, which starts the {launcher.backend} backend, but "
+            f"that backend cannot be used here ({exc}); install it (pip install "
+            f'"unimesh[{launcher.backend}]") or pass backend=...'
+        ) from None
+    import logging
+
+    logging.getLogger("unimesh").info("found %s: starting the %s backend", launcher, be.name)
+    return be
+
 
 #: The fields compared by :func:`verify`, in the order a mismatch message names them.
 FIELDS = ("shape", "axis_names", "device_order", "axis_types", "devices_per_process", "layout")
@@ -31,13 +141,17 @@ def initialize(backend: Any = None, *, timeout: float = 300.0) -> tuple[int, int
     ``mx.distributed.init()``, checked against the process count the launcher
     (``mlx.launch``/``mpirun``) says it started. A second call returns the same answer.
 
+    With no ``backend``, the launcher found in the environment (:func:`detect_launcher`) says
+    which framework to start, so nothing needs importing first; outside a launcher, the backend
+    of the framework already imported runs as one process.
+
     Returns ``(this process's index, the number of processes)``. Raises
     :class:`~unimesh.LaunchError` naming a missing variable, or when peers do not join within
     ``timeout`` seconds.
     """
-    from .registry import get_backend
-
-    return get_backend(backend).initialize(_timeout(timeout, "timeout"))
+    seconds = _timeout(timeout, "timeout")
+    started: tuple[int, int] = _runtime_backend(backend).initialize(seconds)
+    return started
 
 
 def fingerprint(mesh: Mesh, layout: Any = None) -> dict[str, Any]:
@@ -105,11 +219,16 @@ def verify(mesh: Mesh, backend: Any = None, *, layout: Any = None, timeout: floa
     """
     import json
 
-    from .registry import get_backend
-
     seconds = _timeout(timeout, "timeout")
     mine = fingerprint(mesh, layout)
-    be = get_backend(backend)
+    be = _runtime_backend(backend)
+    need = int(mesh.device_ids.max()) + 1
+    import sys
+
+    if be.framework not in sys.modules:
+        # simulated devices are asked for before the framework starts (JAX's XLA_FLAGS)
+        launcher = detect_launcher()
+        be.request_devices(need, (launcher.processes if launcher else None) or 1)
     rank, world = be.initialize(seconds)
     payloads = be.exchange(json.dumps(mine, sort_keys=True).encode(), seconds)
     if len(payloads) != world:
@@ -122,7 +241,6 @@ def verify(mesh: Mesh, backend: Any = None, *, layout: Any = None, timeout: floa
             f"processes disagree about the mesh (this is process {rank} of {world}): "
             f"{_describe(prints)}. Build the mesh from the same spec on every process."
         )
-    need = int(mesh.device_ids.max()) + 1
     have = be.request_devices(need, world)
     if have < need:
         raise MeshMismatchError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unimesh import LaunchError, Layout, Mesh, MeshMismatchError, UnsupportedError
+from unimesh import LaunchError, Layout, Mesh, MeshMismatchError, UnsupportedError, detect_launcher
 from unimesh.messages import first_line, short
 from unimesh.spmd import ProcessBackend
 
@@ -68,6 +68,9 @@ class TorchRuntime(ProcessBackend):
     def _world(self) -> tuple[int, int]:
         dist = _dist()
         if not dist.is_available() or not dist.is_initialized():
+            launcher = detect_launcher() if dist.is_available() else None
+            if launcher is not None and launcher.name == "torchrun":
+                return self.initialize(300.0)  # under torchrun: start the group it describes
             raise LaunchError(
                 "torch.distributed is not initialized: run under torchrun and call "
                 "unimesh.initialize() (or torch.distributed.init_process_group) before "

@@ -1,0 +1,78 @@
+"""unimesh.detect_launcher: which launcher started this process, read from its environment."""
+
+from __future__ import annotations
+
+import pytest
+
+import unimesh
+from unimesh import LaunchError, detect_launcher
+
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "3",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "none",
+}
+JAX = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
+MPIRUN = {
+    "OMPI_COMM_WORLD_RANK": "1",
+    "OMPI_COMM_WORLD_SIZE": "2",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+}
+MLX_LAUNCH = {"MLX_RANK": "0", "MLX_HOSTFILE": "/tmp/hosts.json"}
+
+
+@pytest.mark.parametrize(
+    "env, name, backend, rank, processes",
+    [
+        (TORCHRUN, "torchrun", "torch", 3, 8),
+        (
+            {k: TORCHRUN[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+            "torchrun",
+            "torch",
+            3,
+            8,
+        ),
+        (JAX, "jax.distributed", "jax", 2, 4),
+        (MPIRUN, "mpirun", "mlx", 1, 2),
+        ({"PMI_RANK": "5", "PMI_SIZE": "6"}, "mpirun", "mlx", 5, 6),
+        (MLX_LAUNCH, "mlx.launch", "mlx", 0, None),
+        ({**MPIRUN, **TORCHRUN}, "torchrun", "torch", 3, 8),  # torchrun under an MPI job
+        ({**MPIRUN, **JAX}, "jax.distributed", "jax", 2, 4),
+        ({**MLX_LAUNCH, **MPIRUN}, "mlx.launch", "mlx", 0, None),
+    ],
+)
+def test_each_launcher_is_found(env, name, backend, rank, processes):
+    found = detect_launcher(env)
+    assert found is not None
+    assert (found.name, found.backend, found.rank, found.processes) == (
+        name,
+        backend,
+        rank,
+        processes,
+    )
+    assert found.name in str(found) and "=" in found.evidence
+
+
+def test_no_launcher_and_partial_variables():
+    assert detect_launcher({}) is None
+    assert detect_launcher({"RANK": "0", "WORLD_SIZE": "2"}) is None  # no rendezvous: not torchrun
+    assert detect_launcher({"JAX_COORDINATOR_ADDRESS": ""}) is None
+    odd = detect_launcher({**JAX, "JAX_PROCESS_ID": "٣", "JAX_NUM_PROCESSES": "9" * 40})
+    assert odd is not None and odd.rank is None and odd.processes is None  # not ints: unknown
+    assert len(odd.evidence) < 200  # a huge value is shortened in the text
+
+
+def test_two_framework_launchers_at_once_are_an_error():
+    with pytest.raises(LaunchError, match=r"both torchrun .* and jax.distributed .*backend="):
+        detect_launcher({**TORCHRUN, **JAX})
+
+
+def test_initialize_outside_a_launcher_runs_one_process(monkeypatch):
+    for var in (*TORCHRUN, *JAX, *MPIRUN, *MLX_LAUNCH, "PMI_SIZE", "UNIMESH_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    assert detect_launcher() is None
+    pytest.importorskip("jax")
+    assert unimesh.initialize("jax") == (0, 1)
