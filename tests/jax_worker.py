@@ -82,6 +82,35 @@ for mesh in (hybrid, columns):
             got == float(x.sum() * 2),
             f"jitted reduction across processes: {got} == {float(x.sum() * 2)}",
         )
+        # the inverse: from this process's blocks only (no process sees x in full)
+        back = unimesh.from_local(unimesh.local_shards(arr), lay, shape, backend="jax")
+        check(
+            back.sharding == arr.sharding
+            and all(
+                np.array_equal(np.asarray(s.data), x[lay.shard_slices(shape, devs.index(s.device))])
+                for s in back.addressable_shards
+            ),
+            f"from_local(local_shards) of {spec}: the same sharding and blocks",
+        )
+
+# a data loader's slice: each process loads only its rows of the batch (dp across processes)
+batch_layout = Layout(hybrid, P("dp"))
+rows = np.arange(8 * n * 3, dtype=np.float32).reshape(8 * n, 3)
+mine = rows[8 * pid : 8 * (pid + 1)]
+ours = unimesh.from_local(mine, batch_layout, rows.shape, backend="jax")
+theirs = jax.make_array_from_process_local_data(
+    unimesh.to_native(batch_layout, "jax"), mine, rows.shape
+)
+check(
+    ours.sharding == theirs.sharding
+    and all(
+        np.array_equal(np.asarray(a.data), np.asarray(b.data))
+        for a, b in zip(ours.addressable_shards, theirs.addressable_shards)
+    ),
+    "from_local(process rows) == jax.make_array_from_process_local_data",
+)
+total = float(np.asarray(jax.jit(lambda a: a.sum())(ours).addressable_data(0)))
+check(total == float(rows.sum()), f"a sum over the whole batch from per-process rows: {total}")
 
 check.done(f"PROCESS {pid}")
 jax.distributed.shutdown()

@@ -60,6 +60,12 @@ for mesh in (Mesh((2, 2), ("dp", "tp")), Mesh((2, 2), ("dp", "tp"), [[3, 1], [2,
             np.array_equal(np.array(shard.local), x[lay.shard_slices(shape, rank)]),
             f"distribute {spec} of {shape}: this rank's shard is the reference block",
         )
+        back = unimesh.from_local(x[lay.shard_slices(shape, rank)], lay, shape, backend=be)
+        check(
+            back.shape == shape
+            and np.array_equal(unimesh.local_shards(back)[rank], np.array(shard.local)),
+            f"from_local of this rank's block of {spec} is distribute's array",
+        )
 
 if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
     from mlx import nn

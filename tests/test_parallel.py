@@ -134,6 +134,23 @@ def test_shard_params_of_a_jax_pytree_by_axis_rules() -> None:
     assert_placed(placed["w2"], params["w2"], P("tp", None))
 
 
+def test_shard_params_by_axis_rules_keeps_flax_order() -> None:
+    """The issue's rules: flax gives w1 ("embed", "mlp") P("dp", "tp"); resolving dim by dim
+    gave P(("dp", "tp"), None) and lost the tensor-parallel split."""
+    from flax.linen import logical_to_mesh_axes
+
+    params = tree()
+    rules = [("mlp", "tp"), ("embed", ("dp", "tp")), ("embed", "dp")]
+    names = {"w1": ("embed", "mlp"), "w2": ("mlp", "embed")}
+    placed = unimesh.shard_params(
+        params, AxisRules(rules), mesh=MESH, logical_axes=names, backend="jax"
+    )
+    for path in ("w1", "w2"):
+        flax_spec = P(*logical_to_mesh_axes(names[path], rules))
+        assert_placed(placed[path], params[path], flax_spec)
+    assert placed["w1"].sharding.spec == unimesh.to_native(Layout(MESH, P("dp", "tp")), "jax").spec
+
+
 def test_shard_params_errors_name_the_parameter() -> None:
     params = tree()
     with pytest.raises(

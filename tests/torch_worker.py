@@ -121,6 +121,11 @@ def main() -> None:
         )
         check(unimesh.from_native(dt) == lay, f"from_native(DTensor) == {lay!r}")
         check(torch.equal(dt.full_tensor(), x), f"full_tensor of {spec} is the original")
+        back = unimesh.from_local(want.clone(), lay, shape)  # this rank's block only
+        check(
+            torch.equal(back.full_tensor(), x) and back.placements == dt.placements,
+            f"from_local of this rank's block of {spec}: full_tensor is the original",
+        )
 
     # a device order that decreases along the last axis: Shard there is refused on every rank
     ids = mesh.device_ids[..., ::-1].copy()

@@ -66,12 +66,14 @@ LAYERS: tuple[Layer, ...] = (
             "layout": ("layout_to_native",),
             "layout_map": ("layout_map_to_native",),
             "distribute": ("distribute", "local_shards"),
+            "from_local": ("from_local",),
         },
         {
             "mesh": "Mesh <-> the framework's mesh object (to_native / from_native)",
             "layout": "Layout <-> the framework's sharding/layout object",
             "layout_map": "LayoutMap -> the framework's layout map",
             "distribute": "distribute(array, layout) gives a native distributed array",
+            "from_local": "from_local(blocks, layout, shape) builds one from this process's blocks",
         },
     ),
     Layer(
@@ -84,7 +86,7 @@ LAYERS: tuple[Layer, ...] = (
         {
             "axis_groups": "a communication group per mesh axis",
         },
-        ("prepare_devices", "initialize", "exchange", "launcher"),
+        ("prepare_devices", "initialize", "exchange", "launcher", "process_devices"),
     ),
     Layer(
         "programs",
@@ -405,12 +407,31 @@ class Backend:
         out: dict[int, Any] = self._missing("local_shards")
         return out
 
+    def from_local(
+        self,
+        blocks: dict[int, Any],
+        layout: Layout,
+        shape: tuple[int, ...],
+        dtype: Any = None,
+        **options: Any,
+    ) -> Any:
+        """The native distributed array of global ``shape`` whose block on each of this
+        process's devices is ``blocks[device id]`` (``from_local``; the core has checked every
+        block's shape against ``layout``). ``dtype`` (None, or the user's) is for a process
+        with no blocks."""
+        return self._missing("from_local")
+
     # == layer 2, runtime (optional; the defaults are one process with one device) ==============
     def prepare_devices(self, count: int) -> int:
         """Ask for ``count`` logical devices in this process where the framework allows it
         (before its runtime starts), and return how many devices meshes may use here. Used by
         the conformance suite; the default claims nothing beyond one device."""
         return 1
+
+    def process_devices(self, mesh: Mesh) -> tuple[int, ...]:
+        """The ids of ``mesh``'s devices this process holds, ascending (used by
+        :func:`unimesh.from_local`). Default: one process holds them all."""
+        return tuple(sorted(mesh.device_ids.ravel().tolist()))
 
     def initialize(self, timeout: float) -> tuple[int, int]:
         """Start the framework's distributed runtime from the launcher's environment (once;

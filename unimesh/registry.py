@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .backend import CONCEPTS, Backend
@@ -34,9 +35,11 @@ if TYPE_CHECKING:
 __all__ = [
     "backends",
     "distribute",
+    "from_local",
     "from_native",
     "get_backend",
     "load_backend",
+    "local_shards",
     "owner_of",
     "refresh_backends",
     "register_backend",
@@ -383,6 +386,135 @@ def from_native(obj: Any) -> Any:
         f"from_native() got {short(obj)} ({type(obj).__module__}.{type(obj).__qualname__}), "
         f"which no installed backend converts (installed: {[b.name for b in loaded]})"
     )
+
+
+def from_local(
+    local: Any,
+    layout: Any,
+    global_shape: Any,
+    backend: str | Backend | None = None,
+    *,
+    dtype: Any = None,
+    **options: Any,
+) -> Any:
+    """The native distributed array of shape ``global_shape`` laid out as ``layout``, built from
+    this process's own data only (the inverse of :func:`local_shards`; torch
+    ``DTensor.from_local``, JAX ``make_array_from_single_device_arrays``).
+
+    ``local`` is either ``{device id: block}`` for every device of the mesh this process holds
+    (the form :func:`local_shards` returns), or one array: this process's part of the global
+    array, the box its devices' blocks tile (a data loader's slice of the batch; JAX's
+    ``make_array_from_process_local_data``). Every block must have the shape the layout gives
+    its device (:meth:`Layout.shard_slices`); nothing is exchanged between processes, and
+    blocks that the layout replicates are trusted to be equal. ``dtype`` (the framework's, or
+    numpy's) types the array on a process that holds none of the mesh's devices.
+    """
+    from ._validate import check_int
+
+    if not isinstance(layout, Layout):
+        raise LayoutError(
+            f"from_local() needs a unimesh.Layout, got {short(layout)}; build one "
+            "with unimesh.Layout(mesh, P(...))"
+        )
+    if isinstance(global_shape, (str, bytes)) or not isinstance(global_shape, (tuple, list)):
+        raise LayoutError(
+            f"from_local() needs global_shape, a tuple of ints, got {short(global_shape)}"
+        )
+    shape = tuple(
+        check_int(n, f"global_shape[{i}]", minimum=0, cls=LayoutError)
+        for i, n in enumerate(global_shape)
+    )
+    if len(shape) < len(layout.spec):
+        raise LayoutError(
+            f"global_shape {shape} has {len(shape)} dims, but {layout.spec!r} names "
+            f"{len(layout.spec)}"
+        )
+    be = get_backend(backend)
+    be.require("from_local")
+    require_layout(be, layout)
+    if not layout.is_even(shape):
+        be.require(
+            "uneven_shards",
+            f"shape {shape} does not divide evenly under {layout.spec!r} on "
+            f"{layout.mesh!r}; pad the tensor or choose other axes",
+        )
+    mine = tuple(be.process_devices(layout.mesh))
+    blocks = _local_blocks(local, layout, shape, mine)
+    for d in mine:
+        want = layout.shard_slices(shape, d)
+        got = tuple(getattr(blocks[d], "shape", ()))
+        if got != tuple(s.stop - s.start for s in want):
+            raise LayoutError(
+                f"the block for device {d} has shape {got}, but {layout!r} gives device {d} the "
+                f"block {_text_slices(want)} of the global {shape}, of shape "
+                f"{tuple(s.stop - s.start for s in want)}"
+            )
+    return be.from_local(blocks, layout, shape, dtype, **options)
+
+
+def local_shards(array: Any, backend: str | Backend | None = None) -> dict[int, Any]:
+    """This process's blocks of a native distributed array, ``{device id: numpy block}``: what
+    :func:`from_local` takes back. The backend is found from the array's type unless given."""
+    be = get_backend(backend) if backend is not None else owner_of(array)
+    be.require("distribute")
+    return be.local_shards(array)
+
+
+def _text_slices(slices: tuple[slice, ...]) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in slices) + "]"
+
+
+def _local_blocks(
+    local: Any, layout: Any, shape: tuple[int, ...], mine: tuple[int, ...]
+) -> dict[int, Any]:
+    """``local`` as {device id: block} for exactly this process's devices ``mine``."""
+    import numpy as np
+
+    if isinstance(local, Mapping):
+        keys = list(local)
+        extra = [k for k in keys if k not in mine]
+        missing = [d for d in mine if d not in local]
+        if extra or missing:
+            raise LayoutError(
+                f"from_local() got blocks for devices {short(sorted(keys, key=str), 80)}, but "
+                f"this process holds devices {short(list(mine), 80)} of {layout.mesh!r}"
+                + (f"; missing {short(missing, 60)}" if missing else "")
+                + (f"; not this process's: {short(extra, 60)}" if extra else "")
+            )
+        return dict(local)
+    if getattr(local, "shape", None) is None:
+        raise ConversionError(
+            f"from_local() takes an array or a dict {{device id: block}}, got {short(local)}"
+        )
+    if not mine:
+        raise LayoutError(
+            f"this process holds no device of {layout.mesh!r}, so it has no block to give; "
+            "pass {} (an empty dict)"
+        )
+    if len(mine) == 1:
+        return {mine[0]: local}
+    lo, hi = layout.shard_bounds(shape, list(mine))
+    start, stop = lo.min(axis=0), hi.max(axis=0)
+    box = tuple(int(b - a) for a, b in zip(start.tolist(), stop.tolist()))
+    distinct = {(tuple(a), tuple(b)) for a, b in zip(lo.tolist(), hi.tolist())}
+    tiled = sum(int(np.prod(np.subtract(b, a))) for a, b in distinct) == int(np.prod(box))
+    if not tiled:
+        raise LayoutError(
+            f"this process's devices {short(list(mine), 60)} hold blocks of {shape} under "
+            f"{layout!r} that do not tile one box, so one array cannot hold them; pass a dict "
+            "{device id: block} instead"
+        )
+    got = tuple(local.shape)
+    if got != box:
+        where = _text_slices(tuple(slice(a, b) for a, b in zip(start.tolist(), stop.tolist())))
+        raise LayoutError(
+            f"this process's data has shape {got}, but its devices {short(list(mine), 60)} "
+            f"hold the box {where} of the global {shape} under {layout!r}, of shape {box}"
+        )
+    return {
+        d: local[tuple(slice(a - s0, b - s0) for a, b, s0 in zip(r0, r1, start.tolist()))]
+        for d, r0, r1 in zip(mine, lo.tolist(), hi.tolist())
+    }
 
 
 def distribute(

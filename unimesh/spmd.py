@@ -156,6 +156,11 @@ class ProcessBackend(Backend):
         """This process's logical device id (its rank)."""
         raise NotImplementedError
 
+    def process_devices(self, mesh: Mesh) -> tuple[int, ...]:
+        """This process's one device, when the mesh has it."""
+        rank = self.process_index()
+        return (rank,) if bool((mesh.device_ids == rank).any()) else ()
+
     def world_group(self) -> Any:
         """The handle of the group of every process, members in rank order."""
         raise NotImplementedError

@@ -18,6 +18,7 @@ from unimesh import (
     ConversionError,
     LaunchError,
     Layout,
+    LayoutError,
     Mesh,
     MeshMismatchError,
     P,
@@ -379,6 +380,49 @@ class JaxBackend(Backend):
         """A global ``jax.Array`` with ``NamedSharding``; each addressable shard is the reference
         block. Built from per-device blocks, so it works across processes as well."""
         jax = _jax()
+        self._placeable(layout)
+        sharding = self.layout_to_native(layout, **options)
+        host = np.asarray(array)
+        # dtype given: a process holding none of the mesh's devices has no block to infer it from
+        return jax.make_array_from_callback(
+            host.shape, sharding, lambda index: host[index], dtype=host.dtype
+        )
+
+    def process_devices(self, mesh: Mesh) -> tuple[int, ...]:
+        """The mesh's devices among ``jax.local_devices()``, as logical ids."""
+        jax = _jax()
+        devices = global_devices()
+        local = {id(d) for d in jax.local_devices()}
+        mine = [i for i, d in enumerate(devices) if id(d) in local]
+        ids = mesh.device_ids.ravel()
+        return tuple(int(i) for i in np.unique(ids[np.isin(ids, mine)]).tolist())
+
+    def from_local(
+        self,
+        blocks: dict[int, Any],
+        layout: Layout,
+        shape: tuple[int, ...],
+        dtype: Any = None,
+        **options: Any,
+    ) -> Any:
+        """``jax.make_array_from_single_device_arrays`` of each local device's block, put on
+        that device."""
+        jax = _jax()
+        self._placeable(layout)
+        sharding = self.layout_to_native(layout, **options)
+        devices = global_devices()
+        arrays = [jax.device_put(blocks[d], devices[d]) for d in sorted(blocks)]
+        if arrays:
+            dtype = arrays[0].dtype
+        elif dtype is None:
+            raise LayoutError(
+                f"this process holds none of {layout.mesh!r}'s devices, so no block says the "
+                "array's type; pass dtype=... (e.g. numpy.float32) on every process"
+            )
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
+
+    def _placeable(self, layout: Layout) -> None:
+        """Arrays live on meshes without manual axes."""
         types = layout.mesh.axis_types or ()
         if "manual" in types:
             manual = [n for n, t in zip(layout.mesh.axis_names, types) if t == "manual"]
@@ -389,12 +433,6 @@ class JaxBackend(Backend):
                 backend=self.name,
                 capability="distribute",
             )
-        sharding = self.layout_to_native(layout, **options)
-        host = np.asarray(array)
-        # dtype given: a process holding none of the mesh's devices has no block to infer it from
-        return jax.make_array_from_callback(
-            host.shape, sharding, lambda index: host[index], dtype=host.dtype
-        )
 
     def native_code(self, mesh: Mesh) -> str:
         """``jax.sharding.Mesh`` over the devices in unimesh's order (by process, then id)."""

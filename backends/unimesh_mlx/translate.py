@@ -207,6 +207,22 @@ class MLXTranslator(MLXRuntime):
         block = _mx().array(host[layout.shard_slices(host.shape, native.rank)])
         return MLXArray(block, layout, tuple(host.shape))
 
+    def from_local(
+        self,
+        blocks: dict[int, Any],
+        layout: Layout,
+        shape: tuple[int, ...],
+        dtype: Any = None,
+        **options: Any,
+    ) -> MLXArray:
+        """An :class:`MLXArray` holding this process's block as it is (an ``mx.array`` is kept,
+        anything else becomes one)."""
+        mx = _mx()
+        native = self.mesh_to_native(layout.mesh, **options)
+        block = blocks[native.rank]
+        local = block if isinstance(block, mx.array) else mx.array(np.asarray(block))
+        return MLXArray(local, layout, shape)
+
     def local_shards(self, array: Any) -> dict[int, Any]:
         local = array.local if isinstance(array, MLXArray) else array
         return {int(self._world().rank()): np.array(local)}

@@ -357,6 +357,49 @@ class TorchTranslator(TorchRuntime):
             array, native.device_mesh, list(native.placements), src_data_rank=src_data_rank
         )
 
+    def process_devices(self, mesh: Mesh) -> tuple[int, ...]:
+        rank, _ = self._world()
+        return (rank,) if bool((mesh.device_ids == rank).any()) else ()
+
+    def from_local(
+        self,
+        blocks: dict[int, Any],
+        layout: Layout,
+        shape: tuple[int, ...],
+        dtype: Any = None,
+        *,
+        device_type: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """``DTensor.from_local(block, device_mesh, placements, shape=..., stride=...)`` with
+        this rank's block (a tensor keeps its autograd graph; numpy is wrapped, not copied)."""
+        from torch.distributed.tensor import DTensor
+
+        torch = _torch()
+        native = self.layout_to_native(layout, device_type=device_type, **options)
+        rank, _ = self._world()
+        block = blocks.get(rank)
+        if block is None:  # a rank outside the mesh holds nothing, as distribute_tensor gives it
+            empty = np.empty(0, dtype=None if dtype is None else np.dtype(dtype))
+            local = (
+                torch.empty(0, dtype=dtype) if _is_torch_dtype(dtype) else torch.from_numpy(empty)
+            )
+        elif isinstance(block, torch.Tensor):
+            local = block
+        else:
+            local = torch.as_tensor(np.asarray(block))
+        stride = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            stride[d] = stride[d + 1] * max(shape[d + 1], 1)
+        return DTensor.from_local(
+            local,
+            native.device_mesh,
+            native.placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=tuple(stride),
+        )
+
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         """``{rank: ranks of the process group along axis}`` (torch's order: by global rank)."""
         if native_mesh.get_coordinate() is None:
@@ -385,6 +428,10 @@ def _to_torch(p: Any) -> Any:
     if isinstance(p, Partial):
         return TPartial(p.op)
     return TReplicate()
+
+
+def _is_torch_dtype(dtype: Any) -> bool:
+    return type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype"
 
 
 def _from_torch(p: Any) -> Any:

@@ -226,6 +226,25 @@ def test_distribute_gives_reference_shards(
         )
 
 
+@capability("distribute", "from_local")
+@pytest.mark.parametrize("mesh_key", ["1d", "2d-permuted", "3d", "part-of-world"])
+def test_from_local_inverts_local_shards(
+    backend: unimesh.Backend, devices: int, mesh_key: str
+) -> None:
+    mesh = _mesh(mesh_key, devices)
+    lay = Layout(mesh, P(mesh.axis_names[-1], mesh.axis_names[0] if mesh.ndim > 1 else None))
+    shape = _even_shape(mesh, lay.spec)
+    x = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    shards = backend.local_shards(_refused(lambda: unimesh.distribute(x, lay, backend)))
+    again = unimesh.from_local(shards, lay, shape, backend=backend, dtype=x.dtype)
+    back = backend.local_shards(again)
+    assert sorted(back) == sorted(shards)
+    for device_id, block in back.items():
+        np.testing.assert_array_equal(
+            np.asarray(block), x[lay.shard_slices(shape, device_id)], err_msg=f"device {device_id}"
+        )
+
+
 @capability("distribute", "uneven_shards")
 @pytest.mark.parametrize("mesh_key", ["1d", "2d"])
 def test_uneven_shards_follow_torch_chunk(
