@@ -358,6 +358,11 @@ class Backend:
         porting), or None (the default) when the backend writes none. Imports nothing."""
         return None
 
+    def native_layout_code(self, layout: Layout) -> str | None:
+        """The native Python that builds ``layout`` on the ``mesh`` that :meth:`native_code`
+        defines (``unimesh convert --code --layout``), or None (the default). Imports nothing."""
+        return None
+
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """``unimesh demo``'s check of the framework itself: the product of ``array`` (from
         :meth:`distribute`, 2-D) with the replicated numpy ``weight``, computed by the

@@ -435,13 +435,47 @@ class JaxBackend(Backend):
             )
 
     def native_code(self, mesh: Mesh) -> str:
-        """``jax.sharding.Mesh`` over the devices in unimesh's order (by process, then id)."""
+        """``jax.make_mesh`` where the devices are in the default order, else
+        ``jax.sharding.Mesh`` over the devices in unimesh's order (by process, then id); the axis
+        types spelled out, as to_native gives them."""
+        names = tuple(mesh.axis_names)
+        kinds = [_TYPES[t] for t in mesh.axis_types] if mesh.axis_types else ["Auto"] * mesh.ndim
+        types = (
+            "(" + ", ".join(f"AxisType.{k}" for k in kinds) + ("," if mesh.ndim == 1 else "") + ")"
+        )
+        note = (
+            "# axis types "
+            + ", ".join(f"{n}: {k}" for n, k in zip(names, kinds))
+            + " (jax.make_mesh's default would be Explicit)\n"
+        )
+        head = "import jax\nfrom jax.sharding import AxisType\n"
+        if mesh.is_default_order and mesh.devices_per_process is None:
+            return (
+                head
+                + "\n"
+                + note
+                + f"mesh = jax.make_mesh({mesh.shape}, {names}, axis_types={types})"
+            )
         return (
-            "import jax\nimport numpy as np\n\n"
+            head + "import numpy as np\n\n"
             "# unimesh's device ids are positions in this order\n"
             "devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))\n"
-            "mesh = jax.sharding.Mesh(np.array(devices, dtype=object)"
-            f"[np.array({mesh.device_ids.tolist()})], {tuple(mesh.axis_names)})"
+            + note
+            + "mesh = jax.sharding.Mesh(np.array(devices, dtype=object)"
+            f"[np.array({mesh.device_ids.tolist()})], {names}, axis_types={types})"
+        )
+
+    def native_layout_code(self, layout: Layout) -> str:
+        """``NamedSharding(mesh, P(...))``."""
+        self._spec(layout)  # what to_native refuses, this refuses too
+        parts = [repr(e) for e in layout.spec]
+        if layout.spec.partial:
+            parts.append(f"unreduced={set(layout.spec.partial)!r}")
+        entries = ", ".join(parts)
+        return (
+            "from jax.sharding import NamedSharding, PartitionSpec as P\n\n"
+            f"sharding = NamedSharding(mesh, P({entries}))\n"
+            "# array = jax.device_put(array, sharding)"
         )
 
     def demo_compute(self, array: Any, weight: Any) -> Any:

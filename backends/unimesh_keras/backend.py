@@ -166,12 +166,27 @@ class KerasBackend(Backend):
         return _kd().distribute_tensor(array, self.layout_to_native(layout, **options))
 
     def native_code(self, mesh: Mesh) -> str:
-        """``keras.distribution.DeviceMesh`` over ``list_devices()`` in unimesh's order."""
+        """``keras.distribution.DeviceMesh`` over ``list_devices()``, reordered to unimesh's
+        order only where the ids are not in the default order."""
+        head = "import keras\n"
+        if mesh.is_default_order:
+            return (
+                head + "\n"
+                f"mesh = keras.distribution.DeviceMesh({mesh.shape}, {list(mesh.axis_names)}, "
+                "devices=keras.distribution.list_devices())"
+            )
         return (
-            "import keras\nimport numpy as np\n\n"
+            head + "import numpy as np\n\n"
             "devices = keras.distribution.list_devices()\n"
             f"mesh = keras.distribution.DeviceMesh({mesh.shape}, {list(mesh.axis_names)}, "
             f"devices=np.array(devices, dtype=object)[np.array({mesh.device_ids.tolist()})])"
+        )
+
+    def native_layout_code(self, layout: Layout) -> str:
+        """``keras.distribution.TensorLayout(axes, mesh)``."""
+        return (
+            f"layout = keras.distribution.TensorLayout({list(layout.spec)!r}, mesh)\n"
+            "# e.g. layout_map['dense.*kernel'] = layout, or distribute_tensor(x, layout)"
         )
 
     def demo_compute(self, array: Any, weight: Any) -> Any:

@@ -59,7 +59,47 @@ class MLXBackend(MLXPrograms):
                 "row = next(i for i, g in enumerate(rows) if rank in g)",
                 f"{axis}_group = world.split(row, rows[row].index(rank))  # MPI backend",
             ]
+        groups = ", ".join(f"{axis}_group" for axis in mesh.axis_names)
+        lines.append(
+            f"# before the process ends: del {groups} (MPI aborts a group freed after finalize)"
+        )
         return "\n".join(lines)
+
+    def native_layout_code(self, layout: Layout) -> str:
+        """MLX has no layout object: a function giving each rank its block of a global array
+        (nested ``torch.chunk`` splits, the reference), used with ``world.rank()``."""
+        spec = [
+            None if e is None else ((e,) if isinstance(e, str) else tuple(e)) for e in layout.spec
+        ]
+        mesh = layout.mesh
+        sizes = dict(zip(mesh.axis_names, mesh.shape))
+        return "\n".join(
+            [
+                "import numpy as np",
+                "",
+                f"# {layout.spec!r}: MLX has no layout object; each process keeps its block",
+                f"SPEC = {spec!r}  # mesh axes splitting each dim, major first",
+                f"SIZES = {sizes!r}",
+                f"IDS = np.array({mesh.device_ids.tolist()})  # the rank at each mesh coordinate",
+                "",
+                "",
+                "def block(x, rank):",
+                '    """This rank\'s block of the global array x: chunks of ceil(n / size)."""',
+                "    coords = dict(zip(SIZES, np.argwhere(IDS == rank)[0].tolist()))",
+                "    index = []",
+                "    for dim, axes in enumerate(SPEC):",
+                "        lo, hi = 0, x.shape[dim]",
+                "        for axis in axes or ():",
+                "            step = -(-(hi - lo) // SIZES[axis])",
+                "            k = coords[axis]",
+                "            lo, hi = min(lo + k * step, hi), min(lo + (k + 1) * step, hi)",
+                "        index.append(slice(lo, hi))",
+                "    return x[tuple(index)]",
+                "",
+                "",
+                "# local = mx.array(block(x, world.rank()))",
+            ]
+        )
 
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """This process's block times its rows of the weight, summed over the group of the

@@ -224,6 +224,14 @@ class TensorFlowBackend(Backend):
             f"{mesh.shape}), list(range({n})), local)"
         )
 
+    def native_layout_code(self, layout: Layout) -> str:
+        """``dtensor.Layout(sharding specs, mesh)``, ``UNSHARDED`` for a replicated dim."""
+        specs = ", ".join("dtensor.UNSHARDED" if e is None else repr(e) for e in layout.spec)
+        return (
+            f"layout = dtensor.Layout([{specs}], mesh)\n"
+            "# tensor = dtensor.call_with_layout(tf.zeros, layout, shape=...)"
+        )
+
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """``tf.matmul`` with a replicated DTensor weight, relaid out as replicated."""
         import tensorflow as tf

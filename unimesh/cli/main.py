@@ -130,17 +130,27 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from ..registry import backends, get_backend, load_backend, to_native
+    from ..layout import Layout
+    from ..registry import backends, get_backend, load_backend, require_layout, to_native
+    from .show import parse_spec
 
     mesh = mesh_from_arg(args.spec)
+    layout = None if args.layout is None else Layout(mesh, parse_spec(args.layout))
     if args.code:
-        code = load_backend(args.to).native_code(mesh)
+        be = load_backend(args.to)
+        code = be.native_code(mesh)
         if code is None:
             having = [n for n in backends() if _has_template(n, mesh)]
             raise UnimeshError(
                 f"backend {args.to!r} writes no native code for a mesh; "
                 f"backends that do: {', '.join(having) or 'none'}"
             )
+        if layout is not None:
+            require_layout(be, layout)
+            layout_code = be.native_layout_code(layout)
+            if layout_code is None:
+                raise UnimeshError(f"backend {args.to!r} writes no native code for a layout")
+            code = _join_code(code, layout_code)
         print(code)
         return 0
     backend = get_backend(args.to)
@@ -153,7 +163,24 @@ def _convert(args: argparse.Namespace) -> int:
     devices = None if args.abstract else getattr(native, "devices", None)
     if devices is not None and not callable(devices):
         print(f"devices:\n{devices}")
+    if layout is not None:
+        print(f"layout:\n{to_native(layout, backend)!r}")
     return 0
+
+
+def _join_code(mesh_code: str, layout_code: str) -> str:
+    """The mesh's code, then the layout's, with the layout's imports moved to the top."""
+    head = [ln for ln in layout_code.splitlines() if ln.startswith(("import ", "from "))]
+    body = [ln for ln in layout_code.splitlines() if ln not in head]
+    lines = mesh_code.splitlines()
+    at = max(
+        (i + 1 for i, ln in enumerate(lines) if ln.startswith(("import ", "from "))), default=0
+    )
+    fresh = [ln for ln in head if ln not in lines]
+    lines[at:at] = fresh
+    while body and not body[0].strip():
+        body.pop(0)
+    return "\n".join([*lines, "", *body])
 
 
 def _has_template(name: str, mesh: Mesh) -> bool:
@@ -296,6 +323,11 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--to", required=True, help="an installed backend (see: unimesh backends)")
     convert.add_argument(
         "--code", action="store_true", help="print the native Python that builds it by hand"
+    )
+    convert.add_argument(
+        "--layout",
+        help="a spec on the mesh, e.g. dp,None or dp+tp (None/_ replicated): print the native "
+        "layout too (with --code, the code that builds it: NamedSharding, placements, ...)",
     )
     convert.add_argument(
         "--abstract",
