@@ -6,5 +6,12 @@ Importing this package does not import torch; the backend imports it on first us
 from __future__ import annotations
 
 from .backend import TorchBackend, TorchLayout, axis_mesh
+from .plan import layout_map_from_plan, plan_from_layout_map
 
-__all__ = ["TorchBackend", "TorchLayout", "axis_mesh"]
+__all__ = [
+    "TorchBackend",
+    "TorchLayout",
+    "axis_mesh",
+    "layout_map_from_plan",
+    "plan_from_layout_map",
+]

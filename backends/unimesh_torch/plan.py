@@ -1,0 +1,148 @@
+"""torch tensor-parallel plans <-> neutral LayoutMaps of a module's parameters.
+
+A plan for ``parallelize_module`` (``{"attn.wq": ColwiseParallel(), ...}``) fixes how each
+parameter of the matched submodules is split over the tensor-parallel mesh axis; these helpers
+write that down as a :class:`unimesh.LayoutMap` (parameter path -> spec, in torch's own shapes:
+``nn.Linear.weight`` is ``[out, in]``) and read a LayoutMap back as a plan.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from fnmatch import fnmatch
+from typing import Any
+
+from unimesh import LayoutError, LayoutMap, Mesh, P
+from unimesh.messages import short
+
+__all__ = ["layout_map_from_plan", "plan_from_layout_map"]
+
+_STYLES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel")
+
+
+def _kind(module: Any) -> str | None:
+    from torch import nn
+
+    if isinstance(module, nn.Linear):
+        return "Linear"
+    if isinstance(module, nn.Embedding):
+        return "Embedding"
+    return None
+
+
+def _style_specs(style: str, kind: str | None, axis: str) -> dict[str, P] | None:
+    """Parameter name -> spec that ``style`` gives a module of ``kind`` (None: not defined)."""
+    if style == "SequenceParallel":
+        return {}  # parameters replicated; the activations are split on the sequence dim
+    if kind == "Linear":  # weight [out, in]
+        if style == "ColwiseParallel":
+            return {"weight": P(axis, None), "bias": P(axis)}
+        return {"weight": P(None, axis), "bias": P()}
+    if kind == "Embedding":  # weight [num_embeddings, dim]
+        if style == "ColwiseParallel":
+            return {"weight": P(None, axis)}
+        return {"weight": P(axis, None)}
+    return None
+
+
+def _matches(key: str, name: str) -> bool:
+    """``parallelize_module``'s matching: atom by atom, ``fnmatch`` on each."""
+    k, n = key.split("."), name.split(".")
+    return len(k) == len(n) and all(fnmatch(a, b) for a, b in zip(n, k))
+
+
+def layout_map_from_plan(
+    module: Any, plan: Mapping[str, Any], mesh: Mesh, axis: str = "tp"
+) -> LayoutMap:
+    """The layout of every parameter that ``parallelize_module(module, mesh[axis], plan)``
+    shards, as a LayoutMap on ``mesh`` keyed by the parameter's path (``named_parameters``'
+    dotted name, regex-escaped). Parameters of ``SequenceParallel`` modules are replicated.
+
+    Takes ``ColwiseParallel``, ``RowwiseParallel`` and ``SequenceParallel`` on ``nn.Linear`` /
+    ``nn.Embedding`` (what torch defines them for); anything else is a :class:`LayoutError`.
+    """
+    if not isinstance(mesh, Mesh):
+        raise LayoutError(f"layout_map_from_plan() needs a unimesh.Mesh, got {short(mesh)}")
+    if axis not in mesh.axis_names:
+        raise LayoutError(
+            f"axis {short(axis)} is not in {mesh!r}; name the tensor-parallel axis of the mesh"
+        )
+    if not isinstance(plan, Mapping):
+        raise LayoutError(f"a TP plan is a dict {{module path: style}}, got {short(plan)}")
+    names = [n for n, _ in module.named_modules() if n]
+    rules: list[tuple[str, P]] = []
+    for key, style in plan.items():
+        kind_name = type(style).__name__
+        if kind_name not in _STYLES:
+            raise LayoutError(
+                f"TP plan entry {key!r} is {short(style)}; unimesh reads {', '.join(_STYLES)} "
+                "(PrepareModuleInput/Output move activations and hold no parameters: leave "
+                "them out)"
+            )
+        hits = [n for n in names if _matches(str(key), n)]
+        if not hits:
+            raise LayoutError(
+                f"TP plan key {key!r} names no submodule of {type(module).__name__}; its "
+                f"submodules are {short(names, 120)}"
+            )
+        for name in hits:
+            sub = module.get_submodule(name)
+            specs = _style_specs(kind_name, _kind(sub), axis)
+            if specs is None:
+                raise LayoutError(
+                    f"{kind_name} on {name!r} ({type(sub).__name__}): torch defines it for "
+                    "nn.Linear and nn.Embedding only"
+                )
+            for pname, _ in sub.named_parameters(recurse=False):
+                rules.append((re.escape(f"{name}.{pname}"), specs.get(pname, P())))
+    return LayoutMap(mesh, rules)
+
+
+def plan_from_layout_map(module: Any, layout_map: LayoutMap, axis: str = "tp") -> dict[str, Any]:
+    """The TP plan whose ``ColwiseParallel`` / ``RowwiseParallel`` give the ``nn.Linear`` and
+    ``nn.Embedding`` weights of ``module`` the layouts ``layout_map`` assigns them (paths as
+    ``named_parameters`` spells them). Modules whose parameters it leaves replicated get no
+    entry; a layout no style gives is a :class:`LayoutError` naming the parameter."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(layout_map, LayoutMap):
+        raise LayoutError(
+            f"plan_from_layout_map() needs a unimesh.LayoutMap, got {short(layout_map)}"
+        )
+    plan: dict[str, Any] = {}
+    for name, sub in module.named_modules():
+        kind = _kind(sub)
+        if not name or kind is None:
+            continue
+        got = {
+            pname: layout_map.get(f"{name}.{pname}")
+            for pname, _ in sub.named_parameters(recurse=False)
+        }
+        if all(lay is None or not lay.spec.axes() for lay in got.values()):
+            continue
+        for style in ("ColwiseParallel", "RowwiseParallel"):
+            want = _style_specs(style, kind, axis) or {}
+            if all(
+                _same(lay.spec if lay is not None else P(), want.get(pname, P()))
+                for pname, lay in got.items()
+            ):
+                plan[name] = ColwiseParallel() if style == "ColwiseParallel" else RowwiseParallel()
+                break
+        else:
+            found = {p: (lay.spec if lay is not None else None) for p, lay in got.items()}
+            raise LayoutError(
+                f"the layouts of {name!r} ({kind}) are {found}; no torch TP style gives them: "
+                f"ColwiseParallel gives {_style_specs('ColwiseParallel', kind, axis)}, "
+                f"RowwiseParallel {_style_specs('RowwiseParallel', kind, axis)}"
+            )
+    return plan
+
+
+def _same(a: P, b: P) -> bool:
+    """Equal up to trailing replicated dims."""
+    n = max(len(a), len(b))
+    return (
+        tuple(a) + (None,) * (n - len(a)) == tuple(b) + (None,) * (n - len(b))
+        and a.partial == b.partial
+    )
