@@ -76,3 +76,16 @@ def test_initialize_outside_a_launcher_runs_one_process(monkeypatch):
     assert detect_launcher() is None
     pytest.importorskip("jax")
     assert unimesh.initialize("jax") == (0, 1)
+
+
+def test_unimesh_backend_names_the_runtime_over_the_launcher(monkeypatch):
+    from unimesh.runtime import _runtime_backend
+
+    for var, value in TORCHRUN.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("UNIMESH_BACKEND", "jax")
+    pytest.importorskip("jax")
+    assert _runtime_backend(None).name == "jax"
+    monkeypatch.delenv("UNIMESH_BACKEND")
+    pytest.importorskip("torch")
+    assert _runtime_backend(None).name == "torch"  # the launcher's, nothing started yet

@@ -100,11 +100,12 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
 
 
 def _runtime_backend(backend: Any) -> Any:
-    """The backend to start: the one given, else the launcher's, else the detected one."""
+    """The backend to start: the one given (or in ``UNIMESH_BACKEND``), else the launcher's,
+    else the one detected from the imported frameworks."""
     from .registry import get_backend
 
-    if backend is not None:
-        return get_backend(backend)
+    if backend is not None or os.environ.get("UNIMESH_BACKEND", "").strip():
+        return get_backend(backend)  # given, or named by UNIMESH_BACKEND: that one
     launcher = detect_launcher()
     if launcher is None:
         return get_backend(None)
