@@ -126,3 +126,20 @@ def test_torch_dtensor_from_local_under_the_fake_group() -> None:
             unimesh.from_local(torch.zeros(4, 4), lay, (10, 4), backend="torch")
     finally:
         dist.destroy_process_group()
+
+
+def test_torch_rank_outside_the_mesh_takes_the_dtype_in_either_spelling() -> None:
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=6, world_size=8)
+    try:
+        lay = Layout(Mesh((4,), ("x",)), P("x"))  # ranks 0..3: rank 6 holds nothing
+        for dtype, want in [(torch.float16, torch.float16), (np.int32, torch.int32)]:
+            dt = unimesh.from_local({}, lay, (8,), backend="torch", dtype=dtype)
+            assert dt.to_local().numel() == 0 and dt.to_local().dtype == want, dtype
+    finally:
+        dist.destroy_process_group()

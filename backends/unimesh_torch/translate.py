@@ -380,10 +380,10 @@ class TorchTranslator(TorchRuntime):
         rank, _ = self._world()
         block = blocks.get(rank)
         if block is None:  # a rank outside the mesh holds nothing, as distribute_tensor gives it
-            empty = np.empty(0, dtype=None if dtype is None else np.dtype(dtype))
-            local = (
-                torch.empty(0, dtype=dtype) if _is_torch_dtype(dtype) else torch.from_numpy(empty)
-            )
+            if dtype is None or isinstance(dtype, torch.dtype):
+                local = torch.empty(0, dtype=dtype)
+            else:  # numpy's spelling
+                local = torch.from_numpy(np.empty(0, dtype=np.dtype(dtype)))
         elif isinstance(block, torch.Tensor):
             local = block
         else:
@@ -428,10 +428,6 @@ def _to_torch(p: Any) -> Any:
     if isinstance(p, Partial):
         return TPartial(p.op)
     return TReplicate()
-
-
-def _is_torch_dtype(dtype: Any) -> bool:
-    return type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype"
 
 
 def _from_torch(p: Any) -> Any:
