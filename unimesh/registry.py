@@ -439,15 +439,15 @@ def from_local(
             f"{layout.mesh!r}; pad the tensor or choose other axes",
         )
     mine = tuple(be.process_devices(layout.mesh))
-    blocks = _local_blocks(local, layout, shape, mine)
-    for d in mine:
-        want = layout.shard_slices(shape, d)
+    lo, hi = layout.shard_bounds(shape, list(mine))  # each local device's block, once
+    blocks = _local_blocks(local, layout, shape, mine, lo, hi)
+    for d, r0, r1 in zip(mine, lo.tolist(), hi.tolist()):
         got = tuple(getattr(blocks[d], "shape", ()))
-        if got != tuple(s.stop - s.start for s in want):
+        want = tuple(b - a for a, b in zip(r0, r1))
+        if got != want:
             raise LayoutError(
                 f"the block for device {d} has shape {got}, but {layout!r} gives device {d} the "
-                f"block {_text_slices(want)} of the global {shape}, of shape "
-                f"{tuple(s.stop - s.start for s in want)}"
+                f"block {_text_bounds(r0, r1)} of the global {shape}, of shape {want}"
             )
     return be.from_local(blocks, layout, shape, dtype, **options)
 
@@ -460,19 +460,26 @@ def local_shards(array: Any, backend: str | Backend | None = None) -> dict[int, 
     return be.local_shards(array)
 
 
-def _text_slices(slices: tuple[slice, ...]) -> str:
-    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in slices) + "]"
+def _text_bounds(start: list[int], stop: list[int]) -> str:
+    return "[" + ", ".join(f"{a}:{b}" for a, b in zip(start, stop)) + "]"
 
 
 def _local_blocks(
-    local: Any, layout: Any, shape: tuple[int, ...], mine: tuple[int, ...]
+    local: Any,
+    layout: Any,
+    shape: tuple[int, ...],
+    mine: tuple[int, ...],
+    lo: Any,
+    hi: Any,
 ) -> dict[int, Any]:
-    """``local`` as {device id: block} for exactly this process's devices ``mine``."""
+    """``local`` as {device id: block} for exactly this process's devices ``mine``, whose
+    blocks start at the rows of ``lo`` and stop at those of ``hi``."""
     import numpy as np
 
     if isinstance(local, Mapping):
         keys = list(local)
-        extra = [k for k in keys if k not in mine]
+        held = set(mine)
+        extra = [k for k in keys if k not in held]
         missing = [d for d in mine if d not in local]
         if extra or missing:
             raise LayoutError(
@@ -493,7 +500,6 @@ def _local_blocks(
         )
     if len(mine) == 1:
         return {mine[0]: local}
-    lo, hi = layout.shard_bounds(shape, list(mine))
     start, stop = lo.min(axis=0), hi.max(axis=0)
     box = tuple(int(b - a) for a, b in zip(start.tolist(), stop.tolist()))
     distinct = {(tuple(a), tuple(b)) for a, b in zip(lo.tolist(), hi.tolist())}
@@ -506,7 +512,7 @@ def _local_blocks(
         )
     got = tuple(local.shape)
     if got != box:
-        where = _text_slices(tuple(slice(a, b) for a, b in zip(start.tolist(), stop.tolist())))
+        where = _text_bounds(start.tolist(), stop.tolist())
         raise LayoutError(
             f"this process's data has shape {got}, but its devices {short(list(mine), 60)} "
             f"hold the box {where} of the global {shape} under {layout!r}, of shape {box}"

@@ -167,23 +167,23 @@ class AxisRules:
             if name is not None and not isinstance(name, str):
                 _lfail(f"logical axis {short(name)} must be a str or None")
             names.append(name)
-        seen: set[str] = set()
-        for name in names:
-            if name is not None:
-                if name in seen:
-                    _lfail(
-                        f"logical axis {name!r} names more than one dim of {tuple(names)}; "
-                        "give each dim its own logical name (flax refuses this too)"
-                    )
-                seen.add(name)
+        position: dict[str, int] = {}  # logical name -> its dim
+        for i, name in enumerate(names):
+            if name is None:
+                continue
+            if name in position:
+                _lfail(
+                    f"logical axis {name!r} names more than one dim of {tuple(names)}; "
+                    "give each dim its own logical name (flax refuses this too)"
+                )
+            position[name] = i
         if strict:
             known = {logical for logical, _ in self._rules}
-            for name in names:
-                if name is not None and name not in known:
+            for name in position:
+                if name not in known:
                     _lfail(f"no rule for logical axis {name!r}; rules cover {sorted(known)}")
         # flax's order: rule by rule, a rule applies when its logical name is a dim of the tensor,
         # that dim is still unassigned and none of its mesh axes is used yet.
-        position = {name: i for i, name in enumerate(names) if name is not None}
         assigned: dict[int, Entry] = {}
         used: set[str] = set()
         for logical, target in self._rules:

@@ -5,6 +5,7 @@ on a disagreement. Framework-free; each backend exchanges the bytes with its own
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -102,9 +103,9 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
 def _runtime_backend(backend: Any) -> Any:
     """The backend to start: the one given (or in ``UNIMESH_BACKEND``), else the launcher's,
     else the one detected from the imported frameworks."""
-    from .registry import get_backend
+    from .registry import ENV_VAR, get_backend
 
-    if backend is not None or os.environ.get("UNIMESH_BACKEND", "").strip():
+    if backend is not None or os.environ.get(ENV_VAR, "").strip():
         return get_backend(backend)  # given, or named by UNIMESH_BACKEND: that one
     launcher = detect_launcher()
     if launcher is None:
@@ -224,8 +225,6 @@ def verify(mesh: Mesh, backend: Any = None, *, layout: Any = None, timeout: floa
     mine = fingerprint(mesh, layout)
     be = _runtime_backend(backend)
     need = int(mesh.device_ids.max()) + 1
-    import sys
-
     if be.framework not in sys.modules:
         # simulated devices are asked for before the framework starts (JAX's XLA_FLAGS)
         launcher = detect_launcher()

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from fnmatch import fnmatch
 from typing import Any
 
-from unimesh import LayoutError, LayoutMap, Mesh, P
+from unimesh import Layout, LayoutError, LayoutMap, Mesh, P
 from unimesh.messages import short
 
 __all__ = ["layout_map_from_plan", "plan_from_layout_map"]
@@ -111,6 +111,7 @@ def plan_from_layout_map(module: Any, layout_map: LayoutMap, axis: str = "tp") -
             f"plan_from_layout_map() needs a unimesh.LayoutMap, got {short(layout_map)}"
         )
     plan: dict[str, Any] = {}
+    replicated = Layout(layout_map.mesh, P())  # a parameter the map does not name
     for name, sub in module.named_modules():
         kind = _kind(sub)
         if not name or kind is None:
@@ -124,7 +125,7 @@ def plan_from_layout_map(module: Any, layout_map: LayoutMap, axis: str = "tp") -
         for style in ("ColwiseParallel", "RowwiseParallel"):
             want = _style_specs(style, kind, axis) or {}
             if all(
-                _same(lay.spec if lay is not None else P(), want.get(pname, P()))
+                (lay or replicated) == Layout(layout_map.mesh, want.get(pname, P()))
                 for pname, lay in got.items()
             ):
                 plan[name] = ColwiseParallel() if style == "ColwiseParallel" else RowwiseParallel()
@@ -137,12 +138,3 @@ def plan_from_layout_map(module: Any, layout_map: LayoutMap, axis: str = "tp") -
                 f"RowwiseParallel {_style_specs('RowwiseParallel', kind, axis)}"
             )
     return plan
-
-
-def _same(a: P, b: P) -> bool:
-    """Equal up to trailing replicated dims."""
-    n = max(len(a), len(b))
-    return (
-        tuple(a) + (None,) * (n - len(a)) == tuple(b) + (None,) * (n - len(b))
-        and a.partial == b.partial
-    )

@@ -358,8 +358,8 @@ class TorchTranslator(TorchRuntime):
         )
 
     def process_devices(self, mesh: Mesh) -> tuple[int, ...]:
-        rank, _ = self._world()
-        return (rank,) if bool((mesh.device_ids == rank).any()) else ()
+        self._world()  # a LaunchError outside torchrun, or the group started under it
+        return super().process_devices(mesh)
 
     def from_local(
         self,
