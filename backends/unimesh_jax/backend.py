@@ -391,9 +391,8 @@ class JaxBackend(Backend):
     def process_devices(self, mesh: Mesh) -> tuple[int, ...]:
         """The mesh's devices among ``jax.local_devices()``, as logical ids."""
         jax = _jax()
-        devices = global_devices()
-        local = {id(d) for d in jax.local_devices()}
-        mine = [i for i, d in enumerate(devices) if id(d) in local]
+        local = set(jax.local_devices())
+        mine = [i for i, d in enumerate(global_devices()) if d in local]
         ids = mesh.device_ids.ravel()
         return tuple(int(i) for i in np.unique(ids[np.isin(ids, mine)]).tolist())
 
