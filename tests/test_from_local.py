@@ -143,3 +143,10 @@ def test_torch_rank_outside_the_mesh_takes_the_dtype_in_either_spelling() -> Non
             assert dt.to_local().numel() == 0 and dt.to_local().dtype == want, dtype
     finally:
         dist.destroy_process_group()
+
+
+def test_local_shards_bad_input_names_the_value() -> None:
+    with pytest.raises(ConversionError, match=r"got 'abc' \(builtins.str\), which no installed"):
+        unimesh.local_shards("abc")
+    with pytest.raises(unimesh.BackendNotFoundError, match=r"'nope'"):
+        unimesh.local_shards(np.zeros(2), backend="nope")

@@ -89,3 +89,10 @@ def test_unimesh_backend_names_the_runtime_over_the_launcher(monkeypatch):
     monkeypatch.delenv("UNIMESH_BACKEND")
     pytest.importorskip("torch")
     assert _runtime_backend(None).name == "torch"  # the launcher's, nothing started yet
+
+
+def test_a_bad_environment_is_a_launch_error():
+    with pytest.raises(LaunchError, match=r"mapping of environment variables .* got 3"):
+        detect_launcher(3)  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match=r"got \['RANK=0'\]"):
+        detect_launcher(["RANK=0"])  # type: ignore[arg-type]

@@ -137,6 +137,8 @@ def test_bad_plans_and_maps_name_the_entry():
         layout_map_from_plan(Block(), PLAN, mesh, axis="model")
     with pytest.raises(LayoutError, match=r"a TP plan is a dict"):
         layout_map_from_plan(Block(), [("tok", RowwiseParallel())], mesh)
+    with pytest.raises(LayoutError, match=r"needs a unimesh.LayoutMap, got \{'mlp'"):
+        plan_from_layout_map(Block(), {"mlp": P("tp")})
     odd = LayoutMap(mesh, {r"mlp\.w1\.weight": P(None, None, "tp")})
     with pytest.raises(LayoutError, match=r"layouts of 'mlp.w1' \(Linear\).*no torch TP style"):
         plan_from_layout_map(Block(), odd)

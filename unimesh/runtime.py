@@ -88,6 +88,11 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
     environment around them; both at once is a :class:`~unimesh.LaunchError`.
     """
     env = os.environ if environ is None else environ
+    if not isinstance(env, Mapping):
+        raise LaunchError(
+            f"detect_launcher() reads a mapping of environment variables (like os.environ), "
+            f"got {short(environ)}"
+        )
     found = _launchers(env)
     named = [f for f in found if f.name in ("torchrun", "jax.distributed")]
     if len(named) > 1:
