@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from unimesh import LaunchError, Layout, Mesh, MeshMismatchError, UnsupportedError, detect_launcher
@@ -45,10 +46,21 @@ _BROKEN = {"peer_gone": False}
 def _finish_process_group() -> None:
     """At exit, for a process group this backend started: leave together, then destroy it (a
     rank gone early can make gloo abort the others). After a peer was found gone, no barrier:
-    it would wait for that peer until the group's timeout."""
+    it would wait for that peer until the group's timeout.
+
+    Two barriers, not one. gloo's barrier keeps the work still in progress when it starts (the
+    program's last collective, whose tensors Python already dropped) and its worker thread
+    frees the lot just after the barrier completes, which takes the GIL. If the interpreter is
+    finalizing by then, the thread exits inside a destructor and the process aborts
+    ("terminate called without an active exception", about one run in ten of the examples).
+    The second barrier is queued only once that worker has let go of the first (it holds the
+    queue's lock while it frees it) and starts with nothing in progress, so the work freed
+    after it holds no tensors."""
     dist = _dist()
     if dist.is_initialized():
         if not _BROKEN["peer_gone"]:
+            dist.barrier()
+            time.sleep(0.001)  # the GIL released: a worker freeing tensors takes it now
             dist.barrier()
         dist.destroy_process_group()
 
