@@ -180,6 +180,8 @@ def test_show_bad_input_is_one_line_and_exit_2():
         (("dp=2,tp=2", "--layout", "dp", "--shape", "4,x"), "'4,x'"),
         (("dp=2,tp=2", "--layout", "dp,tp"), "--layout needs --shape"),
         (("dp=2,tp=2", "--layout", "dp,tp", "--shape", "4"), "has 1 dims"),
+        ((",".join(f"a{i}=1" for i in range(65)) + ";ids=0",), "a mesh of 65 axes"),
+        (("dp=\u0662",), "cannot read axis"),
     ]:
         proc = run("show", *args)
         assert proc.returncode == 2, (args, proc.stdout)

@@ -135,7 +135,7 @@ BAD = [
     ("mesh = 'dp=2'\nlayout = 'dp'", ConfigError, "'dp'"),
     ("mesh = 'dp=2'\n[layout]\nk = 'tp'", unimesh.LayoutError, "'tp'"),
     ("mesh = 'dp=2'\n[layout]\nk = 5", ConfigError, "5"),
-    ("mesh = 'dp=2'\n[layout]\n'(' = 'dp'", unimesh.LayoutError, "'('"),
+    ("mesh = 'dp=2'\n[layout]\n'(' = 'dp'", ConfigError, "LayoutMap key '(' is not a regex"),
     ("mesh = 'dp=2'\n[layout]\nk = ['dp', 'dp']", unimesh.LayoutError, "'dp'"),
     ("mesh = 'dp=2'\naxis_rules = 4", ConfigError, "4"),
     ("mesh = 'dp=2'\n[axis_rules]\nbatch = 'tp'", ConfigError, "'tp'"),

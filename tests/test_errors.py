@@ -353,7 +353,7 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "layoutmap-regex",
         lambda: LayoutMap(M, {"(": P("dp")}),
         LayoutError,
-        "LayoutMap key '(' is not a valid regex",
+        "LayoutMap key '(' is not a regex unimesh can match (missing ): (",
     ),
     ("layoutmap-axis", lambda: LayoutMap(M, {"k": P("pp")}), LayoutError, "names axis 'pp'"),
     (
@@ -398,6 +398,109 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         lambda: AxisRules([]).spec("batch"),
         LayoutError,
         "logical_axes must be a tuple",
+    ),
+    # found by the second independent audit (issue 17)
+    (
+        "layoutmap-regex-repeat",
+        lambda: LayoutMap(M, {"a{1001}": P()}),
+        LayoutError,
+        "LayoutMap key 'a{1001}' is not a regex unimesh can match (invalid repetition size",
+    ),
+    (
+        "layoutmap-regex-lookahead",
+        lambda: LayoutMap(M, {"(?=a)a": P()}),
+        LayoutError,
+        "without lookaround or backreferences",
+    ),
+    (
+        "layoutmap-regex-double-star",
+        lambda: LayoutMap(M, {"a**": P()}),
+        LayoutError,
+        "LayoutMap key 'a**' is not a regex unimesh can match (bad repetition operator",
+    ),
+    (
+        "layoutmap-key-surrogate",
+        lambda: LayoutMap(M, {"w\ud800": P()}),
+        LayoutError,
+        "LayoutMap key 'w\\ud800' is not valid Unicode text (character 1 is a lone surrogate)",
+    ),
+    (
+        "layoutmap-path-surrogate",
+        lambda: LayoutMap(M, {"w.*": P()}).get("w\udc00"),
+        LayoutError,
+        "LayoutMap path 'w\\udc00' is not valid Unicode text",
+    ),
+    (
+        "mesh-65-axes",
+        lambda: Mesh((1,) * 65, tuple(f"a{i}" for i in range(65))),
+        MeshSpecError,
+        "a mesh of 65 axes is more than unimesh supports (64, numpy's limit",
+    ),
+    (
+        "mesh-201-axes",
+        lambda: Mesh.from_string(",".join(f"a{i}=1" for i in range(201))),
+        MeshSpecError,
+        "a mesh of 201 axes is more than unimesh supports",
+    ),
+    (
+        "mesh-dpp-huge",
+        lambda: Mesh((2,), ("a",), devices_per_process=10**30),
+        MeshSpecError,
+        "devices_per_process must be <= 67108864, got 1000000000000000000000000000000",
+    ),
+    (
+        "make-mesh-dpp-huge",
+        lambda: make_mesh({"a": 2}, dcn_axes={"a": -1}, num_devices=2, devices_per_process=2**70),
+        MeshSpecError,
+        "devices_per_process must be <= 67108864",
+    ),
+    (
+        "mesh-names-0d-array",
+        lambda: Mesh((2,), np.array(2)),
+        MeshSpecError,
+        "axis_names must be a tuple or list, got array(2) (ndarray)",
+    ),
+    (
+        "coords-2-63",
+        lambda: M.coords(2**63),
+        MeshSpecError,
+        "device ids 9223372036854775808 are out of range",
+    ),
+    (
+        "coords-2-70",
+        lambda: M.coords(2**70),
+        MeshSpecError,
+        "device ids 1180591620717411303424 are out of range",
+    ),
+    (
+        "mesh-text-unicode-digit",
+        lambda: Mesh.from_string("dp=\u0662"),
+        MeshSpecError,
+        "cannot read axis 'dp=\u0662'",
+    ),
+    (
+        "mesh-text-nbsp",
+        lambda: Mesh.from_string("dp\u00a0=2"),
+        MeshSpecError,
+        "cannot read axis 'dp\\xa0=2'",
+    ),
+    (
+        "distribute-strings",
+        lambda: unimesh.distribute(np.array(["a", "b"]), Layout(M, P()), backend="nope"),
+        unimesh.ConversionError,
+        "distribute() lays out arrays of numbers or bools; got one of dtype <U1",
+    ),
+    (
+        "distribute-objects",
+        lambda: unimesh.distribute(np.array([object(), 1]), Layout(M, P()), backend="nope"),
+        unimesh.ConversionError,
+        "got one of dtype object",
+    ),
+    (
+        "full-array-list",
+        lambda: unimesh.full_array([1, 2], backend="nope"),
+        unimesh.ConversionError,
+        "full_array() takes a backend's distributed array",
     ),
 ]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ._validate import check_size, fail
+from ._validate import check_ndim, check_size, fail
 from .messages import short
 
 # ASCII only: "dp=\u0662" (an Arabic-Indic two) or a full-width digit is refused, not read as 2,
@@ -29,6 +29,7 @@ def parse_mesh_string(s: object) -> dict[str, Any]:
     names: list[str] = []
     shape: list[int] = []
     _parse_axes(head, s, names, shape)
+    check_ndim(len(shape))  # before any ids are shaped into an array of that many dims
     out: dict[str, Any] = {"shape": tuple(shape), "axis_names": tuple(names)}
     seen: set[str] = set()
     for sec in sections:

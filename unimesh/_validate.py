@@ -14,6 +14,7 @@ from .messages import short
 #: Largest mesh unimesh builds: 2**26 devices (64x the biggest machines in use). Larger sizes are
 #: rejected before any array is allocated.
 MAX_DEVICES = 1 << 26
+MAX_AXES = 64  # numpy's limit on array dimensions
 
 AXIS_TYPES = ("auto", "explicit", "manual")
 
@@ -25,14 +26,21 @@ def fail(message: str, cls: type[Exception] = MeshSpecError) -> NoReturn:
 
 
 def check_int(
-    value: object, what: str, *, minimum: int | None = None, cls: type[Exception] = MeshSpecError
+    value: object,
+    what: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    cls: type[Exception] = MeshSpecError,
 ) -> int:
     """Return ``value`` as an int, refusing bools, floats and strings."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         fail(f"{what} must be an int, got {short(value)} ({type(value).__name__})", cls)
     out = int(value)
     if minimum is not None and out < minimum:
-        fail(f"{what} must be >= {minimum}, got {out}", cls)
+        fail(f"{what} must be >= {minimum}, got {short(out)}", cls)
+    if maximum is not None and out > maximum:
+        fail(f"{what} must be <= {maximum}, got {short(out)}", cls)
     return out
 
 
@@ -56,13 +64,25 @@ def as_tuple(value: object, what: str, cls: type[Exception] = MeshSpecError) -> 
     """A list/tuple argument as a tuple; a str or a non-iterable is an error."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         fail(f"{what} must be a tuple or list, got {short(value)} ({type(value).__name__})", cls)
-    return tuple(value)
+    try:
+        return tuple(value)
+    except TypeError:  # iterable by type but not by value: a 0-d numpy array
+        fail(f"{what} must be a tuple or list, got {short(value)} ({type(value).__name__})", cls)
+
+
+def check_ndim(ndim: int) -> None:
+    """Refuse a mesh of more axes than numpy arrays have dimensions."""
+    if ndim > MAX_AXES:
+        fail(
+            f"a mesh of {ndim} axes is more than unimesh supports ({MAX_AXES}, numpy's limit on "
+            "array dimensions); flatten axes together or drop size-1 axes"
+        )
 
 
 def check_size(shape: tuple[int, ...], what: str = "mesh") -> int:
     """The device count of ``shape``, refused above 2**26 before anything is allocated (and
     before a product of thousands of digits is ever written out)."""
-    if sum(int(n).bit_length() for n in shape) > 200:
+    if sum(int(n).bit_length() - 1 for n in shape) > 200:  # each n >= 2**(bit_length - 1)
         fail(
             f"{what} of shape {short(shape)} has more than 10**60 devices, more than unimesh "
             f"supports ({MAX_DEVICES} = 2**26); use smaller axis sizes"

@@ -202,6 +202,8 @@ class Backend:
     launcher_name: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()
     max_simulated_devices: ClassVar[int | None] = None
+    #: the most mesh axes the framework's mesh can hold (None: the core's limit, 64)
+    max_mesh_axes: ClassVar[int | None] = None
     #: derived in ``__init_subclass__``: see the class docstring
     capabilities: ClassVar[frozenset[str]] = frozenset()
 

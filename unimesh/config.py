@@ -27,10 +27,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import ConfigError, UnimeshError
+from .errors import ConfigError, LayoutError, UnimeshError
+from .layout import Layout
 from .mesh import Mesh
 from .messages import short
-from .rules import AxisRules, LayoutMap
+from .rules import AxisRules, LayoutMap, _is_regex
 from .spec import PartitionSpec
 
 __all__ = ["Config", "load_config"]
@@ -61,6 +62,14 @@ class Config:
     ) -> None:
         if not isinstance(mesh, Mesh):
             raise ConfigError(f"Config needs a unimesh.Mesh, got {short(mesh)}")
+        from ._text import REPLICATED
+
+        clash = next((a for a in mesh.axis_names if a in REPLICATED), None)
+        if clash is not None:
+            raise ConfigError(
+                f"mesh axis {clash!r} cannot be written in a config, where 'None', 'none' and "
+                "'_' mean replicated (it would read back as replicated); rename the axis"
+            )
         if layout_map is not None and layout_map.mesh != mesh:
             raise ConfigError(f"the layout map is on {layout_map.mesh!r}, not on {mesh!r}")
         if batch_axis is not None and batch_axis not in mesh.axis_names:
@@ -109,11 +118,23 @@ class Config:
         if not isinstance(rules, Mapping):
             raise ConfigError(f"[layout] must be a table of pattern = spec, got {short(rules)}")
         layout_map = LayoutMap(mesh)
+        layouts: dict[Any, Layout] = {}  # one Layout per distinct spec (configs repeat them)
         for pattern, spec in rules.items():
-            _in(
-                f"[layout] rule {short(pattern)}",
-                lambda p=pattern, s=spec: layout_map.__setitem__(p, _spec(s)),
-            )
+            if not isinstance(pattern, str):
+                raise ConfigError(f"[layout] keys are pattern strings, got {short(pattern)}")
+            try:
+                regex = _is_regex(pattern)  # a key RE2 cannot take is a config error
+            except LayoutError as exc:
+                raise ConfigError(f"config [layout]: {exc}") from None
+            memo = _memo_key(spec)
+            layout = layouts.get(memo) if memo is not None else None
+            if layout is None:
+                layout = _in(
+                    f"[layout] rule {short(pattern)}", lambda s=spec: Layout(mesh, _spec(s))
+                )
+                if memo is not None:
+                    layouts[memo] = layout
+            layout_map._set(pattern, layout, regex)
         batch = d.get("batch_axis")
         if batch is not None and not isinstance(batch, str):
             raise ConfigError(f"batch_axis must be an axis name (str), got {short(batch)}")
@@ -161,7 +182,8 @@ class Config:
                 ) from None
         try:
             d = toml.loads(text)
-        except (toml.TOMLDecodeError, RecursionError) as exc:
+        except (toml.TOMLDecodeError, RecursionError, ValueError) as exc:  # ValueError: an
+            # integer of more than sys.get_int_max_str_digits() digits
             raise ConfigError(f"not valid TOML: {short(text)} ({exc})") from None
         return cls.from_dict(d)
 
@@ -183,9 +205,20 @@ class Config:
         return d
 
     def to_json(self) -> str:
+        """JSON text that :meth:`from_json` reads back to an equal config: indented, or compact
+        where indenting would pass the size a config may have."""
         import json
 
-        return json.dumps(self.to_dict(), indent=2)
+        d = self.to_dict()
+        text = json.dumps(d, indent=2)
+        if len(text) > MAX_TEXT:
+            text = json.dumps(d, separators=(",", ":"))
+        if len(text) > MAX_TEXT:
+            raise ConfigError(
+                f"this config is {len(text)} characters as JSON, more than a config may be "
+                f"({MAX_TEXT}); split its layout rules or use broader patterns"
+            )
+        return text
 
 
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Config:
@@ -287,6 +320,21 @@ def _rule_pairs(raw: object) -> list[tuple[Any, Any]]:
             )
         pairs.append((pair[0], pair[1]))
     return pairs
+
+
+def _memo_key(spec: object) -> Any:
+    """A hashable stand-in for a parsed spec value (str, or list of str/None/list of str), or
+    None for anything else (parsed and checked on its own)."""
+    if isinstance(spec, str):
+        return spec
+    if isinstance(spec, list) and all(
+        e is None
+        or isinstance(e, str)
+        or (isinstance(e, list) and all(isinstance(a, str) for a in e))
+        for e in spec
+    ):
+        return tuple(tuple(e) if isinstance(e, list) else e for e in spec), "list"
+    return None
 
 
 def _axes(value: object) -> Any:

@@ -10,10 +10,12 @@ from typing import Any
 import numpy as np
 
 from ._validate import (
+    MAX_DEVICES,
     as_tuple,
     check_axis_name,
     check_axis_type,
     check_int,
+    check_ndim,
     check_size,
     fail,
 )
@@ -177,6 +179,7 @@ class Mesh:
         )
         if not shape_t:
             fail("a mesh needs at least one axis; got shape ()")
+        check_ndim(len(shape_t))
         names = tuple(check_axis_name(n) for n in as_tuple(axis_names, "axis_names"))
         if len(names) != len(shape_t):
             fail(
@@ -209,7 +212,9 @@ class Mesh:
             )
         dpp = None
         if devices_per_process is not None:
-            dpp = check_int(devices_per_process, "devices_per_process", minimum=1)
+            dpp = check_int(
+                devices_per_process, "devices_per_process", minimum=1, maximum=MAX_DEVICES
+            )
         set_ = object.__setattr__
         set_(self, "_shape", shape_t)
         set_(self, "_names", names)
@@ -402,6 +407,13 @@ class Mesh:
             q = np.asarray(device_ids)
         except (ValueError, TypeError) as exc:
             fail(f"device ids {short(device_ids)} are not ints ({exc})")
+        if (q.dtype.kind == "u" and q.size and q.max() > np.iinfo(np.int64).max) or (
+            q.dtype.kind == "O" and all(isinstance(v, int) for v in q.ravel().tolist())
+        ):
+            fail(
+                f"device ids {short(device_ids)} are out of range: device ids are ints "
+                f"from 0 to 2**63 - 1, and {self!r} has {short(self.device_ids.ravel().tolist())}"
+            )
         if q.dtype.kind not in "iu" or q.dtype == np.bool_:
             if q.size == 0:
                 q = q.astype(np.int64)
@@ -850,7 +862,9 @@ def make_mesh(
                 "len(jax.devices())) or give every dcn size"
             )
         if devices_per_process is not None:
-            in_process = check_int(devices_per_process, "devices_per_process", minimum=1)
+            in_process = check_int(
+                devices_per_process, "devices_per_process", minimum=1, maximum=MAX_DEVICES
+            )
         elif -1 in axes.values():
             fail(
                 "both axes and dcn_axes have a size -1, so the devices per process are "

@@ -20,7 +20,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from .backend import Backend
-from .errors import AxisContextError, LayoutError
+from .errors import AxisContextError, ConversionError, LayoutError
 from .layout import Layout
 from .mesh import Mesh
 from .messages import short
@@ -555,6 +555,12 @@ def full_array(array: Any, backend: str | Backend | None = None) -> Any:
     process (``DTensor.full_tensor()``, JAX's process_allgather, MLX world all_gather)."""
     from .registry import get_backend, owner_of
 
+    if array is None or isinstance(array, (list, tuple, dict, str, bytes, int, float, complex)):
+        raise ConversionError(
+            f"full_array() takes a backend's distributed array (a jax.Array, a DTensor, an "
+            f"MLX array from distribute or shard_map), got {short(array)} "
+            f"({type(array).__name__})"
+        )
     be = get_backend(backend) if backend is not None else owner_of(array)
     return be.full_array(array)
 

@@ -21,6 +21,7 @@ from .errors import (
     ConversionError,
     LayoutError,
     UnimeshError,
+    UnsupportedError,
 )
 from .layout import Layout
 from .mesh import Mesh
@@ -343,6 +344,14 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
             f"({type(obj).__name__})"
         )
     be = get_backend(backend)
+    mesh = obj if isinstance(obj, Mesh) else obj.mesh
+    limit = be.max_mesh_axes
+    if limit is not None and mesh.ndim > limit:
+        raise UnsupportedError(
+            f"{mesh.ndim} axes is more than a {be.framework} mesh holds ({limit}); "
+            "flatten some axes (Mesh.flatten) or drop size-1 axes",
+            backend=be.name,
+        )
     if isinstance(obj, Mesh):
         be.require("mesh")
         return be.mesh_to_native(obj, **options)
@@ -538,6 +547,14 @@ def distribute(
     shape = getattr(array, "shape", None)
     if shape is None:
         raise ConversionError(f"distribute() needs an array with a .shape, got {short(array)}")
+    import numpy as np
+
+    dtype = getattr(array, "dtype", None)
+    if isinstance(dtype, np.dtype) and dtype.kind not in "biufc":
+        raise ConversionError(
+            f"distribute() lays out arrays of numbers or bools; got one of dtype {dtype} "
+            f"({short(array)}); convert it first, e.g. np.asarray(x, np.float32)"
+        )
     be = get_backend(backend)
     be.require("distribute")
     require_layout(be, layout)

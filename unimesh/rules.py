@@ -4,7 +4,6 @@ matches parameter paths (Keras' ``LayoutMap``); :class:`AxisRules` resolves logi
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -30,12 +29,85 @@ def _pairs(rules: object, what: str, form: str) -> list[tuple[Any, Any]]:
     return out
 
 
+_META = frozenset(".^$*+?{}[]\\|()")  # a key with none of these matches only itself
+_CHUNK = 512  # regex keys per RE2 set: one pass over a path tests them all
+_RE2_OPTIONS: Any = None
+
+
+def _re2() -> tuple[Any, Any]:
+    """The RE2 module and its options (errors raised, not also logged)."""
+    global _RE2_OPTIONS
+    import re2
+
+    if _RE2_OPTIONS is None:
+        _RE2_OPTIONS = re2.Options()
+        _RE2_OPTIONS.log_errors = False
+    return re2, _RE2_OPTIONS
+
+
+def _is_regex(key: str) -> bool:
+    """Whether ``key`` needs RE2 (False: a plain key, which only the exact lookup matches). A
+    regex is parsed here, so a bad one is refused when the map is built. RE2 matches in time
+    linear in the path whatever the pattern (Python's ``re`` backtracks exponentially on keys
+    like ``(a+)+$``) and bounds nesting, repetition counts and program size; its syntax is
+    Python's without lookaround or backreferences."""
+    _utf8(key, "LayoutMap key")
+    if not _META.intersection(key):
+        return False
+    re2, options = _re2()
+    try:
+        re2.Set.FullMatchSet(options).Add(key)  # parses only: cheap
+    except re2.error:
+        try:  # the set says only that it failed; a compile says why
+            re2.compile(key, options)
+            reason = "too large"
+        except re2.error as exc:
+            reason = exc.args[0] if exc.args else str(exc)
+            if isinstance(reason, bytes):
+                reason = reason.decode("utf-8", "replace")
+        _lfail(
+            f"LayoutMap key {short(key)} is not a regex unimesh can match ({reason[:120]}); "
+            "keys are RE2 regexes: Python's syntax without lookaround or backreferences, "
+            "repetition counts up to 1000"
+        )
+    return True
+
+
+def _matchers(keys: list[str]) -> list[tuple[int, Any]]:
+    """(offset, matcher) over ``keys`` in order: RE2 full-match sets of up to ``_CHUNK`` keys,
+    or one compiled key where a set is too big to compile."""
+    re2, options = _re2()
+    out: list[tuple[int, Any]] = []
+    for start in range(0, len(keys), _CHUNK):
+        chunk = keys[start : start + _CHUNK]
+        group = re2.Set.FullMatchSet(options)
+        for key in chunk:
+            group.Add(key)
+        try:
+            group.Compile()
+            out.append((start, group))
+        except re2.error:
+            out.extend((start + i, re2.compile(key, options)) for i, key in enumerate(chunk))
+    return out
+
+
+def _utf8(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        _lfail(
+            f"{what} {short(text)} is not valid Unicode text (character {exc.start} is a lone "
+            "surrogate); use a str that encodes as UTF-8"
+        )
+
+
 class LayoutMap:
     """Ordered mapping of variable-path patterns to layouts (``keras.distribution.LayoutMap``).
 
     Lookup follows Keras 3: an exact key wins; else every key is tried as a regex that must
-    match the whole path (``re.fullmatch``); two matching keys are an error naming both; none
-    gives None.
+    match the whole path (``fullmatch``); two matching keys are an error naming both; none
+    gives None. Keys are matched by RE2 (Python's regex syntax without lookaround or
+    backreferences), so a lookup takes time linear in the path whatever the keys.
     Values may be PartitionSpecs or tuples of entries and are validated against ``mesh``.
     """
 
@@ -46,7 +118,8 @@ class LayoutMap:
             _lfail(f"LayoutMap() needs a unimesh.Mesh, got {short(mesh)}")
         self._mesh = mesh
         self._rules: dict[str, Layout] = {}
-        self._compiled: dict[str, re.Pattern[str]] = {}
+        self._regexes: dict[str, None] = {}  # the keys that are regexes, in order
+        self._matching: list[tuple[int, Any]] | None = None  # built by the first lookup
         for key, value in _pairs(rules, "LayoutMap rule", "(pattern, spec)"):
             self[key] = value
 
@@ -57,22 +130,25 @@ class LayoutMap:
     def __setitem__(self, key: str, value: Any) -> None:
         if not isinstance(key, str):
             _lfail(f"LayoutMap keys are regex strings, got {short(key)}")
-        try:
-            pattern = re.compile(key)
-        except re.error as exc:
-            _lfail(f"LayoutMap key {key!r} is not a valid regex ({exc})")
+        self._set(key, value, _is_regex(key))
+
+    def _set(self, key: str, value: Any, regex: bool) -> None:
+        """``self[key] = value`` for a key already checked (``regex``: :func:`_is_regex`)."""
         if isinstance(value, Layout):
-            if value.mesh != self._mesh:
+            if value.mesh is not self._mesh and value.mesh != self._mesh:
                 _lfail(f"layout for {key!r} is on {value.mesh!r}, not this map's {self._mesh!r}")
             layout = value
         else:
             layout = Layout(self._mesh, value)
         self._rules[key] = layout
-        self._compiled[key] = pattern
+        if regex and key not in self._regexes:
+            self._regexes[key] = None
+            self._matching = None
 
     def __delitem__(self, key: str) -> None:
         del self._rules[key]
-        del self._compiled[key]
+        if self._regexes.pop(key, 0) is None:
+            self._matching = None
 
     def __getitem__(self, path: str) -> Layout | None:
         return self.get(path)
@@ -83,7 +159,17 @@ class LayoutMap:
             _lfail(f"LayoutMap lookups take a str path, got {short(path)}")
         if path in self._rules:
             return self._rules[path]
-        hits = [k for k, pat in self._compiled.items() if pat.fullmatch(path)]
+        _utf8(path, "LayoutMap path")
+        keys = list(self._regexes)
+        if self._matching is None:
+            self._matching = _matchers(keys)
+        hits = []
+        for offset, matcher in self._matching:
+            if hasattr(matcher, "fullmatch"):
+                if matcher.fullmatch(path):
+                    hits.append(keys[offset])
+            else:
+                hits.extend(keys[offset + i] for i in sorted(matcher.Match(path) or ()))
         if len(hits) > 1:
             _lfail(
                 f"path {path!r} matches more than one LayoutMap key: {hits[0]!r} and "

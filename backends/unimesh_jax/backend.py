@@ -127,6 +127,7 @@ class JaxBackend(Backend):
     features = frozenset({"axis_types", "multi_process", "partial", "tuple_axes"})
     #: XLA's host platform: 4096 CPU devices start in ~1 s; 8192 take ~30 s and 1 GB
     max_simulated_devices = 4096
+    max_mesh_axes = 32  # jax.sharding.Mesh flattens its device array with numpy, 32 dims at most
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "jax.sharding.Mesh (AbstractMesh from_native)",
         "layout": "jax.sharding.NamedSharding(mesh, PartitionSpec)",
@@ -534,6 +535,12 @@ class JaxBackend(Backend):
 
         def place(path: Any, leaf: Any) -> Any:
             host = np.asarray(leaf)
+            if host.dtype.kind not in "biufc":
+                where = key_path(path) or "(the root)"
+                raise ConversionError(
+                    f"shard_params() lays out a pytree of arrays; leaf {where!r} is "
+                    f"{short(leaf)} ({type(leaf).__name__}); pass the parameters' pytree"
+                )
             return self.distribute(host, resolve(key_path(path), host.shape))
 
         return jax.tree_util.tree_map_with_path(place, model)

@@ -47,6 +47,7 @@ class KerasBackend(Backend):
     name = "keras"
     #: it simulates devices through JAX (XLA_FLAGS), with JAX's limit
     max_simulated_devices = 4096
+    max_mesh_axes = 32  # Keras builds a jax.sharding.Mesh (32 dims at most)
     requires = ("jax",)
     framework = "keras"
     extra = "keras"
