@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -41,6 +42,9 @@ def _dist() -> Any:
 
 
 _BROKEN = {"peer_gone": False}
+# held while a DeviceMesh is built or looked up: threads converting the same mesh at once get
+# one DeviceMesh, and its process groups are created once, in one order
+_BUILD_LOCK = threading.RLock()
 
 
 def _finish_process_group() -> None:

@@ -24,7 +24,7 @@ from unimesh import (
 from unimesh.messages import short
 from unimesh.placements import from_torch_placement
 
-from .runtime import TorchRuntime, _dist, _torch
+from .runtime import _BUILD_LOCK, TorchRuntime, _dist, _torch
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -88,31 +88,32 @@ class TorchTranslator(TorchRuntime):
                 f"(torchrun --nproc-per-node {top + 1}) or use a smaller mesh"
             )
         dtype = self._device_type(device_type)
-        world_group = _dist().group.WORLD
-        if world_group is not self._world_group:
-            self._meshes.clear()
-            self._world_group = world_group
-        plain = _plain(mesh)
-        override = None if backend_override is None else self._override(plain, backend_override)
-        key: Any = (dtype, plain) if override is None else (dtype, plain, override)
-        try:
-            if key in self._meshes:
-                return self._meshes[key]
-        except TypeError:  # options that cannot be hashed: build, do not cache
-            key = None
-        # a mesh with its own process-group options gets its own groups, never a slice
-        native = self._slice(plain, rank, dtype) if override is None else None
-        if native is None:
-            from torch.distributed.device_mesh import DeviceMesh
+        with _BUILD_LOCK:  # threads converting at once get one DeviceMesh, its groups made once
+            world_group = _dist().group.WORLD
+            if world_group is not self._world_group:
+                self._meshes.clear()
+                self._world_group = world_group
+            plain = _plain(mesh)
+            override = None if backend_override is None else self._override(plain, backend_override)
+            key: Any = (dtype, plain) if override is None else (dtype, plain, override)
+            try:
+                if key in self._meshes:
+                    return self._meshes[key]
+            except TypeError:  # options that cannot be hashed: build, do not cache
+                key = None
+            # a mesh with its own process-group options gets its own groups, never a slice
+            native = self._slice(plain, rank, dtype) if override is None else None
+            if native is None:
+                from torch.distributed.device_mesh import DeviceMesh
 
-            self._agree(plain)
-            ids = _torch().from_numpy(plain.device_ids.astype(np.int32))
-            native = DeviceMesh(
-                dtype, ids, mesh_dim_names=plain.axis_names, backend_override=override
-            )
-        if key is not None:
-            self._meshes[key] = native
-        return native
+                self._agree(plain)
+                ids = _torch().from_numpy(plain.device_ids.astype(np.int32))
+                native = DeviceMesh(
+                    dtype, ids, mesh_dim_names=plain.axis_names, backend_override=override
+                )
+            if key is not None:
+                self._meshes[key] = native
+            return native
 
     def _override(self, mesh: Mesh, value: object) -> tuple[tuple[str | None, Any], ...]:
         """``backend_override`` as torch's per-dim ``(backend name, options)`` tuple."""
