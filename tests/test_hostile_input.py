@@ -115,6 +115,18 @@ def test_many_keys_across_set_chunks() -> None:
     assert layouts.get("plain/key") == Layout(M, P("a"))
 
 
+def test_layout_map_pickles_and_copies_after_lookups() -> None:
+    import copy
+    import pickle
+
+    layouts = LayoutMap(M, {"x.*": P("a"), "y": P()})
+    assert layouts.get("xx") == Layout(M, P("a"))  # builds the RE2 sets
+    for again in (pickle.loads(pickle.dumps(layouts)), copy.deepcopy(layouts)):
+        assert again == layouts
+        assert again.get("xz") == Layout(M, P("a")) and again.get("y") == Layout(M, P())
+    assert layouts.get("xq") == Layout(M, P("a"))
+
+
 @pytest.mark.parametrize("name", ["None", "none", "_"])
 def test_config_refuses_axis_names_that_mean_replicated(name: str) -> None:
     with pytest.raises(ConfigError, match=f"mesh axis '{name}' cannot be written in a config"):

@@ -199,6 +199,10 @@ class LayoutMap:
 
     __hash__ = None  # type: ignore[assignment]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle and copy without the RE2 sets (they do not pickle; a lookup rebuilds them)."""
+        return {**self.__dict__, "_matching": None}
+
     def __repr__(self) -> str:
         body = ", ".join(f"{k!r}: {v.spec!r}" for k, v in self._rules.items())
         return f"LayoutMap({self._mesh!r}, {{{body}}})"
