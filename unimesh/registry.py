@@ -438,15 +438,7 @@ def from_local(
             f"global_shape {shape} has {len(shape)} dims, but {layout.spec!r} names "
             f"{len(layout.spec)}"
         )
-    be = get_backend(backend)
-    be.require("from_local")
-    require_layout(be, layout)
-    if not layout.is_even(shape):
-        be.require(
-            "uneven_shards",
-            f"shape {shape} does not divide evenly under {layout.spec!r} on "
-            f"{layout.mesh!r}; pad the tensor or choose other axes",
-        )
+    be = _placing_backend(backend, "from_local", layout, shape)
     mine = tuple(be.process_devices(layout.mesh))
     lo, hi = layout.shard_bounds(shape, list(mine))  # each local device's block, once
     blocks = _local_blocks(local, layout, shape, mine, lo, hi)
@@ -532,6 +524,24 @@ def _local_blocks(
     }
 
 
+def _placing_backend(
+    backend: str | Backend | None, capability: str, layout: Layout, shape: tuple[int, ...]
+) -> Backend:
+    """The backend that lays out an array of ``shape`` as ``layout`` (``capability``:
+    ``distribute`` or ``from_local``), checked for the layout's features and, where the shards
+    do not divide evenly, for ``uneven_shards``."""
+    be = get_backend(backend)
+    be.require(capability)
+    require_layout(be, layout)
+    if not layout.is_even(shape):
+        be.require(
+            "uneven_shards",
+            f"shape {shape} does not divide evenly under {layout.spec!r} on "
+            f"{layout.mesh!r}; pad the tensor or choose other axes",
+        )
+    return be
+
+
 def distribute(
     array: Any, layout: Any, backend: str | Backend | None = None, **options: Any
 ) -> Any:
@@ -555,13 +565,5 @@ def distribute(
             f"distribute() lays out arrays of numbers or bools; got one of dtype {dtype} "
             f"({short(array)}); convert it first, e.g. np.asarray(x, np.float32)"
         )
-    be = get_backend(backend)
-    be.require("distribute")
-    require_layout(be, layout)
-    if not layout.is_even(tuple(shape)):
-        be.require(
-            "uneven_shards",
-            f"shape {tuple(shape)} does not divide evenly under "
-            f"{layout.spec!r} on {layout.mesh!r}; pad the tensor or choose other axes",
-        )
+    be = _placing_backend(backend, "distribute", layout, tuple(shape))
     return be.distribute(array, layout, **options)
