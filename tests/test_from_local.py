@@ -15,6 +15,7 @@ import unimesh
 from unimesh import ConversionError, Layout, LayoutError, Mesh, P, UnsupportedError
 
 from .strategies import meshes, specs
+from .torch_fake import fake_torch_world
 
 jax = pytest.importorskip("jax")
 if len(jax.devices()) < 8:  # pragma: no cover - XLA_FLAGS came too late
@@ -103,13 +104,7 @@ def test_bad_blocks_name_the_device_and_the_shape() -> None:
 
 def test_torch_dtensor_from_local_under_the_fake_group() -> None:
     torch = pytest.importorskip("torch")
-    dist = pytest.importorskip("torch.distributed")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    try:
+    with fake_torch_world(5, 8):
         lay = Layout(M, P("tp", None))  # uneven: 10 rows over 4 -> 3, 3, 3, 1
         x = torch.arange(40.0).reshape(10, 4)
         block = x[lay.shard_slices((10, 4), 5)]
@@ -124,25 +119,15 @@ def test_torch_dtensor_from_local_under_the_fake_group() -> None:
         assert torch.equal(w.grad, torch.full((3, 4), 2.0))
         with pytest.raises(LayoutError, match=r"block for device 5 has shape \(4, 4\)"):
             unimesh.from_local(torch.zeros(4, 4), lay, (10, 4), backend="torch")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_torch_rank_outside_the_mesh_takes_the_dtype_in_either_spelling() -> None:
     torch = pytest.importorskip("torch")
-    dist = pytest.importorskip("torch.distributed")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=6, world_size=8)
-    try:
+    with fake_torch_world(6, 8):
         lay = Layout(Mesh((4,), ("x",)), P("x"))  # ranks 0..3: rank 6 holds nothing
         for dtype, want in [(torch.float16, torch.float16), (np.int32, torch.int32)]:
             dt = unimesh.from_local({}, lay, (8,), backend="torch", dtype=dtype)
             assert dt.to_local().numel() == 0 and dt.to_local().dtype == want, dtype
-    finally:
-        dist.destroy_process_group()
 
 
 def test_local_shards_bad_input_names_the_value() -> None:

@@ -13,6 +13,8 @@ import pytest
 import unimesh
 from unimesh import Layout, Mesh, P
 
+from .torch_fake import fake_torch_world
+
 MESHES = [
     Mesh((2, 4), ("dp", "tp")),
     Mesh((4, 2), ("dp", "tp"), [[0, 1], [4, 5], [2, 3], [6, 7]]),
@@ -92,14 +94,7 @@ def test_jax_to_native_and_distribute_from_threads() -> None:
 
 
 def test_torch_to_native_and_distribute_from_threads() -> None:
-    pytest.importorskip("torch")
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    try:
+    with fake_torch_world(5, 8):
         x = np.arange(64.0, dtype=np.float32).reshape(8, 8)
         specs = [P("dp", "tp"), P("tp"), P("x"), P(("a", "b"), "c")]
 
@@ -119,5 +114,3 @@ def test_torch_to_native_and_distribute_from_threads() -> None:
             assert got[1:] == want[1:]
             block = Layout(MESHES[i % len(MESHES)], specs[i % len(MESHES)]).shard_slices(x.shape, 5)
             assert got[2] == x.shape and got[3] == x[block].shape
-    finally:
-        dist.destroy_process_group()

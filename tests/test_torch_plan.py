@@ -11,7 +11,6 @@ import unimesh
 from unimesh import Layout, LayoutError, LayoutMap, Mesh, P
 
 torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
@@ -21,8 +20,9 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from unimesh_torch import layout_map_from_plan, plan_from_layout_map
+
+from .torch_fake import fake_torch_world
 
 
 class Attention(nn.Module):
@@ -64,11 +64,8 @@ PLAN = {
 
 @pytest.fixture(autouse=True)
 def fake_world():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=8)
-    yield
-    dist.destroy_process_group()
+    with fake_torch_world(1, 8):
+        yield
 
 
 def test_layouts_are_what_parallelize_module_does():
