@@ -72,7 +72,7 @@ def problem(
             "w1": rng.standard_normal((m.D_MODEL, m.D_FF)).astype(np.float32) / 3,
             "w2": rng.standard_normal((m.D_FF, m.D_MODEL)).astype(np.float32) / 6,
         }
-        return m, {"dp": 2, "tp": n // 2}, (m.ACTS, m.ACTS, m.SPECS), [x, t], params
+        return m, bench_step.dp_tp(n), (m.ACTS, m.ACTS, m.SPECS), [x, t], params
     if name == "moe":
         m = moe_layer
         rng = np.random.default_rng(2)

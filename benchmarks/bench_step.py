@@ -37,6 +37,13 @@ import numpy as np
 import unimesh
 from unimesh import Layout, P
 
+
+def dp_tp(n: int) -> dict[str, int]:
+    """dp=2 and the rest over tp; on one device (one GPU) dp=1, tp=1."""
+    dp = 2 if n % 2 == 0 else 1
+    return {"dp": dp, "tp": n // dp}
+
+
 SPECS_IN = (P("dp", None), P("dp", None), P(None, "tp"), P("tp", None))
 
 
@@ -89,7 +96,7 @@ def bench_jax(repeat: int) -> dict[str, float]:
     import jax
     from jax import lax
 
-    mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
+    mesh = unimesh.make_mesh(dp_tp(n))
     jmesh = unimesh.to_native(mesh, backend)
     x, t, w1, w2 = (
         unimesh.distribute(a, Layout(mesh, s), backend=backend)
@@ -158,7 +165,7 @@ def bench_torch(repeat: int) -> dict[str, float]:
     from torch.distributed import _functional_collectives as funcol
     from torch.distributed.tensor import DTensor
 
-    mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
+    mesh = unimesh.make_mesh(dp_tp(n))
     placed = [
         unimesh.distribute(torch.as_tensor(a), Layout(mesh, s), backend=backend)
         for a, s in zip(mlp_step.data(), SPECS_IN)
@@ -250,7 +257,7 @@ def bench_mlx(repeat: int) -> dict[str, float]:
     n = backend.prepare_devices(4)
     import mlx.core as mx
 
-    mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
+    mesh = unimesh.make_mesh(dp_tp(n))
     placed = [
         unimesh.distribute(a, Layout(mesh, s), backend=backend)
         for a, s in zip(mlp_step.data(), SPECS_IN)

@@ -30,6 +30,7 @@ def start(description: str) -> tuple[unimesh.Backend, int, int]:
     args = parser.parse_args()
     backend = unimesh.get_backend(args.backend)
     n = backend.prepare_devices(args.devices)  # JAX: CPU devices; torch/MLX: the world size
+    full_float32_matmuls(backend)
     rank = next(
         (
             int(os.environ[v])
@@ -39,6 +40,29 @@ def start(description: str) -> tuple[unimesh.Backend, int, int]:
         0,
     )
     return backend, n, rank
+
+
+def full_float32_matmuls(backend: unimesh.Backend) -> None:
+    """The checks compare with float64 to 1e-5, so matrix products must be full float32: JAX
+    on an NVIDIA GPU multiplies float32 in TF32 by default (errors near 4e-4 here); torch
+    does not unless asked."""
+    if backend.name in ("jax", "keras"):
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def split(n: int, first: int) -> tuple[int, int]:
+    """Sizes for a two-axis mesh over ``n`` devices: ``first`` for the first axis where ``n``
+    divides by it (else 1, e.g. one GPU), the rest for the second."""
+    a = first if n % first == 0 else 1
+    return a, n // a
+
+
+def arange(like: Any, n: int) -> Any:
+    """0..n-1 where ``like`` lives (torch makes it on the CPU unless told the GPU)."""
+    ops = xp(like)
+    return ops.arange(n, device=like.device) if ops.__name__ == "torch" else ops.arange(n)
 
 
 def xp(x: Any) -> Any:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _example import place, report, start, xp
+from _example import arange, place, report, start, xp
 
 import unimesh
 from unimesh import P
@@ -38,7 +38,7 @@ def loss(x, t, params):  # type: ignore[no-untyped-def]
     logits = x @ params["router"]  # (tokens, E)
     probs = ops.exp(logits) / ops.exp(logits).sum(-1)[:, None]  # softmax
     choice = ops.argmax(logits, -1)  # top-1 (no gradient)
-    onehot = (choice[:, None] == ops.arange(n_experts)[None, :]) * 1.0
+    onehot = (choice[:, None] == arange(x, n_experts)[None, :]) * 1.0
     gate = (probs * onehot).sum(-1)  # (tokens,)
     slots = onehot.T[:, :, None] * x[None, :, :]  # (E, tokens, D)
     arrived = unimesh.all_to_all(slots, "ep", 0, 1, tiled=True)  # (E/ep, ep*tokens, D)

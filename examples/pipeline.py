@@ -70,6 +70,14 @@ def reference(x, t, w):  # type: ignore[no-untyped-def]
 
 def main() -> int:
     backend, n, rank = start(__doc__.splitlines()[0])
+    if n % STAGES:
+        print(
+            f"pipeline.py needs a multiple of {STAGES} devices (one per stage); this run has {n}. "
+            f"On one GPU: torchrun --nproc-per-node {STAGES} (gloo, on the CPU) or "
+            "JAX_PLATFORMS=cpu with --devices 8",
+            file=sys.stderr,
+        )
+        return 2
     mesh = unimesh.make_mesh({"pp": STAGES, "dp": n // STAGES})
     rng = np.random.default_rng(3)
     x = rng.standard_normal((MICROBATCHES, MICROBATCH, D_MODEL)).astype(np.float32)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _example import place, report, start, xp
+from _example import place, report, split, start, xp
 
 import unimesh
 from unimesh import P
@@ -55,7 +55,8 @@ def reference(x, t, w1, w2):  # type: ignore[no-untyped-def]
 
 def main() -> int:
     backend, n, rank = start(__doc__.splitlines()[0])
-    mesh = unimesh.make_mesh({"dp": 2, "tp": n // 2})
+    dp, tp = split(n, 2)
+    mesh = unimesh.make_mesh({"dp": dp, "tp": tp})
     rng = np.random.default_rng(1)
     x = rng.standard_normal((BATCH, SEQ, D_MODEL)).astype(np.float32)
     t = rng.standard_normal((BATCH, SEQ, D_MODEL)).astype(np.float32)

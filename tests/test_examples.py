@@ -40,6 +40,24 @@ def test_jax_eight_devices(name: str) -> None:
     run([sys.executable, str(EXAMPLES / f"{name}.py"), "--backend", "jax"], 1, "jax")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_jax_one_device(name: str) -> None:
+    """What one GPU gives: every two-axis example falls back to size-1 axes; the pipeline, which
+    needs a device per stage, says so and how to run it, and exits 2."""
+    pytest.importorskip("jax")
+    cmd = [sys.executable, str(EXAMPLES / f"{name}.py"), "--backend", "jax", "--devices", "1"]
+    if name != "pipeline":
+        out = run(cmd, 1, "jax")
+        assert re.search(r"mesh=(\w+=1,?)+ ", out), out[-2000:]
+        return
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    rc, out = run_bounded(cmd, env, LIMIT)
+    assert rc == 2, out[-3000:]
+    assert "needs a multiple of 4 devices" in out and "this run has 1" in out, out[-3000:]
+    assert "Traceback" not in out
+
+
 def test_keras_on_jax() -> None:
     pytest.importorskip("keras")
     out = run([sys.executable, str(EXAMPLES / "mlp_step.py"), "--backend", "keras"], 1, "keras")

@@ -266,3 +266,23 @@ def test_refusals() -> None:
         unimesh.to_native(Mesh((2,), ("x",)), "torch", colour="red")
     with pytest.raises(unimesh.ConversionError, match="converts DeviceMesh, DTensor and"):
         unimesh.from_native(torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "local_world", "gpus", "want"),
+    [
+        ("0", "1", 1, 0),  # torchrun --nproc-per-node 1 on one GPU: NCCL on cuda:0
+        ("3", "4", 4, 3),
+        ("3", "4", 8, 3),
+        ("0", "4", 1, None),  # four ranks, one GPU: NCCL refuses, so gloo on the CPU
+        ("1", "2", 1, None),
+        ("0", "1", 0, None),
+        ("x", "1", 1, None),  # not torchrun's values
+        ("-1", "1", 1, None),
+        ("4", "4", 8, None),
+    ],
+)
+def test_gpu_for_rank(local_rank: str, local_world: str, gpus: int, want: int | None) -> None:
+    from unimesh_torch.runtime import gpu_for_rank
+
+    assert gpu_for_rank(local_rank, local_world, gpus) == want

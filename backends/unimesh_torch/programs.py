@@ -111,7 +111,11 @@ class TorchPrograms(TorchTranslator):
 
     def as_array(self, value: Any) -> Any:
         torch = _torch()
-        return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        if isinstance(value, torch.Tensor):
+            return value
+        dist = _dist()  # numbers go where the collectives run: the GPU under NCCL
+        nccl = dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+        return torch.as_tensor(value, device="cuda" if nccl else None)
 
     def moveaxis(self, x: Any, source: int, destination: int) -> Any:
         return _torch().movedim(x, source, destination)
@@ -179,8 +183,11 @@ class TorchPrograms(TorchTranslator):
             if have != layout:
                 arg = arg.redistribute(native.device_mesh, list(native.placements))
             return arg.to_local(), False
+        device = self._native_layout(layout).device_mesh.device_type  # "cuda" under NCCL
         if not torch.is_tensor(arg):
-            arg = torch.as_tensor(np.asarray(arg))
+            arg = torch.as_tensor(np.asarray(arg), device=device)
+        elif arg.device.type != device:
+            arg = arg.to(device)
         return arg, True
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:

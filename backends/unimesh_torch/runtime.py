@@ -69,6 +69,33 @@ def _finish_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _gpu_per_rank() -> int | None:
+    """This rank's GPU (``LOCAL_RANK``) when CUDA is there and every rank on this machine
+    (``LOCAL_WORLD_SIZE``) can have one of its own; else None: gloo on the CPU. NCCL refuses two
+    ranks on one GPU, so four ranks on a one-GPU machine run on the CPU rather than fail."""
+    import os
+
+    torch = _torch()
+    if not torch.cuda.is_available():
+        return None
+    return gpu_for_rank(
+        os.environ.get("LOCAL_RANK", "0"),
+        os.environ.get("LOCAL_WORLD_SIZE", "1"),
+        int(torch.cuda.device_count()),
+    )
+
+
+def gpu_for_rank(local_rank: str, local_world: str, gpus: int) -> int | None:
+    """The rule of :func:`_gpu_per_rank`, from torchrun's ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` and the number of GPUs: the local rank's GPU when every local rank has
+    one, else None (also for values that are not torchrun's)."""
+    try:
+        rank, world = int(local_rank), int(local_world)
+    except ValueError:
+        return None  # not torchrun's: no way to tell which GPU is this rank's
+    return rank if 0 <= rank < world <= gpus else None
+
+
 class TorchRuntime(ProcessBackend):
     """The runtime layer: torch.distributed's process group, one device per rank."""
 
@@ -153,7 +180,8 @@ class TorchRuntime(ProcessBackend):
         )
 
     def initialize(self, timeout: float) -> tuple[int, int]:
-        """``init_process_group`` (gloo; gloo + nccl when CUDA is there) from the launcher's
+        """``init_process_group`` (gloo; gloo + nccl when every rank on this machine has a GPU
+        of its own, which becomes its current device) from the launcher's
         ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, every rank joining within
         ``timeout`` seconds. A process group already started (by the user or torchrun code) is
         used as it is."""
@@ -171,7 +199,10 @@ class TorchRuntime(ProcessBackend):
                     "under torchrun (torchrun --standalone --nproc-per-node 4 script.py), or "
                     f"set {', '.join(needed)}"
                 )
-            kind = "cpu:gloo,cuda:nccl" if _torch().cuda.is_available() else "gloo"
+            gpu = _gpu_per_rank()
+            kind = "gloo" if gpu is None else "cpu:gloo,cuda:nccl"
+            if gpu is not None:
+                _torch().cuda.set_device(gpu)
             try:
                 dist.init_process_group(kind, timeout=timedelta(seconds=timeout))
             except (RuntimeError, ValueError) as exc:
