@@ -1,6 +1,9 @@
-"""The parsers of untrusted input under the mutation fuzzer of tests/fuzzing.py.
+"""The parsers of untrusted input under the grammar fuzzer of tests/grammar.py (hypothesis
+strategies built from each grammar: mesh text, mesh JSON, mesh dicts, config TOML, config JSON,
+config dicts; --count inputs per family) and the mutation fuzzer of tests/fuzzing.py.
 
     python benchmarks/fuzz.py [--count 100000] [--seed 0] [--memory-count 5000]
+    python benchmarks/fuzz.py --families "mesh text,config toml" --count 1000
 
 Reports how many inputs each parser took, how they ended (accepted, or which UnimeshError), the
 slowest input and its time (goal: none over 50 ms), and the largest allocation peak of one input
@@ -16,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests import fuzzing
+from tests import fuzzing, grammar
 
 LIMIT_MS = 50.0
 
@@ -31,7 +34,35 @@ def main() -> int:
         default=5_000,
         help="inputs run again under tracemalloc for the memory peak",
     )
+    parser.add_argument(
+        "--families",
+        default=",".join(grammar.FAMILIES),
+        help="grammar families to run ('' for none)",
+    )
+    parser.add_argument("--no-mutation", action="store_true", help="skip the mutation fuzzer")
     args = parser.parse_args()
+    bad = False
+    every_n = max(1, args.count // max(1, args.memory_count))
+    for family in filter(None, args.families.split(",")):
+        run = grammar.drive(family, args.count, args.seed, memory_every=every_n)
+        print(
+            f"grammar {family:12s} {run.count:,} inputs in {run.seconds:.0f} s; outcomes: "
+            + ", ".join(
+                f"{k} {v:,}" for k, v in sorted(run.outcomes.items(), key=lambda kv: -kv[1])
+            )
+        )
+        print(f"  slowest {run.slowest_ms_per_100kb:.2f} ms per 100 KB: {run.slowest}")
+        print(
+            f"  largest allocation peak ({run.count // every_n:,} traced): "
+            f"{run.peak_bytes / 2**20:.2f} MiB: {run.peak_input}",
+            flush=True,
+        )
+        for line in run.failures[:10]:
+            print("  FAILURE", line)
+        bad |= bool(run.failures) or run.slowest_ms_per_100kb > LIMIT_MS
+    if args.no_mutation:
+        print("FAIL" if bad else f"ok: only UnimeshError, every input under {LIMIT_MS:.0f} ms")
+        return 1 if bad else 0
     t0 = time.perf_counter()
     report = fuzzing.run(
         args.count, args.seed, progress=lambda i: print(f"\r{i:,} inputs", end="", flush=True)
@@ -53,7 +84,7 @@ def main() -> int:
     failures = report.failures + mem.failures
     for line in failures[:20]:
         print("FAILURE", line)
-    bad = bool(failures) or report.slowest_ms > LIMIT_MS
+    bad |= bool(failures) or report.slowest_ms > LIMIT_MS
     print(
         "FAIL"
         if bad

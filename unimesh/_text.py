@@ -227,14 +227,15 @@ def parse_dtensor_string(s: str) -> dict[str, Any]:
     out: dict[str, Any] = {"shape": tuple(shape), "axis_names": tuple(names)}
     if len(local_ids) == size:
         ids = [0] * size
+        where = {g: i for i, g in enumerate(global_ids)}  # one pass, not .index() per device
         for pos, dev in zip(local_ids, devices):
             index = dev.rsplit(":", 1)[-1]
-            if not index.isdigit() or len(index) > 12:
+            if not (index.isascii() and index.isdigit()) or len(index) > 12:
                 fail(
                     f"device {short(dev)} in DTensor mesh string {short(s)} does not end in "
                     "':<index>'"
                 )
-            ids[global_ids.index(pos)] = int(index)
+            ids[where[pos]] = int(index)
         out["device_ids"] = _reshape(ids, tuple(shape))
     else:
         out["device_ids"] = _reshape(global_ids, tuple(shape))
