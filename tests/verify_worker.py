@@ -8,6 +8,8 @@ die: process 1 kills itself (SIGKILL) after the runtime started; the others' ver
 small: the mesh needs one device more than the world has (exit 5).
 stuck: process 1 sleeps 40 s before its check; the others must say a peer is gone or stuck
     within their 15 s timeout instead of waiting (exit 4).
+never: process 1 never starts the runtime (it sleeps 40 s first); the others' initialize must
+    end within its 20 s timeout, naming the process that did not join where the engine says.
 Each process prints one VERIFY line saying what it checked.
 """
 
@@ -24,7 +26,34 @@ import unimesh
 
 backend, mode = sys.argv[1], sys.argv[2]
 t0 = time.monotonic()
-rank, world = unimesh.initialize(backend, timeout=20)
+launched_rank = next(
+    (
+        os.environ[v]
+        for v in ("RANK", "JAX_PROCESS_ID", "OMPI_COMM_WORLD_RANK", "MLX_RANK")
+        if v in os.environ
+    ),
+    "0",
+)
+launched_world = next(
+    (
+        os.environ[v]
+        for v in ("WORLD_SIZE", "JAX_NUM_PROCESSES", "OMPI_COMM_WORLD_SIZE", "MLX_WORLD_SIZE")
+        if v in os.environ
+    ),
+    "0",
+)
+if mode == "never" and launched_rank == "1":
+    time.sleep(40)
+    sys.exit(0)
+try:
+    rank, world = unimesh.initialize(backend, timeout=20)
+except unimesh.LaunchError as exc:
+    print(
+        f"VERIFY rank {launched_rank} of {launched_world} launch after "
+        f"{time.monotonic() - t0:.1f}s: {exc}",
+        flush=True,
+    )
+    sys.exit(6)
 size = world
 mesh = unimesh.Mesh((2, size // 2), ("dp", "tp"))
 if mode == "disagree" and rank == 1:

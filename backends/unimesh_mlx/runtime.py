@@ -95,30 +95,46 @@ def launcher_world_size() -> tuple[int, str] | None:
     return None
 
 
+# The watchdog process: waits on its stdin (closed by this process when the call is done, or by
+# the kernel when this process dies); after the time is up, says so and ends this process.
+_WATCHDOG = """
+import os, select, signal, sys
+pid, seconds = int(sys.argv[1]), float(sys.argv[2])
+if not select.select([sys.stdin], [], [], seconds)[0]:
+    sys.stderr.write(sys.argv[3])
+    sys.stderr.flush()
+    os.kill(pid, signal.SIGTERM)
+    if not select.select([sys.stdin], [], [], 5.0)[0]:
+        os.kill(pid, signal.SIGKILL)
+"""
+
+
 @contextlib.contextmanager
 def watchdog(seconds: float, what: str) -> Iterator[None]:
     """MLX collectives cannot be interrupted: if ``what`` does not finish within ``seconds``,
-    say so on stderr and end this process (status 1) instead of hanging."""
+    say so on stderr and end this process (SIGTERM) instead of hanging.
+
+    A process, not a thread: ``mx.distributed.init()`` under mpirun holds the GIL while it
+    waits for a peer that never starts, so no Python thread of this process would ever run
+    (a ``threading.Timer`` never fired there)."""
+    import subprocess
     import sys
-    import threading
 
-    def fire() -> None:
-        sys.stderr.write(
-            f"unimesh: {what} did not finish within {seconds:.0f} s: a peer process "
-            "is gone or stuck; MLX collectives cannot be interrupted, so this "
-            "process exits (status 1)\n"
-        )
-        sys.stderr.flush()
-        os._exit(1)
-
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
+    message = (
+        f"unimesh: {what} did not finish within {seconds:.0f} s: a peer process never "
+        "started, is gone or is stuck; MLX cannot interrupt it, so this process is ended "
+        "(SIGTERM)\n"
+    )
+    guard = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(seconds), message],
+        stdin=subprocess.PIPE,
+    )
     try:
         yield
     finally:
-        timer.cancel()
-        timer.join()  # no thread of ours may still run when MPI is finalized at exit
+        if guard.stdin is not None:
+            guard.stdin.close()
+        guard.wait()
 
 
 class MLXRuntime(ProcessBackend):

@@ -47,6 +47,65 @@ _BROKEN = {"peer_gone": False}
 _BUILD_LOCK = threading.RLock()
 
 
+_KEY = "unimesh"  # the store keys this backend writes: unimesh/joined/<rank>, unimesh/check/...
+_STORE: list[Any] = []  # the TCPStore of the process group this backend started
+_CHECKS = [0]  # verify exchanges so far (each writes its own arrival keys)
+
+
+def _launch_numbers() -> tuple[int, int]:
+    import os
+
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError as exc:
+        raise LaunchError(
+            f"RANK={os.environ['RANK']!r} and WORLD_SIZE={os.environ['WORLD_SIZE']!r} must be "
+            "ints (torchrun sets them)"
+        ) from exc
+
+
+def _store(rank: int, world: int, timeout: float) -> Any:
+    """The TCPStore at ``MASTER_ADDR:MASTER_PORT``, as ``init_process_group``'s env:// would
+    make it (rank 0 hosts it, or torchrun's agent does), kept so that every rank can read who
+    has arrived when a peer is missing."""
+    import os
+    from datetime import timedelta
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = _dist().TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0 and not agent,
+        timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+    _STORE[:] = [store]
+    return store
+
+
+def _missing(store: Any, stage: str, world: int) -> str:
+    """Which ranks have not written ``unimesh/<stage>/<rank>``, in words, read from the store
+    (every rank can ask it, so every rank names the same missing ones)."""
+    if store is None:
+        return "a peer process may be gone"
+    try:
+        gone = [r for r in range(world) if not store.check([f"{_KEY}/{stage}/{r}"])]
+    except (RuntimeError, ValueError):  # the store's host, rank 0, is gone
+        return "rank 0, which holds the rendezvous store, is gone"
+    if not gone:
+        return "every rank arrived; a peer may have left since"
+    return f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} did not arrive"
+
+
+def _linger(rank: int, timeout: float) -> None:
+    """On rank 0, which hosts the store (outside torchrun), after a failure: stay a few seconds
+    before the error can end this process, so that the other ranks, whose own timeouts end
+    about now, can still read from the store which rank is missing."""
+    if rank == 0 and _STORE:
+        time.sleep(min(5.0, timeout / 4))
+
+
 def _finish_process_group() -> None:
     """At exit, for a process group this backend started: leave together, then destroy it (a
     rank gone early can make gloo abort the others). After a peer was found gone, no barrier:
@@ -203,15 +262,25 @@ class TorchRuntime(ProcessBackend):
             kind = "gloo" if gpu is None else "cpu:gloo,cuda:nccl"
             if gpu is not None:
                 _torch().cuda.set_device(gpu)
+            rank, world = _launch_numbers()
             try:
-                dist.init_process_group(kind, timeout=timedelta(seconds=timeout))
+                store = _store(rank, world, timeout)
+                store.set(f"{_KEY}/joined/{rank}", "1")
+                dist.init_process_group(
+                    kind,
+                    store=store,
+                    rank=rank,
+                    world_size=world,
+                    timeout=timedelta(seconds=timeout),
+                )
             except (RuntimeError, ValueError) as exc:
                 first = first_line(exc)
+                absent = _missing(_STORE[0] if _STORE else None, "joined", world)
+                _linger(rank, timeout)
                 raise LaunchError(
                     f"torch.distributed.init_process_group({kind!r}) failed for RANK="
-                    f"{os.environ['RANK']} of WORLD_SIZE={os.environ['WORLD_SIZE']} at "
-                    f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                    f"{timeout:.0f} s (a peer process may be gone): {first}"
+                    f"{rank} of WORLD_SIZE={world} at {os.environ['MASTER_ADDR']}:"
+                    f"{os.environ['MASTER_PORT']} within {timeout:.0f} s ({absent}): {first}"
                 ) from exc
             import atexit
 
@@ -227,14 +296,22 @@ class TorchRuntime(ProcessBackend):
         rank, world = self.initialize(timeout)
         if world == 1 or str(dist.get_backend()).lower() == "fake":
             return [payload] * world
+        _CHECKS[0] += 1
+        stage = f"check{_CHECKS[0]}"
+        store = _STORE[0] if _STORE else None
         try:
+            if store is not None:  # every rank can then name who did not come
+                store.set(f"{_KEY}/{stage}/{rank}", "1")
             dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
             texts = _gather_texts(payload.hex(), "cpu")
         except (RuntimeError, dist.DistError) as exc:
             _BROKEN["peer_gone"] = True
+            absent = _missing(store, stage, world)
+            _linger(rank, timeout)
             raise MeshMismatchError(
                 f"rank {rank} of {world}: a peer process is gone or stuck (it did not take part "
-                f"in the check within {timeout:.0f} s): {first_line(exc)}"
+                f"in the check within {timeout:.0f} s; {absent}): "
+                f"{first_line(exc)}"
             ) from exc
         return [bytes.fromhex(t) for t in texts]
 
