@@ -179,31 +179,13 @@ def test_torchrun_with_a_killed_worker_stops_every_rank(tmp_path):
 @pytest.mark.parametrize("mode", ["clean", "disagree", "die", "small", "stuck"])
 def test_jax_distributed_processes(mode, tmp_path):
     pytest.importorskip("jax")
-    address = f"127.0.0.1:{free_port()}"
-    plain_processes(
-        "jax",
-        mode,
-        [
-            base_env(
-                JAX_COORDINATOR_ADDRESS=address,
-                JAX_NUM_PROCESSES=str(N),
-                JAX_PROCESS_ID=str(r),
-                JAX_PLATFORMS="cpu",
-            )
-            for r in range(N)
-        ],
-        tmp_path,
-    )
+    plain_processes("jax", mode, jax_envs(), tmp_path)
 
 
-def test_jax_with_a_process_that_never_starts(tmp_path):
-    """Decided, not fixed: JAX's coordination client aborts the other processes itself (SIGABRT,
-    "RegisterTask" deadline exceeded) once initialize's 20 s timeout passes. That happens in
-    C++, where no Python exception can be raised, so there is no LaunchError; every survivor
-    still ends, and says why."""
-    pytest.importorskip("jax")
+def jax_envs() -> list[dict[str, str]]:
+    """N processes' jax.distributed variables, one coordinator on a free port."""
     address = f"127.0.0.1:{free_port()}"
-    envs = [
+    return [
         base_env(
             JAX_COORDINATOR_ADDRESS=address,
             JAX_NUM_PROCESSES=str(N),
@@ -212,7 +194,16 @@ def test_jax_with_a_process_that_never_starts(tmp_path):
         )
         for r in range(N)
     ]
-    codes, outs, _ = run_ranks([sys.executable, WORKER, "jax", "never"], envs, LIMIT + 30, tmp_path)
+
+
+def test_jax_with_a_process_that_never_starts(tmp_path):
+    """Decided, not fixed: JAX's coordination client aborts the other processes itself (SIGABRT,
+    "RegisterTask" deadline exceeded) once initialize's 20 s timeout passes. That happens in
+    C++, where no Python exception can be raised, so there is no LaunchError; every survivor
+    still ends, and says why."""
+    pytest.importorskip("jax")
+    cmd = [sys.executable, WORKER, "jax", "never"]
+    codes, outs, _ = run_ranks(cmd, jax_envs(), LIMIT + 30, tmp_path)
     for r in (0, 2, 3):
         assert codes[r] == -6 and "RegisterTask" in outs[r], (r, codes, outs[r][-2000:])
 
