@@ -33,15 +33,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import mlp_step
 import numpy as np
+from _example import split
 
 import unimesh
 from unimesh import Layout, P
 
 
 def dp_tp(n: int) -> dict[str, int]:
-    """dp=2 and the rest over tp; on one device (one GPU) dp=1, tp=1."""
-    dp = 2 if n % 2 == 0 else 1
-    return {"dp": dp, "tp": n // dp}
+    """dp=2 and the rest over tp; on one device (one GPU) dp=1, tp=1 (the examples' split)."""
+    return dict(zip(("dp", "tp"), split(n, 2)))
 
 
 SPECS_IN = (P("dp", None), P("dp", None), P(None, "tp"), P("tp", None))

@@ -35,6 +35,8 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import Config, Mesh
 
+from .fuzzing import _show
+
 # ---------------------------------------------------------------- lexical pieces
 
 _IDENT = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,5}", fullmatch=True)
@@ -454,8 +456,3 @@ def _timed(parse: Callable[[Any], Any], value: Any) -> float:
     with contextlib.suppress(unimesh.UnimeshError):
         parse(value)
     return (time.perf_counter() - t0) * 1e3
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 160 else text[:140] + f"... ({len(text):,} chars)"

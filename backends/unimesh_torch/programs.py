@@ -113,9 +113,9 @@ class TorchPrograms(TorchTranslator):
         torch = _torch()
         if isinstance(value, torch.Tensor):
             return value
-        dist = _dist()  # numbers go where the collectives run: the GPU under NCCL
-        nccl = dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
-        return torch.as_tensor(value, device="cuda" if nccl else None)
+        # numbers go where the collectives run: the GPU under NCCL
+        device = self._device_type(None) if _dist().is_initialized() else None
+        return torch.as_tensor(value, device=device)
 
     def moveaxis(self, x: Any, source: int, destination: int) -> Any:
         return _torch().movedim(x, source, destination)

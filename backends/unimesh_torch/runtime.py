@@ -99,9 +99,10 @@ def _missing(store: Any, stage: str, world: int) -> str:
 
 
 def _linger(rank: int, timeout: float) -> None:
-    """On rank 0, which hosts the store (outside torchrun), after a failure: stay a few seconds
-    before the error can end this process, so that the other ranks, whose own timeouts end
-    about now, can still read from the store which rank is missing."""
+    """On rank 0 after a failure: stay a few seconds before the error can end this process.
+    Outside torchrun rank 0 hosts the store, and the other ranks, whose own timeouts end about
+    now, can then still read from it which rank is missing (under torchrun, whose agent hosts
+    the store, the wait is harmless)."""
     if rank == 0 and _STORE:
         time.sleep(min(5.0, timeout / 4))
 
@@ -206,7 +207,7 @@ class TorchRuntime(ProcessBackend):
         torch = _torch()
         text = mesh.to_string()
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-        device = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+        device = self._device_type(None)
         mine = torch.tensor([digest], dtype=torch.int64, device=device)
         every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
