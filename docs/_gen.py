@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from _links import linked
+
 
 def _backends() -> dict[str, object]:
     """Every installed backend's plugin object, by name (entry points; no framework import):
@@ -36,7 +38,7 @@ def api_table() -> str:
         cells = [concept, f"`{neutral}`"]
         for cls in classes.values():
             api = cls.native_api.get(concept)  # type: ignore[attr-defined]
-            cells.append(_cell(api) if api else "—")
+            cells.append(linked(_cell(api)) if api else "—")
         lines.append(
             "| " + " | ".join(_cell(c) if i < 2 else c for i, c in enumerate(cells)) + " |"
         )
@@ -57,6 +59,21 @@ def capability_table(data: dict) -> str:
         markdown(columns) + f"\nRun: `{meta.get('command', 'unimesh check')}` on "
         f"{meta.get('machine', '?')}, {meta.get('date', '?')}.\n"
     )
+
+
+def capability_names() -> str:
+    """Each capability's name, its layer (or the capability a feature refines) and what it
+    promises (``unimesh.CAPABILITIES``), so the matrix's rows read without the source."""
+    from unimesh.backend import FEATURES, LAYERS
+
+    lines = ["| capability | part of | what a backend that declares it does |"]
+    lines.append("| --- | --- | --- |")
+    for layer in LAYERS:
+        for cap, text in layer.promises.items():
+            lines.append(f"| `{cap}` | {layer.name} layer | {_cell(text)} |")
+    for name, (text, needs) in FEATURES.items():
+        lines.append(f"| `{name}` | feature of `{needs}` | {_cell(text)} |")
+    return "\n".join(lines) + "\n"
 
 
 def collectives_table() -> str:
@@ -103,7 +120,11 @@ def benchmark_table(data: dict) -> str:
 def generate(docs: Path) -> None:
     out = docs / "_generated"
     out.mkdir(exist_ok=True)
-    tables = {"api-table.md": api_table(), "collectives-table.md": collectives_table()}
+    tables = {
+        "api-table.md": api_table(),
+        "collectives-table.md": collectives_table(),
+        "capability-names.md": capability_names(),
+    }
     data = docs / "_data"
     tables["capabilities-table.md"] = capability_table(
         json.loads((data / "capabilities.json").read_text())

@@ -11,10 +11,18 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
+from _links import write_inventories
+
 project = "unimesh"
 author = "the unimesh developers"
 copyright = "2026, the unimesh developers"
-extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.intersphinx",
+    "sphinx_copybutton",
+]
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 exclude_patterns = ["_build", "_data", "_generated"]
 napoleon_use_ivar = True
@@ -24,8 +32,15 @@ autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "undoc-members": False}
 napoleon_google_docstring = True
 nitpicky = False
-html_theme = "alabaster"
+# commands are copied from the page: no curly quotes or en-dashes for "--standalone"
+smartquotes = False
+html_theme = "furo"
 html_title = "unimesh"
+html_static_path = ["_static"]
+html_css_files = ["unimesh.css"]
+# the frameworks' inventories are written locally (docs/_links.py: CI builds offline)
+(HERE / "_generated").mkdir(exist_ok=True)
+intersphinx_mapping = write_inventories(HERE / "_generated")
 
 
 def setup(app: object) -> None:

@@ -51,3 +51,21 @@ def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert any(p.name.startswith("unimesh_example_backend") for p in target.iterdir())
     return target
+
+
+@pytest.fixture(scope="session")
+def docs_html(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The docs built once with Sphinx, warnings as errors (each test that reads the site
+    shares this build)."""
+    from .launch import run_bounded
+
+    if os.environ.get("CI") is None:
+        for module in ("sphinx", "myst_parser", "furo", "sphinx_copybutton"):
+            pytest.importorskip(module)
+    out = tmp_path_factory.mktemp("docs") / "html"
+    docs = Path(__file__).parents[1] / "docs"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")}
+    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html"]
+    rc, log = run_bounded([*cmd, str(docs), str(out)], env, 300, out.parent)
+    assert rc == 0, log[-5000:]
+    return out

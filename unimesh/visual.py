@@ -5,10 +5,11 @@ or as JSON (:func:`describe`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
-from .errors import LayoutError
+from .errors import LayoutError, UnimeshError
 from .layout import Layout
 from .mesh import Mesh
 from .messages import short
@@ -275,7 +276,7 @@ def _tensor_table(
         per = max(per, min(len(_id_list(holders(0, 0), edge)), 24) + 3)
         col_edge = _fit_columns(ncols, per, 14, width, edge)
     cols_at = _pick(ncols, col_edge)
-    table = Table(title=f"tensor {shape} as {layout.spec!r}", show_lines=True)
+    table = Table(show_lines=True)
     table.add_column("rows \\ cols" if keep > 1 else "rows", justify="right", no_wrap=True)
     for c in cols_at:
         head = "\u2026" if c is None else "{}:{}".format(*bounds(1, c)) if keep > 1 else ""
@@ -350,7 +351,40 @@ def draw(
         if len(shape) > 2:
             console.print(f"(the tensor view shows dims 0 and 1 of {len(shape)})")
         width = None if full else console.width
+        console.print(f"[bold]tensor {shape}[/bold] as {_escape(repr(layout.spec))}")
         console.print(_tensor_table(layout, shape, EDGE if summary else None, width))
+        note = uneven_note(layout, shape)
+        if note:
+            console.print(f"[yellow]uneven:[/yellow] {_escape(note)}")
+
+
+def uneven_note(layout: Layout, shape: tuple[int, ...]) -> str | None:
+    """None when ``shape`` divides evenly under ``layout``; else which dims do not, the rule
+    the blocks follow, and which installed backends refuse such a layout (those that do not
+    declare ``uneven_shards``)."""
+    if layout.is_even(shape):
+        return None
+    from .registry import backends, load_backend
+
+    dims = [
+        f"dim {d} ({shape[d]}) does not cut into {n}"
+        for d, n in enumerate(layout.shard_counts())
+        if d < len(shape) and shape[d] % n
+    ]
+    take: list[str] = []
+    refuse: list[str] = []
+    for name in backends():
+        with contextlib.suppress(UnimeshError):  # a broken plugin: `unimesh backends` names it
+            features = load_backend(name).features
+            (take if "uneven_shards" in features else refuse).append(name)
+    text = (
+        f"{' and '.join(dims)} blocks without remainder; the last blocks are smaller "
+        "(torch.chunk's rule)."
+    )
+    if refuse:
+        text += f" {', '.join(refuse)} refuse this layout"
+        text += f"; {', '.join(take)} take it." if take else "."
+    return text
 
 
 def _escape(text: str) -> str:
@@ -397,10 +431,19 @@ def _shape(shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
+#: Cell colours of :func:`html`: one per tensor block (with a layout) or per process, cycled;
+#: light enough for black text.
+PALETTE = (
+    "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94",
+    "#f7b6d2", "#dbdb8d", "#9edae5", "#d9d9d9", "#fdd0a2", "#c7e9c0",
+)  # fmt: skip
+
+
 def html(mesh: Mesh, layout: Layout | None = None, *, full: bool = False) -> str:
     """The mesh as HTML tables (one per index of the leading axes), a cell per device with its
     id and process; with a layout, each cell also gives the device's block index along each
-    tensor dim (``(i, j)``: the i-th block of dim 0, the j-th of dim 1). Above
+    tensor dim (``(i, j)``: the i-th block of dim 0, the j-th of dim 1), and cells share a
+    colour when they hold the same block (or, without a layout, sit in the same process). Above
     :data:`THRESHOLD` devices, the first and last grid and :data:`EDGE` rows and columns at each
     end, unless ``full``."""
     from html import escape  # here, not at import: html.entities is a large table
@@ -434,10 +477,15 @@ def html(mesh: Mesh, layout: Layout | None = None, *, full: bool = False) -> str
                     continue
                 proc = _process(mesh, d)
                 text = f"{d}" + ("" if proc is None else f" p{proc}")
+                key = proc
                 if layout is not None:
                     block = tuple(s.start for s in layout.shard_slices(counts, d))
                     text += f"<br>{block}"
-                parts.append(f'<td style="{cell}" data-device="{d}">{text}</td>')
+                    key = sum(b * math.prod(counts[i + 1 :]) for i, b in enumerate(block))
+                fill = "" if key is None else f";background:{PALETTE[key % len(PALETTE)]}"
+                parts.append(
+                    f'<td style="{cell}{fill}" data-device="{d}" data-key="{key}">{text}</td>'
+                )
             parts.append("</tr>")
         parts.append("</table>")
     parts.append("</div>")

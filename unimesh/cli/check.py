@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..conformance.matrix import Case, Cell, markdown, merge, text_rows, verdict_legend
+from ..conformance.matrix import VERDICTS, Case, Cell, markdown, merge, text_rows
 from ..errors import UnimeshError
 
 
@@ -30,6 +30,7 @@ class Run:
     failed: dict[str, str] = field(default_factory=dict)
     cases: list[Case] = field(default_factory=list)
     reports: int = 0
+    running: str = ""
     returncode: int | None = None
     output: str = ""
     seconds: float = 0.0
@@ -43,6 +44,8 @@ class Run:
             pid, kind, data = rec.get("pid"), rec.get("kind"), rec.get("data")
             if kind == "total":
                 self.totals[pid] = int(data)
+            elif kind == "running":
+                self.running = str(data)
             elif kind == "done":
                 self.done[pid] = int(data)
             elif kind == "failed":
@@ -190,7 +193,7 @@ def check(
     runs: list[Run] = []
     with Progress(
         TextColumn("{task.description}"),
-        BarColumn(),
+        BarColumn(bar_width=16),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TextColumn("{task.fields[note]}"),
@@ -202,13 +205,17 @@ def check(
 
             def tick(run: Run, task: Any = task) -> None:
                 bad = f"[red]{len(run.failed)} failed[/red]" if run.failed else ""
+                now = "" if run.returncode is not None else escape(_short(run.running, 30))
                 bar.update(
-                    task, total=run.total or None, completed=run.completed, note=f"{run.how} {bad}"
+                    task,
+                    total=run.total or None,
+                    completed=run.completed,
+                    note=f"{bad} {now}".strip() or run.how,
                 )
 
             runs.append(run_suite(name, processes, timeout, tick))
     console.print(matrix_table(runs))
-    console.print(escape(f"Counts are cases. {verdict_legend()}."), style="dim")
+    console.print(legend_table())
     for run in runs:  # why a cell is not a plain pass
         for cap, cell in run.matrix().items():
             for why in cell.notes():
@@ -247,6 +254,28 @@ _STYLE = {
     "skipped": "yellow",
     "not declared": "dim",
 }
+
+
+def _short(text: str, width: int) -> str:
+    """``text`` in at most ``width`` characters, its middle elided (a parametrised test's
+    name keeps its start and its parameters' end)."""
+    if len(text) <= width:
+        return text
+    half = (width - 1) // 2
+    return text[:half] + "…" + text[len(text) - (width - 1 - half) :]
+
+
+def legend_table() -> Any:
+    """What each verdict means, one per line (it stays readable in 80 columns)."""
+    from rich.table import Table
+
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(style="dim")
+    for verdict, what in VERDICTS.items():
+        table.add_row(f"[{_STYLE[verdict]}]{verdict}[/]", what)
+    table.add_row("", "counts are cases")
+    return table
 
 
 def matrix_table(runs: list[Run]) -> Any:

@@ -16,7 +16,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..backend import Backend
@@ -44,22 +47,33 @@ def demo_problem(mesh: Mesh) -> tuple[Layout, Any, Any]:
     return layout, x, w
 
 
-def trial(backend: Backend, mesh: Mesh) -> dict[str, Any]:
+#: What :func:`trial` does, in order; the progress display names the step under way.
+STEPS = ("starting", "building the mesh", "distributing", "multiplying", "checking")
+
+
+def trial(
+    backend: Backend, mesh: Mesh, step: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
     """What this process sees of the demo on ``backend``: the native mesh's type, how many
     shards it holds, whether they are the reference blocks, and whether the framework's own
-    product with a replicated weight equals numpy's (None when the backend computes none)."""
+    product with a replicated weight equals numpy's (None when the backend computes none).
+    ``step`` hears the name of each of :data:`STEPS` as it begins."""
     import numpy as np
 
     from ..registry import distribute, to_native
 
     layout, x, w = demo_problem(mesh)
     try:
+        step(STEPS[1])
         native_mesh = to_native(mesh, backend)
+        step(STEPS[2])
         array = distribute(x, layout, backend)
         shards = backend.local_shards(array)
+        step(STEPS[3])
         result = backend.demo_compute(array, w)
     except UnimeshError as exc:  # the same in every process: nobody waits for anybody
         return {"error": f"{type(exc).__name__}: {exc}"}
+    step(STEPS[4])
     ok_shards = bool(shards) and all(
         np.array_equal(np.asarray(block), x[layout.shard_slices(x.shape, d)])
         for d, block in shards.items()
@@ -101,39 +115,69 @@ def _reference(mesh: Mesh) -> tuple[int, bool, bool, float]:
     return len(blocks), ok_tiles, ok_matmul, (time.perf_counter() - t0) * 1e3
 
 
-def _cells(name: str, report: dict[str, Any], how: str, ms: float) -> tuple[str, ...]:
+def _cells(name: str, report: dict[str, Any], runs: str, seconds: float) -> tuple[str, ...]:
     from rich.markup import escape
 
     if "error" in report:
         kind, _, text = report["error"].partition(": ")
-        return (name, f"[yellow]{escape(kind)}[/yellow]", "-", "-", escape(text[:70]))
+        return (name, f"[yellow]{escape(kind)}[/yellow]", runs, "-", "-", escape(text[:70]))
     return (
         name,
-        f"{report['native']}, {how}",
+        report["native"],
+        runs,
         _mark(report["shards"]),
         _mark(report["result"]),
-        f"{ms:.0f} ms" + (" incl. launch" if "ranks" in how else ""),
+        _seconds(seconds),
     )
 
 
-def _in_process_row(backend: Backend, mesh: Mesh) -> tuple[str, ...]:
+def _seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+@contextlib.contextmanager
+def _stderr_kept(kept: list[str]) -> Iterator[None]:
+    """Send this process's file descriptor 2 to a file while the block runs (frameworks write
+    their C++ log lines there, around Python), and append what was written to ``kept``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            kept.append(sink.read().decode(errors="replace"))
+
+
+def _in_process_row(
+    backend: Backend, mesh: Mesh, step: Callable[[str], None], log: list[str]
+) -> tuple[str, ...]:
     t0 = time.perf_counter()
-    report = trial(backend, mesh)
-    ms = (time.perf_counter() - t0) * 1e3
-    return _cells(backend.name, report, f"{report.get('count', 0)} shards", ms)
+    with _stderr_kept(log):
+        report = trial(backend, mesh, step)
+    runs = f"1 ({report.get('count', 0)} devices)" if "count" in report else "1"
+    return _cells(backend.name, report, runs, time.perf_counter() - t0)
 
 
-def _launched_row(backend: Backend, spec: str, size: int) -> tuple[str, ...]:
-    """Run :func:`trial` in ``size`` processes under the backend's launcher; summarise."""
+def _launched_row(
+    backend: Backend, spec: str, size: int, step: Callable[[str], None], log: list[str]
+) -> tuple[str, ...]:
+    """Run :func:`trial` in ``size`` processes under the backend's launcher; summarise. The
+    workers' ``UNIMESH_STEP`` lines feed ``step`` as they arrive."""
     from rich.markup import escape
 
     name = backend.name
     if size > MAX_PROCESSES:
-        return (name, "[dim]skipped[/dim]", "-", "-", f"{size} processes is too many here")
+        return (name, "[dim]skipped[/dim]", str(size), "-", "-", "too many here")
     prefix, extra = backend.launcher(size) or ([sys.executable], {})
     env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
     cmd = [*prefix, "-m", "unimesh.cli.demo_worker", name, spec]
-    how = backend.launcher_name or os.path.basename(prefix[0])
+    runs = f"{size} ({backend.launcher_name or os.path.basename(prefix[0])})"
+    step(f"launching {size} processes")
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd,
@@ -143,24 +187,45 @@ def _launched_row(backend: Backend, spec: str, size: int) -> tuple[str, ...]:
         env=env,
         start_new_session=True,
     )
+    lines: list[str] = []
+    reached = [0] * size  # each process's furthest step, as an index into STEPS
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("UNIMESH_STEP "):
+                rank, _, what = line[len("UNIMESH_STEP ") :].strip().partition(" ")
+                if rank.isdigit() and int(rank) < size and what in STEPS:
+                    reached[int(rank)] = max(reached[int(rank)], STEPS.index(what))
+                    low = min(reached)
+                    step(f"{STEPS[low]} ({reached.count(low)} of {size} processes)")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        out, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        proc.wait(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return (name, "[red]launcher timed out[/red]", "-", "-", f"> {LAUNCH_TIMEOUT:.0f} s")
-    ms = (time.perf_counter() - t0) * 1e3
+        proc.wait()
+        reader.join(5)
+        log.append("".join(lines))
+        return (name, "[red]launcher timed out[/red]", runs, "-", "-", f"> {LAUNCH_TIMEOUT:.0f} s")
+    reader.join(5)
+    seconds = time.perf_counter() - t0
+    out = "".join(lines)
     reports = [
         json.loads(line[len("UNIMESH_DEMO ") :])
         for line in out.splitlines()
         if line.startswith("UNIMESH_DEMO ")
     ]
     if proc.returncode != 0 or len(reports) != size:
+        log.append(out)
         tail = out.strip().splitlines()[-1] if out.strip() else f"exit {proc.returncode}"
-        return (name, "[red]launcher failed[/red]", "-", "-", escape(tail[:70]))
+        return (name, "[red]launcher failed[/red]", runs, "-", "-", escape(tail[:70]))
     errors = [r for r in reports if "error" in r]
     if errors:
-        return _cells(name, errors[0], "", ms)
+        return _cells(name, errors[0], runs, seconds)
     merged = {
         "native": reports[0]["native"],
         "shards": all(r["shards"] for r in reports),
@@ -168,7 +233,7 @@ def _launched_row(backend: Backend, spec: str, size: int) -> tuple[str, ...]:
         if any(r["result"] is None for r in reports)
         else all(r["result"] for r in reports),
     }
-    return _cells(name, merged, f"{size} ranks ({how})", ms)
+    return _cells(name, merged, runs, seconds)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -177,11 +242,12 @@ def demo(args: argparse.Namespace) -> int:
 
     from rich.console import Console
     from rich.markup import escape
+    from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
     from ..registry import backends, get_backend, load_backend
 
-    console = Console(width=120)
+    console = Console()
     mesh = Mesh.from_string(args.mesh)
     layout, x, _ = demo_problem(mesh)
     installed = backends()
@@ -212,37 +278,69 @@ def demo(args: argparse.Namespace) -> int:
     console.print(grid)
 
     count, ok_tiles, ok_matmul, ref_ms = _reference(mesh)
-    table = Table(title="one mesh, every backend")
-    for col in ("backend", "native object", "shards vs reference", "result vs numpy", "time"):
+    table = Table(
+        title="one mesh, every backend",
+        caption="numpy: the core's reference blocks. time: from the framework's import, "
+        "launch included",
+    )
+    for col in ("backend", "native", "processes", "blocks", "matmul", "time"):
         table.add_column(col)
     table.add_row(
-        "reference (numpy)",
-        f"{count} blocks",
-        _mark(ok_tiles),
-        _mark(ok_matmul),
-        f"{ref_ms:.1f} ms",
+        "numpy", f"{count} blocks", "-", _mark(ok_tiles), _mark(ok_matmul), f"{ref_ms:.1f} ms"
     )
     failures = 0 if ok_tiles and ok_matmul else 1
     plugins = {name: load_backend(name) for name in chosen}
     launched = {name for name, be in plugins.items() if be.launcher(mesh.size) is not None}
-    for name, be in plugins.items():  # in-process frameworks hear how many devices, first
-        if name not in launched and be.available():
-            with contextlib.suppress(ImportError, UnimeshError):  # its row says what is missing
-                be.request_devices(max(8, mesh.size))
     absent = [be for be in plugins.values() if not be.available()]
-    for name, be in plugins.items():
-        if not be.available():
-            continue
-        if name in launched:
-            cells = _launched_row(get_backend(name), args.mesh, mesh.size)
-        else:
-            cells = _in_process_row(get_backend(name), mesh)
-        failures += "FAIL" in "".join(cells) or "failed" in cells[1] or "timed out" in cells[1]
-        table.add_row(*cells)
+    runnable = [name for name, be in plugins.items() if be.available()]
+    logs: dict[str, list[str]] = {name: [] for name in runnable}
+    progress = Progress(
+        SpinnerColumn(finished_text="[green]✓[/green]"),
+        TextColumn("[bold]{task.description:<12}"),
+        TextColumn("{task.fields[step]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        redirect_stdout=False,
+        redirect_stderr=False,  # frameworks' writes go to the log kept for a failed row
+    )
+    with progress:
+        tasks = {
+            name: progress.add_task(name, step="waiting", total=1, start=False) for name in runnable
+        }
+        for name in runnable:  # in-process frameworks hear how many devices, first
+            if name not in launched:
+                progress.start_task(tasks[name])
+                progress.update(tasks[name], step=f"importing {plugins[name].framework}")
+                with _stderr_kept(logs[name]), contextlib.suppress(ImportError, UnimeshError):
+                    plugins[name].request_devices(max(8, mesh.size))  # its row says what failed
+        for name in runnable:
+            task = tasks[name]
+            progress.start_task(task)
+
+            def step(what: str, task: TaskID = task) -> None:
+                progress.update(task, step=what)
+
+            if name in launched:
+                cells = _launched_row(get_backend(name), args.mesh, mesh.size, step, logs[name])
+            else:
+                cells = _in_process_row(get_backend(name), mesh, step, logs[name])
+            failed = "FAIL" in "".join(cells) or "failed" in cells[1] or "timed out" in cells[1]
+            failures += failed
+            progress.update(task, step="[red]failed[/red]" if failed else "done", completed=1)
+            progress.stop_task(task)
+            table.add_row(*cells)
+            if not failed:
+                logs[name].clear()
     console.print(table)
     for be in absent:  # a note under the table, not a row of dashes
         console.print(
             f"[dim]not run:[/dim] {be.name} ({be.framework} is not installed: "
             f"{escape(be.install_hint())})"
         )
+    for name, kept in logs.items():  # what a failed backend wrote, for its diagnosis
+        text = "".join(kept).strip()
+        if text:
+            console.print(f"[dim]{name} wrote:[/dim]")
+            console.print(escape("\n".join(text.splitlines()[-20:])), highlight=False)
     return 1 if failures else 0

@@ -94,6 +94,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _report(session.config, "total", len(session.items))
 
 
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    config = _config.get("config")
+    if config is not None:
+        _report(config, "running", location[2])
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     config = _config.get("config")
     if config is None:
