@@ -246,7 +246,7 @@ def test_convert_code_for_torch_and_mlx_names_every_group():
 def test_convert_bad_input_is_one_line_and_exit_2():
     for args, words in [
         (("dp=2", "--to", "nope"), "no backend named 'nope'"),
-        (("dp=2", "--to", "torch"), "needs a process group"),
+        (("dp=2,tp=4", "--to", "torch"), "--nproc-per-node=8 -m unimesh convert dp=2,tp=4 --to"),
         (("dp=0", "--to", "jax"), "must be >= 1, got 0"),
     ]:
         proc = run("convert", *args)

@@ -539,3 +539,23 @@ def test_errors_are_builtin_subclasses() -> None:
 def test_numpy_ints_are_accepted() -> None:
     m = Mesh(np.array([2, 2]), ("a", "b"), np.array([[1, 0], [3, 2]], dtype=np.int32))
     assert m.coords(np.int64(0)) == {"a": 0, "b": 1}
+
+
+def test_a_misspelt_axis_gets_the_close_match():
+    """A typo in an axis name is answered with the axis meant, in the mesh and in a layout;
+    a name close to none gets no guess."""
+    import pytest
+
+    import unimesh
+    from unimesh import Layout, P
+
+    mesh = unimesh.make_mesh({"data": 2, "model": 4})
+    with pytest.raises(
+        unimesh.MeshSpecError, match=r"unknown axis 'modle' \(did you mean 'model'\?\)"
+    ):
+        mesh.groups("modle")
+    with pytest.raises(unimesh.LayoutError, match=r"names axis 'dta' \(did you mean 'data'\?\)"):
+        Layout(mesh, P("dta", None))
+    with pytest.raises(unimesh.MeshSpecError) as caught:
+        mesh.groups("pipeline")
+    assert "did you mean" not in str(caught.value)

@@ -16,7 +16,7 @@ import numpy as np
 from ._validate import check_int
 from .errors import LayoutError
 from .mesh import Mesh
-from .messages import short
+from .messages import close_match, short
 from .placements import Placement, spec_from_placements, to_placements
 from .spec import PartitionSpec, _axes_of, _lfail
 
@@ -60,7 +60,8 @@ class Layout:
         for ax in spec.axes() + tuple(spec.partial):
             if ax not in mesh.axis_names:
                 _lfail(
-                    f"spec {spec!r} names axis {ax!r}, which is not in {mesh!r}; "
+                    f"spec {spec!r} names axis {ax!r}"
+                    f"{close_match(ax, mesh.axis_names)}, which is not in {mesh!r}; "
                     f"the axes are {mesh.axis_names}"
                 )
         object.__setattr__(self, "_mesh", mesh)

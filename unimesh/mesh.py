@@ -19,7 +19,7 @@ from ._validate import (
     check_size,
     fail,
 )
-from .messages import short
+from .messages import close_match, short
 
 __all__ = ["Mesh", "current_mesh", "make_mesh"]
 
@@ -383,7 +383,10 @@ class Mesh:
     def _axis_index(self, name: object) -> int:
         if isinstance(name, str) and name in self._names:
             return self._names.index(name)
-        fail(f"unknown axis {short(name)}; this mesh's axes are {self._names}")
+        fail(
+            f"unknown axis {short(name)}{close_match(name, self._names)}; "
+            f"this mesh's axes are {self._names}"
+        )
 
     def _axes(self, axes: object, what: str = "axes") -> tuple[str, ...]:
         """Normalise a name or a tuple of names to a non-empty tuple of distinct known axes."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import reprlib
 
-__all__ = ["first_line", "short"]
+__all__ = ["close_match", "first_line", "short"]
 
 _REPR = reprlib.Repr()
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 12
@@ -30,3 +30,17 @@ def first_line(exc: BaseException) -> str:
         if line.strip():
             return line.strip()
     return repr(exc)
+
+
+def close_match(name: object, choices: object) -> str:
+    """`` (did you mean 'dp'?)`` when ``name`` is a string close to one of ``choices`` (an
+    axis or backend name with a typo), else the empty string."""
+    if not isinstance(name, str) or len(name) > 200:
+        return ""
+    from difflib import get_close_matches  # on the error path only
+
+    options = (
+        [c for c in choices if isinstance(c, str)] if isinstance(choices, (list, tuple)) else []
+    )
+    near = get_close_matches(name, options[:1000], n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""

@@ -256,7 +256,8 @@ class TorchRuntime(ProcessBackend):
                 raise LaunchError(
                     f"the torch backend needs a process group, and the launcher's "
                     f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: run "
-                    "under torchrun (torchrun --standalone --nproc-per-node 4 script.py), or "
+                    "under torchrun (torchrun --standalone --nproc-per-node N script.py, one "
+                    "process per device of the mesh), or "
                     f"set {', '.join(needed)}"
                 )
             gpu = _gpu_per_rank()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -132,6 +133,7 @@ def _show(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from ..layout import Layout
     from ..registry import backends, get_backend, load_backend, require_layout, to_native
+    from ..runtime import detect_launcher
     from .show import parse_spec
 
     mesh = mesh_from_arg(args.spec)
@@ -154,6 +156,16 @@ def _convert(args: argparse.Namespace) -> int:
         print(code)
         return 0
     backend = get_backend(args.to)
+    launch = backend.launcher(mesh.size)
+    if launch is not None and not args.abstract and detect_launcher() is None:
+        again = ["convert", args.spec, "--to", args.to]
+        again += [] if args.layout is None else ["--layout", args.layout]
+        raise UnimeshError(
+            f"the {backend.name} backend builds a mesh of {mesh.size} devices from "
+            f"{mesh.size} processes; run this under its launcher: "
+            f"{shlex.join([*launch[0], '-m', 'unimesh', *again])}; "
+            "or add --code for the code to write"
+        )
     if args.abstract:
         native = to_native(mesh, backend, abstract=True)
     else:
