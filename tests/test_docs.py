@@ -110,19 +110,24 @@ def test_benchmark_data_has_every_section():
     }
 
 
-def test_landing_page_example_runs(tmp_path):
-    """The landing page's example prints device 6's block, JAX's sharding and the global sum."""
-    pytest.importorskip("jax")
-    (code,) = blocks("index.md", "python")
-    script = tmp_path / "landing.py"
+def _run_on_jax(code: str, script: Path) -> str:
+    """``code`` as a script with 8 JAX CPU devices: its output (it must exit 0)."""
     script.write_text(code)
     rc, out = run_bounded(
         [sys.executable, str(script)],
         env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
         120,
-        tmp_path,
+        script.parent,
     )
     assert rc == 0, out[-3000:]
+    return out
+
+
+def test_landing_page_example_runs(tmp_path):
+    """The landing page's example prints device 6's block, JAX's sharding and the global sum."""
+    pytest.importorskip("jax")
+    (code,) = blocks("index.md", "python")
+    out = _run_on_jax(code, tmp_path / "landing.py")
     lines = out.strip().splitlines()
     mesh = unimesh.make_mesh({"dp": 2, "tp": 4})
     assert lines[0] == repr(unimesh.Layout(mesh, P("dp", "tp")).shard_slices((8, 4), 6))
@@ -138,15 +143,7 @@ def test_quickstart_runs(tmp_path):
         "\nassert unimesh.from_native(x.sharding) == layout\n"
         "print(json.dumps(unimesh.full_array(row_sums(x)).ravel().tolist()))\n"
     )
-    script = tmp_path / "quickstart.py"
-    script.write_text("import json\n" + code)
-    rc, out = run_bounded(
-        [sys.executable, str(script)],
-        env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
-        120,
-        tmp_path,
-    )
-    assert rc == 0, out[-3000:]
+    out = _run_on_jax("import json\n" + code, tmp_path / "quickstart.py")
     assert json.loads(out.strip().splitlines()[-1]) == X.sum(axis=1).tolist()
     assert "Warning" not in out, out  # a new user's first run prints no framework warning
 
