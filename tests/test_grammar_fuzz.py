@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
@@ -39,7 +40,7 @@ def test_mesh_json(text: str) -> None:
 
 @_SETTINGS
 @given(grammar.mesh_dicts())
-@example({"axis_names": __import__("numpy").array(2), "shape": [1]})
+@example({"axis_names": np.array(2), "shape": [1]})
 @example({"axis_names": ["a"], "shape": [1], "devices_per_process": 10**30})
 def test_mesh_dict(d: object) -> None:
     grammar.check(Mesh.from_dict, d)

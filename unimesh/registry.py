@@ -25,7 +25,7 @@ from .errors import (
 )
 from .layout import Layout
 from .mesh import Mesh
-from .messages import short
+from .messages import close_match, short
 from .rules import LayoutMap
 
 if TYPE_CHECKING:
@@ -95,13 +95,10 @@ class _Registry:
                 return self._loaded[name]
             ep = self.entry_points().get(name)
             if ep is None:
-                from difflib import get_close_matches
-
                 choices = self.names()
-                near = get_close_matches(name, choices, n=1) if isinstance(name, str) else []
-                hint = f" (did you mean {near[0]!r}?)" if near else ""
                 raise BackendNotFoundError(
-                    f"no backend named {short(name)}{hint}; installed backends: "
+                    f"no backend named {short(name)}{close_match(name, choices)}; "
+                    "installed backends: "
                     f"{', '.join(choices) or 'none'}"
                 )
             try:

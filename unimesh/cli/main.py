@@ -267,14 +267,12 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         import re
-        from difflib import get_close_matches
+
+        from ..messages import close_match
 
         found = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
         if found:
-            choices = re.findall(r"'([^']*)'", found.group(2))
-            near = get_close_matches(found.group(1), choices, n=1)
-            if near:
-                message += f"; did you mean {near[0]!r}?"
+            message += close_match(found.group(1), re.findall(r"'([^']*)'", found.group(2)))
         super().error(message)
 
 
