@@ -559,3 +559,21 @@ def test_a_misspelt_axis_gets_the_close_match():
     with pytest.raises(unimesh.MeshSpecError) as caught:
         mesh.groups("pipeline")
     assert "did you mean" not in str(caught.value)
+
+
+def test_close_match_guesses_only_for_a_plain_name():
+    """messages.close_match answers any input without raising: a guess for a near string,
+    nothing for non-strings, huge names or choices that are not a list of names."""
+    from unimesh.messages import close_match
+
+    assert close_match("tpp", ("dp", "tp")) == " (did you mean 'tp'?)"
+    assert close_match("tpp", ["dp", 3, None, "tp"]) == " (did you mean 'tp'?)"
+    for name, choices in [
+        (5, ("dp",)),
+        (None, ("dp",)),
+        ("d" * 10**6, ("d" * 10**6,)),
+        ("dp", "dp"),
+        ("dp", iter(["dp"])),
+        ("zzz", ("dp", "tp")),
+    ]:
+        assert close_match(name, choices) == ""
