@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -60,33 +61,50 @@ def run_ranks(
     """Start one process per env (each in its own session), wait for all within ``limit``
     seconds; return exit codes, outputs and the seconds it took. On timeout every process
     group is killed and the test fails with what each printed."""
+    codes, outs, ends = run_ranks_timed(cmd, envs, limit, cwd)
+    return codes, outs, max(ends)
+
+
+def run_ranks_timed(
+    cmd: list[str], envs: list[dict[str, str]], limit: float, cwd: Path | None = None
+) -> tuple[list[int], list[str], list[float]]:
+    """:func:`run_ranks`, giving the seconds after the start at which each process ended."""
+    import tempfile
     import time
 
-    t0 = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,
-        )
-        for env in envs
-    ]
-    outs: list[str] = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, limit - (time.monotonic() - t0)))
-            outs.append(out)
-    except subprocess.TimeoutExpired:
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in envs]
+        t0 = time.monotonic()
+        procs = [
+            subprocess.Popen(
+                cmd,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+            for env, f in zip(envs, files, strict=True)
+        ]
+        ends: list[float | None] = [None] * len(procs)
+        while any(e is None for e in ends) and time.monotonic() - t0 < limit:
+            for i, p in enumerate(procs):
+                if ends[i] is None and p.poll() is not None:
+                    ends[i] = time.monotonic() - t0
+            time.sleep(0.05)
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-        rest = [p.communicate()[0] for p in procs[len(outs) :]]
+                p.wait()
+        outs = []
+        for f in files:
+            f.seek(0)
+            outs.append(f.read())
+    if any(e is None for e in ends):
         pytest.fail(
-            f"{cmd} did not finish within {limit} s; outputs:\n"
-            + "\n---\n".join(o[-1500:] for o in outs + rest)
+            f"{cmd} did not finish within {limit} s (processes "
+            f"{[i for i, e in enumerate(ends) if e is None]} were killed); outputs:\n"
+            + "\n---\n".join(o[-1500:] for o in outs)
         )
-    return [p.returncode for p in procs], outs, time.monotonic() - t0
+    return [p.returncode for p in procs], outs, [float(e or 0.0) for e in ends]

@@ -9,7 +9,8 @@ small: the mesh needs one device more than the world has (exit 5).
 stuck: process 1 sleeps 40 s before its check; the others must say a peer is gone or stuck
     within their 15 s timeout instead of waiting (exit 4).
 never: process 1 never starts the runtime (it sleeps 40 s first); the others' initialize must
-    end within its 20 s timeout, naming the process that did not join where the engine says.
+    end within its 20 s timeout, naming the process that did not join (exit 6).
+never0: the same with process 0, the coordinator (JAX).
 Each process prints one VERIFY line saying what it checked.
 """
 
@@ -42,7 +43,7 @@ launched_world = next(
     ),
     "0",
 )
-if mode == "never" and launched_rank == "1":
+if (mode, launched_rank) in (("never", "1"), ("never0", "0")):
     time.sleep(40)
     sys.exit(0)
 try:

@@ -27,6 +27,8 @@ from unimesh import (
 from unimesh.messages import first_line, short
 from unimesh.parallel import AxisEnv
 
+from .runtime import leave_without_peers, rendezvous
+
 __all__ = [
     "JaxAxisEnv",
     "JaxBackend",
@@ -117,6 +119,19 @@ _JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 _EXCHANGES = [0]
 
 
+def _absent(client: Any, key: str, others: range) -> list[int]:
+    """Which of ``others`` have not set their part of the exchange ``key`` (asked without
+    waiting; a service that is gone answers for none)."""
+    failed = _jax().errors.JaxRuntimeError
+    out = []
+    for other in others:
+        try:
+            client.key_value_try_get_bytes(f"{key}{other}")
+        except failed:  # NOT_FOUND, or the service is unreachable
+            out.append(other)
+    return out
+
+
 class JaxBackend(Backend):
     """JAX (>= 0.5): ``jax.sharding.Mesh``, ``NamedSharding`` and ``jax.Array``."""
 
@@ -186,6 +201,12 @@ class JaxBackend(Backend):
                     f"{given['JAX_NUM_PROCESSES']!r} and "
                     f"{given['JAX_PROCESS_ID']!r}"
                 ) from None
+            if not 0 <= pid < procs:
+                raise LaunchError(
+                    f"JAX_PROCESS_ID={pid} must be in 0..JAX_NUM_PROCESSES-1 "
+                    f"(JAX_NUM_PROCESSES={procs})"
+                )
+            rendezvous(address, procs, pid, timeout)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             try:
                 # a peer silent for longer than this is gone (JAX's default: 100 s), and the
@@ -230,9 +251,12 @@ class JaxBackend(Backend):
             try:
                 out.append(bytes(client.blocking_key_value_get_bytes(f"{key}{other}", left)))
             except Exception as exc:  # JaxRuntimeError: deadline exceeded, service gone
+                absent = [other, *_absent(client, key, range(other + 1, count))]
+                leave_without_peers()
                 first = first_line(exc)
+                who = f"process {other}" if len(absent) == 1 else f"processes {absent}"
                 raise MeshMismatchError(
-                    f"process {index} of {count}: process {other} did not take part in the check "
+                    f"process {index} of {count}: {who} did not take part in the check "
                     f"within {timeout:.0f} s; a peer process is gone or stuck ({first[:200]})"
                 ) from exc
         return out
