@@ -57,12 +57,14 @@ def absent(mode: str) -> int | None:
 
 
 def check_mode(
-    mode: str, verdicts: dict[int, str], codes: dict[int, int], names: str | None = None
+    mode: str, verdicts: dict[int, str], codes: dict[int, int] | None, names: str | None = None
 ) -> None:
-    """What every rank must have said and returned for ``mode``; with ``names`` (a regex),
-    every surviving rank must name the missing process so."""
+    """What every rank must have said and returned for ``mode`` (its exit code unless
+    ``codes`` is None: a launcher that ends the others on the first failure decides theirs);
+    with ``names`` (a regex), every surviving rank must name the missing process so."""
     alive = [r for r in range(N) if r != absent(mode)]
     assert sorted(verdicts) == alive, verdicts
+    codes = codes or {r: {"never": 6, "never0": 6}.get(mode, 4) for r in alive}
     for r in alive:
         text = verdicts[r]
         if mode == "clean":
@@ -137,9 +139,12 @@ def test_torch_gloo_processes(mode, tmp_path):
     )
 
 
-@pytest.mark.parametrize("mode", ["clean", "disagree"])
+@pytest.mark.parametrize("mode", ["clean", "disagree", "stuck", "never"])
 def test_torch_under_torchrun(mode, tmp_path):
+    """Under torchrun (its agent hosts the store): every rank that is not the stuck or
+    never-started one names rank 1 before the agent ends the job on the first failure."""
     pytest.importorskip("torch.distributed")
+    t0 = time.monotonic()
     rc, out = run_bounded(
         [
             sys.executable,
@@ -155,14 +160,21 @@ def test_torch_under_torchrun(mode, tmp_path):
         LIMIT + 30,
         tmp_path,
     )
+    took = time.monotonic() - t0
     verdicts = lines(out)
-    assert sorted(verdicts) == list(range(N)), out[-3000:]
     if mode == "clean":
+        assert sorted(verdicts) == list(range(N)), out[-3000:]
         assert rc == 0 and all(" ok after" in v for v in verdicts.values()), out[-3000:]
-    else:
+    elif mode == "disagree":
+        assert sorted(verdicts) == list(range(N)), out[-3000:]
         assert rc != 0 and all("processes [1] have device_order" in v for v in verdicts.values()), (
             out[-3000:]
         )
+    else:
+        assert rc != 0, out[-3000:]
+        check_mode(mode, verdicts, None, names=r"rank 1 did not arrive")
+        # the agent ends the job once the first rank fails, the stuck one too
+        assert took < (GONE_BOUND if mode == "stuck" else NEVER_BOUND), (took, out[-3000:])
 
 
 def test_torchrun_with_a_killed_worker_stops_every_rank(tmp_path):

@@ -54,6 +54,7 @@ except unimesh.LaunchError as exc:
         f"{time.monotonic() - t0:.1f}s: {exc}",
         flush=True,
     )
+    time.sleep(1.0)  # as below: every rank prints before a launcher ends the rest
     sys.exit(6)
 size = world
 mesh = unimesh.Mesh((2, size // 2), ("dp", "tp"))

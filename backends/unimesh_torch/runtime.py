@@ -64,6 +64,9 @@ def _launch_numbers() -> tuple[int, int]:
         ) from exc
 
 
+_LINGERING: list[bool] = []
+
+
 def _store(rank: int, world: int, timeout: float) -> Any:
     """The TCPStore at ``MASTER_ADDR:MASTER_PORT``, as ``init_process_group``'s env:// would
     make it (rank 0 hosts it, or torchrun's agent does), kept so that every rank can read who
@@ -99,12 +102,18 @@ def _missing(store: Any, stage: str, world: int) -> str:
 
 
 def _linger(rank: int, timeout: float) -> None:
-    """On rank 0 after a failure: stay a few seconds before the error can end this process.
-    Outside torchrun rank 0 hosts the store, and the other ranks, whose own timeouts end about
-    now, can then still read from it which rank is missing (under torchrun, whose agent hosts
-    the store, the wait is harmless)."""
-    if rank == 0 and _STORE:
-        time.sleep(min(5.0, timeout / 4))
+    """On rank 0 after a failure, when it hosts the store (outside torchrun, whose agent hosts
+    it): stay a few seconds at exit, so that the other ranks, whose own timeouts end about now,
+    can still read from the store which rank is missing. At exit, not before the error: the
+    error is shown at once, and a launcher that ends the others on the first failure does not
+    end this one before it has said why."""
+    import atexit
+    import os
+
+    hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
+    if hosts and _STORE and not _LINGERING:
+        _LINGERING.append(True)
+        atexit.register(time.sleep, min(5.0, timeout / 4))
 
 
 def _finish_process_group() -> None:
