@@ -23,6 +23,7 @@ _LIVE: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
 _LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but weakly referable
 _REGISTERED = False
 _ENGINES: weakref.WeakSet[MLXRuntime] = weakref.WeakSet()  # their programs' pending results
+_CHECKS = [0]  # mesh checks so far (each a sign-in stage)
 _STARTED: list[Any] = []  # the world group, once initialize() checked it
 
 
@@ -95,24 +96,118 @@ def launcher_world_size() -> tuple[int, str] | None:
     return None
 
 
+def _roll_call() -> tuple[str, bool] | None:
+    """This job's sign-in directory on this machine (each process leaves a file there before
+    each step the watchdog guards, so that the watchdog can name who never came), and whether
+    every process of the job runs on this machine. None when the launcher names no job, or the
+    directory is not this user's alone."""
+    import hashlib
+    import json
+    import stat
+    import tempfile
+
+    job = os.environ.get("PMIX_NAMESPACE")  # one mpirun job (OpenMPI 4 and 5)
+    if job:
+        local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+        key, single = f"mpi {job}", bool(local) and local == os.environ.get("OMPI_COMM_WORLD_SIZE")
+    elif os.environ.get("MLX_HOSTFILE"):
+        try:
+            with open(os.environ["MLX_HOSTFILE"], "rb") as fh:
+                text = fh.read(1 << 20)
+            hosts = json.loads(text)
+            single = len({str(a).rpartition(":")[0] for row in hosts for a in row}) == 1
+        except (OSError, ValueError, TypeError):
+            return None
+        key = "ring " + hashlib.sha256(text).hexdigest()  # one launch's random ports
+    else:
+        return None
+    # with the launcher's process id (the parent of every process of the job on this machine):
+    # mlx.launch reuses its ports, and a job ended by a signal leaves its sign-ins behind
+    digest = hashlib.sha256(f"{key} {os.getppid()}".encode()).hexdigest()[:16]
+    prefix = os.path.join(tempfile.gettempdir(), f"unimesh-mlx-{os.getuid()}-")
+    path = prefix + digest
+    _sweep(prefix)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return None
+    return path, single
+
+
+def _sweep(prefix: str) -> None:
+    """Remove this user's sign-in directories of jobs older than a day (a process the watchdog
+    ended never ran its exit hook)."""
+    import glob
+    import shutil
+    import time
+
+    for old in glob.glob(glob.escape(prefix) + "*"):
+        with contextlib.suppress(OSError):
+            if time.time() - os.lstat(old).st_mtime > 86400:
+                shutil.rmtree(old)
+
+
+_SIGNED: list[str] = []
+
+
+def _sign_in(where: str, stage: str, rank: str) -> None:
+    """Leave ``stage.rank`` in the job's directory (removed at exit)."""
+    name = os.path.join(where, f"{stage}.{rank}")
+    try:
+        with open(name, "w"):
+            pass
+    except OSError:
+        return
+    if not _SIGNED:
+        atexit.register(_sign_out)
+    _SIGNED.append(name)
+
+
+def _sign_out() -> None:
+    for name in _SIGNED:
+        with contextlib.suppress(OSError):
+            os.remove(name)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(_SIGNED[0]))  # the last process of the job to leave
+
+
 # The watchdog process: waits on its stdin (closed by this process when the call is done, or by
-# the kernel when this process dies); after the time is up, says so and ends this process.
+# the kernel when this process dies); after the time is up, says so (naming, from the job's
+# sign-in directory, the ranks that never came) and ends this process.
 _WATCHDOG = """
 import os, select, signal, sys
-pid, seconds = int(sys.argv[1]), float(sys.argv[2])
-if not select.select([sys.stdin], [], [], seconds)[0]:
-    sys.stderr.write(sys.argv[3])
+pid, seconds, message, where, stage, world, single = sys.argv[1:8]
+if not select.select([sys.stdin], [], [], float(seconds))[0]:
+    if where:
+        try:
+            came = {n[len(stage) + 1:] for n in os.listdir(where) if n.startswith(stage + ".")}
+        except OSError:
+            came = None
+        if came is not None and single == "1":
+            absent = [r for r in range(int(world)) if str(r) not in came]
+            if absent:
+                who = "rank %d" % absent[0] if len(absent) == 1 else "ranks %s" % absent
+                message += ": %s never reached it (of %s processes, all on this machine)" % (
+                    who, world)
+        elif came is not None:
+            message += ": of the processes on this machine, ranks %s reached it" % sorted(
+                int(r) for r in came if r.isdigit())
+    sys.stderr.write(message + "; MLX cannot interrupt it, so this process is ended (SIGTERM)\\n")
     sys.stderr.flush()
-    os.kill(pid, signal.SIGTERM)
+    os.kill(int(pid), signal.SIGTERM)
     if not select.select([sys.stdin], [], [], 5.0)[0]:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(int(pid), signal.SIGKILL)
 """
 
 
 @contextlib.contextmanager
-def watchdog(seconds: float, what: str) -> Iterator[None]:
+def watchdog(seconds: float, what: str, stage: str = "", rank: str = "?") -> Iterator[None]:
     """MLX collectives cannot be interrupted: if ``what`` does not finish within ``seconds``,
-    say so on stderr and end this process (SIGTERM) instead of hanging.
+    say so on stderr and end this process (SIGTERM) instead of hanging. With a ``stage``, this
+    process signs in for it first, and the message names the ranks that never did.
 
     A process, not a thread: ``mx.distributed.init()`` under mpirun holds the GIL while it
     waits for a peer that never starts, so no Python thread of this process would ever run
@@ -122,11 +217,29 @@ def watchdog(seconds: float, what: str) -> Iterator[None]:
 
     message = (
         f"unimesh: {what} did not finish within {seconds:.0f} s: a peer process never "
-        "started, is gone or is stuck; MLX cannot interrupt it, so this process is ended "
-        "(SIGTERM)\n"
+        "started, is gone or is stuck"
     )
+    where, single = "", False
+    world = launcher_world_size()
+    roll = _roll_call() if stage and world is not None else None
+    if roll is not None:
+        where, single = roll
+        _sign_in(where, stage, rank)
     guard = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(seconds), message],
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            _WATCHDOG,
+            str(os.getpid()),
+            str(seconds),
+            message,
+            where,
+            stage,
+            str(world[0] if world else 0),
+            "1" if single else "0",
+        ],
         stdin=subprocess.PIPE,
     )
     try:
@@ -156,7 +269,7 @@ class MLXRuntime(ProcessBackend):
                 (os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "MLX_RANK") if v in os.environ),
                 "?",
             )
-            with watchdog(timeout, f"mx.distributed.init() on rank {rank_hint}"):
+            with watchdog(timeout, f"mx.distributed.init() on rank {rank_hint}", "init", rank_hint):
                 world = _init_world()
             expected = launcher_world_size()
             if expected is not None and expected[0] != int(world.size()):
@@ -179,7 +292,13 @@ class MLXRuntime(ProcessBackend):
         if world_size == 1:
             return [payload]
         world = _STARTED[0]
-        with watchdog(timeout, f"the mesh check on rank {rank} of {world_size}"):
+        _CHECKS[0] += 1
+        with watchdog(
+            timeout,
+            f"the mesh check on rank {rank} of {world_size}",
+            f"check{_CHECKS[0]}",
+            str(rank),
+        ):
             try:
                 sizes = mx.distributed.all_gather(
                     mx.array([len(payload)], dtype=mx.int32), group=world
