@@ -10,6 +10,7 @@ each input are recorded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
@@ -98,8 +99,20 @@ class Report:
 _WATCH = {"on": False, "seen": []}  # type: dict[str, Any]
 
 
+def _importing() -> bool:
+    """Whether the event comes from Python importing a module (a parser's first use may import
+    a module of unimesh, or RE2, lazily; pytest rewrites some on the way): importlib's frames
+    are on the stack. A parser that evaluates text has none."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if _WATCH["on"] and event.startswith(FORBIDDEN):
+    if _WATCH["on"] and event.startswith(FORBIDDEN) and not _importing():
         _WATCH["seen"].append(event)
 
 
@@ -110,6 +123,17 @@ def _install_hook() -> None:
     if not _HOOKED[0]:
         sys.addaudithook(_audit)  # permanent, but silent unless a parser is running
         _HOOKED[0] = True
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[list[str]]:
+    """The FORBIDDEN audit events raised inside the block (the list fills as they happen)."""
+    _install_hook()
+    _WATCH["on"], _WATCH["seen"] = True, []
+    try:
+        yield _WATCH["seen"]
+    finally:
+        _WATCH["on"] = False
 
 
 def mutate_text(rng: random.Random, text: str) -> str:

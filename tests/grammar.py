@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import Config, Mesh
 
-from .fuzzing import _show
+from .fuzzing import _show, watching
 
 # ---------------------------------------------------------------- lexical pieces
 
@@ -363,15 +363,23 @@ FAMILIES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
 
 def check(parse: Callable[[Any], Any], value: Any) -> str:
     """Parse ``value``: the outcome's class name ("accepted" or a UnimeshError's). Raises
-    AssertionError for anything else, or when an accepted value does not round-trip."""
+    AssertionError for anything else, when an accepted value does not round-trip, or when the
+    parser evaluated, compiled, unpickled or ran anything (fuzzing's audit hook)."""
     try:
-        got = parse(value)
+        with watching() as seen:
+            got = parse(value)
+        if seen:
+            raise AssertionError(f"parsing {_show(value)} triggered {seen[:3]}")
     except unimesh.UnimeshError as exc:
+        if seen:
+            raise AssertionError(f"parsing {_show(value)} triggered {seen[:3]}") from exc
         if not str(exc).strip():
             raise AssertionError(
                 f"{type(exc).__name__} with no message for {_show(value)}"
             ) from exc
         return type(exc).__name__
+    except AssertionError:
+        raise
     except BaseException as exc:
         raise AssertionError(f"{type(exc).__name__}: {str(exc)[:300]} from {_show(value)}") from exc
     if isinstance(got, Mesh):

@@ -89,3 +89,21 @@ def test_the_property_catches_a_foreign_exception() -> None:
         grammar.check(bad, "x")
     with pytest.raises(AssertionError, match="no message"):
         grammar.check(lambda _: (_ for _ in ()).throw(unimesh.MeshSpecError("  ")), "x")
+
+
+def test_the_property_catches_a_parser_that_evaluates() -> None:
+    """check() watches audit events: a parser that evaluates its input is reported, whether it
+    then returns or raises a UnimeshError."""
+
+    def evaluating(text: object) -> object:
+        return Mesh.from_string(str(eval(str(text))))
+
+    def evaluating_then_refusing(text: object) -> object:
+        eval(str(text))
+        raise unimesh.MeshSpecError("refused")
+
+    with pytest.raises(AssertionError, match=r"triggered \['exec'|triggered \['compile'"):
+        grammar.check(evaluating, "'dp=2'")
+    with pytest.raises(AssertionError, match="triggered"):
+        grammar.check(evaluating_then_refusing, "1")
+    assert grammar.check(Mesh.from_string, "dp=2") == "accepted"
