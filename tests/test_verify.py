@@ -562,3 +562,26 @@ def test_mismatch_message_names_processes_and_fields():
     text = _describe(prints)
     assert "processes [1] have shape [4, 2] where processes [0, 2, 4] have [2, 4]" in text
     assert "processes [3] have axis_names ['x', 'tp'] where processes [0, 2, 4]" in text
+
+
+def test_the_fault_benchmark_reports_a_run(tmp_path):
+    """benchmarks/faults.py (the exit-time table of docs/robustness.md) runs and reads its run:
+    every process named the differing one."""
+    pytest.importorskip("jax")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "faults.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--engines", "jax", "--modes", "disagree"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=base_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = re.search(
+        r"^\| jax \| disagree \| 15 s \| ([\d.]+)-([\d.]+) s \| ([\d.]+) s \| 4 of 4 "
+        r"\| 3, 3, 3, 3 \|$",
+        proc.stdout,
+        re.MULTILINE,
+    )
+    assert row and float(row[2]) <= float(row[3]) < LIMIT, proc.stdout
