@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.launch import free_port, run_bounded, run_ranks_timed
-from tests.test_verify import WORKER, base_env, jax_envs, lines, mlx_command
+from tests.launch import run_bounded, run_ranks_timed
+from tests.test_verify import WORKER, base_env, jax_envs, lines, mlx_command, torch_envs
 
 N = 4
 NAMES = {
@@ -39,20 +39,6 @@ MODES = {
     "ring": ["die", "stuck", "never", "disagree"],
 }
 TIMEOUT = {"die": 15, "stuck": 15, "disagree": 15, "never": 20, "never0": 20}
-
-
-def torch_envs() -> list[dict[str, str]]:
-    port = str(free_port())
-    return [
-        base_env(
-            RANK=str(r),
-            WORLD_SIZE=str(N),
-            LOCAL_RANK=str(r),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        for r in range(N)
-    ]
 
 
 def one(engine: str, mode: str, tmp: Path) -> dict[str, str]:

@@ -120,23 +120,22 @@ def test_torch_gloo_processes(mode, tmp_path):
     """Every surviving rank names rank 1 when it is gone, stuck or never started (read from
     the rendezvous store, which every rank can ask), not only rank 0."""
     pytest.importorskip("torch.distributed")
+    plain_processes("torch", mode, torch_envs(), tmp_path, names=r"rank 1 did not arrive")
+
+
+def torch_envs() -> list[dict[str, str]]:
+    """N processes' torch.distributed variables (env://), rank 0's store on a free port."""
     port = str(free_port())
-    plain_processes(
-        "torch",
-        mode,
-        [
-            base_env(
-                RANK=str(r),
-                WORLD_SIZE=str(N),
-                LOCAL_RANK=str(r),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-            )
-            for r in range(N)
-        ],
-        tmp_path,
-        names=r"rank 1 did not arrive",
-    )
+    return [
+        base_env(
+            RANK=str(r),
+            WORLD_SIZE=str(N),
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        for r in range(N)
+    ]
 
 
 @pytest.mark.parametrize("mode", ["clean", "disagree", "stuck", "never"])
