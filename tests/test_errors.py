@@ -455,6 +455,24 @@ CASES: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         "devices_per_process must be <= 67108864",
     ),
     (
+        "mesh-shape-range-1e18",
+        lambda: Mesh(range(10**18), ("a",)),
+        MeshSpecError,
+        "mesh shape has more than 1048576 entries (range(0, 1000000000000000000)); a mesh has at",
+    ),
+    (
+        "mesh-shape-range-beyond-maxsize",
+        lambda: Mesh((2,), range(10**20)),
+        MeshSpecError,
+        "axis_names has more than 1048576 entries (range(0, 100000000000000000000))",
+    ),
+    (
+        "mesh-shape-endless-iterator",
+        lambda: Mesh(iter(int, 1), ("a",)),
+        MeshSpecError,
+        "mesh shape has more than 1048576 entries (<callable_iterator",
+    ),
+    (
         "mesh-names-0d-array",
         lambda: Mesh((2,), np.array(2)),
         MeshSpecError,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import re
@@ -15,6 +16,7 @@ from .messages import short
 #: rejected before any array is allocated.
 MAX_DEVICES = 1 << 26
 MAX_AXES = 64  # numpy's limit on array dimensions
+_MOST_ENTRIES = 1 << 20  # longest per-axis sequence read before the axis-count check
 
 AXIS_TYPES = ("auto", "explicit", "manual")
 
@@ -65,9 +67,22 @@ def as_tuple(value: object, what: str, cls: type[Exception] = MeshSpecError) -> 
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         fail(f"{what} must be a tuple or list, got {short(value)} ({type(value).__name__})", cls)
     try:
-        return tuple(value)
+        count = len(value)  # type: ignore[arg-type]
+    except OverflowError:  # a range longer than sys.maxsize
+        count = _MOST_ENTRIES + 1
+    except TypeError:  # a generator, or a 0-d numpy array
+        count = -1
+    try:
+        items = tuple(itertools.islice(value, _MOST_ENTRIES + 1)) if count <= _MOST_ENTRIES else ()
     except TypeError:  # iterable by type but not by value: a 0-d numpy array
         fail(f"{what} must be a tuple or list, got {short(value)} ({type(value).__name__})", cls)
+    if count > _MOST_ENTRIES or len(items) > _MOST_ENTRIES:
+        fail(
+            f"{what} has more than {_MOST_ENTRIES} entries ({short(value)}); a mesh has at most "
+            f"{MAX_AXES} axes",
+            cls,
+        )
+    return items
 
 
 def check_ndim(ndim: int) -> None:
