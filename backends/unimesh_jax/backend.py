@@ -177,9 +177,10 @@ class JaxBackend(Backend):
     def initialize(self, timeout: float) -> tuple[int, int]:
         """``jax.distributed.initialize`` (gloo CPU collectives) from ``JAX_COORDINATOR_ADDRESS``,
         ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, every process joining within ``timeout``
-        seconds; a peer that stops sending heartbeats for ``timeout`` seconds (at least 10, at
-        most JAX's default 100) is gone, and JAX ends the others. None of the three: one
-        process."""
+        seconds (checked first by :func:`~unimesh_jax.runtime.rendezvous`, which names a
+        process that never came); a peer that stops sending heartbeats for ``timeout`` seconds
+        (at least 10, at most JAX's default 100) is gone, and JAX ends the others. None of the
+        three: one process."""
         import os
 
         given = {v: os.environ.get(v) for v in _JAX_ENV}
