@@ -147,7 +147,8 @@ def _join(host: str, port: int, pid: int, procs: int, timeout: float, address: s
             if time.monotonic() >= deadline:
                 return (
                     f"process 0 of {procs} (the coordinator, {address}) did not start within "
-                    f"{timeout:.0f} s"
+                    f"{timeout:.0f} s, or the others met without this process (is "
+                    f"JAX_PROCESS_ID={pid} given twice?)"
                 )
             time.sleep(0.05)
     with conn:
@@ -157,7 +158,8 @@ def _join(host: str, port: int, pid: int, procs: int, timeout: float, address: s
     if line is None:
         return (
             f"process 0 of {procs} ({address}) gave no answer within {timeout:.0f} s (is "
-            "another program on that port, or did process 0 stop?)"
+            "another program on that port, did process 0 stop, or did the others meet without "
+            f"this process: is JAX_PROCESS_ID={pid} given twice?)"
         )
     return "" if line == "ok" else line
 
