@@ -27,7 +27,7 @@ from unimesh import (
 from unimesh.messages import first_line, short
 from unimesh.parallel import AxisEnv
 
-from .runtime import leave_without_peers, rendezvous
+from .runtime import leave_without_peers, processes, rendezvous
 
 __all__ = [
     "JaxAxisEnv",
@@ -255,10 +255,10 @@ class JaxBackend(Backend):
                 absent = [other, *_absent(client, key, range(other + 1, count))]
                 leave_without_peers()
                 first = first_line(exc)
-                who = f"process {other}" if len(absent) == 1 else f"processes {absent}"
                 raise MeshMismatchError(
-                    f"process {index} of {count}: {who} did not take part in the check "
-                    f"within {timeout:.0f} s; a peer process is gone or stuck ({first[:200]})"
+                    f"process {index} of {count}: {processes(absent)} did not take part in the "
+                    f"check within {timeout:.0f} s; a peer process is gone or stuck "
+                    f"({first[:200]})"
                 ) from exc
         return out
 

@@ -21,8 +21,9 @@ import time
 from typing import Any
 
 from unimesh import LaunchError
+from unimesh.messages import short
 
-__all__ = ["leave_without_peers", "rendezvous", "split_address"]
+__all__ = ["leave_without_peers", "processes", "rendezvous", "split_address"]
 
 _HELLO = re.compile(r"unimesh-jax (\d{1,9}) (\d{1,9})")
 _LINE = 4096  # longest line either side reads
@@ -64,8 +65,9 @@ def _read_line(conn: socket.socket, deadline: float) -> str | None:
         return None
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {ranks}"
+def processes(ranks: list[int]) -> str:
+    """``process 1`` or ``processes [1, 3]`` (a long list cut short, as the core's messages)."""
+    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {short(ranks, 60)}"
 
 
 def _serve(port: int, procs: int, timeout: float, address: str) -> str:
@@ -115,8 +117,8 @@ def _serve(port: int, procs: int, timeout: float, address: str) -> str:
         if missing:
             problems.insert(
                 0,
-                f"{_ranks(missing)} of {procs} did not start within {timeout:.0f} s (the "
-                f"coordinator {address} heard from {_ranks([0, *sorted(came)])})",
+                f"{processes(missing)} of {procs} did not start within {timeout:.0f} s (the "
+                f"coordinator {address} heard from {processes([0, *sorted(came)])})",
             )
         verdict = "; ".join(problems)
         for conn in [*came.values(), *extra]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import weakref
 from collections.abc import Iterator
@@ -96,11 +97,13 @@ def launcher_world_size() -> tuple[int, str] | None:
     return None
 
 
+@functools.cache
 def _roll_call() -> tuple[str, bool] | None:
     """This job's sign-in directory on this machine (each process leaves a file there before
     each step the watchdog guards, so that the watchdog can name who never came), and whether
     every process of the job runs on this machine. None when the launcher names no job, or the
-    directory is not this user's alone."""
+    directory is not this user's alone. Found (and old jobs' directories swept) once per
+    process: the launcher's variables do not change."""
     import hashlib
     import json
     import stat
@@ -204,10 +207,10 @@ if not select.select([sys.stdin], [], [], float(seconds))[0]:
 
 
 @contextlib.contextmanager
-def watchdog(seconds: float, what: str, stage: str = "", rank: str = "?") -> Iterator[None]:
+def watchdog(seconds: float, what: str, stage: str, rank: str) -> Iterator[None]:
     """MLX collectives cannot be interrupted: if ``what`` does not finish within ``seconds``,
-    say so on stderr and end this process (SIGTERM) instead of hanging. With a ``stage``, this
-    process signs in for it first, and the message names the ranks that never did.
+    say so on stderr and end this process (SIGTERM) instead of hanging. This process (``rank``)
+    signs in for ``stage`` first, and the message names the ranks that never did.
 
     A process, not a thread: ``mx.distributed.init()`` under mpirun holds the GIL while it
     waits for a peer that never starts, so no Python thread of this process would ever run
@@ -221,7 +224,7 @@ def watchdog(seconds: float, what: str, stage: str = "", rank: str = "?") -> Ite
     )
     where, single = "", False
     world = launcher_world_size()
-    roll = _roll_call() if stage and world is not None else None
+    roll = _roll_call() if world is not None else None
     if roll is not None:
         where, single = roll
         _sign_in(where, stage, rank)
