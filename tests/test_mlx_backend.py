@@ -61,3 +61,32 @@ def test_bad_inputs():
         unimesh.to_native(ONE, "mlx", colour="red")
     with pytest.raises(unimesh.ConversionError, match="converts MLXMesh and mx.Device"):
         unimesh.from_native(mx.array([1.0]))
+
+
+def test_gradient_rules_only_where_a_gradient_can_reach():
+    """A program skips its gradient rules for an argument's block made from host data (no MLX
+    transform can differentiate it: they trace new array objects), and keeps them for every
+    other array, including the tracer mx.grad hands the function."""
+    be = unimesh.get_backend("mlx")
+    shard = unimesh.distribute(np.ones((2, 2), np.float32), Layout(ONE, P()), "mlx")
+    assert not be.needs_grad(shard.local)
+    assert be.needs_grad(shard.local * 2) and be.needs_grad(mx.ones(2))
+    seen: list[bool] = []
+
+    def loss(a):  # type: ignore[no-untyped-def]
+        seen.append(be.needs_grad(a))
+        return (a * a).sum()
+
+    grad = mx.grad(loss)(shard.local)
+    assert seen == [True]
+    np.testing.assert_array_equal(np.array(grad), 2 * np.ones((2, 2)))
+    kept = mx.ones((2, 2))
+    assert be.needs_grad(unimesh.from_local({0: kept}, Layout(ONE, P()), (2, 2), "mlx").local)
+    made = unimesh.from_local({0: np.ones((2, 2))}, Layout(ONE, P()), (2, 2), "mlx")
+    assert not be.needs_grad(made.local)
+    key = id(made.local)
+    del made, shard
+    assert all(be.needs_grad(mx.zeros(1)) for _ in range(100))  # ids reused: never fresh
+    from unimesh_mlx.translate import _FRESH
+
+    assert key not in _FRESH

@@ -62,6 +62,7 @@ class AxisEnv:
         #: this process's logical device id, where one device runs the function (torch, MLX)
         self.device = device
         self._checked: dict[Any, tuple[str, ...]] = {}
+        self._sizes: dict[tuple[str, ...], int] = {}
 
     def axes(self, axis: Any, call: str) -> tuple[str, ...]:
         """``axis`` (a name or a sequence of names) checked against the mesh, as a tuple."""
@@ -74,7 +75,11 @@ class AxisEnv:
             return names
 
     def size(self, axes: tuple[str, ...]) -> int:
-        return math.prod(self.mesh.axis_size(a) for a in axes)
+        try:
+            return self._sizes[axes]
+        except KeyError:
+            n = self._sizes[axes] = math.prod(self.mesh.axis_size(a) for a in axes)
+            return n
 
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         """``op`` ("sum", "max" or "min") over the devices that differ only along ``axes``."""

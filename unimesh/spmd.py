@@ -431,6 +431,8 @@ class ProcessAxisEnv(AxisEnv):
         self._world: Group | None = None
         self._can_split: bool | None = None if "split" in self.native else False
         self._fns: dict[Any, Callable[[Any], Any]] = {}
+        self._reducers: dict[tuple[tuple[str, ...], str], Callable[[Any], Any]] = {}
+        self._edges: dict[Any, Callable[[Any], Any]] = {}
         self._in: dict[Layout, Any] = {}
         self._out: dict[Layout, int] = {}
         self._last: Any = None  # the latest collective's result (lazy backends)
@@ -646,9 +648,17 @@ class ProcessAxisEnv(AxisEnv):
         return self.be.tag(out, have - set(axes) if invariant else have)
 
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
-        g = self.group(axes)
         if self.checked:
             self.agree("p" + op, axes, x)
+        run = self._reducers.get((axes, op))
+        if run is None:
+            run = self._reducers[axes, op] = self._reducer(axes, op)
+        return run(x)
+
+    def _reducer(self, axes: tuple[str, ...], op: str) -> Callable[[Any], Any]:
+        """``op`` over ``axes`` with its gradient rule, as one function of the block (built on
+        the first call: a collective of a step runs with no per-call set-up)."""
+        g = self.group(axes)
 
         def fwd(v: Any) -> Any:
             return self.all_reduce_raw(v, g, op)
@@ -662,17 +672,29 @@ class ProcessAxisEnv(AxisEnv):
             )
 
         if self.typed:  # the cotangent of an invariant result is whole: nothing to move
-            return self._typed(
-                ("t" + op, axes),
-                x,
-                axes,
-                fwd,
-                (lambda ct: ct) if op == "sum" else no_derivative,
-                True,
-            )
+            back = (lambda ct: ct) if op == "sum" else no_derivative
+            return lambda x: self._typed(("t" + op, axes), x, axes, fwd, back, True)
         if op == "sum":
-            return self._diff(("psum", axes), x, fwd, lambda ct: self.all_reduce_raw(ct, g, "sum"))
-        return self._diff(("p" + op, axes), x, fwd, no_derivative)
+            return self._untyped(fwd, lambda ct: self.all_reduce_raw(ct, g, "sum"))
+        return self._untyped(fwd, no_derivative)
+
+    def _untyped(
+        self, fwd: Callable[[Any], Any], bwd: Callable[[Any], Any]
+    ) -> Callable[[Any], Any]:
+        """``fwd`` with ``bwd`` as its transpose under the untyped rules, as one function (its
+        custom vjp made on the first call that may need a gradient)."""
+        be = self.be
+        made: list[Callable[[Any], Any]] = []
+
+        def run(x: Any) -> Any:
+            x = be.as_array(x)
+            if not be.needs_grad(x):
+                return fwd(x)
+            if not made:
+                made.append(be.custom_vjp(fwd, bwd))
+            return made[0](x)
+
+        return run
 
     def _own_block(self, ct: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
         """This device's block of dim ``dim`` of a gathered cotangent (no communication)."""
@@ -842,12 +864,12 @@ class ProcessAxisEnv(AxisEnv):
             return self._diff(("enter", layout, shape), block, lambda v: v[slices], whole)
         if not replicated or not self.be.needs_grad(block):
             return block
-        return self._diff(
-            ("replicated", replicated),
-            block,
-            lambda v: v,
-            lambda ct: self.all_reduce_raw(ct, self.group(replicated), "sum"),
-        )
+        edge = self._edges.get(replicated)
+        if edge is None:  # identity; the gradient summed over the axes it is replicated on
+            edge = self._edges[replicated] = self.be.custom_vjp(
+                _same, lambda ct: self.all_reduce_raw(ct, self.group(replicated), "sum")
+            )
+        return edge(block)
 
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; replicated over some axes, it counts once in the gradient (typed:
@@ -871,4 +893,11 @@ class ProcessAxisEnv(AxisEnv):
             )
         if copies == 1 or not self.be.needs_grad(block):
             return block
-        return self._diff(("leave", copies), block, lambda v: v, lambda ct: ct / copies)
+        edge = self._edges.get(copies)
+        if edge is None:  # identity; the result counts once in the gradient
+            edge = self._edges[copies] = self.be.custom_vjp(_same, lambda ct: ct / copies)
+        return edge(block)
+
+
+def _same(v: Any) -> Any:
+    return v

@@ -4,6 +4,7 @@ collectives chained in program order), ``value_and_grad`` with ``mx.value_and_gr
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -13,7 +14,7 @@ from unimesh import ConversionError, Layout, LayoutError, Mesh, UnsupportedError
 from unimesh.messages import short
 
 from .runtime import _LAYERS, _mx
-from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator
+from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
 
 
 class MLXPrograms(MLXTranslator):
@@ -37,7 +38,8 @@ class MLXPrograms(MLXTranslator):
         return AxisGroup((), members, world, group)
 
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        return getattr(_mx().distributed, "all_" + op)(x, group=_native_group(group))
+        native = group.group if isinstance(group, AxisGroup) else group
+        return _all_reduce(op)(x, group=native)
 
     def group_all_gather(self, x: Any, group: Any) -> Any:
         mx = _mx()
@@ -83,7 +85,12 @@ class MLXPrograms(MLXTranslator):
             if arg.layout is layout or arg.layout == layout:
                 return arg.local, False
             arg = self.full_array(arg)
-        return (arg if isinstance(arg, mx.array) else mx.array(np.asarray(arg))), True
+        return (arg if isinstance(arg, mx.array) else fresh(mx.array(np.asarray(arg)))), True
+
+    def needs_grad(self, x: Any) -> bool:
+        """False only for an array made from host data (an argument's block from
+        ``distribute`` or numpy): MLX cannot say whether a transform traces the others."""
+        return not is_fresh(x)
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
         return MLXArray(block, layout, shape)
@@ -199,6 +206,12 @@ class MLXPrograms(MLXTranslator):
             placed.append((path, self.distribute(host, resolve(path, host.shape)).local))
         model.update(tree_unflatten(placed))
         return model
+
+
+@functools.cache
+def _all_reduce(op: str) -> Any:
+    """``mx.distributed.all_sum`` (``all_max``, ``all_min``)."""
+    return getattr(_mx().distributed, "all_" + op)
 
 
 def _native_group(group: Any) -> Any:

@@ -5,6 +5,7 @@ neutral order); a layout is this process's block (:class:`MLXLayout`, :class:`ML
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -141,6 +142,29 @@ class MLXLayout:
         return f"MLXLayout({self.layout.spec!r} on {self.native_mesh!r})"
 
 
+_FRESH: dict[int, weakref.ref[Any]] = {}
+
+
+def fresh(array: Any) -> Any:
+    """``array``, recorded as made here from host data: no gradient can reach it (MLX
+    differentiates only the arrays its transforms were given, as new tracer objects), so a
+    program skips its gradient rules at the edge where it enters."""
+    key = id(array)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        if _FRESH.get(key) is ref:
+            del _FRESH[key]
+
+    _FRESH[key] = weakref.ref(array, forget)
+    return array
+
+
+def is_fresh(array: Any) -> bool:
+    """Whether ``array`` is one :func:`fresh` recorded (and still alive)."""
+    ref = _FRESH.get(id(array))
+    return ref is not None and ref() is array
+
+
 class MLXArray:
     """What a shard_map returns on MLX, which has no global array type: this process's block
     (``local``, an ``mx.array``), the layout it follows, and the global ``shape``.
@@ -204,7 +228,7 @@ class MLXTranslator(MLXRuntime):
         ``array[layout.shard_slices(shape, rank)]`` (its ``local`` mx.array)."""
         native = self.mesh_to_native(layout.mesh, **options)
         host = np.asarray(array)
-        block = _mx().array(host[layout.shard_slices(host.shape, native.rank)])
+        block = fresh(_mx().array(host[layout.shard_slices(host.shape, native.rank)]))
         return MLXArray(block, layout, tuple(host.shape))
 
     def from_local(
@@ -220,7 +244,7 @@ class MLXTranslator(MLXRuntime):
         mx = _mx()
         native = self.mesh_to_native(layout.mesh, **options)
         block = blocks[native.rank]
-        local = block if isinstance(block, mx.array) else mx.array(np.asarray(block))
+        local = block if isinstance(block, mx.array) else fresh(mx.array(np.asarray(block)))
         return MLXArray(local, layout, shape)
 
     def local_shards(self, array: Any) -> dict[int, Any]:
