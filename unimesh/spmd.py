@@ -432,7 +432,6 @@ class ProcessAxisEnv(AxisEnv):
         self._can_split: bool | None = None if "split" in self.native else False
         self._fns: dict[Any, Callable[[Any], Any]] = {}
         self._reducers: dict[tuple[tuple[str, ...], str], Callable[[Any], Any]] = {}
-        self._edges: dict[Any, Callable[[Any], Any]] = {}
         self._in: dict[Layout, Any] = {}
         self._out: dict[Layout, int] = {}
         self._last: Any = None  # the latest collective's result (lazy backends)
@@ -674,27 +673,9 @@ class ProcessAxisEnv(AxisEnv):
         if self.typed:  # the cotangent of an invariant result is whole: nothing to move
             back = (lambda ct: ct) if op == "sum" else no_derivative
             return lambda x: self._typed(("t" + op, axes), x, axes, fwd, back, True)
-        if op == "sum":
-            return self._untyped(fwd, lambda ct: self.all_reduce_raw(ct, g, "sum"))
-        return self._untyped(fwd, no_derivative)
-
-    def _untyped(
-        self, fwd: Callable[[Any], Any], bwd: Callable[[Any], Any]
-    ) -> Callable[[Any], Any]:
-        """``fwd`` with ``bwd`` as its transpose under the untyped rules, as one function (its
-        custom vjp made on the first call that may need a gradient)."""
-        be = self.be
-        made: list[Callable[[Any], Any]] = []
-
-        def run(x: Any) -> Any:
-            x = be.as_array(x)
-            if not be.needs_grad(x):
-                return fwd(x)
-            if not made:
-                made.append(be.custom_vjp(fwd, bwd))
-            return made[0](x)
-
-        return run
+        back = (lambda ct: self.all_reduce_raw(ct, g, "sum")) if op == "sum" else no_derivative
+        key = ("psum" if op == "sum" else "p" + op, axes)
+        return lambda x: self._diff(key, x, fwd, back)
 
     def _own_block(self, ct: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
         """This device's block of dim ``dim`` of a gathered cotangent (no communication)."""
@@ -864,9 +845,9 @@ class ProcessAxisEnv(AxisEnv):
             return self._diff(("enter", layout, shape), block, lambda v: v[slices], whole)
         if not replicated or not self.be.needs_grad(block):
             return block
-        edge = self._edges.get(replicated)
+        edge = self._fns.get(("replicated", replicated))
         if edge is None:  # identity; the gradient summed over the axes it is replicated on
-            edge = self._edges[replicated] = self.be.custom_vjp(
+            edge = self._fns["replicated", replicated] = self.be.custom_vjp(
                 _same, lambda ct: self.all_reduce_raw(ct, self.group(replicated), "sum")
             )
         return edge(block)
@@ -893,9 +874,9 @@ class ProcessAxisEnv(AxisEnv):
             )
         if copies == 1 or not self.be.needs_grad(block):
             return block
-        edge = self._edges.get(copies)
+        edge = self._fns.get(("leave", copies))
         if edge is None:  # identity; the result counts once in the gradient
-            edge = self._edges[copies] = self.be.custom_vjp(_same, lambda ct: ct / copies)
+            edge = self._fns["leave", copies] = self.be.custom_vjp(_same, lambda ct: ct / copies)
         return edge(block)
 
 

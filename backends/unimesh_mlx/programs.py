@@ -38,8 +38,7 @@ class MLXPrograms(MLXTranslator):
         return AxisGroup((), members, world, group)
 
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        native = group.group if isinstance(group, AxisGroup) else group
-        return _all_reduce(op)(x, group=native)
+        return _all_reduce(op)(x, group=_native_group(group))
 
     def group_all_gather(self, x: Any, group: Any) -> Any:
         mx = _mx()
