@@ -216,6 +216,29 @@ CASES.append(
 )
 
 
+def _relaid_program(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
+    """Arguments laid out otherwise than the program's in_specs: shard_map moves them to its
+    layout first, and the gradient flows back through the move to the argument's layout."""
+
+    def body(x: Any, w: Any) -> Any:
+        return _total(_weighted(unimesh.psum(x @ w, "tp")))
+
+    return unimesh.shard_map(
+        body, mesh, in_specs=(P("dp", "tp"), P("tp", None)), out_specs=P(), backend=backend
+    )
+
+
+CASES.append(
+    Case(
+        "relaid",
+        _relaid_program,
+        _data(30, (4, 6), (6, 4)),
+        [P(None, "dp"), P(None, ("dp", "tp"))],  # neither as the program's in_specs say
+        (0, 1),
+    )
+)
+
+
 def _layout(mesh: unimesh.Mesh, spec: P) -> Layout:
     return Layout(mesh, spec)
 

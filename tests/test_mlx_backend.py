@@ -90,3 +90,19 @@ def test_gradient_rules_only_where_a_gradient_can_reach():
     from unimesh_mlx.translate import _FRESH
 
     assert key not in _FRESH
+
+
+def test_an_argument_from_another_mesh_is_refused_where_its_gradient_would_be_cut():
+    """MLX moves an array laid out on another mesh through the host: fine forward, but under
+    unimesh.value_and_grad no gradient could flow back, so it is refused with the fix."""
+    other = Mesh((1,), ("b",))
+    x = unimesh.distribute(np.arange(4, dtype=np.float32), Layout(ONE, P()), "mlx")
+    program = unimesh.shard_map(lambda v: (v * v).sum(), other, P("b"), P(), backend="mlx")
+    assert float(unimesh.full_array(program(x), "mlx")) == 14.0  # forward: through the host
+    with pytest.raises(unimesh.UnsupportedError, match=r"another mesh.*distribute") as caught:
+        unimesh.value_and_grad(program, backend="mlx")(x)
+    assert "Layout(Mesh(x=1), P())" in str(caught.value) and "P('b')" in str(caught.value)
+    same = unimesh.shard_map(lambda v: (v * v).sum(), ONE, P(), P(), backend="mlx")
+    value, grad = unimesh.value_and_grad(same, backend="mlx")(x)
+    np.testing.assert_array_equal(unimesh.full_array(grad, "mlx"), 2 * np.arange(4))
+    assert float(unimesh.full_array(value, "mlx")) == 14.0

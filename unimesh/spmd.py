@@ -852,6 +852,32 @@ class ProcessAxisEnv(AxisEnv):
             )
         return edge(block)
 
+    def whole(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any | None:
+        """The global array (of ``shape``) whose block on this process is ``block`` under
+        ``layout`` (of this env's mesh), gathered by collectives over the sharded dims, for a
+        backend that moves a distributed array to another layout through the whole value.
+        Differentiable: the whole value's cotangent, the same on every process, gives this
+        block its own part (no communication). None where the layout has partial sums or
+        blocks of unequal size (the backend's host path handles those; they only come from
+        ``distribute``, whose blocks carry no gradient)."""
+        if layout.spec.partial or layout.global_shape(tuple(block.shape)) != tuple(shape):
+            return None
+        _, sharded, _ = self._input_plan(layout)
+        if not sharded:
+            return block
+
+        def fwd(v: Any) -> Any:
+            for dim, axes in sharded:
+                v = self.gather_raw(v, axes, dim, True)
+            return v
+
+        def bwd(ct: Any) -> Any:
+            for dim, axes in reversed(sharded):
+                ct = self._own_block(ct, axes, dim, True)
+            return ct
+
+        return self._diff(("whole", layout), block, fwd, bwd)
+
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; replicated over some axes, it counts once in the gradient (typed:
         it must not vary along them, as JAX checks)."""

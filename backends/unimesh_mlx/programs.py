@@ -20,6 +20,10 @@ from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fr
 class MLXPrograms(MLXTranslator):
     """The program layer, on the primitives of the core's SPMD engine."""
 
+    #: how many unimesh.value_and_grad calls are running (MLX cannot say whether a transform
+    #: traces an array, so only unimesh's own can refuse what would cut a gradient)
+    _differentiating = 0
+
     def process_index(self) -> int:
         return int(self._world().rank())
 
@@ -83,6 +87,21 @@ class MLXPrograms(MLXTranslator):
         if isinstance(arg, MLXArray):
             if arg.layout is layout or arg.layout == layout:
                 return arg.local, False
+            whole = None
+            if arg.layout.mesh == layout.mesh:  # by collectives, so gradients flow back
+                whole = self.axis_env(layout.mesh).whole(arg.local, arg.layout, arg.shape)
+            if whole is not None:
+                return whole, True
+            if not is_fresh(arg.local) and self._differentiating:
+                raise UnsupportedError(
+                    f"an argument laid out as {arg.layout!r} goes to a program whose in_spec "
+                    f"is {layout.spec!r} on another mesh (or in blocks of unequal size): MLX "
+                    "moves it through the host there, and no gradient could flow back. Lay "
+                    "it out on the program's mesh in even blocks first (unimesh.distribute "
+                    "outside the differentiated function)",
+                    backend=self.name,
+                    capability="grad",
+                )
             arg = self.full_array(arg)
         return (arg if isinstance(arg, mx.array) else fresh(mx.array(np.asarray(arg)))), True
 
@@ -140,10 +159,14 @@ class MLXPrograms(MLXTranslator):
                 return (value.reshape(()), aux) if has_aux else value.reshape(())
 
             positions = tuple(range(len(argnums)))
-            if has_aux:
-                value, grads = _with_aux(mx, inner, positions, locals_)
-            else:
-                value, grads = mx.value_and_grad(inner, argnums=positions)(*locals_)
+            self._differentiating += 1
+            try:
+                if has_aux:
+                    value, grads = _with_aux(mx, inner, positions, locals_)
+                else:
+                    value, grads = mx.value_and_grad(inner, argnums=positions)(*locals_)
+            finally:
+                self._differentiating -= 1
             if len(argnums) == 1 and not isinstance(grads, tuple):
                 grads = (grads,)
             out = []
