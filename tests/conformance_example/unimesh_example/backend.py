@@ -178,7 +178,9 @@ class ThreadedExampleBackend(ExampleBackend):
 
     def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
         if isinstance(arg, ExampleArray):
-            return arg.blocks[device], False
+            if self.from_native(arg.layout) == layout:
+                return arg.blocks[device], False
+            return self.full_array(arg), True  # laid out otherwise: the engine cuts it again
         return np.asarray(arg), True
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
@@ -241,7 +243,7 @@ class ThreadedExampleBackend(ExampleBackend):
             return np.asarray(array)
         layout = self.from_native(array.layout)
         first = next(iter(array.blocks.values()))
-        shape = layout.global_shape(first.shape)
+        shape = array.shape or layout.global_shape(first.shape)
         out = np.zeros(shape, first.dtype)
         for d, block in array.blocks.items():
             out[layout.shard_slices(shape, d)] = block
