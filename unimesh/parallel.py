@@ -272,7 +272,24 @@ def ppermute(x: Any, axis: str | Sequence[str], perm: Sequence[tuple[int, int]])
     ``perm`` (indices along ``axis``); a device no pair sends to gets zeros
     (``jax.lax.ppermute``'s meaning)."""
     env, axes = _env("ppermute", axis)
-    return env.ppermute(x, axes, _perm(perm, env.size(axes)))
+    n = env.size(axes)
+    pairs: tuple[Any, ...] | None
+    try:  # a step passes the same perm at every call: checked once
+        pairs = tuple((src, dst) for src, dst in perm)
+        known = (pairs, n) in _PERMS and all(type(a) is int and type(b) is int for a, b in pairs)
+    except (TypeError, ValueError):
+        pairs, known = None, False
+    if not known:
+        given = perm if pairs is None or isinstance(perm, (list, tuple)) else pairs
+        checked = _perm(given, n)
+        if len(_PERMS) < 4096:
+            _PERMS.add((checked, n))
+        return env.ppermute(x, axes, checked)
+    return env.ppermute(x, axes, pairs)  # type: ignore[arg-type]
+
+
+#: (pairs, axis size) that passed _perm (only tuples of Python ints get here, so they hash)
+_PERMS: set[tuple[tuple[tuple[int, int], ...], int]] = set()
 
 
 def pbroadcast(x: Any, axis: str | Sequence[str], source: int) -> Any:

@@ -431,7 +431,8 @@ class ProcessAxisEnv(AxisEnv):
         self._world: Group | None = None
         self._can_split: bool | None = None if "split" in self.native else False
         self._fns: dict[Any, Callable[[Any], Any]] = {}
-        self._reducers: dict[tuple[tuple[str, ...], str], Callable[[Any], Any]] = {}
+        #: a collective's function with its rule, per (axes, op) or (axes, perm)
+        self._reducers: dict[tuple[tuple[str, ...], Any], Callable[[Any], Any]] = {}
         self._in: dict[Layout, Any] = {}
         self._out: dict[Layout, int] = {}
         self._last: Any = None  # the latest collective's result (lazy backends)
@@ -553,15 +554,6 @@ class ProcessAxisEnv(AxisEnv):
         y = self.all_to_all_raw(self._split_to_front(x, split, g.size, tiled), g)
         return self._stacked_to(y, concat, tiled)
 
-    def permute_pairs_raw(
-        self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
-    ) -> Any:
-        g = self.group(axes)
-        sources: list[int | None] = [None] * g.size
-        for src, dst in perm:
-            sources[dst] = src
-        return self.permute_raw(x, g, tuple(sources))
-
     # -- differentiable collectives ---------------------------------------------------------------
     def _diff(self, key: Any, x: Any, fwd: Callable[[Any], Any], bwd: Callable[[Any], Any]) -> Any:
         """``fwd(x)`` with ``bwd`` as its transpose (a custom vjp made once per key)."""
@@ -608,12 +600,13 @@ class ProcessAxisEnv(AxisEnv):
         return tuple(a for a in self.mesh.axis_names if a in axes)
 
     def pvary(self, x: Any, axes: frozenset[str] | set[str]) -> Any:
-        """Typed rules: ``x`` marked as varying along ``axes`` too (identity forward; the
-        backward sums the cotangent over them)."""
+        """Typed rules: ``x`` as an operand varying along ``axes`` too (identity forward; the
+        backward sums the cotangent over them). Its callers tag the results they make from it,
+        so over axes of size 1 (nothing to sum) it is ``x`` itself, no graph node."""
         ordered = self._mesh_order(axes)
+        if self.size(ordered) == 1:
+            return x
         vma = self.be.vma_of(x) | frozenset(ordered)
-        if self.size(ordered) == 1:  # nothing to sum over: a tag only
-            return self.be.tag(self.be.untyped(lambda v: v.reshape(tuple(v.shape)), x), vma)
         g = self.group(ordered)
         out = self._diff(
             ("pvary", ordered), x, lambda v: v, lambda ct: self.all_reduce_raw(ct, g, "sum")
@@ -743,17 +736,32 @@ class ProcessAxisEnv(AxisEnv):
     def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
         if self.checked:
             self.agree("ppermute", axes, x, perm)
-        inverse = tuple((dst, src) for src, dst in perm)
+        run = self._reducers.get((axes, perm))
+        if run is None:
+            run = self._reducers[axes, perm] = self._permuter(axes, perm)
+        return run(x)
+
+    def _permuter(
+        self, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]
+    ) -> Callable[[Any], Any]:
+        """``ppermute`` by ``perm`` over ``axes`` with its rule, built on the first call."""
+        g = self.group(axes)
+        there: list[int | None] = [None] * g.size
+        back: list[int | None] = [None] * g.size
+        for src, dst in perm:
+            there[dst], back[src] = src, dst
+        sources, inverse = tuple(there), tuple(back)
 
         def fwd(v: Any) -> Any:
-            return self.permute_pairs_raw(v, axes, perm)
+            return self.permute_raw(v, g, sources)
 
         def bwd(ct: Any) -> Any:
-            return self.permute_pairs_raw(ct, axes, inverse)
+            return self.permute_raw(ct, g, inverse)
 
+        key = ("ppermute", axes, perm)
         if self.typed:
-            return self._typed(("ppermute", axes, perm), x, axes, fwd, bwd, False)
-        return self._diff(("ppermute", axes, perm), x, fwd, bwd)
+            return lambda x: self._typed(key, x, axes, fwd, bwd, False)
+        return lambda x: self._diff(key, x, fwd, bwd)
 
     def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
         if self.checked:

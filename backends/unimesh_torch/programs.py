@@ -83,23 +83,27 @@ class TorchPrograms(TorchTranslator):
         (``batch_isend_irecv``; only the pairs of the permutation talk)."""
         torch = _torch()
         dist = _dist()
-        me = group.members.index(group.rank)
-        dest = next((i for i, s in enumerate(sources) if s == me), None)
-        src = sources[me]
-        if src == me:
+        peers = group.peers.get(sources)
+        if peers is None:  # (whether it keeps its own, the rank it sends to, receives from)
+            me = group.members.index(group.rank)
+            dest = next((i for i, s in enumerate(sources) if s == me), None)
+            src = sources[me]
+            peers = group.peers[sources] = (
+                src == me,
+                None if dest is None else group.members[dest],
+                None if src is None else group.members[src],
+            )
+        keep, to, source = peers
+        if keep:
             return x.detach().clone()
         ops = []
-        if dest is not None:
-            ops.append(
-                dist.P2POp(dist.isend, x.detach().contiguous(), group.members[dest], group.pg)
-            )
-        out = (
-            torch.empty_like(x, memory_format=torch.contiguous_format)
-            if src is not None
-            else torch.zeros_like(x)
-        )
-        if src is not None:
-            ops.append(dist.P2POp(dist.irecv, out, group.members[src], group.pg))
+        if to is not None:
+            ops.append(dist.P2POp(dist.isend, x.detach().contiguous(), to, group.pg))
+        if source is None:
+            out = torch.zeros_like(x)
+        else:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            ops.append(dist.P2POp(dist.irecv, out, source, group.pg))
         for work in dist.batch_isend_irecv(ops) if ops else ():
             work.wait()
         return out
@@ -347,7 +351,7 @@ class _TorchGroup:
     group's ranks (by global rank), so ``order`` / ``inverse`` re-index the pieces when the
     two differ."""
 
-    __slots__ = ("inverse", "members", "order", "pg", "rank", "ranks", "size")
+    __slots__ = ("inverse", "members", "order", "peers", "pg", "rank", "ranks", "size")
 
     def __init__(self, pg: Any, members: tuple[int, ...]) -> None:
         self.pg = pg
@@ -359,6 +363,7 @@ class _TorchGroup:
                 f"torch's group has ranks {self.ranks}, unimesh expects {members}"
             )
         self.rank = int(_dist().get_rank())
+        self.peers: dict[tuple[int | None, ...], tuple[bool, int | None, int | None]] = {}
         if self.ranks == members:
             self.order: list[int] | None = None
             self.inverse: list[int] | None = None
@@ -420,6 +425,29 @@ def _vma_mode() -> Any:
         def __torch_function__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
+            # the common case inline: tensors and scalars as positional arguments
+            vma = first = _NONE
+            tensors = differ = grad = False
+            for v in args:
+                if isinstance(v, tensor):
+                    have = getattr(v, _VMA, _NONE)
+                    if not tensors:
+                        tensors, first = True, have
+                    elif have is not first and have != first:
+                        differ = True
+                    if have and have is not vma:
+                        vma = have if not vma else vma | have
+                    if v.requires_grad:
+                        grad = True
+                elif isinstance(v, (list, tuple)):
+                    break
+            else:
+                if not kwargs:
+                    if not vma:
+                        return func(*args)
+                    if differ and grad and grad_enabled():  # a pvary is needed somewhere
+                        args = tuple(self.lift(a, vma) for a in args)
+                    return tag_all(func(*args), vma)
             acc: list[Any] = [_NONE, None, False, False]
             scan(args, acc)
             if kwargs:
@@ -432,14 +460,17 @@ def _vma_mode() -> Any:
             if acc[2] and acc[3] and grad_enabled():  # a pvary is needed somewhere
                 args = tuple(self.lift(a, vma) for a in args)
                 kwargs = {k: self.lift(v, vma) for k, v in kwargs.items()}
-            out = func(*args, **kwargs)
-            if isinstance(out, tensor):
-                setattr(out, _VMA, vma)
-            elif isinstance(out, (list, tuple)):
-                for o in out:
-                    if isinstance(o, tensor):
-                        setattr(o, _VMA, vma)
-            return out
+            return tag_all(func(*args, **kwargs), vma)
+
+    def tag_all(out: Any, vma: frozenset[str]) -> Any:
+        """``out`` (a tensor, or tensors in a list/tuple) tagged with ``vma``."""
+        if isinstance(out, tensor):
+            setattr(out, _VMA, vma)
+        elif isinstance(out, (list, tuple)):
+            for o in out:
+                if isinstance(o, tensor):
+                    setattr(o, _VMA, vma)
+        return out
 
     _MODE.append(VmaMode)
     return VmaMode
