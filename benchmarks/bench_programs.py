@@ -303,7 +303,10 @@ def bench_torch(name: str, n: int, repeat: int) -> dict[str, float]:
 
     bench_step.same(local(native()), local(ours(ps)))
     return bench_step.timed(
-        {"native_grad": native, "unimesh_grad": lambda: ours(ps)}, repeat, bench_step.sync_all
+        {"native_grad": native, "unimesh_grad": lambda: ours(ps)},
+        repeat,
+        bench_step.sync_all,
+        dist.barrier,
     )
 
 

@@ -76,17 +76,30 @@ def sizes(scale: int) -> None:
 
 
 def timed(
-    pairs: dict[str, Callable[[], Any]], repeat: int, sync: Callable[[Any], Any]
+    pairs: dict[str, Callable[[], Any]],
+    repeat: int,
+    sync: Callable[[Any], Any],
+    together: Callable[[], Any] | None = None,
+    block: int = 10,
 ) -> dict[str, float]:
+    """Median step time of each function, the functions alternating. In one process: single
+    steps (synced by ``sync``). With several processes (``together`` is a barrier): blocks of
+    ``block`` consecutive steps, each block starting on every process at once, timed to its
+    end on this process and divided by ``block``. That is the step time of a training loop,
+    and neither function is charged for the stragglers the other one left behind."""
     for f in pairs.values():  # warm up: compile, build groups
         sync(f())
+    size = 1 if together is None else block
     times: dict[str, list[float]] = {k: [] for k in pairs}
     order = list(pairs.items())
-    for i in range(repeat):
+    for i in range(max(1, repeat // size)):
         for name, f in order if i % 2 else order[::-1]:  # alternate who goes first
+            if together is not None:
+                together()
             start = time.perf_counter()
-            sync(f())
-            times[name].append(time.perf_counter() - start)
+            for _ in range(size):
+                sync(f())
+            times[name].append((time.perf_counter() - start) / size)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -249,6 +262,7 @@ def bench_torch(repeat: int) -> dict[str, float]:
         },
         repeat,
         sync_all,
+        torch.distributed.barrier,
     )
 
 
@@ -320,6 +334,7 @@ def bench_mlx(repeat: int) -> dict[str, float]:
         },
         repeat,
         sync,
+        lambda: mx.eval(mx.distributed.all_sum(mx.array(0.0))),  # a barrier
     )
 
 

@@ -215,7 +215,8 @@ def steps(repeat: int) -> dict[str, Any]:
     return {
         "title": "Program step overhead",
         "note": "examples/mlp_step.py's model through unimesh against the same step "
-        "written natively, medians of {repeat} alternating steps: manual = a "
+        "written natively, {repeat} steps alternating (under torchrun and mpirun: "
+        "medians of blocks of 10 steps, each block started after a barrier): manual = a "
         "hand-written backward, grad = the loss differentiated by "
         "unimesh.value_and_grad vs the framework's own autodiff idiom. Goal: 1.02 "
         "(JAX), 1.05 (torch, MLX).".replace("{repeat}", str(repeat)),
@@ -248,7 +249,8 @@ def programs(repeat: int) -> dict[str, Any]:
         "note": "examples/fsdp_step.py, tp_sp_block.py, moe_layer.py and pipeline.py: loss "
         "and gradients by unimesh.value_and_grad against the same loss function "
         "run with the framework's own collectives and autodiff (bench_programs.py), "
-        "medians of {repeat} alternating steps. MLX has no native all-to-all, "
+        "{repeat} steps alternating in blocks of 10, each block started after a barrier "
+        "(medians). MLX has no native all-to-all, "
         "reduce-scatter or differentiable all-gather to compare with. Goal: 1.02 "
         "(JAX), 1.05 (torch).".replace("{repeat}", str(repeat)),
         "columns": ["backend", "program", "native", "unimesh", "ratio", "note"],
