@@ -432,7 +432,7 @@ class ProcessAxisEnv(AxisEnv):
         self._can_split: bool | None = None if "split" in self.native else False
         self._fns: dict[Any, Callable[[Any], Any]] = {}
         #: a collective's function with its rule, per (axes, op) or (axes, perm)
-        self._reducers: dict[tuple[tuple[str, ...], Any], Callable[[Any], Any]] = {}
+        self._collectives: dict[tuple[tuple[str, ...], Any], Callable[[Any], Any]] = {}
         self._in: dict[Layout, Any] = {}
         self._out: dict[Layout, int] = {}
         self._last: Any = None  # the latest collective's result (lazy backends)
@@ -642,9 +642,9 @@ class ProcessAxisEnv(AxisEnv):
     def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         if self.checked:
             self.agree("p" + op, axes, x)
-        run = self._reducers.get((axes, op))
+        run = self._collectives.get((axes, op))
         if run is None:
-            run = self._reducers[axes, op] = self._reducer(axes, op)
+            run = self._collectives[axes, op] = self._reducer(axes, op)
         return run(x)
 
     def _reducer(self, axes: tuple[str, ...], op: str) -> Callable[[Any], Any]:
@@ -736,9 +736,9 @@ class ProcessAxisEnv(AxisEnv):
     def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
         if self.checked:
             self.agree("ppermute", axes, x, perm)
-        run = self._reducers.get((axes, perm))
+        run = self._collectives.get((axes, perm))
         if run is None:
-            run = self._reducers[axes, perm] = self._permuter(axes, perm)
+            run = self._collectives[axes, perm] = self._permuter(axes, perm)
         return run(x)
 
     def _permuter(
