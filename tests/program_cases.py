@@ -338,3 +338,38 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
             unimesh.full_array(MLXArray(compiled, w_layout, w.shape)), np.float64
         ),
     }
+
+
+def mlx_rules_only_when_traced(mesh: unimesh.Mesh) -> float | str:
+    """MLX: the issue's example run outside any transform builds no gradient rule (no
+    ``CustomTransforms`` node in its graph: nothing can differentiate it), and run under
+    ``mx.grad`` it builds them (the tracer probe says so). 0.0, or what went wrong."""
+    import io
+
+    import mlx.core as mx
+    from unimesh_mlx import MLXArray
+
+    case = next(c for c in CASES if c.name == "issue-example")
+    program = case.build(mesh, "mlx")
+    x, y, w = case.args
+    w_layout = Layout(mesh, P("tp", None))
+    wm = unimesh.distribute(w, w_layout, backend="mlx")
+
+    def rules(*arrays: Any) -> int:
+        dot = io.StringIO()
+        mx.export_to_dot(dot, *arrays)
+        return dot.getvalue().count('"CustomTransforms"')
+
+    w_local = wm.local * 1.0  # not a fresh block: only the probe can tell it is not traced
+    forward = rules(program(x, y, MLXArray(w_local, w_layout, w.shape)).local)
+    traced: list[int] = []
+
+    def loss(v: Any) -> Any:
+        out = program(x, y, MLXArray(v, w_layout, w.shape)).local
+        traced.append(rules(out))
+        return out
+
+    mx.grad(loss)(w_local)
+    if forward != 0 or not traced or traced[0] == 0:
+        return f"gradient rules: {forward} outside a transform (want 0), {traced} under mx.grad"
+    return 0.0

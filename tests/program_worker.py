@@ -64,6 +64,11 @@ def main() -> int:
         report["native-autodiff"] = error
     except Exception:  # noqa: BLE001 - any failure is reported
         report["native-autodiff"] = traceback.format_exc(limit=6)
+    if backend == "mlx":
+        try:
+            report["rules-only-when-traced"] = program_cases.mlx_rules_only_when_traced(mesh)
+        except Exception:  # noqa: BLE001 - any failure is reported
+            report["rules-only-when-traced"] = traceback.format_exc(limit=6)
     if getattr(unimesh.get_backend(backend), "typed", False):  # JAX's check_vma refusal too
         try:
             unimesh.shard_map(lambda b: b * 2, mesh, P("dp"), P(), backend=backend)(

@@ -63,10 +63,58 @@ def test_bad_inputs():
         unimesh.from_native(mx.array([1.0]))
 
 
-def test_gradient_rules_only_where_a_gradient_can_reach():
-    """A program skips its gradient rules for an argument's block made from host data (no MLX
-    transform can differentiate it: they trace new array objects), and keeps them for every
-    other array, including the tracer mx.grad hands the function."""
+def test_gradient_rules_only_where_a_transform_traces(monkeypatch):  # type: ignore[no-untyped-def]
+    """With the tracer probe (MLX's own is_tracer), a program keeps its gradient rules for
+    exactly the arrays an MLX transform traces: the array it was given and what is computed
+    from it, under grad, vjp, jvp, vmap and compile; not a closed-over array, not anything
+    outside a transform."""
+    from unimesh_mlx import programs, tracing
+
+    be = unimesh.get_backend("mlx")
+    probe = tracing.make_probe()
+    assert probe is not None, "the self-test failed on this MLX: the probe is off"
+    constant = mx.ones((2, 2)) * 3
+    assert not be.needs_grad(constant) and not be.needs_grad(mx.ones(2) + 1)
+    assert probe("not an array") and probe(np.ones(2))  # cannot say: may be traced
+    for transform in (
+        lambda f, a: mx.grad(f)(a),
+        lambda f, a: mx.vjp(f, [a], [mx.array(1.0)]),
+        lambda f, a: mx.jvp(f, [a], [mx.ones_like(a)]),
+        lambda f, a: mx.vmap(f)(a),
+        lambda f, a: mx.compile(f)(a),
+    ):
+        seen: list[tuple[bool, ...]] = []
+
+        def loss(a, seen=seen):  # type: ignore[no-untyped-def]
+            seen.append(tuple(map(be.needs_grad, (a, a * 2, constant, constant + 1))))
+            return (a * constant).sum()
+
+        transform(loss, mx.ones((2, 2)))
+        assert seen == [(True, True, False, False)]
+    nested: list[tuple[bool, bool]] = []
+
+    def outer(a):  # type: ignore[no-untyped-def]
+        def inner(b):  # type: ignore[no-untyped-def]
+            nested.append((be.needs_grad(a), be.needs_grad(b)))
+            return (b * a).sum()
+
+        return mx.grad(inner)(a * 1.0).sum()
+
+    mx.grad(outer)(mx.ones(2))
+    assert nested == [(True, True)]  # closed over, but traced by the outer transform
+    monkeypatch.setenv("UNIMESH_MLX_TRACER_PROBE", "0")
+    assert tracing.make_probe() is None
+    assert programs._PROBE  # made once, on first use
+
+
+def test_gradient_rules_without_the_probe(monkeypatch):  # type: ignore[no-untyped-def]
+    """Where MLX cannot be asked, a program skips its gradient rules only for an argument's
+    block made from host data (no MLX transform can differentiate it: they trace new array
+    objects), and keeps them for every other array, including the tracer mx.grad hands the
+    function."""
+    from unimesh_mlx import programs
+
+    monkeypatch.setattr(programs, "_PROBE", [None])
     be = unimesh.get_backend("mlx")
     shard = unimesh.distribute(np.ones((2, 2), np.float32), Layout(ONE, P()), "mlx")
     assert not be.needs_grad(shard.local)

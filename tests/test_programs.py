@@ -111,6 +111,7 @@ def test_mpirun_four_processes(reference: Path, tmp_path: Path) -> None:
         ],
         4,
         tmp_path,
+        ("rules-only-when-traced",),
     )
 
 
@@ -130,7 +131,7 @@ def test_mlx_launch_ring_four_processes(reference: Path, tmp_path: Path) -> None
         str(reference),
         str(tmp_path),
     ]
-    _run(rc_out, 4, tmp_path)
+    _run(rc_out, 4, tmp_path, ("rules-only-when-traced",))
 
 
 CHECKED = HERE / "checked_worker.py"

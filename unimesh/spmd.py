@@ -655,6 +655,13 @@ class ProcessAxisEnv(AxisEnv):
         def fwd(v: Any) -> Any:
             return self.all_reduce_raw(v, g, op)
 
+        if g.size > 1 and g.handle is not None:  # the common case, without all_reduce_raw
+            prim, handle, run = self.be.group_all_reduce, g.handle, self._run
+            if self.be.lazy:
+                fwd = lambda v: run(prim, v, handle, op)  # noqa: E731
+            else:
+                fwd = lambda v: prim(v, handle, op)  # noqa: E731
+
         def no_derivative(ct: Any) -> Any:
             raise UnsupportedError(
                 f"p{op}() over {axes} has no derivative (jax.lax.p{op} has none either): stop "

@@ -13,7 +13,9 @@ import numpy as np
 from unimesh import ConversionError, Layout, LayoutError, Mesh, UnsupportedError
 from unimesh.messages import short
 
+from . import runtime
 from .runtime import _LAYERS, _mx
+from .tracing import make_probe
 from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
 
 
@@ -42,15 +44,16 @@ class MLXPrograms(MLXTranslator):
         return AxisGroup((), members, world, group)
 
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        return _all_reduce(op)(x, group=_native_group(group))
+        native = group._group if type(group) is AxisGroup else group  # _native_group, inline
+        return _all_reduce(op)(x, group=native)
 
     def group_all_gather(self, x: Any, group: Any) -> Any:
         mx = _mx()
         return mx.distributed.all_gather(mx.expand_dims(x, 0), group=_native_group(group))
 
     def as_array(self, value: Any) -> Any:
-        mx = _mx()
-        return value if isinstance(value, mx.array) else mx.array(value)
+        mx = runtime._MX or _mx()
+        return value if type(value) is mx.array else mx.array(value)
 
     def moveaxis(self, x: Any, source: int, destination: int) -> Any:
         return _mx().moveaxis(x, source, destination)
@@ -69,7 +72,7 @@ class MLXPrograms(MLXTranslator):
         return np.array(x)
 
     def after(self, x: Any, done: Any) -> Any:
-        return _mx().depends(x, done)
+        return (runtime._MX or _mx()).depends(x, done)
 
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
         function = _mx().custom_function(fwd)
@@ -106,9 +109,11 @@ class MLXPrograms(MLXTranslator):
         return (arg if isinstance(arg, mx.array) else fresh(mx.array(np.asarray(arg)))), True
 
     def needs_grad(self, x: Any) -> bool:
-        """False only for an array made from host data (an argument's block from
-        ``distribute`` or numpy): MLX cannot say whether a transform traces the others."""
-        return not is_fresh(x)
+        """Whether an MLX transform may trace ``x`` (:func:`.tracing.make_probe`); where this MLX
+        cannot be asked, False only for an array made from host data (an argument's block
+        from ``distribute`` or numpy)."""
+        probe = _PROBE[0] if _PROBE else _make_probe()
+        return not is_fresh(x) if probe is None else probe(x)
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
         return MLXArray(block, layout, shape)
@@ -228,6 +233,15 @@ class MLXPrograms(MLXTranslator):
             placed.append((path, self.distribute(host, resolve(path, host.shape)).local))
         model.update(tree_unflatten(placed))
         return model
+
+
+#: the tracer probe, made on first use (None: this MLX cannot be asked)
+_PROBE: list[Any] = []
+
+
+def _make_probe() -> Any:
+    _PROBE.append(make_probe())
+    return _PROBE[0]
 
 
 @functools.cache
