@@ -142,7 +142,8 @@ def test_gradient_rules_without_the_probe(monkeypatch):  # type: ignore[no-untyp
 
 def test_an_argument_from_another_mesh_is_refused_where_its_gradient_would_be_cut():
     """MLX moves an array laid out on another mesh through the host: fine forward, but under
-    unimesh.value_and_grad no gradient could flow back, so it is refused with the fix."""
+    unimesh.value_and_grad or a bare MLX transform no gradient could flow back, so it is
+    refused with the fix; so is full_array of a traced array (JAX refuses a tracer too)."""
     other = Mesh((1,), ("b",))
     x = unimesh.distribute(np.arange(4, dtype=np.float32), Layout(ONE, P()), "mlx")
     program = unimesh.shard_map(lambda v: (v * v).sum(), other, P("b"), P(), backend="mlx")
@@ -150,6 +151,15 @@ def test_an_argument_from_another_mesh_is_refused_where_its_gradient_would_be_cu
     with pytest.raises(unimesh.UnsupportedError, match=r"another mesh.*distribute") as caught:
         unimesh.value_and_grad(program, backend="mlx")(x)
     assert "Layout(Mesh(x=1), P())" in str(caught.value) and "P('b')" in str(caught.value)
+    with pytest.raises(unimesh.UnsupportedError, match=r"another mesh.*distribute"):
+        mx.grad(lambda v: program(MLXArray(v, x.layout, x.shape)).local)(x.local)  # bare MLX
+    with pytest.raises(unimesh.UnsupportedError, match=r"full_array of .*traces"):
+        mx.grad(lambda v: mx.array(unimesh.full_array(MLXArray(v, x.layout, x.shape))).sum())(
+            x.local
+        )
+    with pytest.raises(unimesh.UnsupportedError, match=r"full_array of .*traces"):
+        mx.grad(lambda v: mx.array(unimesh.full_array(v, "mlx")).sum())(x.local)
+    np.testing.assert_array_equal(unimesh.full_array(x.local * 2, "mlx"), 2 * np.arange(4))
     same = unimesh.shard_map(lambda v: (v * v).sum(), ONE, P(), P(), backend="mlx")
     value, grad = unimesh.value_and_grad(same, backend="mlx")(x)
     np.testing.assert_array_equal(unimesh.full_array(grad, "mlx"), 2 * np.arange(4))

@@ -95,7 +95,12 @@ class MLXPrograms(MLXTranslator):
                 whole = self.axis_env(layout.mesh).whole(arg.local, arg.layout, arg.shape)
             if whole is not None:
                 return whole, True
-            if not is_fresh(arg.local) and self._differentiating:
+            probe = _PROBE[0] if _PROBE else _make_probe()
+            if (
+                probe(arg.local)
+                if probe is not None
+                else (not is_fresh(arg.local) and self._differentiating)
+            ):
                 raise UnsupportedError(
                     f"an argument laid out as {arg.layout!r} goes to a program whose in_spec "
                     f"is {layout.spec!r} on another mesh (or in blocks of unequal size): MLX "
@@ -193,6 +198,15 @@ class MLXPrograms(MLXTranslator):
     def full_array(self, array: Any) -> Any:
         """numpy of an :class:`MLXArray`'s whole value, from every process's block (one world
         all_gather of blocks padded to the largest), or of an ``mx.array``."""
+        probe = _PROBE[0] if _PROBE else _make_probe()
+        if probe is not None and probe(array.local if isinstance(array, MLXArray) else array):
+            raise UnsupportedError(
+                f"full_array of {short(array)}, which an MLX transform (grad, vjp, compile, "
+                "...) traces: numpy would cut its gradient (JAX refuses a tracer there too). "
+                "Keep it an mx.array inside the function, or take full_array of the result",
+                backend=self.name,
+                capability="grad",
+            )
         if not isinstance(array, MLXArray):
             return np.array(array)
         mx = _mx()
