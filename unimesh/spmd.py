@@ -652,15 +652,15 @@ class ProcessAxisEnv(AxisEnv):
         the first call: a collective of a step runs with no per-call set-up)."""
         g = self.group(axes)
 
-        def fwd(v: Any) -> Any:
-            return self.all_reduce_raw(v, g, op)
-
-        if g.size > 1 and g.handle is not None:  # the common case, without all_reduce_raw
+        fwd: Callable[[Any], Any]
+        if g.size > 1 and g.handle is not None:  # the common case: the primitive directly
             prim, handle, run = self.be.group_all_reduce, g.handle, self._run
             if self.be.lazy:
                 fwd = lambda v: run(prim, v, handle, op)  # noqa: E731
             else:
                 fwd = lambda v: prim(v, handle, op)  # noqa: E731
+        else:
+            fwd = lambda v: self.all_reduce_raw(v, g, op)  # noqa: E731
 
         def no_derivative(ct: Any) -> Any:
             raise UnsupportedError(

@@ -13,7 +13,6 @@ import numpy as np
 from unimesh import ConversionError, Layout, LayoutError, Mesh, UnsupportedError
 from unimesh.messages import short
 
-from . import runtime
 from .runtime import _LAYERS, _mx
 from .tracing import make_probe
 from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
@@ -44,16 +43,15 @@ class MLXPrograms(MLXTranslator):
         return AxisGroup((), members, world, group)
 
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        native = group._group if type(group) is AxisGroup else group  # _native_group, inline
-        return _all_reduce(op)(x, group=native)
+        return _all_reduce(op)(x, group=_native_group(group))
 
     def group_all_gather(self, x: Any, group: Any) -> Any:
         mx = _mx()
         return mx.distributed.all_gather(mx.expand_dims(x, 0), group=_native_group(group))
 
     def as_array(self, value: Any) -> Any:
-        mx = runtime._MX or _mx()
-        return value if type(value) is mx.array else mx.array(value)
+        mx = _mx()
+        return value if isinstance(value, mx.array) else mx.array(value)
 
     def moveaxis(self, x: Any, source: int, destination: int) -> Any:
         return _mx().moveaxis(x, source, destination)
@@ -72,7 +70,7 @@ class MLXPrograms(MLXTranslator):
         return np.array(x)
 
     def after(self, x: Any, done: Any) -> Any:
-        return (runtime._MX or _mx()).depends(x, done)
+        return _mx().depends(x, done)
 
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
         function = _mx().custom_function(fwd)
@@ -95,7 +93,7 @@ class MLXPrograms(MLXTranslator):
                 whole = self.axis_env(layout.mesh).whole(arg.local, arg.layout, arg.shape)
             if whole is not None:
                 return whole, True
-            probe = _PROBE[0] if _PROBE else _make_probe()
+            probe = _probe()
             if (
                 probe(arg.local)
                 if probe is not None
@@ -117,7 +115,7 @@ class MLXPrograms(MLXTranslator):
         """Whether an MLX transform may trace ``x`` (:func:`.tracing.make_probe`); where this MLX
         cannot be asked, False only for an array made from host data (an argument's block
         from ``distribute`` or numpy)."""
-        probe = _PROBE[0] if _PROBE else _make_probe()
+        probe = _probe()
         return not is_fresh(x) if probe is None else probe(x)
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
@@ -198,7 +196,7 @@ class MLXPrograms(MLXTranslator):
     def full_array(self, array: Any) -> Any:
         """numpy of an :class:`MLXArray`'s whole value, from every process's block (one world
         all_gather of blocks padded to the largest), or of an ``mx.array``."""
-        probe = _PROBE[0] if _PROBE else _make_probe()
+        probe = _probe()
         if probe is not None and probe(array.local if isinstance(array, MLXArray) else array):
             raise UnsupportedError(
                 f"full_array of {short(array)}, which an MLX transform (grad, vjp, compile, "
@@ -253,8 +251,10 @@ class MLXPrograms(MLXTranslator):
 _PROBE: list[Any] = []
 
 
-def _make_probe() -> Any:
-    _PROBE.append(make_probe())
+def _probe() -> Any:
+    """:func:`.tracing.make_probe`'s function (or None), made once."""
+    if not _PROBE:
+        _PROBE.append(make_probe())
     return _PROBE[0]
 
 
