@@ -440,10 +440,21 @@ class Backend:
         :func:`unimesh.from_local`). Default: one process holds them all."""
         return tuple(sorted(mesh.device_ids.ravel().tolist()))
 
-    def initialize(self, timeout: float) -> tuple[int, int]:
+    def initialize(self, timeout: float, launch: Any = None) -> tuple[int, int]:
         """Start the framework's distributed runtime from the launcher's environment (once;
-        later calls return the same), peers joining within ``timeout`` seconds. Returns (this
-        process's index, the number of processes); the default is one process."""
+        later calls return the same), peers joining within ``timeout`` seconds. ``launch``
+        (a :class:`unimesh.runtime.Launch`, or None) carries the coordinator address, process
+        count and process id the user gave, which win over the environment. Returns (this
+        process's index, the number of processes); the default is one process, and takes no
+        launch parameters."""
+        if launch is not None:
+            raise UnsupportedError(
+                f"the {self.name} backend starts no multi-process runtime, so it takes no "
+                f"launch parameters (got {launch}); drop coordinator_address/num_processes/"
+                "process_id (and the KERAS_DISTRIBUTION_* variables)",
+                backend=self.name,
+                capability="multi_process",
+            )
         return 0, 1
 
     def exchange(self, payload: bytes, timeout: float) -> list[bytes]:

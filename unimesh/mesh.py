@@ -52,7 +52,8 @@ def _check_nesting(value: object, shape: tuple[int, ...], depth: int = 0) -> Non
             seen = seen.rstrip(",)") + ", ...)"
         fail(
             f"device_ids has shape {seen} but the mesh shape is {shape}; give one id per "
-            "device as an array of the mesh's shape"
+            "device as an array of the mesh's shape, or a flat list of "
+            f"{math.prod(shape)} ids read row-major"
         )
     lengths = {len(v) for v in value if isinstance(v, (list, tuple))}
     if len(lengths) > 1 or (
@@ -64,6 +65,25 @@ def _check_nesting(value: object, shape: tuple[int, ...], depth: int = 0) -> Non
         )
     for v in value:
         _check_nesting(v, shape, depth + 1)
+
+
+def _row_major(value: object, shape: tuple[int, ...]) -> object:
+    """A flat list, tuple or 1-D array of ``prod(shape)`` ids, for a mesh of several dims,
+    as an array of ``shape`` (row-major); anything else as it is."""
+    if len(shape) < 2:
+        return value
+    size = math.prod(shape)
+    if isinstance(value, np.ndarray):
+        return value.reshape(shape) if value.ndim == 1 and value.size == size else value
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == size
+        and not any(isinstance(v, (list, tuple, np.ndarray)) for v in value)
+    ):
+        flat = np.array(value)
+        if flat.ndim == 1:
+            return flat.reshape(shape)
+    return value
 
 
 def _first_chain(value: object, shape: tuple[int, ...]) -> None:
@@ -86,7 +106,9 @@ def _ids_array(device_ids: object, shape: tuple[int, ...]) -> np.ndarray:
 
     Linear in the number of ids: numpy reads the nesting (a ragged or too-deep input is walked
     again, in Python, only to name what is wrong), and distinctness is a count of each id, not a
-    sort, whenever the ids are compact (max id < 4 * size + 1024)."""
+    sort, whenever the ids are compact (max id < 4 * size + 1024). A flat sequence of exactly
+    ``prod(shape)`` ids is read row-major, as Keras's ``DeviceMesh`` reads its devices."""
+    device_ids = _row_major(device_ids, shape)
     _first_chain(device_ids, shape)
     try:
         arr = np.array(device_ids)
@@ -107,7 +129,8 @@ def _ids_array(device_ids: object, shape: tuple[int, ...]) -> np.ndarray:
         _check_nesting(device_ids, shape)
         fail(
             f"device_ids has shape {arr.shape} but the mesh shape is {shape}; give one id per "
-            "device as an array of the mesh's shape"
+            "device as an array of the mesh's shape, or a flat list of "
+            f"{math.prod(shape)} ids read row-major"
         )
     flat = arr.ravel()
     lo, hi = int(flat.min()), int(flat.max())
@@ -148,9 +171,11 @@ class Mesh:
     Args:
         shape: the size of each axis, positive ints.
         axis_names: one distinct name per axis (letters, digits, ``_``).
-        device_ids: an int array of ``shape`` (nested lists accepted). A device id is a logical
-            index into the backend's global device order (sorted by process, then local index),
-            not a framework's native id. Default: ``arange(size).reshape(shape)``.
+        device_ids: an int array of ``shape`` (nested lists accepted), or a flat sequence of
+            ``prod(shape)`` ids read row-major (as Keras's ``DeviceMesh`` reads its devices).
+            A device id is a logical index into the backend's global device order (sorted by
+            process, then local index), not a framework's native id. Default:
+            ``arange(size).reshape(shape)``.
         axis_types: None or one of ``"auto" | "explicit" | "manual"`` per axis (JAX's AxisType).
         devices_per_process: None (unknown / one process), or k: device i lives on process i // k.
     """

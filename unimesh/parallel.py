@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 from .backend import Backend
 from .errors import AxisContextError, ConversionError, LayoutError
@@ -160,42 +160,57 @@ def _divides(
         )
 
 
-def psum(x: Any, axis: str | Sequence[str]) -> Any:
-    """The sum of ``x`` over the devices along ``axis`` (a name or a tuple of names)."""
-    env, axes = _env("psum", axis)
+def psum(x: Any, axis_name: str | Sequence[str]) -> Any:
+    """The sum of ``x`` over the devices along ``axis_name`` (a name or a tuple of names)."""
+    env, axes = _env("psum", axis_name)
     return env.reduce(x, axes, "sum")
 
 
-def pmean(x: Any, axis: str | Sequence[str]) -> Any:
-    """The mean of ``x`` over the devices along ``axis``."""
-    env, axes = _env("pmean", axis)
+def pmean(x: Any, axis_name: str | Sequence[str]) -> Any:
+    """The mean of ``x`` over the devices along ``axis_name``."""
+    env, axes = _env("pmean", axis_name)
     return env.reduce(x, axes, "sum") / env.size(axes)
 
 
-def pmax(x: Any, axis: str | Sequence[str]) -> Any:
-    """The elementwise maximum of ``x`` over the devices along ``axis``. Like ``jax.lax.pmax``
+def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
+    """The elementwise maximum of ``x`` over the devices along ``axis_name``. Like ``jax.lax.pmax``
     it has no derivative: stop the gradient before it (``.detach()``, ``stop_gradient``)."""
-    env, axes = _env("pmax", axis)
+    env, axes = _env("pmax", axis_name)
     return env.reduce(x, axes, "max")
 
 
-def pmin(x: Any, axis: str | Sequence[str]) -> Any:
-    """The elementwise minimum of ``x`` over the devices along ``axis`` (no derivative)."""
-    env, axes = _env("pmin", axis)
+def pmin(x: Any, axis_name: str | Sequence[str]) -> Any:
+    """The elementwise minimum of ``x`` over the devices along ``axis_name`` (no derivative)."""
+    env, axes = _env("pmin", axis_name)
     return env.reduce(x, axes, "min")
 
 
 def all_gather(
-    x: Any, axis: str | Sequence[str], dim: int = 0, tiled: bool = True, to: str = "varying"
+    x: Any,
+    axis_name: str | Sequence[str],
+    dim: int = 0,
+    tiled: bool = True,
+    to: str = "varying",
+    *,
+    axis: int | None = None,
 ) -> Any:
-    """Every device's ``x`` along ``axis``, in the order of their index along it.
+    """Every device's ``x`` along ``axis_name``, in the order of their index along it.
 
     ``tiled=True`` concatenates the pieces along ``dim``; ``tiled=False`` stacks them in a new
     dimension at ``dim`` (``jax.lax.all_gather``'s meaning). ``to="varying"`` (JAX's default)
     differentiates to a reduce-scatter; ``to="invarying"`` tells JAX the result is equal along
-    ``axis``, so an out_spec may leave the axis out (``jax.lax.all_gather(..., to=...)``).
+    ``axis_name``, so an out_spec may leave the axis out (``jax.lax.all_gather(..., to=...)``).
+    ``axis=`` is JAX's name for ``dim``. Unlike ``jax.lax.all_gather``, ``tiled`` is True by
+    default (torch's ``all_gather_into_tensor``): pass it explicitly when porting JAX code.
     """
-    env, axes = _env("all_gather", axis)
+    env, axes = _env("all_gather", axis_name)
+    if axis is not None:
+        if dim not in (0, axis):
+            raise LayoutError(
+                f"all_gather() got dim={short(dim)} and axis={short(axis)}: axis is JAX's name "
+                "for dim, pass one of them"
+            )
+        dim = axis
     ndim = len(_shape(x))
     if tiled and ndim == 0:
         raise LayoutError(
@@ -209,13 +224,13 @@ def all_gather(
 
 
 def psum_scatter(
-    x: Any, axis: str | Sequence[str], scatter_dimension: int = 0, tiled: bool = False
+    x: Any, axis_name: str | Sequence[str], scatter_dimension: int = 0, tiled: bool = False
 ) -> Any:
-    """The sum over ``axis`` of ``x``, of which each device keeps its own block of dim
+    """The sum over ``axis_name`` of ``x``, of which each device keeps its own block of dim
     ``scatter_dimension`` (a reduce-scatter, ``jax.lax.psum_scatter``'s meaning): with
     ``tiled=False`` that dim has one entry per device and disappears; with ``tiled=True`` it is
     split into equal blocks, the device at index ``i`` keeping block ``i``."""
-    env, axes = _env("psum_scatter", axis)
+    env, axes = _env("psum_scatter", axis_name)
     ndim = len(_shape(x))
     if ndim == 0:
         raise LayoutError("psum_scatter() needs an array with a dim to scatter, got a scalar")
@@ -225,13 +240,13 @@ def psum_scatter(
 
 
 def all_to_all(
-    x: Any, axis: str | Sequence[str], split_axis: int, concat_axis: int, tiled: bool = False
+    x: Any, axis_name: str | Sequence[str], split_axis: int, concat_axis: int, tiled: bool = False
 ) -> Any:
-    """Each device splits dim ``split_axis`` into one block per device along ``axis``, sends
+    """Each device splits dim ``split_axis`` into one block per device along ``axis_name``, sends
     block ``j`` to the device at index ``j``, and puts what it receives along ``concat_axis`` in
     the senders' order (``jax.lax.all_to_all``'s meaning: with ``tiled=False`` the split dim
     has one entry per device and a new dim of that size appears at ``concat_axis``)."""
-    env, axes = _env("all_to_all", axis)
+    env, axes = _env("all_to_all", axis_name)
     ndim = len(_shape(x))
     if ndim == 0:
         raise LayoutError("all_to_all() needs an array with a dim to split, got a scalar")
@@ -267,11 +282,11 @@ def _perm(perm: object, n: int) -> tuple[tuple[int, int], ...]:
     return pairs
 
 
-def ppermute(x: Any, axis: str | Sequence[str], perm: Sequence[tuple[int, int]]) -> Any:
+def ppermute(x: Any, axis_name: str | Sequence[str], perm: Sequence[tuple[int, int]]) -> Any:
     """Send ``x`` from the device at index ``src`` to the one at ``dst`` for every pair of
-    ``perm`` (indices along ``axis``); a device no pair sends to gets zeros
+    ``perm`` (indices along ``axis_name``); a device no pair sends to gets zeros
     (``jax.lax.ppermute``'s meaning)."""
-    env, axes = _env("ppermute", axis)
+    env, axes = _env("ppermute", axis_name)
     n = env.size(axes)
     pairs: tuple[Any, ...] | None
     try:  # a step passes the same perm at every call: checked once
@@ -292,10 +307,10 @@ def ppermute(x: Any, axis: str | Sequence[str], perm: Sequence[tuple[int, int]])
 _PERMS: set[tuple[tuple[tuple[int, int], ...], int]] = set()
 
 
-def pbroadcast(x: Any, axis: str | Sequence[str], source: int) -> Any:
-    """The value of ``x`` on the device at index ``source`` along ``axis``, on every device of
+def pbroadcast(x: Any, axis_name: str | Sequence[str], source: int) -> Any:
+    """The value of ``x`` on the device at index ``source`` along ``axis_name``, on every device of
     the axis (``jax.lax.pbroadcast``'s meaning; its gradient flows back to the source)."""
-    env, axes = _env("pbroadcast", axis)
+    env, axes = _env("pbroadcast", axis_name)
     n = env.size(axes)
     if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < n:
         raise LayoutError(
@@ -304,16 +319,17 @@ def pbroadcast(x: Any, axis: str | Sequence[str], source: int) -> Any:
     return env.pbroadcast(x, axes, source)
 
 
-def axis_index(axis: str | Sequence[str]) -> Any:
-    """This device's index along ``axis`` (row-major over a tuple of names): a Python int on
-    backends where one process runs one device (torch, MLX), a traced scalar under JAX."""
-    env, axes = _env("axis_index", axis)
+def axis_index(axis_name: str | Sequence[str]) -> Any:
+    """This device's index along ``axis_name`` (row-major over a tuple of names): a traced
+    scalar under JAX, a 0-d tensor on torch (tagged as varying along the axis), a Python int
+    on MLX."""
+    env, axes = _env("axis_index", axis_name)
     return env.axis_index(axes)
 
 
-def axis_size(axis: str | Sequence[str]) -> int:
-    """The number of devices along ``axis`` (the product over a tuple of names)."""
-    env, axes = _env("axis_size", axis)
+def axis_size(axis_name: str | Sequence[str]) -> int:
+    """The number of devices along ``axis_name`` (the product over a tuple of names)."""
+    env, axes = _env("axis_size", axis_name)
     return env.size(axes)
 
 
@@ -322,9 +338,28 @@ def _is_spec(x: object) -> bool:
     return x is None or isinstance(x, (PartitionSpec, Layout))
 
 
+class _Static:
+    """Where ``in_specs`` has None: the argument leaves below it pass through unchanged
+    (``jax.shard_map``'s meaning: not an array to lay out, e.g. a flag or an object)."""
+
+    def __repr__(self) -> str:
+        return "None"
+
+
+#: the marker of a None in_spec in :attr:`SpecTree.tree`
+STATIC = _Static()
+
+
+def _is_layout(x: object) -> bool:
+    return x is STATIC or isinstance(x, Layout)
+
+
 class SpecTree:
     """``in_specs`` or ``out_specs``: a pytree prefix whose leaves are specs (``P``, a Layout,
-    or None for replicated), each turned into a :class:`Layout` on the mesh."""
+    or None), each turned into a :class:`Layout` on the mesh. A None out_spec means ``P()``;
+    a None in_spec marks static arguments (JAX's meaning): :meth:`for_leaves` gives None for
+    the leaves below it, which the backend passes to the function unchanged (an array among
+    them is seen whole, as under ``P()``)."""
 
     def __init__(self, mesh: Mesh, specs: Any, what: str) -> None:
         import optree
@@ -333,6 +368,7 @@ class SpecTree:
         self.mesh = mesh
         leaves, self.treedef = optree.tree_flatten(specs, is_leaf=_is_spec, none_is_leaf=True)
         layouts = []
+        static = []
         for path, spec in zip(optree.treespec_paths(self.treedef), leaves):
             where = what + "".join(f"[{p!r}]" for p in path)
             if isinstance(spec, Layout):
@@ -345,18 +381,29 @@ class SpecTree:
                 raise LayoutError(
                     f"{where} must be a P(...) (None for replicated), got {short(spec)}"
                 )
+            static.append(spec is None and what == "in_specs")
         self.layouts = tuple(layouts)
-        self.tree = optree.tree_unflatten(self.treedef, list(self.layouts))
-        self._per_leaf: dict[Any, tuple[Layout, ...]] = {}
+        #: per spec leaf: a None in_spec (its arguments pass through unchanged)
+        self.static = tuple(static)
+        self.tree = optree.tree_unflatten(
+            self.treedef, [STATIC if s else lay for lay, s in zip(self.layouts, static)]
+        )
+        self._per_leaf: dict[Any, tuple[Layout | None, ...]] = {}
 
     def map(self, fn: Callable[[Layout], Any]) -> Any:
-        """The spec tree with every layout replaced by ``fn(layout)`` (same containers)."""
+        """The spec tree with every layout replaced by ``fn(layout)`` (same containers); a
+        static in_spec stays None."""
         import optree
 
-        return optree.tree_unflatten(self.treedef, [fn(lay) for lay in self.layouts])
+        return optree.tree_unflatten(
+            self.treedef,
+            [None if s else fn(lay) for lay, s in zip(self.layouts, self.static)],
+        )
 
-    def for_leaves(self, tree: Any, treedef: Any) -> tuple[Layout, ...]:
-        """The layout of every leaf of ``tree`` (whose structure is ``treedef``), by prefix."""
+    def for_leaves(self, tree: Any, treedef: Any) -> tuple[Layout | None, ...]:
+        """The layout of every leaf of ``tree`` (whose structure is ``treedef``), by prefix;
+        None for a leaf below a None in_spec. None nodes of ``tree`` have no leaves, as in
+        JAX: an argument that is None takes no spec from the arguments after it."""
         try:
             return self._per_leaf[treedef]
         except KeyError:
@@ -364,14 +411,17 @@ class SpecTree:
         import optree
 
         try:
-            full = optree.tree_broadcast_prefix(self.tree, tree, is_leaf=_is_spec)
+            full = optree.tree_broadcast_prefix(self.tree, tree, is_leaf=_is_layout)
         except ValueError as exc:
             raise LayoutError(
                 f"{self.what} {short(self.tree)} is not a prefix of the "
                 f"{'arguments' if self.what == 'in_specs' else 'results'} {short(tree)}: "
                 f"{str(exc).splitlines()[0]}"
             ) from None
-        layouts = tuple(optree.tree_leaves(full, is_leaf=_is_spec))
+        layouts: tuple[Layout | None, ...] = tuple(
+            v if isinstance(v, Layout) else None
+            for v in optree.tree_leaves(full, is_leaf=_is_layout)
+        )
         self._per_leaf[treedef] = layouts
         return layouts
 
@@ -399,7 +449,8 @@ class Body:
         finally:
             _ENV.reset(token)
         leaves, treedef = optree.tree_flatten(result)
-        return result, leaves, treedef, self.outs.for_leaves(result, treedef)
+        outs = self.outs.for_leaves(result, treedef)  # out_specs have no static leaves
+        return result, leaves, treedef, cast("tuple[Layout, ...]", outs)
 
 
 def shard_map(
@@ -469,7 +520,7 @@ def shard_map(
         layouts = ins.for_leaves(args, treedef)
         for i, (leaf, layout) in enumerate(zip(leaves, layouts)):
             shape = getattr(leaf, "shape", None)  # global shapes; each checked once
-            if shape is not None and (i, tuple(shape)) not in seen:
+            if layout is not None and shape is not None and (i, tuple(shape)) not in seen:
                 _check_even(layout, tuple(shape), i)
                 seen.add((i, tuple(shape)))
         if flat is not None:  # the per-process engine: no second flattening

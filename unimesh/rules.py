@@ -4,9 +4,10 @@ matches parameter paths (Keras' ``LayoutMap``); :class:`AxisRules` resolves logi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
+from ._pyregex import RegexRefused, check_path, to_re2
 from .layout import Layout
 from .mesh import Mesh
 from .messages import short
@@ -45,21 +46,28 @@ def _re2() -> tuple[Any, Any]:
     return re2, _RE2_OPTIONS
 
 
-def _is_regex(key: str) -> bool:
-    """Whether ``key`` needs RE2 (False: a plain key, which only the exact lookup matches). A
-    regex is parsed here, so a bad one is refused when the map is built. RE2 matches in time
-    linear in the path whatever the pattern (Python's ``re`` backtracks exponentially on keys
-    like ``(a+)+$``) and bounds nesting, repetition counts and program size; its syntax is
-    Python's without lookaround or backreferences."""
+def _is_regex(key: str) -> str | None:
+    """The RE2 form of ``key`` (None: a plain key, which only the exact lookup matches). A key
+    is read in Python's regex syntax with Python's meaning (:mod:`unimesh._pyregex`) and
+    handed to RE2, so a bad one is refused when the map is built. RE2 matches in time linear
+    in the path whatever the pattern (Python's ``re`` backtracks exponentially on keys like
+    ``(a+)+$``) and bounds nesting, repetition counts and program size."""
     _utf8(key, "LayoutMap key")
     if not _META.intersection(key):
-        return False
+        return None
+    try:
+        pattern = to_re2(key)
+    except RegexRefused as exc:
+        _lfail(
+            f"LayoutMap key {short(key)} is not a regex unimesh can match: {exc.args[0]}. "
+            "Keys are Python regexes without lookaround, backreferences, (?i) or Unicode \\b"
+        )
     re2, options = _re2()
     try:
-        re2.Set.FullMatchSet(options).Add(key)  # parses only: cheap
+        re2.Set.FullMatchSet(options).Add(pattern)  # parses only: cheap
     except re2.error:
         try:  # the set says only that it failed; a compile says why
-            re2.compile(key, options)
+            re2.compile(pattern, options)
             reason = "too large"
         except re2.error as exc:
             reason = exc.args[0] if exc.args else str(exc)
@@ -67,15 +75,40 @@ def _is_regex(key: str) -> bool:
                 reason = reason.decode("utf-8", "replace")
         _lfail(
             f"LayoutMap key {short(key)} is not a regex unimesh can match ({reason[:120]}); "
-            "keys are RE2 regexes: Python's syntax without lookaround or backreferences, "
-            "repetition counts up to 1000"
+            "keys are Python regexes without lookaround, backreferences, (?i) or Unicode "
+            "\\b, with repetition counts up to 1000"
         )
-    return True
+    return pattern
+
+
+class _KeySet:
+    """Up to ``_CHUNK`` keys in one RE2 full-match set, which tests them all in one pass.
+
+    RE2 runs a set on its DFA only, and a DFA that runs out of memory (large Unicode classes
+    on unusual paths) makes the set answer "no match" without saying it failed. So the set
+    holds one more pattern that matches every path: an answer without it is a failure, and
+    then the keys are tried one by one (RE2's regexes fall back to their NFA, still linear)."""
+
+    __slots__ = ("keys", "one_by_one", "set")
+
+    def __init__(self, group: Any, keys: list[str]) -> None:
+        self.set = group
+        self.keys = keys
+        self.one_by_one: list[Any] | None = None
+
+    def match(self, path: str) -> list[int]:
+        found = self.set.Match(path) or ()
+        if len(self.keys) in found:  # the always-matching sentinel: the DFA answered
+            return sorted(i for i in found if i < len(self.keys))
+        if self.one_by_one is None:
+            re2, options = _re2()
+            self.one_by_one = [re2.compile(key, options) for key in self.keys]
+        return [i for i, regex in enumerate(self.one_by_one) if regex.fullmatch(path)]
 
 
 def _matchers(keys: list[str]) -> list[tuple[int, Any]]:
-    """(offset, matcher) over ``keys`` in order: RE2 full-match sets of up to ``_CHUNK`` keys,
-    or one compiled key where a set is too big to compile."""
+    """(offset, matcher) over ``keys`` (RE2 patterns) in order: :class:`_KeySet` s of up to
+    ``_CHUNK`` keys, or one compiled key where a set is too big to compile."""
     re2, options = _re2()
     out: list[tuple[int, Any]] = []
     for start in range(0, len(keys), _CHUNK):
@@ -83,9 +116,10 @@ def _matchers(keys: list[str]) -> list[tuple[int, Any]]:
         group = re2.Set.FullMatchSet(options)
         for key in chunk:
             group.Add(key)
+        group.Add("(?s:.*)")
         try:
             group.Compile()
-            out.append((start, group))
+            out.append((start, _KeySet(group, chunk)))
         except re2.error:
             out.extend((start + i, re2.compile(key, options)) for i, key in enumerate(chunk))
     return out
@@ -101,14 +135,18 @@ def _utf8(text: str, what: str) -> None:
         )
 
 
-class LayoutMap:
+class LayoutMap(MutableMapping[str, Layout]):
     """Ordered mapping of variable-path patterns to layouts (``keras.distribution.LayoutMap``).
 
     Lookup follows Keras 3: an exact key wins; else every key is tried as a regex that must
-    match the whole path (``fullmatch``); two matching keys are an error naming both; none
-    gives None. Keys are matched by RE2 (Python's regex syntax without lookaround or
-    backreferences), so a lookup takes time linear in the path whatever the keys.
-    Values may be PartitionSpecs or tuples of entries and are validated against ``mesh``.
+    match the whole path (``re.fullmatch``); two matching keys are an error naming both; none
+    gives None. Keys are Python regexes with Python's meaning (``\\w`` and ``\\d`` are
+    Unicode, ``\\Z`` ends the path), matched by RE2 so that a lookup takes time linear in the
+    path whatever the keys; what RE2 cannot mean the same way (lookaround, backreferences,
+    ``(?i)``, a Unicode ``\\b``) is refused when the key is set. As in Keras, a key is set once:
+    setting it again is an error (``del`` it first). Values may be PartitionSpecs or tuples
+    of entries and are validated against ``mesh``. A full mutable mapping: ``keys``,
+    ``items``, ``pop``, ``update``, ``clear`` and the rest work on the keys as written.
     """
 
     def __init__(
@@ -118,7 +156,7 @@ class LayoutMap:
             _lfail(f"LayoutMap() needs a unimesh.Mesh, got {short(mesh)}")
         self._mesh = mesh
         self._rules: dict[str, Layout] = {}
-        self._regexes: dict[str, None] = {}  # the keys that are regexes, in order
+        self._regexes: dict[str, str] = {}  # regex keys, in order -> their RE2 form
         self._matching: list[tuple[int, Any]] | None = None  # built by the first lookup
         for key, value in _pairs(rules, "LayoutMap rule", "(pattern, spec)"):
             self[key] = value
@@ -132,8 +170,13 @@ class LayoutMap:
             _lfail(f"LayoutMap keys are regex strings, got {short(key)}")
         self._set(key, value, _is_regex(key))
 
-    def _set(self, key: str, value: Any, regex: bool) -> None:
+    def _set(self, key: str, value: Any, regex: str | None) -> None:
         """``self[key] = value`` for a key already checked (``regex``: :func:`_is_regex`)."""
+        if key in self._rules:
+            _lfail(
+                f"LayoutMap key {short(key)} is already set (to {self._rules[key].spec!r}); "
+                "Keras refuses a key twice too: del layout_map[key] first to replace it"
+            )
         if isinstance(value, Layout):
             if value.mesh is not self._mesh and value.mesh != self._mesh:
                 _lfail(f"layout for {key!r} is on {value.mesh!r}, not this map's {self._mesh!r}")
@@ -141,41 +184,56 @@ class LayoutMap:
         else:
             layout = Layout(self._mesh, value)
         self._rules[key] = layout
-        if regex and key not in self._regexes:
-            self._regexes[key] = None
+        if regex is not None:
+            self._regexes[key] = regex
             self._matching = None
 
     def __delitem__(self, key: str) -> None:
         del self._rules[key]
-        if self._regexes.pop(key, 0) is None:
+        if self._regexes.pop(key, None) is not None:
             self._matching = None
 
-    def __getitem__(self, path: str) -> Layout | None:
+    def __getitem__(self, path: str) -> Layout | None:  # type: ignore[override]
         return self.get(path)
 
-    def get(self, path: str) -> Layout | None:
-        """The layout for a variable path, or None when no key matches."""
+    def get(self, path: str, default: Layout | None = None) -> Layout | None:  # type: ignore[override]
+        """The layout for a variable path, or ``default`` (None) when no key matches."""
         if not isinstance(path, str):
             _lfail(f"LayoutMap lookups take a str path, got {short(path)}")
         if path in self._rules:
             return self._rules[path]
         _utf8(path, "LayoutMap path")
+        if not self._regexes:
+            return default
+        why = check_path(path)
+        if why is not None:
+            _lfail(f"LayoutMap path {short(path)} cannot be matched: {why}")
         keys = list(self._regexes)
         if self._matching is None:
-            self._matching = _matchers(keys)
+            self._matching = _matchers([self._regexes[k] for k in keys])
         hits = []
         for offset, matcher in self._matching:
             if hasattr(matcher, "fullmatch"):
                 if matcher.fullmatch(path):
                     hits.append(keys[offset])
             else:
-                hits.extend(keys[offset + i] for i in sorted(matcher.Match(path) or ()))
+                hits.extend(keys[offset + i] for i in matcher.match(path))
         if len(hits) > 1:
             _lfail(
                 f"path {path!r} matches more than one LayoutMap key: {hits[0]!r} and "
                 f"{hits[1]!r}; make the patterns exclusive"
             )
-        return self._rules[hits[0]] if hits else None
+        return self._rules[hits[0]] if hits else default
+
+    def pop(self, key: str, *default: Any) -> Any:
+        """Remove the key as written (not matched as a regex) and return its layout."""
+        if key in self._rules:
+            layout = self._rules[key]
+            del self[key]
+            return layout
+        if default:
+            return default[0]
+        raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
         return key in self._rules
@@ -186,10 +244,10 @@ class LayoutMap:
     def __len__(self) -> int:
         return len(self._rules)
 
-    def items(self) -> list[tuple[str, Layout]]:
+    def items(self) -> list[tuple[str, Layout]]:  # type: ignore[override]
         return list(self._rules.items())
 
-    def values(self) -> list[Layout]:
+    def values(self) -> list[Layout]:  # type: ignore[override]
         return list(self._rules.values())
 
     def __eq__(self, other: object) -> bool:

@@ -9,11 +9,18 @@ import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from .errors import BackendNotFoundError, LaunchError, LayoutError, MeshMismatchError, UnimeshError
+from .errors import (
+    BackendNotFoundError,
+    LaunchError,
+    LayoutError,
+    MeshMismatchError,
+    UnimeshError,
+    UnsupportedError,
+)
 from .mesh import Mesh
 from .messages import short
 
-__all__ = ["Launcher", "detect_launcher", "fingerprint", "initialize", "verify"]
+__all__ = ["Launch", "Launcher", "detect_launcher", "fingerprint", "initialize", "verify"]
 
 
 class Launcher(NamedTuple):
@@ -61,6 +68,11 @@ def _launchers(env: Mapping[str, str]) -> list[Launcher]:
         names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
         rank, procs = _int(env, "JAX_PROCESS_ID"), _int(env, "JAX_NUM_PROCESSES")
         found.append(Launcher("jax.distributed", "jax", rank, procs, _evidence(env, names)))
+    if env.get(KERAS_VARS[0]):
+        rank, procs = _int(env, KERAS_VARS[2]), _int(env, KERAS_VARS[1])
+        found.append(
+            Launcher("keras.distribution", "keras", rank, procs, _evidence(env, KERAS_VARS))
+        )
     if "MLX_RANK" in env:
         names = ("MLX_RANK", "MLX_WORLD_SIZE", "MLX_HOSTFILE")
         rank, procs = _int(env, "MLX_RANK"), _int(env, "MLX_WORLD_SIZE")
@@ -94,7 +106,7 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
             f"got {short(environ)}"
         )
     found = _launchers(env)
-    named = [f for f in found if f.name in ("torchrun", "jax.distributed")]
+    named = [f for f in found if f.name in ("torchrun", "jax.distributed", "keras.distribution")]
     if len(named) > 1:
         raise LaunchError(
             f"this process looks started by both {named[0]} and {named[1]}; pass backend=... "
@@ -139,14 +151,99 @@ def _timeout(value: object, what: str) -> float:
     return float(value)
 
 
-def initialize(backend: Any = None, *, timeout: float = 300.0) -> tuple[int, int]:
+class Launch(NamedTuple):
+    """Where the processes of a job meet, as :func:`initialize` was told (by its arguments or
+    Keras's ``KERAS_DISTRIBUTION_*`` variables); None where not said (the backend's launcher
+    environment, or its cluster detection, says it)."""
+
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+
+
+#: Keras's names for the launch parameters (``keras.distribution.initialize`` reads them)
+KERAS_VARS = (
+    "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+    "KERAS_DISTRIBUTION_NUM_PROCESSES",
+    "KERAS_DISTRIBUTION_PROCESS_ID",
+)
+
+
+def _count(value: object, what: str, lowest: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        value = int(value.strip()) if len(value.strip()) < 10 else value
+    if isinstance(value, bool) or not isinstance(value, int) or not lowest <= value < 2**31:
+        raise LaunchError(f"{what} must be an int >= {lowest}, got {short(value)}")
+    return value
+
+
+def _launch(
+    coordinator_address: object,
+    job_addresses: object,
+    num_processes: object,
+    process_id: object,
+    env: Mapping[str, str],
+) -> Launch | None:
+    """The launch parameters from the arguments, else Keras's variables; None if none."""
+    if coordinator_address is not None and job_addresses is not None:
+        raise LaunchError(
+            "initialize() takes coordinator_address (JAX's name) or job_addresses (Keras's), "
+            "not both: the coordinator is the first job address"
+        )
+    address = coordinator_address if coordinator_address is not None else job_addresses
+    if address is None:
+        address = env.get(KERAS_VARS[0]) or None
+    if address is not None:
+        if not isinstance(address, str) or not address.strip(" ,"):
+            raise LaunchError(
+                f"coordinator_address/job_addresses must be 'host:port' (job addresses: "
+                f"comma-separated, the first one the coordinator), got {short(address)}"
+            )
+        address = address.split(",")[0].strip()
+    procs = _count(
+        num_processes if num_processes is not None else env.get(KERAS_VARS[1]) or None,
+        "num_processes (KERAS_DISTRIBUTION_NUM_PROCESSES)",
+        1,
+    )
+    pid = _count(
+        process_id if process_id is not None else env.get(KERAS_VARS[2]) or None,
+        "process_id (KERAS_DISTRIBUTION_PROCESS_ID)",
+        0,
+    )
+    if procs is not None and pid is not None and pid >= procs:
+        raise LaunchError(f"process_id={pid} must be in 0..num_processes-1 ({procs} processes)")
+    if address is None and procs is None and pid is None:
+        return None
+    return Launch(address, procs, pid)
+
+
+def initialize(
+    backend: Any = None,
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    job_addresses: str | None = None,
+    timeout: float = 300.0,
+) -> tuple[int, int]:
     """Start the framework's distributed runtime from the launcher's environment, once.
 
     torch: ``init_process_group`` from torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
     ``MASTER_PORT``; JAX: ``jax.distributed.initialize`` from ``JAX_COORDINATOR_ADDRESS``/
-    ``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID`` (none of them: one process); MLX:
-    ``mx.distributed.init()``, checked against the process count the launcher
-    (``mlx.launch``/``mpirun``) says it started. A second call returns the same answer.
+    ``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``, else JAX's own cluster detection (SLURM, Open
+    MPI, Cloud TPU, Kubernetes), else one process; MLX: ``mx.distributed.init()``, checked
+    against the process count the launcher (``mlx.launch``/``mpirun``) says it started. A
+    second call returns the same answer.
+
+    The launch parameters may also be given as ``jax.distributed.initialize`` and
+    ``keras.distribution.initialize`` take them: ``coordinator_address`` ("host:port") or
+    ``job_addresses`` (Keras's comma-separated list, the first the coordinator),
+    ``num_processes``, ``process_id``; unset ones are read from Keras's
+    ``KERAS_DISTRIBUTION_JOB_ADDRESSES``/``_NUM_PROCESSES``/``_PROCESS_ID``. They win over
+    the launcher's variables (JAX, Keras on JAX, torch); MLX's launchers start the processes
+    themselves and take none.
 
     With no ``backend``, the launcher found in the environment (:func:`detect_launcher`) says
     which framework to start, so nothing needs importing first; outside a launcher, the backend
@@ -157,7 +254,21 @@ def initialize(backend: Any = None, *, timeout: float = 300.0) -> tuple[int, int
     ``timeout`` seconds.
     """
     seconds = _timeout(timeout, "timeout")
-    started: tuple[int, int] = _runtime_backend(backend).initialize(seconds)
+    launch = _launch(coordinator_address, job_addresses, num_processes, process_id, os.environ)
+    be = _runtime_backend(backend)
+    if launch is None:
+        started: tuple[int, int] = be.initialize(seconds)
+    else:
+        import inspect
+
+        if "launch" not in inspect.signature(be.initialize).parameters:
+            raise UnsupportedError(
+                f"the {be.name} backend's initialize takes no launch parameters (got {launch}); "
+                "start its processes with its launcher instead",
+                backend=be.name,
+                capability="multi_process",
+            )
+        started = be.initialize(seconds, launch=launch)
     return started
 
 

@@ -38,6 +38,7 @@ from .errors import LayoutError, MeshMismatchError, UnsupportedError
 from .layout import Layout
 from .mesh import Mesh
 from .parallel import AxisEnv, Body, SpecTree
+from .spec import PartitionSpec
 
 __all__ = ["ENGINE_REQUIRED", "PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
 
@@ -316,7 +317,7 @@ class _Program:
         leaves, treedef = optree.tree_flatten(args)  # type: ignore[arg-type,var-annotated]
         return self.run_flat(leaves, treedef, self.ins.for_leaves(args, treedef))
 
-    def run_flat(self, leaves: list[Any], treedef: Any, layouts: tuple[Layout, ...]) -> Any:
+    def run_flat(self, leaves: list[Any], treedef: Any, layouts: tuple[Layout | None, ...]) -> Any:
         """The program on the arguments' leaves (of tree ``treedef``) laid out as ``layouts``."""
         import optree
 
@@ -436,6 +437,7 @@ class ProcessAxisEnv(AxisEnv):
         self._in: dict[Layout, Any] = {}
         self._out: dict[Layout, int] = {}
         self._last: Any = None  # the latest collective's result (lazy backends)
+        self._whole = Layout(mesh, PartitionSpec())  # an array under a None in_spec
 
     # -- groups -----------------------------------------------------------------------------------
     def group(self, axes: tuple[str, ...]) -> Group:
@@ -822,11 +824,16 @@ class ProcessAxisEnv(AxisEnv):
             )
         return plan
 
-    def enter(self, arg: Any, layout: Layout) -> Any:
+    def enter(self, arg: Any, layout: Layout | None) -> Any:
         """This process's block of a shard_map argument. Gradient: for a global array,
         assembled whole on every process; untyped, summed over the axes the input is
-        replicated on (typed: where it meets varying values, by pvary)."""
-        if arg is None:
+        replicated on (typed: where it meets varying values, by pvary). Under a None in_spec
+        (``layout`` None) a non-array passes unchanged and an array is seen whole."""
+        if layout is None:
+            if getattr(arg, "shape", None) is None:
+                return arg
+            layout = self._whole
+        elif arg is None:
             return None
         block = self._enter(arg, layout)
         if self.typed:
@@ -907,6 +914,12 @@ class ProcessAxisEnv(AxisEnv):
                     f"along them: reduce it over {axes} (psum, pmean, all_gather with "
                     "to='invarying') or name the axes in the out_spec"
                 )
+            # an axis the out_spec names but the value is invariant along: the result holds
+            # one copy per device there, each counted in the gradient (JAX's implicit pvary
+            # at the boundary: its backward sums the copies' cotangents)
+            fans = self._input_plan(layout)[2] - self.be.vma_of(block)
+            if fans and self.be.needs_grad(block):
+                block = self.pvary(block, fans)
             return block
         copies = self._out.get(layout)
         if copies is None:

@@ -174,25 +174,38 @@ class JaxBackend(Backend):
         self.initialize(300.0)
         return len(global_devices())
 
-    def initialize(self, timeout: float) -> tuple[int, int]:
+    def initialize(self, timeout: float, launch: Any = None) -> tuple[int, int]:
         """``jax.distributed.initialize`` (gloo CPU collectives) from ``JAX_COORDINATOR_ADDRESS``,
-        ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, every process joining within ``timeout``
-        seconds (checked first by :func:`~unimesh_jax.runtime.rendezvous`, which names a
-        process that never came); a peer that stops sending heartbeats for ``timeout`` seconds
-        (at least 10, at most JAX's default 100) is gone, and JAX ends the others. None of the
-        three: one process."""
+        ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (``launch``'s values win over them), every
+        process joining within ``timeout`` seconds (checked first by
+        :func:`~unimesh_jax.runtime.rendezvous`, which names a process that never came); a
+        peer that stops sending heartbeats for ``timeout`` seconds (at least 10, at most JAX's
+        default 100) is gone, and JAX ends the others. Where none of the three is known, JAX's
+        own cluster detection (SLURM, Open MPI, Cloud TPU, Kubernetes) starts the job, as
+        ``jax.distributed.initialize()`` does; no cluster found: one process."""
         import os
 
-        given = {v: os.environ.get(v) for v in _JAX_ENV}
+        given: dict[str, str | None] = {v: os.environ.get(v) or None for v in _JAX_ENV}
+        if launch is not None:
+            for var, value in zip(_JAX_ENV, launch):
+                if value is not None:
+                    given[var] = str(value)
         missing = [v for v, value in given.items() if not value]
+        jax = _jax()
+        if jax.distributed.is_initialized():
+            return int(jax.process_index()), int(jax.process_count())
+        cluster = _detected_cluster() if missing else None
+        if cluster is not None:
+            return self._start_detected(cluster, given, timeout)
         if len(missing) not in (0, len(_JAX_ENV)):
             raise LaunchError(
-                f"a multi-process JAX run needs {', '.join(_JAX_ENV)}; "
+                f"a multi-process JAX run needs {', '.join(_JAX_ENV)} (or initialize("
+                "coordinator_address=..., num_processes=..., process_id=...)); "
                 f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set (the others "
-                "are): set them on every process (process ids 0..N-1), or none for one process"
+                "are) and no cluster JAX detects (SLURM, Open MPI, Cloud TPU) is around: set "
+                "them on every process (process ids 0..N-1), or none for one process"
             )
-        jax = _jax()
-        if not missing and not jax.distributed.is_initialized():
+        if not missing:
             address = str(given["JAX_COORDINATOR_ADDRESS"])
             try:
                 procs, pid = int(str(given["JAX_NUM_PROCESSES"])), int(str(given["JAX_PROCESS_ID"]))
@@ -229,6 +242,29 @@ class JaxBackend(Backend):
                         f"process_id={pid}) failed within {timeout:.0f} s (a peer process may "
                         f"be gone, or JAX already ran a computation): {first}"
                     ) from exc
+        return int(jax.process_index()), int(jax.process_count())
+
+    def _start_detected(
+        self, cluster: str, given: dict[str, str | None], timeout: float
+    ) -> tuple[int, int]:
+        """``jax.distributed.initialize`` with what is known; JAX's detection of ``cluster``
+        fills in the rest."""
+        jax = _jax()
+        procs, pid = given["JAX_NUM_PROCESSES"], given["JAX_PROCESS_ID"]
+        try:
+            jax.distributed.initialize(
+                given["JAX_COORDINATOR_ADDRESS"],
+                num_processes=None if procs is None else int(procs),
+                process_id=None if pid is None else int(pid),
+                initialization_timeout=max(1, int(timeout)),
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise LaunchError(
+                f"jax.distributed.initialize() found a {cluster} job but could not start it "
+                f"within {timeout:.0f} s: {first_line(exc)}; pass coordinator_address, "
+                "num_processes and process_id to unimesh.initialize, or set JAX_COORDINATOR_"
+                "ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
+            ) from exc
         return int(jax.process_index()), int(jax.process_count())
 
     def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
@@ -569,6 +605,22 @@ class JaxBackend(Backend):
             return self.distribute(host, resolve(key_path(path), host.shape))
 
         return jax.tree_util.tree_map_with_path(place, model)
+
+
+def _detected_cluster() -> str | None:
+    """The name of the cluster JAX's ``jax.distributed.initialize()`` would detect from the
+    environment (SLURM, Open MPI, Cloud TPU, Kubernetes), or None. Asks JAX's own list of
+    cluster kinds; an internal it no longer has means no detection (one process)."""
+    try:
+        from jax._src import clusters
+
+        kinds = list(clusters.ClusterEnv._cluster_types)
+        for kind in kinds:
+            if not getattr(kind, "opt_in_only_method", False) and kind.is_env_present():
+                return str(getattr(kind, "name", kind.__name__))
+    except Exception:  # noqa: BLE001 - a JAX internal: any failure means "none detected"
+        return None
+    return None
 
 
 def key_path(path: Any) -> str:

@@ -221,10 +221,15 @@ class KerasBackend(Backend):
         name = keras.backend.backend()
         return unimesh.get_backend(name) if name in ("jax", "torch") else None
 
-    def initialize(self, timeout: float) -> tuple[int, int]:
-        """The runtime of the framework Keras runs on (JAX: ``jax.distributed``)."""
+    def initialize(self, timeout: float, launch: Any = None) -> tuple[int, int]:
+        """The runtime of the framework Keras runs on (JAX: ``jax.distributed``), with the
+        launch parameters ``keras.distribution.initialize`` takes."""
         runtime = self._runtime()
-        return (0, 1) if runtime is None else runtime.initialize(timeout)
+        if runtime is None:
+            return super().initialize(timeout, launch)
+        if launch is None:
+            return runtime.initialize(timeout)
+        return runtime.initialize(timeout, launch=launch)
 
     def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
         runtime = self._runtime()
@@ -255,10 +260,14 @@ class KerasBackend(Backend):
                 f"the keras backend shards the variables of a keras Model or "
                 f"Layer, not {short(model)}"
             )
-        be = self._jax("shard_params")
+        self._jax("shard_params")
         for variable in model.variables:
             host = np.asarray(variable.value)
-            variable.assign(be.distribute(host, resolve(variable.path, host.shape)))
+            layout = resolve(variable.path, host.shape)
+            # the variable keeps its layout as one made under a distribution scope does:
+            # Keras re-distributes every later assign() by variable._layout
+            variable._layout = self.layout_to_native(layout)
+            variable.assign(host)
         return model
 
 
@@ -294,12 +303,19 @@ def _version() -> str:
 
 
 def distribution(
-    mesh: Mesh | Config, layout_map: LayoutMap | None = None, *, batch_dim_name: str | None = None
+    mesh: Mesh | Config,
+    layout_map: LayoutMap | None = None,
+    *,
+    batch_dim_name: str | None = None,
+    auto_shard_dataset: bool = True,
 ) -> Any:
     """The Keras distribution for a neutral mesh: ``DataParallel`` over a 1-axis mesh with no
     layout map, else ``ModelParallel(layout_map=..., batch_dim_name=...)`` (batch axis: the
     given name, else the mesh's first axis). A :class:`unimesh.Config` (from
-    ``unimesh.load_config("dist.toml")``) gives the mesh, the layout rules and the batch axis."""
+    ``unimesh.load_config("dist.toml")``) gives the mesh, the layout rules and the batch axis.
+    ``auto_shard_dataset`` goes to Keras as it is (False: the dataset is already sharded
+    across processes). A mesh Keras refuses for this job (its size against the devices, its
+    batch axis against the process count) is a :class:`~unimesh.MeshMismatchError`."""
     be = KerasBackend()
     if isinstance(mesh, Config):
         if layout_map is not None or batch_dim_name is not None:
@@ -318,15 +334,53 @@ def distribution(
         raise LayoutError(f"the layout map is on {layout_map.mesh!r}, not on {mesh!r}")
     if batch_dim_name is not None and batch_dim_name not in mesh.axis_names:
         raise LayoutError(f"batch_dim_name {batch_dim_name!r} is not an axis of {mesh!r}")
+    if not isinstance(auto_shard_dataset, bool):
+        raise ConversionError(
+            f"auto_shard_dataset must be True or False, got {short(auto_shard_dataset)}"
+        )
     be._require_distribution("a Keras distribution")
     kd = _kd()
-    if layout_map is None and mesh.ndim == 1:
-        return kd.DataParallel(device_mesh=be.mesh_to_native(mesh))
-    if layout_map is None:
-        layout_map = LayoutMap(mesh)
-    import unimesh
+    batch = batch_dim_name or mesh.axis_names[0]
+    _check_processes(mesh, batch)
+    try:
+        if layout_map is None and mesh.ndim == 1:
+            return kd.DataParallel(
+                device_mesh=be.mesh_to_native(mesh), auto_shard_dataset=auto_shard_dataset
+            )
+        if layout_map is None:
+            layout_map = LayoutMap(mesh)
+        import unimesh
 
-    native_map = unimesh.to_native(layout_map, be)
-    return kd.ModelParallel(
-        layout_map=native_map, batch_dim_name=batch_dim_name or mesh.axis_names[0]
-    )
+        native_map = unimesh.to_native(layout_map, be)
+        return kd.ModelParallel(
+            layout_map=native_map, batch_dim_name=batch, auto_shard_dataset=auto_shard_dataset
+        )
+    except ValueError as exc:  # what Keras checks beyond the above, in its words
+        raise MeshMismatchError(
+            f"Keras refuses a distribution over {mesh!r} (batch axis {batch!r}): "
+            f"{str(exc).splitlines()[0]}"
+        ) from exc
+
+
+def _check_processes(mesh: Mesh, batch: str) -> None:
+    """Keras's rule for a multi-process job, said before Keras says it: the mesh covers the
+    devices of every process, and with more processes than batch replicas the process count
+    is a multiple of the replicas."""
+    import jax
+
+    procs, devices = int(jax.process_count()), int(jax.device_count())
+    if procs == 1:
+        return
+    if mesh.size != devices:
+        raise MeshMismatchError(
+            f"{mesh!r} has {mesh.size} devices, but this job of {procs} processes has {devices}: "
+            "a Keras distribution spans every device; make the mesh's sizes multiply to "
+            f"{devices}"
+        )
+    replicas = mesh.axis_size(batch)
+    if procs > replicas and procs % replicas:
+        raise MeshMismatchError(
+            f"{mesh!r}: {procs} processes do not divide into its {replicas} batch replicas "
+            f"(axis {batch!r}); Keras needs the process count to be a multiple of the batch "
+            "axis's size when it is the larger"
+        )

@@ -13,7 +13,7 @@ import numpy as np
 from unimesh import ConversionError, Layout, LayoutError, Mesh, UnsupportedError
 from unimesh.messages import short
 
-from .runtime import _LAYERS, _mx
+from .runtime import _LAYERS, _mx, host_to_mx
 from .tracing import make_probe
 from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
 
@@ -51,7 +51,9 @@ class MLXPrograms(MLXTranslator):
 
     def as_array(self, value: Any) -> Any:
         mx = _mx()
-        return value if isinstance(value, mx.array) else mx.array(value)
+        if isinstance(value, mx.array):
+            return value
+        return host_to_mx(value) if isinstance(value, (np.ndarray, np.generic)) else mx.array(value)
 
     def moveaxis(self, x: Any, source: int, destination: int) -> Any:
         return _mx().moveaxis(x, source, destination)
@@ -109,7 +111,7 @@ class MLXPrograms(MLXTranslator):
                     capability="grad",
                 )
             arg = self.full_array(arg)
-        return (arg if isinstance(arg, mx.array) else fresh(mx.array(np.asarray(arg)))), True
+        return (arg if isinstance(arg, mx.array) else fresh(host_to_mx(arg))), True
 
     def needs_grad(self, x: Any) -> bool:
         """Whether an MLX transform may trace ``x`` (:func:`.tracing.make_probe`); where this MLX
@@ -222,7 +224,9 @@ class MLXPrograms(MLXTranslator):
         biggest = tuple(max(w[d] for w in widths) for d in range(len(shape)))
         local = np.zeros(biggest, dtype=np.array(array.local).dtype)
         local[tuple(slice(0, n) for n in array.local.shape)] = np.array(array.local)
-        every = np.array(mx.distributed.all_gather(mx.expand_dims(mx.array(local), 0), group=world))
+        every = np.array(
+            mx.distributed.all_gather(mx.expand_dims(host_to_mx(local), 0), group=world)
+        )
         out = np.zeros(shape, dtype=local.dtype)
         for r, sl in enumerate(slices):
             out[sl] = every[r][tuple(slice(0, n) for n in widths[r])]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from unimesh import LaunchError, MeshMismatchError
+from unimesh import ConversionError, LaunchError, MeshMismatchError, UnsupportedError
 from unimesh.spmd import ProcessBackend
 
 if TYPE_CHECKING:
@@ -38,6 +38,29 @@ def _mx() -> Any:
 
         _MX = mx
     return _MX
+
+
+#: numpy dtypes MLX holds under another name (numpy's own name for the rest)
+_MX_DTYPES = (
+    "bool", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64",
+    "float16", "float32", "float64", "bfloat16", "complex64",
+)  # fmt: skip
+
+
+def host_to_mx(value: Any) -> Any:
+    """A numpy array (or array-like) as an ``mx.array`` of the same dtype. ``mx.array`` alone
+    turns float64 into float32 without a word; MLX's CPU holds float64, so it is kept (MLX's
+    own float64 ``sin``/``exp`` are only float32-accurate: that is MLX's). A dtype MLX lacks
+    (complex128, strings, objects) is a ConversionError naming it."""
+    mx = _mx()
+    host = np.asarray(value)
+    name = str(host.dtype)
+    if name not in _MX_DTYPES:
+        raise ConversionError(
+            f"MLX has no dtype {name}: MLX holds "
+            f"{', '.join(_MX_DTYPES)}; cast it first (e.g. .astype(np.complex64))"
+        )
+    return mx.array(host, dtype=getattr(mx, name))
 
 
 def _release_groups() -> None:
@@ -263,10 +286,19 @@ class MLXRuntime(ProcessBackend):
         self.initialize(300.0)
         return _STARTED[0]
 
-    def initialize(self, timeout: float) -> tuple[int, int]:
+    def initialize(self, timeout: float, launch: Any = None) -> tuple[int, int]:
         """``mx.distributed.init()`` (within ``timeout`` seconds, see :func:`watchdog`), checked
         against the process count the launcher says it started: MLX silently falls back to a
-        1-process group when it finds no distributed backend."""
+        1-process group when it finds no distributed backend. MLX's launchers start the
+        processes and tell them where to meet: launch parameters are refused."""
+        if launch is not None:
+            raise UnsupportedError(
+                f"the mlx backend takes no launch parameters (got {launch}): mlx.launch and "
+                "mpirun start MLX's processes and tell them where to meet; run the script "
+                "under `mlx.launch -n N -- python ...` or `mpirun -np N python ...`",
+                backend=self.name,
+                capability="multi_process",
+            )
         if not _STARTED:
             rank_hint = next(
                 (os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "MLX_RANK") if v in os.environ),

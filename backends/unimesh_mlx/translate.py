@@ -19,7 +19,7 @@ from unimesh import (
 )
 from unimesh.messages import short
 
-from .runtime import _LIVE, MLXRuntime, _mx
+from .runtime import _LIVE, MLXRuntime, _mx, host_to_mx
 
 
 class AxisGroup:
@@ -228,7 +228,7 @@ class MLXTranslator(MLXRuntime):
         ``array[layout.shard_slices(shape, rank)]`` (its ``local`` mx.array)."""
         native = self.mesh_to_native(layout.mesh, **options)
         host = np.asarray(array)
-        block = fresh(_mx().array(host[layout.shard_slices(host.shape, native.rank)]))
+        block = fresh(host_to_mx(host[layout.shard_slices(host.shape, native.rank)]))
         return MLXArray(block, layout, tuple(host.shape))
 
     def from_local(
@@ -244,7 +244,7 @@ class MLXTranslator(MLXRuntime):
         mx = _mx()
         native = self.mesh_to_native(layout.mesh, **options)
         block = blocks[native.rank]
-        local = block if isinstance(block, mx.array) else fresh(mx.array(np.asarray(block)))
+        local = block if isinstance(block, mx.array) else fresh(host_to_mx(block))
         return MLXArray(local, layout, shape)
 
     def local_shards(self, array: Any) -> dict[int, Any]:

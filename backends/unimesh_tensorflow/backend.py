@@ -79,11 +79,13 @@ class TensorFlowBackend(Backend):
         "for CPU devices",
     }
 
-    def initialize(self, timeout: float) -> tuple[int, int]:
+    def initialize(self, timeout: float, launch: Any = None) -> tuple[int, int]:
         """One DTensor client: nothing to start. A multi-client launch (DTensor's
-        ``DTENSOR_NUM_CLIENTS`` above 1) is refused instead of running each client alone."""
+        ``DTENSOR_NUM_CLIENTS`` above 1, or launch parameters) is refused instead of running
+        each client alone."""
         import os
 
+        super().initialize(timeout, launch)  # refuses launch parameters
         clients = os.environ.get("DTENSOR_NUM_CLIENTS", "1").strip() or "1"
         if clients != "1":
             raise UnsupportedError(

@@ -248,16 +248,31 @@ class TorchRuntime(ProcessBackend):
             {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")},
         )
 
-    def initialize(self, timeout: float) -> tuple[int, int]:
+    def initialize(self, timeout: float, launch: Any = None) -> tuple[int, int]:
         """``init_process_group`` (gloo; gloo + nccl when every rank on this machine has a GPU
         of its own, which becomes its current device) from the launcher's
         ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, every rank joining within
-        ``timeout`` seconds. A process group already started (by the user or torchrun code) is
-        used as it is."""
+        ``timeout`` seconds; ``launch``'s coordinator ("host:port"), process count and id win
+        over them. A process group already started (by the user or torchrun code) is used as
+        it is."""
         import os
         from datetime import timedelta
 
         dist = _dist()
+        if launch is not None and not dist.is_initialized():
+            address, procs, pid = launch
+            if address is not None:
+                host, sep, port = address.rpartition(":")
+                if not sep or not host or not port.isdigit():
+                    raise LaunchError(
+                        f"coordinator_address {address!r} must be 'host:port' (torch's "
+                        "MASTER_ADDR and MASTER_PORT)"
+                    )
+                os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, port
+            if procs is not None:
+                os.environ["WORLD_SIZE"] = str(procs)
+            if pid is not None:
+                os.environ["RANK"] = str(pid)
         if not dist.is_initialized():
             needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
             missing = [v for v in needed if v not in os.environ]
