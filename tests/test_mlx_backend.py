@@ -164,3 +164,25 @@ def test_an_argument_from_another_mesh_is_refused_where_its_gradient_would_be_cu
     value, grad = unimesh.value_and_grad(same, backend="mlx")(x)
     np.testing.assert_array_equal(unimesh.full_array(grad, "mlx"), 2 * np.arange(4))
     assert float(unimesh.full_array(value, "mlx")) == 14.0
+
+
+def test_float64_is_kept_and_a_dtype_mlx_lacks_is_refused():
+    """Issue 41: full_array of a float64 MLXArray rounded through float32, and distribute of
+    float64 data gave float32 blocks. Now both keep float64, bit for bit (numpy in float64 is
+    the reference), as do program arguments given as global arrays."""
+    data = np.arange(12, dtype=np.float64).reshape(6, 2) / 12.0
+    lay = Layout(ONE, P("x"))
+    shard = unimesh.distribute(data, lay, "mlx")
+    assert shard.local.dtype == mx.float64
+    whole = unimesh.full_array(shard)
+    assert whole.dtype == np.float64
+    np.testing.assert_array_equal(whole, data)  # 1/12 was 0.0833333358168602
+    program = unimesh.shard_map(lambda b: b * 3.0, ONE, P("x"), P("x"), backend="mlx")
+    out = program(data)
+    assert out.local.dtype == mx.float64
+    np.testing.assert_array_equal(unimesh.full_array(out), data * 3.0)
+    for dtype in (np.float32, np.float16, np.int64, np.int8, np.uint8, np.bool_):
+        got = unimesh.distribute(data.astype(dtype), lay, "mlx")
+        assert np.array(got.local).dtype == np.dtype(dtype), dtype
+    with pytest.raises(unimesh.ConversionError, match="MLX has no dtype complex128"):
+        unimesh.distribute(data.astype(np.complex128), lay, "mlx")

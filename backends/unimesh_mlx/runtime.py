@@ -60,7 +60,7 @@ def host_to_mx(value: Any) -> Any:
             f"MLX has no dtype {name}: MLX holds "
             f"{', '.join(_MX_DTYPES)}; cast it first (e.g. .astype(np.complex64))"
         )
-    return mx.array(host, dtype=getattr(mx, name))
+    return mx.array(host, dtype=getattr(mx, "bool_" if name == "bool" else name))
 
 
 def _release_groups() -> None:
