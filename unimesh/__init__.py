@@ -7,12 +7,14 @@ a backend needs it.
 from __future__ import annotations
 
 from .backend import CAPABILITIES, CONCEPTS, FEATURES, LAYERS, Backend
+from .checkpoint import Checkpoint, load, open_checkpoint, save
 from .config import Config, load_config
 from .errors import (
     AxisContextError,
     BackendNotFoundError,
     BackendRegistrationError,
     BackendUnavailableError,
+    CheckpointError,
     ConfigError,
     ConversionError,
     LaunchError,
@@ -73,6 +75,8 @@ __all__ = [
     "BackendNotFoundError",
     "BackendRegistrationError",
     "BackendUnavailableError",
+    "Checkpoint",
+    "CheckpointError",
     "Config",
     "ConfigError",
     "ConversionError",
@@ -107,9 +111,11 @@ __all__ = [
     "get_backend",
     "grad",
     "initialize",
+    "load",
     "load_config",
     "local_shards",
     "make_mesh",
+    "open_checkpoint",
     "pbroadcast",
     "pmax",
     "pmean",
@@ -119,6 +125,7 @@ __all__ = [
     "psum_scatter",
     "refresh_backends",
     "register_backend",
+    "save",
     "shard_map",
     "shard_params",
     "to_native",

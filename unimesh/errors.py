@@ -12,6 +12,7 @@ __all__ = [
     "BackendNotFoundError",
     "BackendRegistrationError",
     "BackendUnavailableError",
+    "CheckpointError",
     "ConfigError",
     "ConversionError",
     "LaunchError",
@@ -75,3 +76,8 @@ class ConfigError(UnimeshError, ValueError):
 class LaunchError(MeshMismatchError):
     """The launcher's environment is incomplete, or the distributed runtime could not start
     (a variable is missing, a peer never joined)."""
+
+
+class CheckpointError(UnimeshError):
+    """A checkpoint that cannot be written or read as asked: a missing or malformed file, a
+    tensor missing or of another shape or dtype; the message names the tensor and the file."""

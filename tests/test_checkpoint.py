@@ -1,0 +1,297 @@
+"""Checkpoints, first slice (issue 35): the planner in pure numpy (hypothesis over boxes, uneven
+and strided layouts), the strict format (manifest and safetensors headers), numpy trees, and
+JAX on 8 devices saved on one mesh and layout and loaded onto another, bit-exact, each read
+counted in bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import unimesh
+from unimesh import CheckpointError, Layout, Mesh, P
+from unimesh.checkpoint.format import DTYPES, Box, parse_manifest, read_header
+from unimesh.checkpoint.plan import pieces, runs
+
+from .strategies import meshes, specs
+
+
+# -- the planner --------------------------------------------------------------------------------
+def _read_via_runs(
+    data: np.ndarray, box: Box, start: tuple[int, ...], stop: tuple[int, ...]
+) -> Any:
+    """Apply the byte runs to the box's bytes (as a file would hold them)."""
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    got = b"".join(
+        raw[o - box.start : o - box.start + n].tobytes()
+        for o, n in runs(box, start, stop, data.itemsize)
+    )
+    shape = tuple(b - a for a, b in zip(start, stop))
+    return np.frombuffer(got, dtype=data.dtype).reshape(shape)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_runs_read_exactly_the_region(data: st.DataObject) -> None:
+    ndim = data.draw(st.integers(0, 4))
+    size = tuple(data.draw(st.integers(1, 5)) for _ in range(ndim))
+    offset = tuple(data.draw(st.integers(0, 3)) for _ in range(ndim))
+    block = np.arange(math.prod(size), dtype=np.int32).reshape(size)
+    box = Box(offset, size, "f", 1000, 1000 + block.nbytes)
+    start, stop = [], []
+    for o, n in zip(offset, size):
+        a = data.draw(st.integers(o, o + n - 1))
+        b = data.draw(st.integers(a + 1, o + n))
+        start.append(a)
+        stop.append(b)
+    got = _read_via_runs(block, box, tuple(start), tuple(stop))
+    want = block[tuple(slice(a - o, b - o) for a, b, o in zip(start, stop, offset))]
+    np.testing.assert_array_equal(got, want)
+    total = sum(n for _, n in runs(box, tuple(start), tuple(stop), 4))
+    assert total == want.nbytes  # not one byte more than the region
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_pieces_of_any_saved_layout_assemble_any_target_block(data: st.DataObject) -> None:
+    """Saved boxes from one layout (uneven, tuple axes) and any target block of another: the
+    pieces tile the block, and their bytes add up to the block's bytes exactly."""
+    mesh = data.draw(meshes(max_size=8))
+    saved = Layout(mesh, data.draw(specs(mesh)))
+    target = Layout(mesh, data.draw(specs(mesh)))
+    ndim = max(len(saved.spec), len(target.spec), 1)
+    shape = tuple(data.draw(st.integers(1, 9)) for _ in range(ndim))
+    whole = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
+    boxes, files, at = [], {}, 0
+    seen = set()
+    for sl in saved.device_slices(shape).values():
+        key = tuple((s.start, s.stop) for s in sl)
+        block = whole[sl]
+        if key in seen or block.size == 0:
+            continue
+        seen.add(key)
+        box = Box(tuple(a for a, _ in key), block.shape, "f", at, at + block.nbytes)
+        files[box.start] = block
+        boxes.append(box)
+        at += block.nbytes
+    flat = b"".join(np.ascontiguousarray(files[b.start]).tobytes() for b in boxes)
+    for device in target.mesh.device_ids.ravel()[:3]:
+        sl = target.shard_slices(shape, int(device))
+        start = tuple(s.start for s in sl)
+        stop = tuple(max(s.start, s.stop) for s in sl)
+        out = np.full(tuple(b - a for a, b in zip(start, stop)), -1, dtype=np.int64)
+        nbytes = 0
+        for piece in pieces(boxes, start, stop, 8):
+            buf = b"".join(flat[o : o + n] for o, n in piece.runs)
+            where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
+            out[where] = np.frombuffer(buf, dtype=np.int64).reshape(piece.shape)
+            nbytes += len(buf)
+        np.testing.assert_array_equal(out, whole[sl])
+        assert nbytes == out.nbytes
+
+
+# -- the format ---------------------------------------------------------------------------------
+def _manifest(**changes: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "format": "unimesh-checkpoint",
+        "version": 1,
+        "tensors": {
+            "w": {
+                "shape": [4, 2],
+                "dtype": "float32",
+                "layout": None,
+                "boxes": [
+                    {"offset": [0, 0], "size": [2, 2], "file": "d.safetensors", "start": 8,
+                     "end": 24},
+                    {"offset": [2, 0], "size": [2, 2], "file": "d.safetensors", "start": 24,
+                     "end": 40},
+                ],
+            }
+        },
+    }  # fmt: skip
+    doc.update(changes)
+    return doc
+
+
+def _box(**changes: Any) -> dict[str, Any]:
+    doc = _manifest()
+    doc["tensors"]["w"]["boxes"][1].update(changes)
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (b"\xff", "not UTF-8"),
+        (b"[]", "must be a JSON object"),
+        (b'{"format": 1, "format": 2}', "duplicate key"),
+        (json.dumps(_manifest(extra=1)).encode(), "unknown fields ['extra']"),
+        (json.dumps(_manifest(version=2)).encode(), "format version 2"),
+        (json.dumps(_box(offset=[1, 0])).encode(), "overlap"),
+        (json.dumps(_box(offset=[3, 0])).encode(), "reaches past dim 0"),
+        (json.dumps(_box(end=39)).encode(), "is 15 bytes, but"),
+        (json.dumps(_box(file="../x")).encode(), "plain names inside the checkpoint"),
+        (json.dumps(_box(file="/etc/passwd")).encode(), "plain names inside the checkpoint"),
+        (json.dumps(_box(start=-1)).encode(), "must be an int in [0, 2**62)"),
+        (json.dumps(_box(start=2**70)).encode(), "must be an int in [0, 2**62)"),
+        ((b'{"format": "unimesh-checkpoint", "version": 1, "tensors": {"w": {"shape": [1], '
+          b'"dtype": "complex64", "boxes": []}}}'), "unknown dtype 'complex64'"),
+        (b'{"a": NaN}', "NaN is not a JSON number"),
+        (b"[" * 100000, "not valid JSON"),
+    ],
+)  # fmt: skip
+def test_a_bad_manifest_is_refused_naming_what(text: bytes, message: str) -> None:
+    with pytest.raises(CheckpointError) as info:
+        parse_manifest(text, "m.json")
+    assert message in str(info.value)
+
+
+def test_a_hole_is_refused() -> None:
+    doc = _manifest()
+    doc["tensors"]["w"]["boxes"].pop()
+    with pytest.raises(CheckpointError, match="tile it exactly once"):
+        parse_manifest(json.dumps(doc).encode(), "m.json")
+
+
+@pytest.mark.parametrize(
+    ("head", "size", "message"),
+    [
+        (b"\x01", 10, "shorter than a safetensors header"),
+        ((2**40).to_bytes(8, "little"), 100, "over the cap or longer than the file"),
+        ((6).to_bytes(8, "little") + b'{"a":1', 14, "not valid JSON"),
+        ((2).to_bytes(8, "little") + b"[]", 10, "not a JSON object"),
+    ],
+)
+def test_a_bad_safetensors_header_is_refused(head: bytes, size: int, message: str) -> None:
+    with pytest.raises(CheckpointError) as info:
+        read_header(head, size, "d.safetensors")
+    assert message in str(info.value)
+
+
+# -- numpy trees --------------------------------------------------------------------------------
+def test_numpy_tree_round_trip_and_stock_safetensors(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    tree = {
+        "layers": [
+            {"w": rng.standard_normal((5, 3)).astype(np.float32), "n": np.arange(4)},
+            {"w": rng.standard_normal((2, 2)), "mask": rng.random(6) > 0.5},
+        ],
+        "step": np.array(7, dtype=np.int32),
+        "h": rng.standard_normal((3,)).astype(np.float16),
+        "q": np.arange(6, dtype=np.uint8).reshape(2, 3),
+        "i": np.arange(6, dtype=np.int8),
+    }
+    unimesh.save(tmp_path / "ck", tree)
+    ck = unimesh.open_checkpoint(tmp_path / "ck")
+    assert ck.names == ["h", "i", "layers.0.n", "layers.0.w", "layers.1.mask", "layers.1.w",
+                        "q", "step"]  # fmt: skip
+    import optree
+
+    leaves = dict(zip(ck.names, optree.tree_leaves(tree)))
+    for name, want in leaves.items():
+        got = ck.read(name)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == want.tobytes(), name
+    assert ck.bytes_read == sum(v.nbytes for v in leaves.values())
+    part = unimesh.open_checkpoint(tmp_path / "ck")
+    np.testing.assert_array_equal(part.read("layers.0.w", (slice(1, 3), slice(2, 3))),
+                                  tree["layers"][0]["w"][1:3, 2:3])  # fmt: skip
+    assert part.bytes_read == 2 * 4
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    (data,) = [p for p in (tmp_path / "ck").iterdir() if p.suffix == ".safetensors"]
+    stock = safetensors_numpy.load_file(str(data))
+    assert stock["layers.0.w@0,0"].tobytes() == tree["layers"][0]["w"].tobytes()
+    assert len(stock) == len(leaves)
+
+
+def test_a_second_save_replaces_the_first_and_cleans_up(tmp_path: Path) -> None:
+    unimesh.save(tmp_path / "ck", {"a": np.zeros(3)})
+    first = sorted(os.listdir(tmp_path / "ck"))
+    (tmp_path / "ck" / "data-leftover-00001.safetensors").write_bytes(b"killed save")
+    unimesh.save(tmp_path / "ck", {"a": np.ones(3)})
+    second = sorted(os.listdir(tmp_path / "ck"))
+    assert len(second) == 2 and set(first) & set(second) == {"manifest.json"}
+    np.testing.assert_array_equal(unimesh.open_checkpoint(tmp_path / "ck").read("a"), np.ones(3))
+
+
+def test_reading_errors_name_the_tensor_and_file(tmp_path: Path) -> None:
+    unimesh.save(tmp_path / "ck", {"attn": {"wq": np.zeros((4, 4), np.float32)}})
+    ck = unimesh.open_checkpoint(tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=r"no tensor 'attn\.wk'.*did you mean 'attn\.wq'"):
+        ck.read("attn.wk")
+    with pytest.raises(CheckpointError, match="must have step 1"):
+        ck.read("attn.wq", (slice(0, 4, 2),))
+    (data,) = [p for p in (tmp_path / "ck").iterdir() if p.suffix == ".safetensors"]
+    data.write_bytes(data.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match="do not fit its shape or file"):
+        unimesh.open_checkpoint(tmp_path / "ck").read("attn.wq")
+    with pytest.raises(CheckpointError, match="has no manifest.json"):
+        unimesh.open_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="dtype complex128 cannot be checkpointed"):
+        unimesh.save(tmp_path / "c2", {"z": np.zeros(2, np.complex128)})
+    with pytest.raises(CheckpointError, match="no arrays"):
+        unimesh.save(tmp_path / "c3", {})
+
+
+def test_every_dtype_name_has_a_safetensors_code() -> None:
+    assert {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8",
+            "bool"} <= set(DTYPES)  # fmt: skip
+
+
+# -- JAX, 8 devices: one mesh and layout to another --------------------------------------------
+def test_jax_reshard_load_is_bit_exact_and_reads_only_its_bytes(tmp_path: Path) -> None:
+    jax = pytest.importorskip("jax")
+    import ml_dtypes
+
+    saved_mesh = Mesh.from_string("dp=4,tp=2")
+    rng = np.random.default_rng(3)
+    tree = {
+        "w": rng.standard_normal((8, 6)).astype(np.float32),
+        "b16": rng.standard_normal((8, 4)).astype(ml_dtypes.bfloat16),
+        "h": rng.standard_normal((4, 8)).astype(np.float16),
+        "n": np.arange(16, dtype=np.int32).reshape(4, 4),
+        "m": rng.random(8) > 0.5,
+    }
+    saved = {"w": P("dp", "tp"), "b16": P(("tp", "dp")), "h": P(None, ("dp", "tp")), "n": P(),
+             "m": P("dp")}  # fmt: skip
+    arrays = {
+        k: jax.device_put(v, unimesh.to_native(Layout(saved_mesh, saved[k]), "jax"))
+        for k, v in tree.items()
+    }
+    unimesh.save(tmp_path / "ck", {"model": arrays})
+    ck = unimesh.open_checkpoint(tmp_path / "ck")
+    assert ck.layout("model.w") == Layout(saved_mesh, P("dp", "tp"))
+    # the replicated tensor is written once, not eight times
+    assert len(ck.tensor("model.n").boxes) == 1
+    target_mesh = Mesh((2, 4), ("a", "b"), np.arange(8)[::-1].reshape(2, 4))
+    target = {"w": P("b", "a"), "b16": P("a"), "h": P(None, ("b", "a")), "n": P(None, "b"),
+              "m": P(("a", "b"))}  # fmt: skip
+    layouts = {"model": {k: Layout(target_mesh, s) for k, s in target.items()}}
+    loaded = unimesh.load(tmp_path / "ck", layouts, backend="jax")
+    for k, want in tree.items():
+        got = loaded["model"][k]
+        assert unimesh.from_native(got.sharding) == layouts["model"][k]
+        assert np.asarray(got).tobytes() == want.tobytes(), k
+    # one block read on its own reads only that block's bytes
+    part = unimesh.open_checkpoint(tmp_path / "ck")
+    sl = layouts["model"]["w"].shard_slices((8, 6), 5)
+    part.read("model.w", sl)
+    assert part.bytes_read == math.prod(s.stop - s.start for s in sl) * 4
+    # into native arrays: shape and dtype must match
+    again = unimesh.load(tmp_path / "ck", {"model": {"w": loaded["model"]["w"]}}, strict=False)
+    assert np.asarray(again["model"]["w"]).tobytes() == tree["w"].tobytes()
+    wrong = jax.device_put(np.zeros((8, 6), np.float16), loaded["model"]["w"].sharding)
+    with pytest.raises(CheckpointError, match="is float32 in .*, the target float16"):
+        unimesh.load(tmp_path / "ck", {"model": {"w": wrong}})
+    cast = unimesh.load(tmp_path / "ck", {"model": {"w": wrong}}, dtype=np.float16)
+    np.testing.assert_array_equal(np.asarray(cast["model"]["w"]), tree["w"].astype(np.float16))
+    with pytest.raises(CheckpointError, match="no tensor 'model.v'"):
+        unimesh.load(tmp_path / "ck", {"model": {"v": layouts["model"]["w"]}}, backend="jax")

@@ -1,0 +1,357 @@
+"""The checkpoint format on disk, read and written strictly: the JSON manifest and the
+safetensors data files (``docs/checkpoints.md``). Framework-free: numpy and the standard
+library; no pickle, nothing evaluated. Every fault of a file is a :class:`CheckpointError`
+naming the file and what is wrong."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..messages import short
+
+__all__ = [
+    "DTYPES",
+    "FORMAT",
+    "MANIFEST",
+    "MAX_HEADER",
+    "VERSION",
+    "Box",
+    "Tensor",
+    "numpy_dtype",
+    "parse_manifest",
+    "read_header",
+    "safetensors_header",
+]
+
+FORMAT = "unimesh-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+#: a manifest or safetensors header larger than this is refused before it is read
+MAX_HEADER = 256 << 20
+
+#: unimesh dtype name -> (safetensors dtype, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "bool": ("BOOL", 1),
+}
+_FROM_SAFETENSORS = {st: name for name, (st, _) in DTYPES.items()}
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype of a checkpoint dtype name (bfloat16 and float8 from ml_dtypes, which
+    JAX installs; without it they are refused, naming the package)."""
+    if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise CheckpointError(
+                f"dtype {name} needs the ml_dtypes package to become numpy (pip install "
+                "ml_dtypes; JAX installs it)"
+            ) from None
+        found: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
+        return found
+    return np.dtype(name)
+
+
+def dtype_name(dtype: Any) -> str:
+    """The checkpoint name of a numpy (or framework) dtype; CheckpointError for one the format
+    does not hold."""
+    name = str(getattr(dtype, "name", dtype)).rsplit(".", 1)[-1]
+    if name not in DTYPES:
+        raise CheckpointError(
+            f"dtype {name} cannot be checkpointed; the format holds {', '.join(DTYPES)}: cast "
+            "it first"
+        )
+    return name
+
+
+class Box:
+    """One saved block: where it sits in the global array, and its bytes in a data file."""
+
+    __slots__ = ("end", "file", "offset", "size", "start")
+
+    def __init__(
+        self, offset: tuple[int, ...], size: tuple[int, ...], file: str, start: int, end: int
+    ) -> None:
+        self.offset = offset
+        self.size = size
+        self.file = file
+        self.start = start
+        self.end = end
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "offset": list(self.offset),
+            "size": list(self.size),
+            "file": self.file,
+            "start": self.start,
+            "end": self.end,
+        }
+
+
+class Tensor:
+    """A tensor of the manifest: global shape, dtype, its layout as saved, and its boxes."""
+
+    __slots__ = ("boxes", "dtype", "layout", "name", "shape")
+
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: str,
+        layout: dict[str, Any] | None,
+        boxes: list[Box],
+    ) -> None:
+        self.name = name
+        self.shape = shape
+        self.dtype = dtype
+        self.layout = layout
+        self.boxes = boxes
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "layout": self.layout,
+            "boxes": [b.to_json() for b in self.boxes],
+        }
+
+
+# -- reading, strictly ---------------------------------------------------------------------------
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise CheckpointError(f"duplicate key {short(key)}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise CheckpointError(f"{name} is not a JSON number")
+
+
+def load_json(data: bytes, where: str) -> Any:
+    """Strict JSON: UTF-8, no duplicate keys, no NaN/Infinity."""
+    try:
+        text = data.decode("utf-8")
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{where} is not UTF-8 text (byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{where} is not valid JSON: {str(exc)[:200]}") from None
+
+
+def _fields(
+    obj: Any, where: str, required: set[str], optional: frozenset[str] | set[str] = frozenset()
+) -> None:
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where} must be a JSON object, got {short(obj)}")
+    missing = sorted(required - set(obj))
+    if missing:
+        raise CheckpointError(f"{where} lacks {missing}")
+    unknown = sorted(set(obj) - required - optional)
+    if unknown:
+        raise CheckpointError(f"{where} has unknown fields {unknown}")
+
+
+def _ints(value: Any, where: str, lo: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > 64:
+        raise CheckpointError(f"{where} must be a list of at most 64 ints, got {short(value)}")
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v < 2**62:
+            raise CheckpointError(f"{where} must hold ints in [{lo}, 2**62), got {short(v)}")
+    return tuple(value)
+
+
+def _int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
+        raise CheckpointError(f"{where} must be an int in [0, 2**62), got {short(value)}")
+    return value
+
+
+def check_file_name(name: Any, where: str) -> str:
+    """A data file's name: a plain name inside the checkpoint directory."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or len(name) > 255
+    ):
+        raise CheckpointError(
+            f"{where} names file {short(name)}: data files must be plain names inside the "
+            "checkpoint directory (no separators, no '..')"
+        )
+    return name
+
+
+def parse_manifest(data: bytes, where: str) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
+    """The manifest's saved mesh (``Mesh.to_dict()`` form or None) and its tensors, checked:
+    fields and types, every box inside the tensor and of numel x itemsize bytes, the boxes
+    tiling the tensor exactly once."""
+    if len(data) > MAX_HEADER:
+        raise CheckpointError(f"{where} is {len(data)} bytes, over the {MAX_HEADER} cap")
+    doc = load_json(data, where)
+    _fields(doc, where, {"format", "version", "tensors"}, {"mesh"})
+    if doc["format"] != FORMAT:
+        raise CheckpointError(f"{where}: format is {short(doc['format'])}, not {FORMAT!r}")
+    if doc["version"] != VERSION:
+        raise CheckpointError(
+            f"{where}: format version {short(doc['version'])}; this unimesh reads version {VERSION}"
+        )
+    if not isinstance(doc["tensors"], dict):
+        raise CheckpointError(f"{where}: tensors must be an object of name -> tensor")
+    tensors: dict[str, Tensor] = {}
+    for name, t in doc["tensors"].items():
+        at = f"{where}: tensor {short(name)}"
+        _fields(t, at, {"shape", "dtype", "boxes"}, {"layout"})
+        shape = _ints(t["shape"], f"{at} shape")
+        dtype = t["dtype"]
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{at}: unknown dtype {short(dtype)}; known: {list(DTYPES)}")
+        layout = t.get("layout")
+        if layout is not None:
+            _fields(layout, f"{at} layout", {"mesh", "spec"})
+        if not isinstance(t["boxes"], list):
+            raise CheckpointError(f"{at}: boxes must be a list")
+        boxes = []
+        itemsize = DTYPES[dtype][1]
+        for i, b in enumerate(t["boxes"]):
+            bw = f"{at} box {i}"
+            _fields(b, bw, {"offset", "size", "file", "start", "end"})
+            offset, size = _ints(b["offset"], f"{bw} offset"), _ints(b["size"], f"{bw} size")
+            if len(offset) != len(shape) or len(size) != len(shape):
+                raise CheckpointError(f"{bw}: offset and size need {len(shape)} entries")
+            for d, (o, n, g) in enumerate(zip(offset, size, shape)):
+                if o + n > g:
+                    raise CheckpointError(
+                        f"{bw} reaches past dim {d} of the tensor ({o} + {n} > {g})"
+                    )
+            start, end = _int(b["start"], f"{bw} start"), _int(b["end"], f"{bw} end")
+            if end - start != math.prod(size) * itemsize:
+                raise CheckpointError(
+                    f"{bw}: byte range {start}..{end} is {end - start} bytes, but {size} of "
+                    f"{dtype} is {math.prod(size) * itemsize}"
+                )
+            boxes.append(Box(offset, size, check_file_name(b["file"], bw), start, end))
+        _check_tiling(at, shape, boxes)
+        tensors[name] = Tensor(name, shape, dtype, layout, boxes)
+    mesh = doc.get("mesh")
+    if mesh is not None and not isinstance(mesh, dict):
+        raise CheckpointError(f"{where}: mesh must be an object or null")
+    return mesh, tensors
+
+
+def _check_tiling(where: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
+    """The boxes cover every element once: their volumes add up to the tensor's and no two
+    overlap (a sweep over the first dim's intervals keeps this near-linear)."""
+    total = math.prod(shape)
+    volume = sum(math.prod(b.size) for b in boxes if math.prod(b.size))
+    if volume != total:
+        raise CheckpointError(
+            f"{where}: the boxes hold {volume} elements, the tensor {total}: they must tile "
+            "it exactly once (no holes, no overlaps)"
+        )
+    live = [b for b in boxes if math.prod(b.size)]
+    if len(live) > 1:
+        live.sort(key=lambda b: b.offset)
+        for i, a in enumerate(live):
+            for b in live[i + 1 :]:
+                if shape and b.offset[0] >= a.offset[0] + a.size[0]:
+                    break
+                if all(
+                    max(ao, bo) < min(ao + an, bo + bn)
+                    for ao, an, bo, bn in zip(a.offset, a.size, b.offset, b.size)
+                ):
+                    raise CheckpointError(
+                        f"{where}: boxes at {list(a.offset)} and {list(b.offset)} overlap"
+                    )
+
+
+# -- safetensors ----------------------------------------------------------------------------------
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding ``entries`` (name,
+    dtype name, shape, byte length) laid out back to back in that order; padded with spaces
+    to a multiple of 8 bytes, as the format allows."""
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
+    at = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {
+            "dtype": DTYPES[dtype][0],
+            "shape": list(shape),
+            "data_offsets": [at, at + nbytes],
+        }
+        at += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-(len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def read_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Any]]:
+    """(data start, tensors) of a safetensors file from its first bytes; ``size`` is the file's
+    length. Every entry is checked: known dtype, offsets inside the file, numel x itemsize."""
+    if len(head) < 8:
+        raise CheckpointError(f"{where} is shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER or 8 + n > size:
+        raise CheckpointError(
+            f"{where}: safetensors header of {n} bytes is over the cap or longer than the file "
+            f"({size} bytes)"
+        )
+    if len(head) < 8 + n:
+        raise CheckpointError(f"{where}: header truncated")
+    doc = load_json(head[8 : 8 + n], f"{where} header")
+    if not isinstance(doc, Mapping):
+        raise CheckpointError(f"{where}: the header is not a JSON object")
+    start = 8 + n
+    out: dict[str, Any] = {}
+    for name, entry in doc.items():
+        if name == "__metadata__":
+            continue
+        at = f"{where}: entry {short(name)}"
+        _fields(entry, at, {"dtype", "shape", "data_offsets"})
+        if entry["dtype"] not in _FROM_SAFETENSORS:
+            raise CheckpointError(f"{at}: unknown dtype {short(entry['dtype'])}")
+        shape = _ints(entry["shape"], f"{at} shape")
+        lo, hi = (_int(v, f"{at} data_offsets") for v in _pair(entry["data_offsets"], at))
+        itemsize = DTYPES[_FROM_SAFETENSORS[entry["dtype"]]][1]
+        if hi - lo != math.prod(shape) * itemsize or start + hi > size:
+            raise CheckpointError(f"{at}: data_offsets {lo}..{hi} do not fit its shape or file")
+        out[name] = (_FROM_SAFETENSORS[entry["dtype"]], shape, start + lo, start + hi)
+    return start, out
+
+
+def _pair(value: Any, where: str) -> tuple[Any, Any]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise CheckpointError(f"{where}: data_offsets must be [begin, end]")
+    return value[0], value[1]

@@ -1,0 +1,439 @@
+"""Saving and loading checkpoints: every process writes the blocks it holds (each distinct
+block once) and reads only the byte runs of the blocks it needs. The file I/O and the
+agreement between processes (through the backend's ``exchange``) live here; a backend only
+hands over its blocks (``local_shards``) and takes them back (``from_local``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, UnimeshError
+from ..layout import Layout
+from ..mesh import Mesh
+from ..messages import close_match, short
+from ..spec import PartitionSpec
+from .format import (
+    FORMAT,
+    MANIFEST,
+    MAX_HEADER,
+    VERSION,
+    Tensor,
+    check_file_name,
+    dtype_name,
+    numpy_dtype,
+    parse_manifest,
+    read_header,
+    safetensors_header,
+)
+from .plan import pieces
+
+__all__ = ["Checkpoint", "load", "open_checkpoint", "save"]
+
+_TIMEOUT = 300.0
+
+
+# -- the tree --------------------------------------------------------------------------------------
+def _is_leaf(x: object) -> bool:
+    return isinstance(x, Layout) or (hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
+    """Names (tree paths joined with ``.``, as torch's state_dict and Keras name them),
+    leaves and the treedef of ``tree``."""
+    import optree
+
+    leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_leaf)
+    names = [".".join(str(p) for p in path) for path in optree.treespec_paths(treedef)]
+    if not names:
+        raise CheckpointError(f"the tree {short(tree)} has no arrays to save or load")
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise CheckpointError(f"two leaves of the tree are both named {name!r}")
+        seen.add(name)
+    return names, leaves, treedef
+
+
+def layout_of(leaf: Any) -> Layout | None:
+    """The layout of a backend's distributed array (None for a host array): an ``MLXArray``'s
+    ``layout``, a DTensor's placements, a ``jax.Array``'s (or Keras variable's) sharding."""
+    from ..registry import from_native
+
+    found = getattr(leaf, "layout", None)
+    if isinstance(found, Layout):
+        return found
+    if isinstance(leaf, np.ndarray):
+        return None
+    for obj in (
+        leaf,
+        getattr(leaf, "sharding", None),
+        getattr(getattr(leaf, "value", None), "sharding", None),
+    ):
+        if obj is None:
+            continue
+        try:
+            got = from_native(obj)
+        except UnimeshError:
+            continue
+        if isinstance(got, Layout):
+            return got
+    return None
+
+
+# -- file helpers ----------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, parts: list[bytes | memoryview]) -> None:
+    with open(path, "wb") as f:
+        f.writelines(parts)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- save ----------------------------------------------------------------------------------------
+def _backend_of(leaves: list[Any], backend: Any) -> Any:
+    from ..registry import get_backend, owner_of
+
+    if backend is not None:
+        return get_backend(backend)
+    for leaf in leaves:
+        if not isinstance(leaf, np.ndarray) and layout_of(leaf) is not None:
+            return owner_of(leaf)
+    return None
+
+
+def save(path: str | os.PathLike[str], tree: Any, *, backend: Any = None) -> None:
+    """Save ``tree`` (a pytree of the backend's distributed arrays or numpy arrays) to the
+    directory ``path``. Every process writes only the blocks it holds, each distinct block
+    once (a replicated block by the device of lowest id that holds it); nothing is gathered.
+    The manifest, written last by process 0 once every process's file is complete, is the
+    commit point: a save into an existing checkpoint replaces it only then, and the previous
+    one stays loadable until that moment. Call it on every process."""
+    names, leaves, _ = _flatten(tree)
+    be = _backend_of(leaves, backend)
+    exchange: Callable[[bytes], list[bytes]]
+    if be is None:
+        rank, exchange = 0, (lambda b: [b])
+    else:
+        rank = be.initialize(_TIMEOUT)[0]
+
+        def exchange(b: bytes) -> list[bytes]:
+            return list(be.exchange(b, _TIMEOUT))
+
+    root = Path(path)
+    token = exchange(secrets.token_hex(6).encode() if rank == 0 else b"")[0].decode()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    exchange(b"")  # the directory exists before anyone writes into it
+    file = check_file_name(f"data-{token}-{rank:05d}.safetensors", "save")
+    entries: list[tuple[str, str, tuple[int, ...], int]] = []
+    datas: list[memoryview] = []
+    mine: dict[str, Any] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    for name, leaf in zip(names, leaves):
+        layout = None if isinstance(leaf, np.ndarray) else layout_of(leaf)
+        if layout is not None and layout.spec.partial:
+            raise CheckpointError(
+                f"tensor {name!r} is a pending reduction ({layout.spec!r}): reduce it first "
+                "(psum inside shard_map, or redistribute to Replicate); a checkpoint holds values"
+            )
+        blocks, shape, dtype = _blocks(name, leaf, layout, be, rank)
+        tensors[name] = {
+            "shape": list(shape),
+            "dtype": dtype,
+            "layout": None
+            if layout is None
+            else {"mesh": layout.mesh.to_dict(), "spec": _spec_json(layout.spec)},
+        }
+        for offset, block in blocks:
+            data = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+            entries.append((f"{name}@{','.join(map(str, offset))}", dtype, block.shape, data.size))
+            datas.append(data.data)
+            mine.setdefault(name, []).append((offset, block.shape, data.size))
+    head = safetensors_header(entries)
+    _write_file(root / file, [head, *datas])
+    at = len(head)
+    listing: dict[str, list[list[Any]]] = {}
+    for name, boxes in mine.items():
+        for offset, size, nbytes in boxes:
+            listing.setdefault(name, []).append([list(offset), list(size), at, at + nbytes])
+            at += nbytes
+    everyone = exchange(json.dumps({"file": file, "boxes": listing}).encode())
+    if rank == 0:
+        for payload in everyone:
+            part = json.loads(payload)
+            for name, boxes in part["boxes"].items():
+                tensors[name].setdefault("boxes", []).extend(
+                    {"offset": o, "size": s, "file": part["file"], "start": a, "end": b}
+                    for o, s, a, b in boxes
+                )
+        for t in tensors.values():
+            t.setdefault("boxes", [])
+        doc = {"format": FORMAT, "version": VERSION, "tensors": tensors}
+        text = json.dumps(doc, indent=1).encode()
+        parse_manifest(text, "the manifest being written")  # what we write, we can read
+        _fsync_dir(root)
+        temp = root / f".{MANIFEST}.{token}"
+        _write_file(temp, [text])
+        os.replace(temp, root / MANIFEST)
+        _fsync_dir(root)
+        keep = {json.loads(p)["file"] for p in everyone} | {MANIFEST}
+        for stale in root.iterdir():  # files of earlier saves, finished or killed
+            if stale.name not in keep and (
+                stale.name.startswith("data-") or stale.name.startswith(f".{MANIFEST}.")
+            ):
+                stale.unlink(missing_ok=True)
+    exchange(b"")  # every process returns once the checkpoint is committed
+
+
+def _spec_json(spec: PartitionSpec) -> list[Any]:
+    return [e if e is None or isinstance(e, str) else list(e) for e in spec]
+
+
+def _blocks(
+    name: str, leaf: Any, layout: Layout | None, be: Any, rank: int
+) -> tuple[list[tuple[tuple[int, ...], np.ndarray]], tuple[int, ...], str]:
+    """(the blocks this process writes, as (offset, array)), the global shape and dtype."""
+    from ..registry import local_shards
+
+    if layout is None:
+        host = np.asarray(leaf)
+        whole = [((0,) * host.ndim, host)] if rank == 0 else []
+        return whole, tuple(host.shape), dtype_name(host.dtype)
+    shape = tuple(int(n) for n in leaf.shape)
+    held = local_shards(leaf, backend=be)
+    slices = layout.device_slices(shape)
+    writer: dict[tuple[tuple[int, int], ...], int] = {}
+    for device in sorted(slices):
+        key = tuple((s.start, s.stop) for s in slices[device])
+        writer.setdefault(key, device)
+    out = []
+    dtype: str | None = None
+    for device, block in sorted(held.items()):
+        host = np.asarray(block)
+        dtype = dtype_name(host.dtype)
+        key = tuple((s.start, s.stop) for s in slices[device])
+        if writer[key] != device or host.size == 0:
+            continue
+        out.append((tuple(a for a, _ in key), host))
+    if dtype is None:
+        dtype = dtype_name(getattr(leaf, "dtype", "float32"))
+    return out, shape, dtype
+
+
+# -- reading ---------------------------------------------------------------------------------------
+class Checkpoint:
+    """A checkpoint opened for reading, without any framework: its tensors' names, global
+    shapes, dtypes and saved layouts; :meth:`read` gives any slice as numpy, reading only its
+    bytes. ``bytes_read`` counts what was read from data files."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        manifest = self.path / MANIFEST
+        if not manifest.is_file() or manifest.is_symlink():
+            raise CheckpointError(
+                f"{self.path} is not a unimesh checkpoint: it has no {MANIFEST} (a save that did "
+                "not finish leaves none; the previous checkpoint is kept until one does)"
+            )
+        with open(manifest, "rb") as f:
+            data = f.read(MAX_HEADER + 1)
+        self.mesh, self.tensors = parse_manifest(data, str(manifest))
+        self.bytes_read = 0
+        self._checked: dict[str, int] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, {len(self.tensors)} tensors)"
+
+    def tensor(self, name: str) -> Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            hint = close_match(name, list(self.tensors))
+            raise CheckpointError(
+                f"{self.path} has no tensor {name!r}{hint}; it has {short(list(self.tensors))}"
+            ) from None
+
+    def layout(self, name: str) -> Layout | None:
+        """The layout the tensor was saved with (None for a host array)."""
+        saved = self.tensor(name).layout
+        if saved is None:
+            return None
+        try:
+            mesh = Mesh.from_dict(saved["mesh"])
+            return Layout(
+                mesh,
+                PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in saved["spec"])),
+            )
+        except (UnimeshError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"{self.path}: the saved layout of {name!r} is invalid: {exc}"
+            ) from None
+
+    def _file(self, name: str) -> Path:
+        path = self.path / name
+        if path.is_symlink() or not path.is_file():
+            raise CheckpointError(f"{self.path}: data file {name!r} is missing or not a file")
+        if name not in self._checked:  # its header, once: 8 bytes, then the JSON
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(8)
+                if len(head) == 8:
+                    length = int.from_bytes(head, "little")
+                    if length <= MAX_HEADER and 8 + length <= size:
+                        head += f.read(length)
+            read_header(head, size, str(path))
+            self._checked[name] = size
+        return path
+
+    def read(self, name: str, index: Any = None) -> np.ndarray:
+        """The tensor, or its slice ``index`` (a tuple of slices with step 1, or None for the
+        whole), as numpy; only the bytes of that slice are read."""
+        t = self.tensor(name)
+        start, stop = _region(t.shape, index, name)
+        return self._region(t, start, stop)
+
+    def _region(self, t: Tensor, start: tuple[int, ...], stop: tuple[int, ...]) -> np.ndarray:
+        dtype = numpy_dtype(t.dtype)
+        out = np.empty(tuple(b - a for a, b in zip(start, stop)), dtype=dtype)
+        if out.size == 0:
+            return out
+        for piece in pieces(t.boxes, start, stop, t.itemsize):
+            buf = bytearray(piece.nbytes)
+            at = 0
+            fd = os.open(self._file(piece.box.file), os.O_RDONLY)
+            try:
+                for offset, length in piece.runs:
+                    got = os.preadv(fd, [memoryview(buf)[at : at + length]], offset)
+                    if got != length:
+                        raise CheckpointError(
+                            f"{self.path}: data file {piece.box.file!r} is truncated (tensor "
+                            f"{t.name!r} needs bytes {offset}..{offset + length})"
+                        )
+                    at += length
+            finally:
+                os.close(fd)
+            self.bytes_read += piece.nbytes
+            where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
+            out[where] = np.frombuffer(buf, dtype=dtype).reshape(piece.shape)
+        return out
+
+
+def _region(
+    shape: tuple[int, ...], index: Any, name: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if index is None:
+        return (0,) * len(shape), shape
+    if not isinstance(index, tuple):
+        index = (index,)
+    if len(index) > len(shape):
+        raise CheckpointError(f"index {short(index)} has more entries than {name!r} has dims")
+    index = index + (slice(None),) * (len(shape) - len(index))
+    start, stop = [], []
+    for d, (s, n) in enumerate(zip(index, shape)):
+        if not isinstance(s, slice):
+            raise CheckpointError(f"index entry {d} of {name!r} must be a slice, got {short(s)}")
+        a, b, step = s.indices(n)
+        if step != 1:
+            raise CheckpointError(f"index entry {d} of {name!r} must have step 1")
+        start.append(a)
+        stop.append(max(a, b))
+    return tuple(start), tuple(stop)
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """A checkpoint opened for inspection and reading, with no framework imported."""
+    return Checkpoint(path)
+
+
+# -- load ----------------------------------------------------------------------------------------
+def load(
+    path: str | os.PathLike[str],
+    target: Any,
+    *,
+    strict: bool = True,
+    dtype: Any = None,
+    backend: Any = None,
+) -> Any:
+    """The checkpoint's tensors laid out as ``target`` says, as the backend's distributed
+    arrays in ``target``'s tree. ``target`` is a pytree whose leaves are :class:`Layout` s
+    (shape and dtype from the checkpoint) or native distributed arrays (loaded into their
+    layout; shape and dtype must match). Each process reads only the byte runs of the blocks
+    its devices hold. ``strict``: every tensor of ``target`` must be in the checkpoint (False:
+    missing ones are left as given). ``dtype`` casts on purpose; otherwise a dtype differing
+    from a native target's is an error, never a silent cast."""
+    from ..registry import from_local, get_backend, owner_of
+
+    ckpt = open_checkpoint(path)
+    names, leaves, treedef = _flatten(target)
+    out = []
+    for name, leaf in zip(names, leaves):
+        if name not in ckpt.tensors:
+            if strict:
+                ckpt.tensor(name)  # raises, naming the closest names
+            out.append(leaf)
+            continue
+        t = ckpt.tensor(name)
+        if isinstance(leaf, Layout):
+            layout, be = leaf, get_backend(backend)
+            want_dtype = None
+        else:
+            found = layout_of(leaf)
+            if found is None:
+                raise CheckpointError(
+                    f"target {name!r} is {short(leaf)}: give a unimesh.Layout or a backend's "
+                    "distributed array"
+                )
+            layout = found
+            be = get_backend(backend) if backend is not None else owner_of(leaf)
+            shape = tuple(int(n) for n in leaf.shape)
+            if shape != t.shape:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target {shape}"
+                )
+            want_dtype = str(getattr(leaf, "dtype", "")).rsplit(".", 1)[-1]
+        if len(layout.spec) > len(t.shape):
+            raise CheckpointError(
+                f"tensor {name!r} has {len(t.shape)} dims, its target layout {layout.spec!r} "
+                f"names {len(layout.spec)}"
+            )
+        cast = None
+        if dtype is not None:
+            cast = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
+        elif want_dtype and want_dtype != t.dtype:
+            raise CheckpointError(
+                f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target {want_dtype}: pass "
+                "dtype= to cast on purpose"
+            )
+        blocks: dict[int, np.ndarray] = {}
+        cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+        for device in be.process_devices(layout.mesh):
+            sl = layout.shard_slices(t.shape, device)
+            key = tuple((s.start, s.stop) for s in sl)
+            block = cache.get(key)
+            if block is None:
+                block = ckpt._region(t, tuple(a for a, _ in key), tuple(b for _, b in key))
+                if cast is not None:
+                    block = block.astype(cast)
+                cache[key] = block
+            blocks[device] = block
+        out.append(from_local(blocks, layout, t.shape, backend=be))
+    import optree
+
+    return optree.tree_unflatten(treedef, out)
