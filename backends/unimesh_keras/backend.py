@@ -196,9 +196,23 @@ class KerasBackend(Backend):
 
         return keras.ops.matmul(array, weight)
 
+    def from_local(
+        self,
+        blocks: dict[int, Any],
+        layout: Layout,
+        shape: tuple[int, ...],
+        dtype: Any = None,
+        **options: Any,
+    ) -> Any:
+        """The JAX backend's (Keras's arrays are JAX's, its device order JAX's)."""
+        return self._jax("from_local()").from_local(blocks, layout, shape, dtype, **options)
+
     def local_shards(self, array: Any) -> dict[int, Any]:
-        """``{logical device id: numpy block}`` of a distributed Keras (JAX) array."""
+        """``{logical device id: numpy block}`` of a distributed Keras (JAX) array or of a
+        Keras variable's value."""
         self._require_distribution("local_shards()")
+        if hasattr(array, "value") and not hasattr(array, "addressable_shards"):
+            array = array.value  # a Keras variable
         position = {d: i for i, d in enumerate(_devices(0))}
         return {
             position[f"{s.device.platform}:{s.device.id}"]: np.asarray(s.data)

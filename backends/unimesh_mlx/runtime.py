@@ -55,12 +55,25 @@ def host_to_mx(value: Any) -> Any:
     mx = _mx()
     host = np.asarray(value)
     name = str(host.dtype)
+    if name == "bfloat16":  # ml_dtypes' bfloat16: the same bytes
+        return mx.array(host.view(np.uint16)).view(mx.bfloat16)
     if name not in _MX_DTYPES:
         raise ConversionError(
             f"MLX has no dtype {name}: MLX holds "
             f"{', '.join(_MX_DTYPES)}; cast it first (e.g. .astype(np.complex64))"
         )
     return mx.array(host, dtype=getattr(mx, "bool_" if name == "bool" else name))
+
+
+def mx_to_host(x: Any) -> np.ndarray:
+    """An ``mx.array`` as numpy of the same dtype (bfloat16 as ml_dtypes' bfloat16, over the
+    same bytes: numpy has none of its own)."""
+    mx = _mx()
+    if x.dtype == mx.bfloat16:
+        import ml_dtypes
+
+        return np.array(x.view(mx.uint16)).view(ml_dtypes.bfloat16)
+    return np.array(x)
 
 
 def _release_groups() -> None:

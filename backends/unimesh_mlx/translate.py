@@ -19,7 +19,7 @@ from unimesh import (
 )
 from unimesh.messages import short
 
-from .runtime import _LIVE, MLXRuntime, _mx, host_to_mx
+from .runtime import _LIVE, MLXRuntime, _mx, host_to_mx, mx_to_host
 
 
 class AxisGroup:
@@ -249,7 +249,7 @@ class MLXTranslator(MLXRuntime):
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         local = array.local if isinstance(array, MLXArray) else array
-        return {int(self._world().rank()): np.array(local)}
+        return {int(self._world().rank()): mx_to_host(local)}
 
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         return {native_mesh.rank: native_mesh.axis_group(axis).members}

@@ -388,7 +388,7 @@ class TorchTranslator(TorchRuntime):
         elif isinstance(block, torch.Tensor):
             local = block
         else:
-            local = torch.as_tensor(np.asarray(block))
+            local = _from_host(np.asarray(block))
         stride = [1] * len(shape)
         for d in range(len(shape) - 2, -1, -1):
             stride[d] = stride[d + 1] * max(shape[d + 1], 1)
@@ -413,7 +413,47 @@ class TorchTranslator(TorchRuntime):
         is outside its mesh)."""
         if array.device_mesh.get_coordinate() is None:
             return {}
-        return {_dist().get_rank(): array.to_local().detach().cpu().numpy()}
+        return {_dist().get_rank(): _to_host(array.to_local().detach().cpu())}
+
+
+#: torch dtypes numpy lacks, and the ml_dtypes names they have in numpy (JAX's spelling)
+_ML_DTYPES = {
+    "bfloat16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+}
+
+
+def _to_host(t: Any) -> np.ndarray:
+    """A CPU tensor as numpy; bfloat16 and float8 as ml_dtypes arrays over the same bytes."""
+    name = str(t.dtype).rsplit(".", 1)[-1]
+    if name not in _ML_DTYPES:
+        return t.numpy()  # type: ignore[no-any-return]
+    ml = _ml_dtypes(name)
+    torch = _torch()
+    same = torch.int16 if t.element_size() == 2 else torch.uint8
+    return t.contiguous().view(same).numpy().view(getattr(ml, _ML_DTYPES[name]))  # type: ignore[no-any-return]
+
+
+def _from_host(a: np.ndarray) -> Any:
+    """numpy as a tensor; ml_dtypes' bfloat16 and float8 as torch's, over the same bytes."""
+    torch = _torch()
+    name = a.dtype.name
+    if name not in _ML_DTYPES:
+        return torch.as_tensor(a)
+    same = np.int16 if a.dtype.itemsize == 2 else np.uint8
+    return torch.from_numpy(np.ascontiguousarray(a).view(same)).view(getattr(torch, name))
+
+
+def _ml_dtypes(name: str) -> Any:
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ConversionError(
+            f"a {name} tensor becomes numpy through the ml_dtypes package (pip install "
+            "ml_dtypes; JAX installs it)"
+        ) from None
+    return ml_dtypes
 
 
 def _to_torch(p: Any) -> Any:

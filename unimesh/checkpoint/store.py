@@ -335,6 +335,24 @@ class Checkpoint:
         return out
 
 
+def _by_rule(ckpt: Checkpoint, rules: Any, logical_axes: Any, mesh: Mesh | None) -> dict[str, Any]:
+    """``{name: Layout}`` for every tensor of ``ckpt`` by a LayoutMap or AxisRules."""
+    from ..rules import LayoutMap
+
+    out: dict[str, Any] = {}
+    for name in ckpt.tensors:
+        if isinstance(rules, LayoutMap):
+            layout = rules.get(name)
+            out[name] = layout if layout is not None else Layout(rules.mesh, PartitionSpec())
+            continue
+        if not isinstance(mesh, Mesh):
+            raise CheckpointError("load() with AxisRules needs mesh=unimesh.Mesh(...)")
+        names = logical_axes(name) if callable(logical_axes) else (logical_axes or {}).get(name)
+        spec = PartitionSpec() if names is None else rules.spec(names, mesh)
+        out[name] = Layout(mesh, spec)
+    return out
+
+
 def _region(
     shape: tuple[int, ...], index: Any, name: str
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -370,19 +388,30 @@ def load(
     strict: bool = True,
     dtype: Any = None,
     backend: Any = None,
+    mesh: Mesh | None = None,
+    logical_axes: Any = None,
+    stats: dict[str, int] | None = None,
 ) -> Any:
     """The checkpoint's tensors laid out as ``target`` says, as the backend's distributed
     arrays in ``target``'s tree. ``target`` is a pytree whose leaves are :class:`Layout` s
     (shape and dtype from the checkpoint) or native distributed arrays (loaded into their
-    layout; shape and dtype must match). Each process reads only the byte runs of the blocks
-    its devices hold. ``strict``: every tensor of ``target`` must be in the checkpoint (False:
-    missing ones are left as given). ``dtype`` casts on purpose; otherwise a dtype differing
-    from a native target's is an error, never a silent cast."""
+    layout; shape and dtype must match); or a :class:`LayoutMap` (or :class:`AxisRules` with
+    ``mesh`` and ``logical_axes``, as :func:`unimesh.shard_params` takes them): every tensor
+    of the checkpoint laid out by its name (unmatched: replicated), returned as a dict by
+    name. Each process reads only the byte runs of the blocks its devices hold. ``strict``:
+    every tensor of ``target`` must be in the checkpoint (False: missing ones are left as
+    given). ``dtype`` casts on purpose; otherwise a dtype differing from a native target's
+    is an error, never a silent cast. ``stats`` (a dict) receives ``bytes_read`` (from data
+    files) and ``bytes_held`` (of the distinct blocks this process's devices hold)."""
     from ..registry import from_local, get_backend, owner_of
+    from ..rules import AxisRules, LayoutMap
 
     ckpt = open_checkpoint(path)
+    if isinstance(target, (LayoutMap, AxisRules)):
+        target = _by_rule(ckpt, target, logical_axes, mesh)
     names, leaves, treedef = _flatten(target)
     out = []
+    held = 0
     for name, leaf in zip(names, leaves):
         if name not in ckpt.tensors:
             if strict:
@@ -434,6 +463,10 @@ def load(
                 cache[key] = block
             blocks[device] = block
         out.append(from_local(blocks, layout, t.shape, backend=be))
+        held += sum(b.nbytes for b in cache.values())
+    if stats is not None:
+        stats["bytes_read"] = ckpt.bytes_read
+        stats["bytes_held"] = held
     import optree
 
     return optree.tree_unflatten(treedef, out)
