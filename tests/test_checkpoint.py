@@ -295,3 +295,22 @@ def test_jax_reshard_load_is_bit_exact_and_reads_only_its_bytes(tmp_path: Path) 
     np.testing.assert_array_equal(np.asarray(cast["model"]["w"]), tree["w"].astype(np.float16))
     with pytest.raises(CheckpointError, match="no tensor 'model.v'"):
         unimesh.load(tmp_path / "ck", {"model": {"v": layouts["model"]["w"]}}, backend="jax")
+
+
+def test_async_save_copies_first_writes_later_and_saves_in_order(tmp_path: Path) -> None:
+    x = np.arange(10, dtype=np.float64)
+    handle = unimesh.async_save(tmp_path / "ck", {"x": x})
+    x[:] = -1  # after the call returns, the caller's array is its own again
+    second = unimesh.async_save(tmp_path / "ck", {"x": np.full(3, 7.0)})  # waits for the first
+    assert handle.done()
+    second.wait()
+    assert second.done()
+    np.testing.assert_array_equal(
+        unimesh.open_checkpoint(tmp_path / "ck").read("x"), np.full(3, 7.0)
+    )
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    failed = unimesh.async_save(blocker / "ck", {"x": np.zeros(2)})
+    with pytest.raises(OSError):
+        failed.wait()
+    unimesh.save(tmp_path / "after", {"x": np.zeros(2)})  # a failed save does not block others

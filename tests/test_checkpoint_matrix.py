@@ -1,6 +1,7 @@
 """The any-to-any checkpoint matrix (issue 35, item 5): a set of float32, bfloat16, float16,
 int64 and bool tensors, one uneven and one replicated, saved from torch under torchrun 4 (FSDP
-over TP: _StridedShard and Shard(1)), JAX on 8 devices (4 x 2), MLX under mpirun 4 and Keras on
+over TP: _StridedShard and Shard(1); with async_save), JAX on 8 devices (4 x 2), MLX under
+mpirun 4 (async_save) and Keras on
 JAX (variables laid out by a LayoutMap), then loaded on each framework with another mesh shape
 and other specs: 12 ordered pairs and a reshard within each framework. Every block every
 process holds is compared byte for byte; each process reads no more than 1.05x the bytes of

@@ -7,7 +7,7 @@ a backend needs it.
 from __future__ import annotations
 
 from .backend import CAPABILITIES, CONCEPTS, FEATURES, LAYERS, Backend
-from .checkpoint import Checkpoint, load, open_checkpoint, save
+from .checkpoint import Checkpoint, SaveHandle, async_save, load, open_checkpoint, save
 from .config import Config, load_config
 from .errors import (
     AxisContextError,
@@ -93,12 +93,14 @@ __all__ = [
     "PartitionSpec",
     "Placement",
     "Replicate",
+    "SaveHandle",
     "Shard",
     "StridedShard",
     "UnimeshError",
     "UnsupportedError",
     "all_gather",
     "all_to_all",
+    "async_save",
     "axis_index",
     "axis_size",
     "backends",

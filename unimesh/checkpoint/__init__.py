@@ -4,6 +4,6 @@ Framework-free: a backend only hands over its blocks and takes them back."""
 
 from __future__ import annotations
 
-from .store import Checkpoint, load, open_checkpoint, save
+from .store import Checkpoint, SaveHandle, async_save, load, open_checkpoint, save
 
-__all__ = ["Checkpoint", "load", "open_checkpoint", "save"]
+__all__ = ["Checkpoint", "SaveHandle", "async_save", "load", "open_checkpoint", "save"]

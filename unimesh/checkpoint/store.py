@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from .format import (
 )
 from .plan import pieces
 
-__all__ = ["Checkpoint", "load", "open_checkpoint", "save"]
+__all__ = ["Checkpoint", "SaveHandle", "async_save", "load", "open_checkpoint", "save"]
 
 _TIMEOUT = 300.0
 
@@ -115,73 +114,82 @@ def _backend_of(leaves: list[Any], backend: Any) -> Any:
     return None
 
 
-def save(path: str | os.PathLike[str], tree: Any, *, backend: Any = None) -> None:
-    """Save ``tree`` (a pytree of the backend's distributed arrays or numpy arrays) to the
-    directory ``path``. Every process writes only the blocks it holds, each distinct block
-    once (a replicated block by the device of lowest id that holds it); nothing is gathered.
-    The manifest, written last by process 0 once every process's file is complete, is the
-    commit point: a save into an existing checkpoint replaces it only then, and the previous
-    one stays loadable until that moment. Call it on every process."""
-    names, leaves, _ = _flatten(tree)
-    be = _backend_of(leaves, backend)
-    exchange: Callable[[bytes], list[bytes]]
-    if be is None:
-        rank, exchange = 0, (lambda b: [b])
-    else:
-        rank = be.initialize(_TIMEOUT)[0]
+class _Staged:
+    """A save with this process's blocks copied to host memory, ready to be written."""
 
-        def exchange(b: bytes) -> list[bytes]:
-            return list(be.exchange(b, _TIMEOUT))
+    def __init__(self, path: str | os.PathLike[str], tree: Any, backend: Any) -> None:
+        names, leaves, _ = _flatten(tree)
+        be = _backend_of(leaves, backend)
+        self.root = Path(path)
+        self.be = be
+        self.rank = 0 if be is None else int(be.initialize(_TIMEOUT)[0])
+        self.tensors: dict[str, dict[str, Any]] = {}
+        self.blocks: list[tuple[str, tuple[int, ...], str, np.ndarray]] = []
+        for name, leaf in zip(names, leaves):
+            layout = None if isinstance(leaf, np.ndarray) else layout_of(leaf)
+            if layout is not None and layout.spec.partial:
+                raise CheckpointError(
+                    f"tensor {name!r} is a pending reduction ({layout.spec!r}): reduce it first "
+                    "(psum inside shard_map, or redistribute to Replicate); a checkpoint holds "
+                    "values"
+                )
+            blocks, shape, dtype = _blocks(name, leaf, layout, be, self.rank)
+            self.tensors[name] = {
+                "shape": list(shape),
+                "dtype": dtype,
+                "layout": None
+                if layout is None
+                else {"mesh": layout.mesh.to_dict(), "spec": _spec_json(layout.spec)},
+            }
+            for offset, block in blocks:  # a copy: the caller may change its arrays now
+                self.blocks.append((name, offset, dtype, np.array(block, order="C", copy=True)))
 
-    root = Path(path)
-    token = exchange(secrets.token_hex(6).encode() if rank == 0 else b"")[0].decode()
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-    exchange(b"")  # the directory exists before anyone writes into it
-    file = check_file_name(f"data-{token}-{rank:05d}.safetensors", "save")
-    entries: list[tuple[str, str, tuple[int, ...], int]] = []
-    datas: list[memoryview] = []
-    mine: dict[str, Any] = {}
-    tensors: dict[str, dict[str, Any]] = {}
-    for name, leaf in zip(names, leaves):
-        layout = None if isinstance(leaf, np.ndarray) else layout_of(leaf)
-        if layout is not None and layout.spec.partial:
-            raise CheckpointError(
-                f"tensor {name!r} is a pending reduction ({layout.spec!r}): reduce it first "
-                "(psum inside shard_map, or redistribute to Replicate); a checkpoint holds values"
+    def exchange(self, payload: bytes) -> list[bytes]:
+        if self.be is None:
+            return [payload]
+        try:
+            return list(self.be.exchange(payload, _TIMEOUT))
+        except UnimeshError as exc:
+            raise CheckpointError(f"saving {self.root} failed: {exc}") from exc
+
+    def write(self) -> None:
+        """Every process's file, then the manifest (process 0), then every process returns."""
+        root, rank = self.root, self.rank
+        token = self.exchange(secrets.token_hex(6).encode() if rank == 0 else b"")[0].decode()
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+        self.exchange(b"")  # the directory exists before anyone writes into it
+        file = check_file_name(f"data-{token}-{rank:05d}.safetensors", "save")
+        entries = [
+            (f"{name}@{','.join(map(str, offset))}", dtype, block.shape, block.nbytes)
+            for name, offset, dtype, block in self.blocks
+        ]
+        head = safetensors_header(entries)
+        _write_file(root / file, [head, *(b.reshape(-1).view(np.uint8).data for *_, b in
+                                         self.blocks)])  # fmt: skip
+        at = len(head)
+        listing: dict[str, list[list[Any]]] = {}
+        for name, offset, _, block in self.blocks:
+            listing.setdefault(name, []).append(
+                [list(offset), list(block.shape), at, at + block.nbytes]
             )
-        blocks, shape, dtype = _blocks(name, leaf, layout, be, rank)
-        tensors[name] = {
-            "shape": list(shape),
-            "dtype": dtype,
-            "layout": None
-            if layout is None
-            else {"mesh": layout.mesh.to_dict(), "spec": _spec_json(layout.spec)},
-        }
-        for offset, block in blocks:
-            data = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
-            entries.append((f"{name}@{','.join(map(str, offset))}", dtype, block.shape, data.size))
-            datas.append(data.data)
-            mine.setdefault(name, []).append((offset, block.shape, data.size))
-    head = safetensors_header(entries)
-    _write_file(root / file, [head, *datas])
-    at = len(head)
-    listing: dict[str, list[list[Any]]] = {}
-    for name, boxes in mine.items():
-        for offset, size, nbytes in boxes:
-            listing.setdefault(name, []).append([list(offset), list(size), at, at + nbytes])
-            at += nbytes
-    everyone = exchange(json.dumps({"file": file, "boxes": listing}).encode())
-    if rank == 0:
-        for payload in everyone:
-            part = json.loads(payload)
+            at += block.nbytes
+        everyone = self.exchange(json.dumps({"file": file, "boxes": listing}).encode())
+        if rank == 0:
+            self._commit(token, [json.loads(p) for p in everyone])
+        self.exchange(b"")  # every process returns once the checkpoint is committed
+
+    def _commit(self, token: str, parts: list[dict[str, Any]]) -> None:
+        root = self.root
+        tensors = self.tensors
+        for t in tensors.values():
+            t["boxes"] = []
+        for part in parts:
             for name, boxes in part["boxes"].items():
-                tensors[name].setdefault("boxes", []).extend(
+                tensors[name]["boxes"].extend(
                     {"offset": o, "size": s, "file": part["file"], "start": a, "end": b}
                     for o, s, a, b in boxes
                 )
-        for t in tensors.values():
-            t.setdefault("boxes", [])
         doc = {"format": FORMAT, "version": VERSION, "tensors": tensors}
         text = json.dumps(doc, indent=1).encode()
         parse_manifest(text, "the manifest being written")  # what we write, we can read
@@ -190,13 +198,74 @@ def save(path: str | os.PathLike[str], tree: Any, *, backend: Any = None) -> Non
         _write_file(temp, [text])
         os.replace(temp, root / MANIFEST)
         _fsync_dir(root)
-        keep = {json.loads(p)["file"] for p in everyone} | {MANIFEST}
+        keep = {p["file"] for p in parts} | {MANIFEST}
         for stale in root.iterdir():  # files of earlier saves, finished or killed
             if stale.name not in keep and (
                 stale.name.startswith("data-") or stale.name.startswith(f".{MANIFEST}.")
             ):
                 stale.unlink(missing_ok=True)
-    exchange(b"")  # every process returns once the checkpoint is committed
+
+
+class SaveHandle:
+    """An :func:`async_save` in flight: :meth:`wait` until it is committed (raising what it
+    raised), :meth:`done` to ask."""
+
+    def __init__(self, staged: _Staged) -> None:
+        import threading
+
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(staged,), name="unimesh-async-save", daemon=False
+        )
+        self._thread.start()
+
+    def _run(self, staged: _Staged) -> None:
+        try:
+            staged.write()
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            self._error = exc
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the save is committed; re-raise its error. ``timeout`` in seconds."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise CheckpointError(f"the save is still writing after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+
+_PENDING: list[SaveHandle] = []
+
+
+def _after_pending() -> None:
+    """A save starts once the previous asynchronous one has finished (in call order); a
+    failure stays with its handle, for its ``wait()`` to raise."""
+    while _PENDING:
+        _PENDING.pop(0)._thread.join()
+
+
+def save(path: str | os.PathLike[str], tree: Any, *, backend: Any = None) -> None:
+    """Save ``tree`` (a pytree of the backend's distributed arrays or numpy arrays) to the
+    directory ``path``. Every process writes only the blocks it holds, each distinct block
+    once (a replicated block by the device of lowest id that holds it); nothing is gathered.
+    The manifest, written last by process 0 once every process's file is complete, is the
+    commit point: a save into an existing checkpoint replaces it only then, and the previous
+    one stays loadable until that moment. Call it on every process."""
+    _after_pending()
+    _Staged(path, tree, backend).write()
+
+
+def async_save(path: str | os.PathLike[str], tree: Any, *, backend: Any = None) -> SaveHandle:
+    """:func:`save`, returning once this process's blocks are copied to host memory; the
+    writing goes on in a background thread. A later save (async or not) waits for this one.
+    Returns a handle: ``.wait()`` (re-raises a failure), ``.done()``."""
+    _after_pending()
+    handle = SaveHandle(_Staged(path, tree, backend))
+    _PENDING.append(handle)
+    return handle
 
 
 def _spec_json(spec: PartitionSpec) -> list[Any]:
