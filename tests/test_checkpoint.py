@@ -314,3 +314,34 @@ def test_async_save_copies_first_writes_later_and_saves_in_order(tmp_path: Path)
     with pytest.raises(OSError):
         failed.wait()
     unimesh.save(tmp_path / "after", {"x": np.zeros(2)})  # a failed save does not block others
+
+
+def test_command_line_show_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from unimesh.cli.main import main
+
+    tree = {"enc": {"w": np.zeros((4, 3), np.float32)}, "step": np.array(3)}
+    unimesh.save(tmp_path / "ck", tree)
+    assert main(["checkpoint", "show", str(tmp_path / "ck")]) == 0
+    out = capsys.readouterr().out
+    assert "enc.w" in out and "4x3" in out and "float32" in out and "2 tensors" in out
+    assert main(["checkpoint", "show", str(tmp_path / "ck"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tensors"]["enc.w"] == {"shape": [4, 3], "dtype": "float32", "mesh": None,
+                                        "spec": None, "boxes": 1, "bytes": 48}  # fmt: skip
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 0
+    assert "sound" in capsys.readouterr().out
+    # a header that disagrees with the manifest: same size, another dtype
+    manifest = tmp_path / "ck" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["tensors"]["enc.w"]["dtype"] = "int32"
+    manifest.write_text(json.dumps(doc))
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 1
+    out = capsys.readouterr().out
+    assert "tensor 'enc.w': the manifest says int32 (4, 3)" in out and "its header float32" in out
+    # a missing data file
+    for data in (tmp_path / "ck").glob("data-*"):
+        data.unlink()
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 1
+    assert "is missing or not a file" in capsys.readouterr().out
+    assert main(["checkpoint", "verify", str(tmp_path)]) == 1
+    assert "has no manifest.json" in capsys.readouterr().out

@@ -259,6 +259,12 @@ examples:
   unimesh check
   unimesh check jax mlx --processes 2 --json matrix.json
 """,
+    "checkpoint": """\
+examples:
+  unimesh checkpoint show ckpt/step-100
+  unimesh checkpoint show ckpt/step-100 --json
+  unimesh checkpoint verify ckpt/step-100
+""",
 }
 
 
@@ -368,7 +374,32 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--json", metavar="PATH", help="also write the matrix as JSON")
     chk.add_argument("--markdown", metavar="PATH", help="also write the matrix as Markdown")
     chk.set_defaults(run=_check)
+    ck = command("checkpoint", "inspect or verify a unimesh checkpoint (no framework needed)")
+    ck_sub = ck.add_subparsers(dest="action", required=True, metavar="ACTION")
+    ck_show = ck_sub.add_parser(
+        "show", help="tensors, shapes, dtypes, saved layouts and sizes", description="tensors, "
+        "shapes, dtypes, saved layouts and sizes of a checkpoint",
+    )  # fmt: skip
+    ck_show.add_argument("path", help="the checkpoint's directory")
+    ck_show.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ck_show.set_defaults(run=lambda a: _checkpoint("show", a))
+    ck_verify = ck_sub.add_parser(
+        "verify", help="check every file and byte range; exit 1 naming what is wrong",
+        description="check that every byte range lies inside its file, every tensor is tiled "
+        "exactly once and every safetensors header agrees with the manifest; exit 1 naming "
+        "what is wrong",
+    )  # fmt: skip
+    ck_verify.add_argument("path", help="the checkpoint's directory")
+    ck_verify.set_defaults(run=lambda a: _checkpoint("verify", a))
     return parser
+
+
+def _checkpoint(action: str, args: argparse.Namespace) -> int:
+    from . import checkpoint
+
+    if action == "show":
+        return checkpoint.show(args.path, args.json)
+    return checkpoint.verify(args.path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
