@@ -321,7 +321,7 @@ class Checkpoint:
             data = f.read(MAX_HEADER + 1)
         self.mesh, self.tensors = parse_manifest(data, str(manifest))
         self.bytes_read = 0
-        self._checked: dict[str, int] = {}
+        self._headers: dict[str, dict[str, Any]] = {}
 
     @property
     def names(self) -> list[str]:
@@ -356,20 +356,29 @@ class Checkpoint:
             ) from None
 
     def _file(self, name: str) -> Path:
+        """The data file ``name``, its safetensors header checked on first use."""
+        self.header(name)
+        return self.path / name
+
+    def header(self, name: str) -> dict[str, Any]:
+        """The entries of data file ``name``'s safetensors header, ``{entry: (dtype, shape,
+        start, end)}`` (absolute byte offsets), read once (8 bytes, then the JSON) and checked
+        against the file's length."""
+        found = self._headers.get(name)
+        if found is not None:
+            return found
         path = self.path / name
         if path.is_symlink() or not path.is_file():
             raise CheckpointError(f"{self.path}: data file {name!r} is missing or not a file")
-        if name not in self._checked:  # its header, once: 8 bytes, then the JSON
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) == 8:
-                    length = int.from_bytes(head, "little")
-                    if length <= MAX_HEADER and 8 + length <= size:
-                        head += f.read(length)
-            read_header(head, size, str(path))
-            self._checked[name] = size
-        return path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) == 8:
+                length = int.from_bytes(head, "little")
+                if length <= MAX_HEADER and 8 + length <= size:
+                    head += f.read(length)
+        found = self._headers[name] = read_header(head, size, str(path))[1]
+        return found
 
     def read(self, name: str, index: Any = None) -> np.ndarray:
         """The tensor, or its slice ``index`` (a tuple of slices with step 1, or None for the

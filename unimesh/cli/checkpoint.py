@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..checkpoint import open_checkpoint
-from ..checkpoint.format import read_header
 from ..errors import CheckpointError
 from ..messages import short
 
@@ -91,13 +90,7 @@ def problems(path: str) -> list[str]:
     headers: dict[str, dict[str, Any]] = {}
     for name in sorted({b.file for t in ck.tensors.values() for b in t.boxes}):
         try:
-            file = ck._file(name)
-            size = file.stat().st_size
-            with open(file, "rb") as f:
-                head = f.read(8)
-                if len(head) == 8:
-                    head += f.read(min(int.from_bytes(head, "little"), size))
-            headers[name] = read_header(head, size, str(file))[1]
+            headers[name] = ck.header(name)
         except CheckpointError as exc:
             found.append(str(exc))
     for tname, t in ck.tensors.items():
