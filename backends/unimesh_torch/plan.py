@@ -71,7 +71,9 @@ def layout_map_from_plan(
     if not isinstance(plan, Mapping):
         raise LayoutError(f"a TP plan is a dict {{module path: style}}, got {short(plan)}")
     names = [n for n, _ in module.named_modules() if n]
-    rules: list[tuple[str, P]] = []
+    # parallelize_module applies the entries in order: a later entry for a module (a wildcard
+    # first, then the module by name) is the one its parameters end up with
+    rules: dict[str, P] = {}
     for key, style in plan.items():
         kind_name = type(style).__name__
         if kind_name not in _STYLES:
@@ -95,7 +97,9 @@ def layout_map_from_plan(
                     "nn.Linear and nn.Embedding only"
                 )
             for pname, _ in sub.named_parameters(recurse=False):
-                rules.append((re.escape(f"{name}.{pname}"), specs.get(pname, P())))
+                key_ = re.escape(f"{name}.{pname}")
+                rules.pop(key_, None)  # keeps the order of the entry that decides
+                rules[key_] = specs.get(pname, P())
     return LayoutMap(mesh, rules)
 
 
