@@ -13,7 +13,7 @@ import numpy as np
 from unimesh import ConversionError, Layout, LayoutError, Mesh, UnsupportedError
 from unimesh.messages import short
 
-from .runtime import _LAYERS, _mx, host_to_mx
+from .runtime import _LAYERS, _mx, host_to_mx, mx_to_host
 from .tracing import make_probe
 from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
 
@@ -222,8 +222,9 @@ class MLXPrograms(MLXTranslator):
         slices = [layout.shard_slices(shape, r) for r in range(int(world.size()))]
         widths = [[s.stop - s.start for s in sl] for sl in slices]
         biggest = tuple(max(w[d] for w in widths) for d in range(len(shape)))
-        local = np.zeros(biggest, dtype=np.array(array.local).dtype)
-        local[tuple(slice(0, n) for n in array.local.shape)] = np.array(array.local)
+        mine = mx_to_host(array.local)
+        local = np.zeros(biggest, dtype=mine.dtype)
+        local[tuple(slice(0, n) for n in mine.shape)] = mine
         every = np.array(
             mx.distributed.all_gather(mx.expand_dims(host_to_mx(local), 0), group=world)
         )

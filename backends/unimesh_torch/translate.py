@@ -416,12 +416,8 @@ class TorchTranslator(TorchRuntime):
         return {_dist().get_rank(): _to_host(array.to_local().detach().cpu())}
 
 
-#: torch dtypes numpy lacks, and the ml_dtypes names they have in numpy (JAX's spelling)
-_ML_DTYPES = {
-    "bfloat16": "bfloat16",
-    "float8_e4m3fn": "float8_e4m3fn",
-    "float8_e5m2": "float8_e5m2",
-}
+#: torch dtypes numpy lacks; ml_dtypes has them under the same names (JAX's spelling)
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
 def _to_host(t: Any) -> np.ndarray:
@@ -432,7 +428,7 @@ def _to_host(t: Any) -> np.ndarray:
     ml = _ml_dtypes(name)
     torch = _torch()
     same = torch.int16 if t.element_size() == 2 else torch.uint8
-    return t.contiguous().view(same).numpy().view(getattr(ml, _ML_DTYPES[name]))  # type: ignore[no-any-return]
+    return t.contiguous().view(same).numpy().view(getattr(ml, name))  # type: ignore[no-any-return]
 
 
 def _from_host(a: np.ndarray) -> Any:

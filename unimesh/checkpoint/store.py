@@ -522,7 +522,7 @@ def load(
             )
         cast = None
         if dtype is not None:
-            cast = np.dtype(dtype) if not isinstance(dtype, np.dtype) else dtype
+            cast = np.dtype(dtype)
         elif want_dtype and want_dtype != t.dtype:
             raise CheckpointError(
                 f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target {want_dtype}: pass "
