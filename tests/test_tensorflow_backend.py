@@ -82,7 +82,9 @@ def test_refusals() -> None:
         unimesh.to_native(Mesh((16,), ("dp",)), "tensorflow")
     with pytest.raises(MeshMismatchError, match=r"already initialised with 8 logical CPU devices"):
         configure_cpu_devices(4)
-    with pytest.raises(unimesh.ConversionError, match="converts dtensor.Mesh and dtensor.Layout"):
+    with pytest.raises(
+        unimesh.ConversionError, match="converts dtensor.Mesh, dtensor.Layout and DTensors"
+    ):
         unimesh.from_native(tf.constant(1.0))
     configure_cpu_devices(8)  # asking again for what it has is fine
 
@@ -102,3 +104,48 @@ def test_a_permuted_mesh_by_hand() -> None:
     # device 3 sits at (0, 0): it holds rows 0-1
     np.testing.assert_array_equal(parts[0].numpy(), x[0:2])
     np.testing.assert_array_equal(parts[3].numpy(), x[2:4])
+
+
+def test_checkpoint_round_trip_and_reshard_onto_jax(tmp_path) -> None:
+    """DTensors saved with unimesh.save load back onto another DTensor layout, and onto JAX,
+    bit-exact; from_native of a DTensor gives its layout."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    values = {
+        "w": rng.standard_normal((8, 6)).astype(np.float32),
+        "b16": rng.standard_normal((4, 8)).astype(ml_dtypes.bfloat16),
+        "n": np.arange(8, dtype=np.int64).reshape(2, 4),
+        "m": rng.random(8) > 0.5,
+    }
+    mesh = Mesh((4, 2), ("dp", "tp"), np.arange(8)[::-1].reshape(4, 2))
+    saved = {"w": P("dp", "tp"), "b16": P("tp", "dp"), "n": P(), "m": P("dp")}
+    tree = {
+        k: unimesh.distribute(v, Layout(mesh, saved[k]), "tensorflow") for k, v in values.items()
+    }
+    assert unimesh.from_native(tree["w"]) == Layout(mesh, saved["w"])
+    unimesh.save(tmp_path / "ck", {"tf": tree})
+    ck = unimesh.open_checkpoint(tmp_path / "ck")
+    assert ck.layout("tf.b16") == Layout(mesh, saved["b16"])
+    assert len(ck.tensor("tf.n").boxes) == 1  # replicated: written once
+    other = Mesh((2, 4), ("a", "b"))
+    target = {"w": P("b", "a"), "b16": P(None, "b"), "n": P("a", "b"), "m": P("b")}
+    layouts = {"tf": {k: Layout(other, s) for k, s in target.items()}}
+    back = unimesh.load(tmp_path / "ck", layouts, backend="tensorflow")
+    for k, want in values.items():
+        got = back["tf"][k]
+        assert unimesh.from_native(dtensor.fetch_layout(got)) == layouts["tf"][k]
+        for d, block in unimesh.local_shards(got, "tensorflow").items():
+            assert block.tobytes() == want[layouts["tf"][k].shard_slices(want.shape, d)].tobytes()
+    # a native DTensor target: its layout, shape and dtype
+    again = unimesh.load(tmp_path / "ck", {"tf": {"w": back["tf"]["w"]}}, strict=False)
+    assert unimesh.from_native(again["tf"]["w"]) == layouts["tf"]["w"]
+    jax = pytest.importorskip("jax")
+    if not jax.config.jax_enable_x64:  # JAX would make int64 int32: refused, never silent
+        with pytest.raises(unimesh.CheckpointError, match="'tf.n' is int64, but the jax backend"):
+            unimesh.load(tmp_path / "ck", layouts, backend="jax")
+        del layouts["tf"]["n"], values["n"]
+    onto = unimesh.load(tmp_path / "ck", layouts, backend="jax", strict=False)
+    for k, want in values.items():
+        assert isinstance(onto["tf"][k], jax.Array)
+        assert np.asarray(onto["tf"][k]).tobytes() == want.tobytes(), k

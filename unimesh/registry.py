@@ -557,7 +557,11 @@ def distribute(
     import numpy as np
 
     dtype = getattr(array, "dtype", None)
-    if isinstance(dtype, np.dtype) and dtype.kind not in "biufc":
+    # ml_dtypes' bfloat16 and float8 kinds are numbers too (numpy calls them kind "V")
+    numeric = not isinstance(dtype, np.dtype) or (
+        dtype.kind in "biufc" or dtype.name == "bfloat16" or dtype.name.startswith("float8")
+    )
+    if not numeric:
         raise ConversionError(
             f"distribute() lays out arrays of numbers or bools; got one of dtype {dtype} "
             f"({short(array)}); convert it first, e.g. np.asarray(x, np.float32)"

@@ -201,10 +201,41 @@ class TensorFlowBackend(Backend):
                 else:
                     entries.append(s)
             return Layout(self._mesh_from_native(obj.mesh), P(*entries))
+        layout = self._tensor_layout(obj)
+        if layout is not None:
+            return self.from_native(layout)
         raise ConversionError(
-            f"the tensorflow backend converts dtensor.Mesh and dtensor.Layout, not {short(obj)} "
+            f"the tensorflow backend converts dtensor.Mesh, dtensor.Layout and DTensors, not "
+            f"{short(obj)} "
             f"({type(obj).__module__}.{type(obj).__qualname__})"
         )
+
+    @staticmethod
+    def _tensor_layout(obj: Any) -> Any:
+        """The ``dtensor.Layout`` of a DTensor, None for anything else."""
+        tf = _tf()
+        if not isinstance(obj, (tf.Tensor, tf.Variable)):
+            return None
+        try:
+            return _dtensor().fetch_layout(obj)
+        except (ValueError, TypeError, tf.errors.OpError):
+            return None
+
+    def from_local(
+        self,
+        blocks: dict[int, Any],
+        layout: Layout,
+        shape: tuple[int, ...],
+        dtype: Any = None,
+        **options: Any,
+    ) -> Any:
+        """``dtensor.pack`` of the blocks, one per local device in the mesh's device order
+        (DTensor's components are those of ``unpack``)."""
+        tf, dtensor = _tf(), _dtensor()
+        native = self.layout_to_native(layout, rank=len(shape), **options)
+        ids = layout.mesh.device_ids.ravel().tolist()
+        parts = [tf.convert_to_tensor(np.asarray(blocks[d])) for d in ids]
+        return dtensor.pack(parts, native)
 
     def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
         """A DTensor laid out as ``layout``: the tensor is copied to the mesh replicated, then

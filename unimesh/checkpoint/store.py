@@ -268,6 +268,13 @@ def async_save(path: str | os.PathLike[str], tree: Any, *, backend: Any = None) 
     return handle
 
 
+def _dtype_text(dtype: Any) -> str:
+    """A framework's dtype as its plain name: ``float32`` for numpy's, TF's (``.name``),
+    torch's (``torch.float32``) and MLX's (``mlx.core.float32``)."""
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
+
+
 def _spec_json(spec: PartitionSpec) -> list[Any]:
     return [e if e is None or isinstance(e, str) else list(e) for e in spec]
 
@@ -514,7 +521,7 @@ def load(
                 raise CheckpointError(
                     f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target {shape}"
                 )
-            want_dtype = str(getattr(leaf, "dtype", "")).rsplit(".", 1)[-1]
+            want_dtype = _dtype_text(getattr(leaf, "dtype", ""))
         if len(layout.spec) > len(t.shape):
             raise CheckpointError(
                 f"tensor {name!r} has {len(t.shape)} dims, its target layout {layout.spec!r} "
@@ -540,7 +547,16 @@ def load(
                     block = block.astype(cast)
                 cache[key] = block
             blocks[device] = block
-        out.append(from_local(blocks, layout, t.shape, backend=be))
+        made = from_local(blocks, layout, t.shape, backend=be)
+        wanted = t.dtype if cast is None else dtype_name(cast)
+        got = _dtype_text(getattr(made, "dtype", wanted))
+        if got != wanted:  # the framework changed it (JAX without x64 keeps no int64)
+            raise CheckpointError(
+                f"tensor {name!r} is {wanted}, but the {be.name} backend made it {got}: the "
+                f"framework cannot hold {wanted} as configured (for JAX: "
+                "jax.config.update('jax_enable_x64', True)); pass dtype= to cast on purpose"
+            )
+        out.append(made)
         held += sum(b.nbytes for b in cache.values())
     if stats is not None:
         stats["bytes_read"] = ckpt.bytes_read
