@@ -1,7 +1,8 @@
 """Time to exit under each launcher's faults: 4 processes of tests/verify_worker.py, where
 process 1 is killed during set-up (die), never comes to the check (stuck: sleeps 40 s),
 never starts the runtime (never: sleeps 40 s first; never0: process 0, JAX's coordinator) or
-builds a different mesh (disagree). verify's timeout is 15 s, initialize's 20 s.
+builds a different mesh (disagree); save-die and save-stuck are the first two during a
+unimesh.save (torch and JAX). verify's and save's timeout is 15 s, initialize's 20 s.
 
     python benchmarks/faults.py [--engines torch,torchrun,jax,mpi,ring] [--modes die,stuck]
 
@@ -32,13 +33,14 @@ NAMES = {
     "ring": r"rank 1 never reached it",
 }
 MODES = {
-    "torch": ["die", "stuck", "never", "disagree"],
+    "torch": ["die", "stuck", "never", "disagree", "save-die", "save-stuck"],
     "torchrun": ["die", "stuck", "never", "disagree"],
-    "jax": ["die", "stuck", "never", "never0", "disagree"],
+    "jax": ["die", "stuck", "never", "never0", "disagree", "save-die", "save-stuck"],
     "mpi": ["die", "stuck", "never", "disagree"],
     "ring": ["die", "stuck", "never", "disagree"],
 }
-TIMEOUT = {"die": 15, "stuck": 15, "disagree": 15, "never": 20, "never0": 20}
+TIMEOUT = {"die": 15, "stuck": 15, "disagree": 15, "never": 20, "never0": 20, "save-die": 15,
+           "save-stuck": 15}  # fmt: skip
 
 
 def one(engine: str, mode: str, tmp: Path) -> dict[str, str]:
@@ -47,6 +49,7 @@ def one(engine: str, mode: str, tmp: Path) -> dict[str, str]:
     t0 = time.monotonic()
     if engine in ("torch", "jax"):
         envs = torch_envs() if engine == "torch" else jax_envs()
+        envs = [dict(env, CHECKPOINT_DIR=str(tmp / "ck")) for env in envs]  # save-* modes
         codes, outs, ends = run_ranks_timed([sys.executable, WORKER, engine, mode], envs, 120, tmp)
         out = "\n".join(outs)
         alive = [r for r in range(N) if r != gone]

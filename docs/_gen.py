@@ -64,7 +64,7 @@ def capability_table(data: dict) -> str:
 def capability_names() -> str:
     """Each capability's name, its layer (or the capability a feature refines) and what it
     promises (``unimesh.CAPABILITIES``), so the matrix's rows read without the source."""
-    from unimesh.backend import FEATURES, LAYERS
+    from unimesh.backend import DERIVED, FEATURES, LAYERS
 
     lines = ["| capability | part of | what a backend that declares it does |"]
     lines.append("| --- | --- | --- |")
@@ -73,6 +73,9 @@ def capability_names() -> str:
             lines.append(f"| `{cap}` | {layer.name} layer | {_cell(text)} |")
     for name, (text, needs) in FEATURES.items():
         lines.append(f"| `{name}` | feature of `{needs}` | {_cell(text)} |")
+    for name, (text, caps) in DERIVED.items():
+        lines.append(f"| `{name}` | follows from {', '.join(f'`{c}`' for c in caps)} | "
+                     f"{_cell(text)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -345,3 +345,78 @@ def test_command_line_show_and_verify(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "is missing or not a file" in capsys.readouterr().out
     assert main(["checkpoint", "verify", str(tmp_path)]) == 1
     assert "has no manifest.json" in capsys.readouterr().out
+
+
+@given(
+    st.lists(st.integers(0, 6), min_size=0, max_size=4),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(1, 200),
+)
+def test_export_slabs_cover_the_array_in_c_order_within_the_window(
+    shape: list[int], itemsize: int, window: int
+) -> None:
+    from unimesh.checkpoint.export import _slabs
+
+    shape_t = tuple(shape)
+    order = np.arange(math.prod(shape_t)).reshape(shape_t)
+    seen: list[int] = []
+    for box in _slabs(shape_t, itemsize, window):
+        part = order[box]
+        assert part.size * itemsize <= max(window, itemsize)
+        seen.extend(part.reshape(-1).tolist())
+    assert seen == list(range(math.prod(shape_t)))  # every element once, in C order
+
+
+def test_convert_to_hugging_face_safetensors(tmp_path: Path) -> None:
+    """convert --to safetensors: the stock loaders read the files unchanged (safetensors'
+    numpy loader, and mx.load where MLX is installed); sharded with an index past
+    --max-shard-size; a progress bar on stderr; no framework imported."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(5)
+    tree = {
+        "layers": {"0": {"w": rng.standard_normal((64, 33)).astype(np.float32)}},
+        "emb": rng.standard_normal((7, 5)).astype(np.float16),
+        "ids": np.arange(12, dtype=np.int64).reshape(3, 4),
+        "flag": np.array([True, False]),
+    }
+    unimesh.save(tmp_path / "ck", tree)
+    flat = {"layers.0.w": tree["layers"]["0"]["w"], "emb": tree["emb"], "ids": tree["ids"],
+            "flag": tree["flag"]}  # fmt: skip
+    code = (
+        "import sys; from unimesh.cli.main import main; rc = main(sys.argv[1:]); "
+        "assert not {'torch', 'jax', 'mlx', 'tensorflow'} & set(sys.modules); sys.exit(rc)"
+    )
+    cli = [sys.executable, "-c", code, "checkpoint", "convert"]
+    run = subprocess.run(
+        [*cli, str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "safetensors",
+         "--max-shard-size", "4KB"], capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "converting" in run.stderr and "3 files" in run.stdout, (run.stdout, run.stderr)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(flat)
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in flat.values())
+    got: dict[str, np.ndarray] = {}
+    for file in sorted(set(index["weight_map"].values())):
+        got.update(load_file(tmp_path / "hf" / file))
+    for name, want in flat.items():
+        assert got[name].dtype == want.dtype and got[name].tobytes() == want.tobytes(), name
+    one = unimesh.checkpoint.to_safetensors(tmp_path / "ck", tmp_path / "one", window=64)
+    assert one == ["model.safetensors"]
+    single = load_file(tmp_path / "one" / "model.safetensors")
+    assert all(single[k].tobytes() == v.tobytes() for k, v in flat.items())
+    mx = pytest.importorskip("mlx.core")
+    loaded = mx.load(str(tmp_path / "one" / "model.safetensors"))
+    for name, want in flat.items():
+        assert np.array(loaded[name]).tobytes() == want.tobytes(), name
+    with pytest.raises(CheckpointError, match="into its source"):
+        unimesh.checkpoint.to_safetensors(tmp_path / "ck", tmp_path / "ck")
+    bad = subprocess.run([*cli, str(tmp_path / "ck"), str(tmp_path / "x"), "--to",
+                          "safetensors", "--max-shard-size", "lots"], capture_output=True,
+                         text=True, timeout=60, check=False)  # fmt: skip
+    assert bad.returncode == 2 and "not a size: 'lots'" in bad.stderr, bad.stderr

@@ -126,3 +126,36 @@ def test_mlx_launch_ring_four_processes(name: str) -> None:
         4,
         "mlx",
     )
+
+
+def test_resume_on_another_framework_and_mesh(tmp_path: Path) -> None:
+    """examples/resume.py: 3 steps on JAX (dp=2 x tp=4, 8 devices), saved; 3 more on torch
+    under torchrun 4 (dp=4 x tp=1) from that checkpoint, saved again; 3 more on MLX under
+    mpirun 4 (dp=1 x tp=4). Every step's loss on every process is the uninterrupted float64
+    training's, to 1e-5: the runs go on where the last one stopped."""
+    pytest.importorskip("jax")
+    pytest.importorskip("torch")
+    pytest.importorskip("mlx.core")
+    mpirun = require_mpirun()
+    script = str(EXAMPLES / "resume.py")
+    first, second = str(tmp_path / "ck"), str(tmp_path / "ck2")
+    runs = [
+        ([sys.executable, script, "--backend", "jax", "--save", first], 1, "jax", (1, 3)),
+        ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+          script, "--backend", "torch", "--dp", "4", "--resume", first, "--save", second], 4,
+         "torch", (4, 6)),
+        ([mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable, script,
+          "--backend", "mlx", "--dp", "1", "--resume", second], 4, "mlx", (7, 9)),
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    for cmd, ranks, backend, (lo, hi) in runs:
+        rc, out = run_bounded(cmd, env, LIMIT)
+        assert rc == 0, out[-6000:]
+        steps = re.findall(r"RANK (\d+) STEP (\d+) LOSS ([\d.]+) REF ([\d.]+)", out)
+        assert sorted({int(s) for _, s, *_ in steps}) == list(range(lo, hi + 1)), out[-3000:]
+        assert len(steps) == ranks * (hi - lo + 1), out[-3000:]
+        for _, _, got, want in steps:
+            assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, float(want)), out[-3000:]
+        done = re.findall(rf"RANK (\d+) OK backend={backend} mesh=(\S+) steps={lo}\.\.{hi}", out)
+        assert sorted(int(r) for r, _ in done) == list(range(ranks)), out[-3000:]

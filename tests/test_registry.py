@@ -331,9 +331,13 @@ def test_capabilities_follow_from_the_hooks_a_backend_implements():
             for cap, hooks in layer.hooks.items():
                 has = all(type(be).implements(h) for h in hooks)
                 assert (cap in be.capabilities) == has, (name, cap)
+        from unimesh.backend import DERIVED
+
         assert be.capabilities - set(be.features) <= {
             c for layer in unimesh.LAYERS for c in layer.hooks
-        }
+        } | set(DERIVED)
+        for cap, (_, needs) in DERIVED.items():  # a derived capability follows from its needs
+            assert (cap in be.capabilities) == be.capabilities.issuperset(needs), (name, cap)
 
 
 def test_registration_names_every_break_of_the_contract():

@@ -11,6 +11,9 @@ stuck: process 1 sleeps 40 s before its check; the others must say a peer is gon
 never: process 1 never starts the runtime (it sleeps 40 s first); the others' initialize must
     end within its 20 s timeout, naming the process that did not join (exit 6).
 never0: the same with process 0, the coordinator (JAX).
+save-die, save-stuck: every process saves a checkpoint into $CHECKPOINT_DIR, then process 1
+    kills itself (or sleeps 40 s) and the others save again with a 15 s timeout: each must
+    raise CheckpointError naming rank 1, the previous checkpoint intact (exit 4).
 Each process prints one VERIFY line saying what it checked.
 """
 
@@ -62,6 +65,28 @@ if mode == "disagree" and rank == 1:
     mesh = unimesh.Mesh((2, size // 2), ("dp", "tp"), np.arange(size)[::-1].reshape(2, -1))
 if mode == "small":
     mesh = unimesh.Mesh((2, size // 2 + 1), ("dp", "tp"))
+if mode.startswith("save-"):  # a save whose peer is gone or stuck: CHECKPOINT_DIR holds it
+    path = os.environ["CHECKPOINT_DIR"]
+    tree = {"w": np.full((4, 4), 1.0, np.float32)}
+    unimesh.save(path, tree, backend=backend, timeout=15)  # the previous checkpoint
+    if rank == 1:
+        if mode == "save-die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(40)
+        sys.exit(0)
+    try:
+        unimesh.save(path, {"w": np.full((4, 4), 2.0, np.float32)}, backend=backend, timeout=15)
+    except unimesh.CheckpointError as exc:
+        kept = unimesh.open_checkpoint(path).read("w").tolist() == tree["w"].tolist()
+        print(
+            f"VERIFY rank {rank} of {world} gone after {time.monotonic() - t0:.1f}s "
+            f"(previous checkpoint {'intact' if kept else 'LOST'}): {exc}",
+            flush=True,
+        )
+        time.sleep(1.0)
+        sys.exit(4)
+    print(f"VERIFY rank {rank} of {world} saved after {time.monotonic() - t0:.1f}s", flush=True)
+    sys.exit(0)
 if mode == "die" and rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "stuck" and rank == 1:

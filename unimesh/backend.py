@@ -16,7 +16,8 @@ The contract has three layers, each a set of hooks on :class:`Backend` (see :dat
 
 A backend's :attr:`Backend.capabilities` are not written by hand: each hook capability follows
 from the hooks the class implements, and a backend declares only its :attr:`Backend.features`
-(refinements of a capability it has, such as ``uneven_shards``).
+(refinements of a capability it has, such as ``uneven_shards``); a derived capability
+(:data:`DERIVED`: ``checkpoint``) follows from the capabilities it needs.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from .parallel import Body, SpecTree
     from .rules import LayoutMap
 
-__all__ = ["CAPABILITIES", "CONCEPTS", "FEATURES", "LAYERS", "Backend", "Layer"]
+__all__ = ["CAPABILITIES", "CONCEPTS", "DERIVED", "FEATURES", "LAYERS", "Backend", "Layer"]
 
 
 class Layer(NamedTuple):
@@ -119,10 +120,24 @@ FEATURES: dict[str, tuple[str, str]] = {
     "multi_process": ("meshes spanning several processes", "initialize+exchange"),
 }
 
-#: Every capability, with what it promises: the layers' hook capabilities, then the features.
+#: Capabilities that follow from others, with what each promises and the capabilities it needs
+#: (a backend gets them by having those; nothing more to implement).
+DERIVED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "checkpoint": (
+        (
+            "unimesh.save / unimesh.load of its distributed arrays, onto any layout "
+            "(follows from distribute and from_local)"
+        ),
+        ("distribute", "from_local"),
+    ),
+}
+
+#: Every capability, with what it promises: the layers' hook capabilities, the features, then
+#: the derived capabilities.
 CAPABILITIES: dict[str, str] = {
     **{cap: text for layer in LAYERS for cap, text in layer.promises.items()},
     **{name: text for name, (text, _) in FEATURES.items()},
+    **{name: text for name, (text, _) in DERIVED.items()},
 }
 
 #: capability -> the hooks that give it, over every layer
@@ -217,7 +232,9 @@ class Backend:
             for cap, hooks in _CAPABILITY_HOOKS.items()
             if all(cls.implements(hook) for hook in hooks)
         }
-        cls.capabilities = frozenset(caps | set(cls.features))
+        caps |= set(cls.features)
+        caps |= {cap for cap, (_, needs) in DERIVED.items() if caps.issuperset(needs)}
+        cls.capabilities = frozenset(caps)
 
     @classmethod
     def implements(cls, hook: str) -> bool:

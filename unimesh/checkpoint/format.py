@@ -299,11 +299,14 @@ def _check_tiling(where: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
 
 
 # -- safetensors ----------------------------------------------------------------------------------
-def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+def safetensors_header(
+    entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
+) -> bytes:
     """The 8-byte length and JSON header of a safetensors file holding ``entries`` (name,
     dtype name, shape, byte length) laid out back to back in that order; padded with spaces
-    to a multiple of 8 bytes, as the format allows."""
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT}}
+    to a multiple of 8 bytes, as the format allows. ``metadata``: the ``__metadata__``
+    strings (default: this format's name)."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": FORMAT}}
     at = 0
     for name, dtype, shape, nbytes in entries:
         header[name] = {

@@ -117,12 +117,28 @@ def _backend_of(leaves: list[Any], backend: Any) -> Any:
 class _Staged:
     """A save with this process's blocks copied to host memory, ready to be written."""
 
-    def __init__(self, path: str | os.PathLike[str], tree: Any, backend: Any) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], tree: Any, backend: Any, timeout: float
+    ) -> None:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not 0 < timeout < 1e7  # NaN fails too; timedelta cannot hold much more
+        ):
+            raise CheckpointError(
+                f"timeout must be a number of seconds, > 0 and below 1e7; got {short(timeout)}"
+            )
+        self.timeout = float(timeout)
         names, leaves, _ = _flatten(tree)
         be = _backend_of(leaves, backend)
+        if be is not None:
+            be.require("checkpoint", "unimesh.save takes its arrays' blocks with local_shards")
         self.root = Path(path)
         self.be = be
-        self.rank = 0 if be is None else int(be.initialize(_TIMEOUT)[0])
+        try:
+            self.rank = 0 if be is None else int(be.initialize(self.timeout)[0])
+        except UnimeshError as exc:  # a peer that never came: the runtime did not start
+            raise CheckpointError(f"saving {path} failed, nothing was written: {exc}") from exc
         self.tensors: dict[str, dict[str, Any]] = {}
         self.blocks: list[tuple[str, tuple[int, ...], str, np.ndarray]] = []
         for name, leaf in zip(names, leaves):
@@ -148,9 +164,12 @@ class _Staged:
         if self.be is None:
             return [payload]
         try:
-            return list(self.be.exchange(payload, _TIMEOUT))
+            return list(self.be.exchange(payload, self.timeout))
         except UnimeshError as exc:
-            raise CheckpointError(f"saving {self.root} failed: {exc}") from exc
+            raise CheckpointError(
+                f"saving {self.root} failed on process {self.rank}, the checkpoint there is "
+                f"unchanged: {exc}"
+            ) from exc
 
     def write(self) -> None:
         """Every process's file, then the manifest (process 0), then every process returns."""
@@ -247,23 +266,29 @@ def _after_pending() -> None:
         _PENDING.pop(0)._thread.join()
 
 
-def save(path: str | os.PathLike[str], tree: Any, *, backend: Any = None) -> None:
+def save(
+    path: str | os.PathLike[str], tree: Any, *, backend: Any = None, timeout: float = _TIMEOUT
+) -> None:
     """Save ``tree`` (a pytree of the backend's distributed arrays or numpy arrays) to the
     directory ``path``. Every process writes only the blocks it holds, each distinct block
     once (a replicated block by the device of lowest id that holds it); nothing is gathered.
     The manifest, written last by process 0 once every process's file is complete, is the
     commit point: a save into an existing checkpoint replaces it only then, and the previous
-    one stays loadable until that moment. Call it on every process."""
+    one stays loadable until that moment. Call it on every process; a process that is gone or
+    does not come within ``timeout`` seconds makes it fail with :class:`CheckpointError` on
+    every other one, naming it where the backend can."""
     _after_pending()
-    _Staged(path, tree, backend).write()
+    _Staged(path, tree, backend, timeout).write()
 
 
-def async_save(path: str | os.PathLike[str], tree: Any, *, backend: Any = None) -> SaveHandle:
+def async_save(
+    path: str | os.PathLike[str], tree: Any, *, backend: Any = None, timeout: float = _TIMEOUT
+) -> SaveHandle:
     """:func:`save`, returning once this process's blocks are copied to host memory; the
     writing goes on in a background thread. A later save (async or not) waits for this one.
     Returns a handle: ``.wait()`` (re-raises a failure), ``.done()``."""
     _after_pending()
-    handle = SaveHandle(_Staged(path, tree, backend))
+    handle = SaveHandle(_Staged(path, tree, backend, timeout))
     _PENDING.append(handle)
     return handle
 
@@ -527,6 +552,7 @@ def load(
                 f"tensor {name!r} has {len(t.shape)} dims, its target layout {layout.spec!r} "
                 f"names {len(layout.spec)}"
             )
+        be.require("checkpoint", "unimesh.load builds its arrays with from_local")
         cast = None
         if dtype is not None:
             cast = np.dtype(dtype)

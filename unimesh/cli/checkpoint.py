@@ -1,15 +1,17 @@
-"""``unimesh checkpoint show`` and ``verify``: a checkpoint as a person reads it, and every
-promise of its files checked, with no framework imported."""
+"""``unimesh checkpoint show``, ``verify`` and ``convert``: a checkpoint as a person reads it,
+every promise of its files checked, and the checkpoint written out as Hugging Face
+safetensors with a progress bar; no framework imported."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ..checkpoint import open_checkpoint
 from ..errors import CheckpointError
 from ..messages import short
 
-__all__ = ["describe", "problems"]
+__all__ = ["convert", "describe", "problems"]
 
 
 def _size(n: int) -> str:
@@ -122,4 +124,41 @@ def verify(path: str) -> int:
         return 1
     ck = open_checkpoint(path)
     print(f"{path}: sound ({len(ck.tensors)} tensors, every box in its file and tiled once)")
+    return 0
+
+
+def convert(src: str, dst: str, max_shard: int, bar: bool) -> int:
+    """``convert SRC DST --to safetensors``: :func:`unimesh.checkpoint.to_safetensors` with a
+    progress bar of bytes (on stderr; none with ``bar=False``)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from ..checkpoint import to_safetensors
+
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("converting"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not bar,
+    ) as progress:
+        task = progress.add_task("convert", total=None)
+
+        def step(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        files = to_safetensors(src, dst, max_shard_bytes=max_shard, progress=step)
+    size = sum((Path(dst) / f).stat().st_size for f in files)
+    print(f"{dst}: {len(files)} file{'s' if len(files) != 1 else ''} ({', '.join(files[:3])}"
+          f"{', ...' if len(files) > 3 else ''}), {_size(size)}")  # fmt: skip
     return 0

@@ -264,6 +264,7 @@ examples:
   unimesh checkpoint show ckpt/step-100
   unimesh checkpoint show ckpt/step-100 --json
   unimesh checkpoint verify ckpt/step-100
+  unimesh checkpoint convert ckpt/step-100 hf-model --to safetensors
 """,
 }
 
@@ -391,7 +392,36 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ck_verify.add_argument("path", help="the checkpoint's directory")
     ck_verify.set_defaults(run=lambda a: _checkpoint("verify", a))
+    ck_convert = ck_sub.add_parser(
+        "convert", help="write a checkpoint as Hugging Face safetensors, streaming",
+        description="write the checkpoint SRC into the directory DST as Hugging Face "
+        "safetensors (model.safetensors, or shards with model.safetensors.index.json), "
+        "reading and writing at most a window of any tensor at once, with a progress bar",
+    )  # fmt: skip
+    ck_convert.add_argument("src", help="the checkpoint's directory")
+    ck_convert.add_argument("dst", help="the directory to write")
+    ck_convert.add_argument(
+        "--to", choices=["safetensors"], required=True, help="the format to write"
+    )
+    ck_convert.add_argument(
+        "--max-shard-size", type=_bytes, default=5 << 30, metavar="SIZE",
+        help="largest file, e.g. 5GB, 500MB (default 5GB)",
+    )  # fmt: skip
+    ck_convert.add_argument("--quiet", action="store_true", help="no progress bar")
+    ck_convert.set_defaults(run=lambda a: _checkpoint("convert", a))
     return parser
+
+
+def _bytes(text: str) -> int:
+    """``5GB``, ``500MB``, ``64KiB``, ``1000``: a size in bytes (argparse type)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d{1,15})\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if m is None or int(m[1]) == 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB, 500MB, 1000)")
+    power = " KMGT".index(m[2].upper() or " ")
+    size: int = int(m[1]) * (1024 if m[3] else 1000) ** power
+    return size
 
 
 def _checkpoint(action: str, args: argparse.Namespace) -> int:
@@ -399,6 +429,8 @@ def _checkpoint(action: str, args: argparse.Namespace) -> int:
 
     if action == "show":
         return checkpoint.show(args.path, args.json)
+    if action == "convert":
+        return checkpoint.convert(args.src, args.dst, int(args.max_shard_size), not args.quiet)
     return checkpoint.verify(args.path)
 
 

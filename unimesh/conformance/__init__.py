@@ -26,4 +26,5 @@ CHECKED = (
     "axis_groups",
     "shard_map",
     "grad",
+    "checkpoint",
 )

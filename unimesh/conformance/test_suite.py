@@ -661,6 +661,86 @@ def test_pytrees_of_arguments_and_results(backend: unimesh.Backend, devices: int
     np.testing.assert_allclose(pair, 3 * x)
 
 
+# -- checkpoints ----------------------------------------------------------------------------------
+def _shared_dir(backend: unimesh.Backend, tmp_path: Any) -> str:
+    """Process 0's temporary directory, on every process (one machine: the suite's processes
+    share its disk)."""
+    backend.initialize(120.0)
+    return backend.exchange(str(tmp_path).encode(), 120.0)[0].decode()
+
+
+def _same_place(got: Layout | None, want: Layout) -> bool:
+    """The same spec on the same axes and devices (the process split a native mesh carries,
+    ``devices_per_process``, aside)."""
+    return (
+        got is not None
+        and Layout(want.mesh, got.spec) == want  # P(None, None) is P(): trailing Nones aside
+        and got.mesh.axis_names == want.mesh.axis_names
+        and np.array_equal(got.mesh.device_ids, want.mesh.device_ids)
+    )
+
+
+@capability("checkpoint")
+@pytest.mark.parametrize(
+    ("saved_key", "loaded_key"), [("2d", "1d"), ("1d", "2d-permuted"), ("3d", "transposed")]
+)
+def test_checkpoint_loads_onto_another_layout(
+    backend: unimesh.Backend, devices: int, saved_key: str, loaded_key: str, tmp_path: Any
+) -> None:
+    """unimesh.save of the backend's arrays, then unimesh.load onto another mesh and spec:
+    every block bit-exact against numpy, each process reading only its blocks' bytes."""
+    saved, loaded = _mesh(saved_key, devices), _mesh(loaded_key, devices)
+    from unimesh.checkpoint.store import layout_of
+
+    a, b = saved.axis_names, loaded.axis_names
+    rng = np.random.default_rng(7)
+    n = devices
+    values: dict[
+        str, np.ndarray
+    ] = {  # every dim a multiple of the device count: even under any spec
+        "w": rng.standard_normal((2 * n, n)).astype(np.float32),
+        "h": rng.standard_normal((n, 2 * n)).astype(np.float16),
+        "i": np.arange(2 * n, dtype=np.int32).reshape(n, 2),
+        "m": rng.random((n, 2)) > 0.5,
+    }
+    specs = {"w": P(a[0], a[-1] if len(a) > 1 else None), "h": P(None, a[0]), "i": P(),
+             "m": P(a[-1])}  # fmt: skip
+    targets = {"w": P(b[-1], b[0] if len(b) > 1 else None), "h": P(b[0], None), "i": P(b[0]),
+               "m": P()}  # fmt: skip
+    if "uneven_shards" in backend.capabilities and n > 1:
+        values["u"] = rng.standard_normal((n + 1, 3)).astype(np.float32)
+        specs["u"], targets["u"] = P(a[0]), P(None, b[-1])
+
+    def place(k: str) -> Any:
+        return _refused(lambda: unimesh.distribute(values[k], Layout(saved, specs[k]), backend))
+
+    arrays = {k: place(k) for k in values}
+    path = _shared_dir(backend, tmp_path) + "/ck"
+    _refused(lambda: unimesh.save(path, {"model": arrays}, backend=backend))
+    ckpt = unimesh.open_checkpoint(path)
+    for k, x in values.items():
+        assert _same_place(ckpt.layout(f"model.{k}"), Layout(saved, specs[k])), k
+        assert ckpt.read(f"model.{k}").tobytes() == x.tobytes(), k
+    layouts = {"model": {k: Layout(loaded, s) for k, s in targets.items()}}
+    stats: dict[str, int] = {}
+    got = _refused(lambda: unimesh.load(path, layouts, backend=backend, stats=stats))
+    for k, x in values.items():
+        lay = layouts["model"][k]
+        assert _same_place(layout_of(got["model"][k]), lay), k
+        for device_id, block in backend.local_shards(got["model"][k]).items():
+            want = x[lay.shard_slices(x.shape, device_id)]
+            assert np.asarray(block).tobytes() == want.tobytes(), (k, device_id)
+    assert stats["bytes_read"] <= stats["bytes_held"] * 1.05
+
+
+@capability("checkpoint", refusal=True)
+def test_refuses_checkpoint(backend: unimesh.Backend, devices: int, tmp_path: Any) -> None:
+    unimesh.save(tmp_path / "ck", {"w": np.zeros((2, 2), np.float32)})
+    lay = Layout(_mesh("1d", devices), P())
+    with pytest.raises(UnsupportedError):
+        unimesh.load(tmp_path / "ck", {"w": lay}, backend=backend)
+
+
 # -- what a backend does not declare, it must refuse with UnsupportedError ----------------------
 @capability("tuple_axes", refusal=True)
 def test_refuses_tuple_axes(backend: unimesh.Backend, devices: int) -> None:

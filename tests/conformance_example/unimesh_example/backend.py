@@ -32,6 +32,10 @@ class ExampleArray:
     blocks: dict[int, np.ndarray]
     shape: tuple[int, ...] = ()
 
+    @property
+    def dtype(self) -> Any:
+        return next(iter(self.blocks.values())).dtype if self.blocks else np.dtype("float32")
+
 
 class ExampleBackend(ProcessBackend):
     name = "example"
@@ -74,6 +78,18 @@ class ExampleBackend(ProcessBackend):
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         return dict(array.blocks)
+
+    def from_local(
+        self,
+        blocks: dict[int, Any],
+        layout: Layout,
+        shape: tuple[int, ...],
+        dtype: Any = None,
+        **options: Any,
+    ) -> ExampleArray:
+        """The blocks as they are (the core checked their shapes): with ``local_shards``, what
+        ``unimesh.save`` and ``unimesh.load`` need (the ``checkpoint`` capability)."""
+        return ExampleArray(self.layout_to_native(layout), dict(blocks), shape)
 
     # -- what the command line and the docs ask of a backend --------------------------------------
     def native_code(self, mesh: Mesh) -> str:
@@ -139,6 +155,13 @@ class ThreadedExampleBackend(ExampleBackend):
     # the "process" is the thread
     def process_index(self) -> int:
         return int(self._local.device)
+
+    def process_devices(self, mesh: Mesh) -> tuple[int, ...]:
+        """Inside a program, the thread's device; outside (save, load, from_local), this one
+        process holds every device of the mesh."""
+        if not hasattr(self._local, "device"):
+            return tuple(sorted(mesh.device_ids.ravel().tolist()))
+        return super().process_devices(mesh)
 
     def group_cache_key(self) -> Any:
         return self._local.device  # one engine (and set of groups) per device, i.e. thread
