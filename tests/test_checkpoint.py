@@ -311,7 +311,7 @@ def test_async_save_copies_first_writes_later_and_saves_in_order(tmp_path: Path)
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     failed = unimesh.async_save(blocker / "ck", {"x": np.zeros(2)})
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match=r"could not create the directory: Not a directory"):
         failed.wait()
     unimesh.save(tmp_path / "after", {"x": np.zeros(2)})  # a failed save does not block others
 

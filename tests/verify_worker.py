@@ -14,6 +14,9 @@ never0: the same with process 0, the coordinator (JAX).
 save-die, save-stuck: every process saves a checkpoint into $CHECKPOINT_DIR, then process 1
     kills itself (or sleeps 40 s) and the others save again with a 15 s timeout: each must
     raise CheckpointError naming rank 1, the previous checkpoint intact (exit 4).
+save-full: a first small save into $CHECKPOINT_DIR (a small tmpfs), then one of 1 MiB a process
+    that the disk cannot hold: every process must raise CheckpointError saying so, the
+    previous checkpoint intact (exit 4).
 Each process prints one VERIFY line saying what it checked.
 """
 
@@ -65,6 +68,30 @@ if mode == "disagree" and rank == 1:
     mesh = unimesh.Mesh((2, size // 2), ("dp", "tp"), np.arange(size)[::-1].reshape(2, -1))
 if mode == "small":
     mesh = unimesh.Mesh((2, size // 2 + 1), ("dp", "tp"))
+if mode == "save-full":  # a sharded save that the disk (a small tmpfs) cannot hold
+    path = os.environ["CHECKPOINT_DIR"]
+    tree = {"w": np.full((4, 4), 1.0, np.float32)}
+    unimesh.save(path, tree, backend=backend, timeout=15)  # the previous checkpoint
+    line = unimesh.Mesh((world,), ("x",))
+    big = np.ones((world * 256, 1024), np.float32)  # 1 MiB a process
+    try:
+        unimesh.save(
+            path,
+            {"w": unimesh.distribute(big, unimesh.Layout(line, unimesh.P("x")), backend)},
+            backend=backend,
+            timeout=15,
+        )
+    except unimesh.CheckpointError as exc:
+        kept = unimesh.open_checkpoint(path).read("w").tolist() == tree["w"].tolist()
+        print(
+            f"VERIFY rank {rank} of {world} full after {time.monotonic() - t0:.1f}s "
+            f"(previous checkpoint {'intact' if kept else 'LOST'}): {exc}",
+            flush=True,
+        )
+        time.sleep(1.0)
+        sys.exit(4)
+    print(f"VERIFY rank {rank} of {world} saved after {time.monotonic() - t0:.1f}s", flush=True)
+    sys.exit(0)
 if mode.startswith("save-"):  # a save whose peer is gone or stuck: CHECKPOINT_DIR holds it
     path = os.environ["CHECKPOINT_DIR"]
     tree = {"w": np.full((4, 4), 1.0, np.float32)}

@@ -5,6 +5,7 @@ hands over its blocks (``local_shards``) and takes them back (``from_local``).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -172,20 +173,33 @@ class _Staged:
             ) from exc
 
     def write(self) -> None:
-        """Every process's file, then the manifest (process 0), then every process returns."""
+        """Every process's file, then the manifest (process 0), then every process returns.
+        A process that cannot write (a full disk, no permission) tells the others at the next
+        agreement, so that every process raises the same CheckpointError at once and the
+        checkpoint already at the path stays as it was."""
         root, rank = self.root, self.rank
         token = self.exchange(secrets.token_hex(6).encode() if rank == 0 else b"")[0].decode()
+        problem = ""
         if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-        self.exchange(b"")  # the directory exists before anyone writes into it
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                problem = f"process 0 could not create the directory: {_os_text(exc)}"
+        self._agree(problem)  # the directory exists before anyone writes into it
         file = check_file_name(f"data-{token}-{rank:05d}.safetensors", "save")
         entries = [
             (f"{name}@{','.join(map(str, offset))}", dtype, block.shape, block.nbytes)
             for name, offset, dtype, block in self.blocks
         ]
         head = safetensors_header(entries)
-        _write_file(root / file, [head, *(b.reshape(-1).view(np.uint8).data for *_, b in
-                                         self.blocks)])  # fmt: skip
+        try:
+            if self.blocks:  # a process with no block to write writes no file
+                _write_file(root / file, [head, *(b.reshape(-1).view(np.uint8).data for *_, b
+                                                 in self.blocks)])  # fmt: skip
+        except OSError as exc:
+            problem = f"process {rank} could not write {file}: {_os_text(exc)}"
+            with contextlib.suppress(OSError):
+                (root / file).unlink(missing_ok=True)
         at = len(head)
         listing: dict[str, list[list[Any]]] = {}
         for name, offset, _, block in self.blocks:
@@ -193,10 +207,33 @@ class _Staged:
                 [list(offset), list(block.shape), at, at + block.nbytes]
             )
             at += block.nbytes
-        everyone = self.exchange(json.dumps({"file": file, "boxes": listing}).encode())
+        payload = {"file": file, "boxes": listing, "error": problem}
+        parts = [json.loads(p) for p in self.exchange(json.dumps(payload).encode())]
+        errors = [p["error"] for p in parts if p["error"]]
+        if errors:
+            with contextlib.suppress(OSError):
+                (root / file).unlink(missing_ok=True)
+            self._fail(errors)
         if rank == 0:
-            self._commit(token, [json.loads(p) for p in everyone])
-        self.exchange(b"")  # every process returns once the checkpoint is committed
+            try:
+                self._commit(token, parts)
+            except OSError as exc:
+                problem = f"process 0 could not write the manifest: {_os_text(exc)}"
+                for part in parts:  # this save's files: the previous checkpoint stays
+                    with contextlib.suppress(OSError):
+                        (root / part["file"]).unlink(missing_ok=True)
+        self._agree(problem)  # every process returns once the checkpoint is committed
+
+    def _agree(self, problem: str) -> None:
+        """Exchange each process's problem (empty: none); raise if any process has one."""
+        errors = [p.decode() for p in self.exchange(problem.encode()) if p]
+        if errors:
+            self._fail(errors)
+
+    def _fail(self, errors: list[str]) -> None:
+        raise CheckpointError(
+            f"saving {self.root} failed, the checkpoint there is unchanged: {'; '.join(errors)}"
+        )
 
     def _commit(self, token: str, parts: list[dict[str, Any]]) -> None:
         root = self.root
@@ -214,15 +251,30 @@ class _Staged:
         parse_manifest(text, "the manifest being written")  # what we write, we can read
         _fsync_dir(root)
         temp = root / f".{MANIFEST}.{token}"
-        _write_file(temp, [text])
-        os.replace(temp, root / MANIFEST)
-        _fsync_dir(root)
-        keep = {p["file"] for p in parts} | {MANIFEST}
-        for stale in root.iterdir():  # files of earlier saves, finished or killed
-            if stale.name not in keep and (
-                stale.name.startswith("data-") or stale.name.startswith(f".{MANIFEST}.")
-            ):
-                stale.unlink(missing_ok=True)
+        try:
+            _write_file(temp, [text])
+            os.replace(temp, root / MANIFEST)
+        except OSError:
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
+            raise
+        # committed: what follows only tidies up, and a failure there changes nothing
+        with contextlib.suppress(OSError):
+            _fsync_dir(root)
+            keep = {p["file"] for p in parts} | {MANIFEST}
+            for stale in root.iterdir():  # files of earlier saves, finished or killed
+                if stale.name not in keep and (
+                    stale.name.startswith("data-") or stale.name.startswith(f".{MANIFEST}.")
+                ):
+                    stale.unlink(missing_ok=True)
+
+
+def _os_text(exc: OSError) -> str:
+    """An OSError as a person reads it: ``No space left on device (ENOSPC)``."""
+    import errno
+
+    name = errno.errorcode.get(exc.errno or 0, "")
+    return f"{exc.strerror or exc}{f' ({name})' if name else ''}"
 
 
 class SaveHandle:
