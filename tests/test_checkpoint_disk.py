@@ -17,7 +17,7 @@ import pytest
 
 import unimesh
 
-from .test_verify import GONE_BOUND, N, WORKER, lines, run_ranks_timed, torch_envs
+from .test_verify import GONE_BOUND, WORKER, N, lines, run_ranks_timed, torch_envs
 
 
 @pytest.fixture
