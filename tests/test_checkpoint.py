@@ -420,3 +420,93 @@ def test_convert_to_hugging_face_safetensors(tmp_path: Path) -> None:
                           "safetensors", "--max-shard-size", "lots"], capture_output=True,
                          text=True, timeout=60, check=False)  # fmt: skip
     assert bad.returncode == 2 and "not a size: 'lots'" in bad.stderr, bad.stderr
+
+
+def test_hugging_face_safetensors_load_onto_a_mesh_reading_only_their_bytes(
+    tmp_path: Path,
+) -> None:
+    """A sharded Hugging Face checkpoint (model.safetensors.index.json) written by the stock
+    safetensors library, and one model.safetensors, load onto JAX layouts bit-exact, each
+    process reading only its blocks' bytes; an index naming a file outside the directory is
+    refused."""
+    jax = pytest.importorskip("jax")
+    import json
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(9)
+    weights = {
+        "model.embed.weight": rng.standard_normal((16, 8)).astype(np.float32),
+        "model.layers.0.mlp.w": rng.standard_normal((8, 24)).astype(np.float16),
+        "model.norm.bias": rng.standard_normal(8).astype(np.float32),
+    }
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(
+        {k: weights[k] for k in list(weights)[:2]}, str(hf / "model-00001-of-00002.safetensors")
+    )
+    save_file(
+        {"model.norm.bias": weights["model.norm.bias"]},
+        str(hf / "model-00002-of-00002.safetensors"),
+    )
+    index = {"metadata": {"total_size": 0}, "weight_map": {
+        "model.embed.weight": "model-00001-of-00002.safetensors",
+        "model.layers.0.mlp.w": "model-00001-of-00002.safetensors",
+        "model.norm.bias": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    ck = unimesh.open_checkpoint(hf)
+    assert ck.kind == "safetensors" and sorted(ck.names) == sorted(weights)
+    assert (
+        ck.tensor("model.layers.0.mlp.w").dtype == "float16"
+        and ck.layout("model.norm.bias") is None
+    )
+    mesh = Mesh.from_string("dp=2,tp=4")
+    target = {"model": {"embed": {"weight": Layout(mesh, P("tp", None))},
+                        "layers": {"0": {"mlp": {"w": Layout(mesh, P(None, ("dp", "tp")))}}},
+                        "norm": {"bias": Layout(mesh, P())}}}  # fmt: skip
+    stats: dict[str, int] = {}
+    got = unimesh.load(hf, target, backend="jax", stats=stats)
+    assert isinstance(got["model"]["embed"]["weight"], jax.Array)
+    assert (
+        np.asarray(got["model"]["layers"]["0"]["mlp"]["w"]).tobytes()
+        == weights["model.layers.0.mlp.w"].tobytes()
+    )
+    assert (
+        np.asarray(got["model"]["embed"]["weight"]).tobytes()
+        == weights["model.embed.weight"].tobytes()
+    )
+    assert stats["bytes_read"] == stats["bytes_held"]
+    # one block of one tensor reads just that block
+    part = unimesh.open_checkpoint(hf)
+    part.read("model.embed.weight", (slice(4, 6),))
+    assert part.bytes_read == 2 * 8 * 4
+    # a single file, by directory or by its own path; the command line checks it
+    single = tmp_path / "one"
+    single.mkdir()
+    save_file(weights, str(single / "model.safetensors"))
+    for where in (single, single / "model.safetensors"):
+        loaded = unimesh.load(
+            where, {"model.norm.bias": Layout(mesh, P("tp"))}, backend="jax", strict=True
+        )
+        assert (
+            np.asarray(loaded["model.norm.bias"]).tobytes() == weights["model.norm.bias"].tobytes()
+        )
+    from unimesh.cli.checkpoint import problems
+
+    assert problems(str(hf)) == [] and problems(str(single)) == []
+    # hostile indexes: a path out of the directory, a symlink, a tensor its file lacks
+    for bad, message in (
+        ("../one/model.safetensors", "plain names inside the checkpoint directory"),
+        ("/etc/passwd", "plain names inside the checkpoint directory"),
+        ("link.safetensors", "missing, not a file or a symlink"),
+    ):
+        (hf / "link.safetensors").unlink(missing_ok=True)
+        (hf / "link.safetensors").symlink_to(single / "model.safetensors")
+        index["weight_map"]["model.norm.bias"] = bad
+        (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match=message):
+            unimesh.open_checkpoint(hf)
+    index["weight_map"]["model.norm.bias"] = "model-00001-of-00002.safetensors"
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="puts tensor 'model.norm.bias' in model-00001"):
+        unimesh.open_checkpoint(hf)

@@ -24,6 +24,7 @@ from .format import (
     MANIFEST,
     MAX_HEADER,
     VERSION,
+    Box,
     Tensor,
     check_file_name,
     dtype_name,
@@ -391,21 +392,54 @@ def _blocks(
 class Checkpoint:
     """A checkpoint opened for reading, without any framework: its tensors' names, global
     shapes, dtypes and saved layouts; :meth:`read` gives any slice as numpy, reading only its
-    bytes. ``bytes_read`` counts what was read from data files."""
+    bytes. ``bytes_read`` counts what was read from data files. ``kind``: ``unimesh`` (a
+    manifest) or ``safetensors`` (Hugging Face: one file, or files with an index)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        from .foreign import INDEX, SINGLE, index_files
+
         self.path = Path(path)
-        manifest = self.path / MANIFEST
-        if not manifest.is_file() or manifest.is_symlink():
-            raise CheckpointError(
-                f"{self.path} is not a unimesh checkpoint: it has no {MANIFEST} (a save that did "
-                "not finish leaves none; the previous checkpoint is kept until one does)"
-            )
-        with open(manifest, "rb") as f:
-            data = f.read(MAX_HEADER + 1)
-        self.mesh, self.tensors = parse_manifest(data, str(manifest))
         self.bytes_read = 0
         self._headers: dict[str, dict[str, Any]] = {}
+        self.mesh: dict[str, Any] | None = None
+        manifest = self.path / MANIFEST
+        weights: dict[str, str] = {}
+        if self.path.suffix == ".safetensors" and self.path.is_file():
+            self.path, files = self.path.parent, [self.path.name]
+        elif manifest.is_file() and not manifest.is_symlink():
+            with open(manifest, "rb") as f:
+                data = f.read(MAX_HEADER + 1)
+            self.kind = "unimesh"
+            self.mesh, self.tensors = parse_manifest(data, str(manifest))
+            return
+        elif (self.path / INDEX).is_file():
+            files, weights = index_files(self.path)
+        elif (self.path / SINGLE).is_file():
+            files = [SINGLE]
+        else:
+            raise CheckpointError(
+                f"{self.path} is not a checkpoint: it has no {MANIFEST} (a unimesh save that did "
+                "not finish leaves none; the previous checkpoint is kept until one does), no "
+                f"{INDEX} and no {SINGLE}"
+            )
+        self.kind = "safetensors"
+        self.tensors = {}
+        for file in files:
+            for name, (dtype, shape, start, end) in self.header(file).items():
+                if name in self.tensors:
+                    raise CheckpointError(
+                        f"{self.path}: tensor {name!r} is in {self.tensors[name].boxes[0].file} "
+                        f"and in {file}"
+                    )
+                box = Box((0,) * len(shape), tuple(shape), file, start, end)
+                self.tensors[name] = Tensor(name, tuple(shape), dtype, None, [box])
+        for name, file in weights.items():
+            found = self.tensors.get(name)
+            if found is None or found.boxes[0].file != file:
+                raise CheckpointError(
+                    f"{self.path / INDEX} puts tensor {short(name)} in {file}, whose header "
+                    "does not have it"
+                )
 
     @property
     def names(self) -> list[str]:

@@ -100,7 +100,7 @@ def problems(path: str) -> list[str]:
             entries = headers.get(box.file)
             if entries is None:
                 continue
-            key = f"{tname}@{','.join(map(str, box.offset))}"
+            key = tname if ck.kind == "safetensors" else f"{tname}@{','.join(map(str, box.offset))}"
             entry = entries.get(key)
             if entry is None:
                 found.append(f"tensor {tname!r}: {box.file} has no entry {short(key)}")
