@@ -161,6 +161,15 @@ def test_a_hole_is_refused() -> None:
         parse_manifest(json.dumps(doc).encode(), "m.json")
 
 
+def _st(entries: dict[str, tuple[str, list[int], int, int]]) -> bytes:
+    """The first bytes of a safetensors file whose header has ``entries``; its data follows
+    (the ``size`` given with it counts from the start of the data)."""
+    doc = {k: {"dtype": d, "shape": s, "data_offsets": [a, b]} for k, (d, s, a, b) in
+           entries.items()}  # fmt: skip
+    text = json.dumps(doc).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
 @pytest.mark.parametrize(
     ("head", "size", "message"),
     [
@@ -168,9 +177,17 @@ def test_a_hole_is_refused() -> None:
         ((2**40).to_bytes(8, "little"), 100, "over the cap or longer than the file"),
         ((6).to_bytes(8, "little") + b'{"a":1', 14, "not valid JSON"),
         ((2).to_bytes(8, "little") + b"[]", 10, "not a JSON object"),
+        (_st({"a": ("F32", [2], 0, 8), "b": ("F32", [2], 4, 12)}), 12, "overlaps the entry"),
+        (_st({"a": ("F32", [1], 0, 4), "b": ("F32", [1], 8, 12)}), 12, "bytes 4..8 unused"),
+        (_st({"a": ("F32", [1], 0, 4)}), 8, "after the last entry are unused"),
+        (_st({"a": ("F32", [3], 0, 8)}), 8, "do not fit its shape or file"),
+        (_st({"a": ("C64", [1], 0, 8)}), 8, "unknown dtype 'C64'"),
+        (_st({"a": ("F32", [1], 0, 2**64)}), 8, "must be an int"),
     ],
 )
 def test_a_bad_safetensors_header_is_refused(head: bytes, size: int, message: str) -> None:
+    if head.startswith(b"{", 8):  # a header from _st: ``size`` counts the data after it
+        size += len(head)
     with pytest.raises(CheckpointError) as info:
         read_header(head, size, "d.safetensors")
     assert message in str(info.value)

@@ -351,6 +351,25 @@ def read_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Any]
         if hi - lo != math.prod(shape) * itemsize or start + hi > size:
             raise CheckpointError(f"{at}: data_offsets {lo}..{hi} do not fit its shape or file")
         out[name] = (_FROM_SAFETENSORS[entry["dtype"]], shape, start + lo, start + hi)
+    # the entries tile the data exactly, as the safetensors library requires: no overlap (two
+    # tensors sharing bytes, which MLX's loader does not check), no hole
+    # (offsets in messages are data_offsets: from the end of the header)
+    at = start
+    for name, (_, _, lo, hi) in sorted(out.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if lo != at:
+            what = (
+                "overlaps the entry before it"
+                if lo < at
+                else f"leaves bytes {at - start}..{lo - start} unused"
+            )
+            raise CheckpointError(
+                f"{where}: entry {short(name)} at {lo - start}..{hi - start} {what}"
+            )
+        at = hi
+    if at != size:
+        raise CheckpointError(
+            f"{where}: bytes {at - start}..{size - start} after the last entry are unused"
+        )
     return start, out
 
 
