@@ -527,3 +527,37 @@ def test_hugging_face_safetensors_load_onto_a_mesh_reading_only_their_bytes(
     (hf / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="puts tensor 'model.norm.bias' in model-00001"):
         unimesh.open_checkpoint(hf)
+
+
+def test_checksums_catch_a_changed_byte(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every saved box carries a crc32 of its bytes: load(verify=True), open_checkpoint(verify=
+    True) and `unimesh checkpoint verify` find a byte changed after the save, naming the
+    tensor, box and file; without verify a read trusts the file (and reads only its bytes)."""
+    from unimesh.cli.main import main
+
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    unimesh.save(tmp_path / "ck", {"w": w, "b": np.ones(4, np.float16)})
+    ck = unimesh.open_checkpoint(tmp_path / "ck")
+    box = ck.tensor("w").boxes[0]
+    assert box.crc32 is not None and ck.tensor("b").boxes[0].crc32 is not None
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 0
+    good = unimesh.open_checkpoint(tmp_path / "ck", verify=True)
+    assert good.read("w", (slice(0, 1),)).tobytes() == w[:1].tobytes()
+    assert good.bytes_read == w.nbytes + 32  # the whole box checked, then its first row read
+    data = tmp_path / "ck" / box.file
+    raw = bytearray(data.read_bytes())
+    raw[box.start + 40] ^= 0x01  # one bit of row 1
+    data.write_bytes(bytes(raw))
+    message = r"tensor 'w', the box at \[0, 0\] in data-\w+-00000.safetensors .* fails its checksum"
+    with pytest.raises(CheckpointError, match=message):
+        unimesh.open_checkpoint(tmp_path / "ck", verify=True).read("w", (slice(0, 1),))
+    assert unimesh.open_checkpoint(tmp_path / "ck").read("w", (slice(0, 1),)).tobytes() == (
+        w[:1].tobytes()
+    )  # row 0 is intact, and without verify only its bytes are read
+    capsys.readouterr()
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 1
+    assert "fails its checksum" in capsys.readouterr().out
+    bad = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    bad["tensors"]["w"]["boxes"][0]["crc32"] = -1
+    with pytest.raises(CheckpointError, match=r"crc32 must be an int in \[0, 2\*\*32\)"):
+        parse_manifest(json.dumps(bad).encode(), "m.json")

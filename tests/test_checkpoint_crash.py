@@ -21,7 +21,7 @@ ENV = {
 
 
 @pytest.mark.parametrize(
-    ("engine", "trials", "window"), [("single", 8, 0.6), ("torchrun", 2, 3.0), ("mpirun", 2, 3.0)]
+    ("engine", "trials", "window"), [("single", 6, 0.6), ("torchrun", 1, 3.0), ("mpirun", 2, 3.0)]
 )
 def test_a_killed_save_leaves_a_whole_checkpoint(engine, trials, window, tmp_path):
     if engine == "torchrun":

@@ -85,25 +85,35 @@ def dtype_name(dtype: Any) -> str:
 class Box:
     """One saved block: where it sits in the global array, and its bytes in a data file."""
 
-    __slots__ = ("end", "file", "offset", "size", "start")
+    __slots__ = ("crc32", "end", "file", "offset", "size", "start")
 
     def __init__(
-        self, offset: tuple[int, ...], size: tuple[int, ...], file: str, start: int, end: int
+        self,
+        offset: tuple[int, ...],
+        size: tuple[int, ...],
+        file: str,
+        start: int,
+        end: int,
+        crc32: int | None = None,
     ) -> None:
         self.offset = offset
         self.size = size
         self.file = file
         self.start = start
         self.end = end
+        self.crc32 = crc32  # of the box's bytes (zlib.crc32), where the writer gave one
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "offset": list(self.offset),
             "size": list(self.size),
             "file": self.file,
             "start": self.start,
             "end": self.end,
         }
+        if self.crc32 is not None:
+            out["crc32"] = self.crc32
+        return out
 
 
 class Tensor:
@@ -248,7 +258,7 @@ def parse_manifest(data: bytes, where: str) -> tuple[dict[str, Any] | None, dict
         itemsize = DTYPES[dtype][1]
         for i, b in enumerate(t["boxes"]):
             bw = f"{at} box {i}"
-            _fields(b, bw, {"offset", "size", "file", "start", "end"})
+            _fields(b, bw, {"offset", "size", "file", "start", "end"}, {"crc32"})
             offset, size = _ints(b["offset"], f"{bw} offset"), _ints(b["size"], f"{bw} size")
             if len(offset) != len(shape) or len(size) != len(shape):
                 raise CheckpointError(f"{bw}: offset and size need {len(shape)} entries")
@@ -263,7 +273,11 @@ def parse_manifest(data: bytes, where: str) -> tuple[dict[str, Any] | None, dict
                     f"{bw}: byte range {start}..{end} is {end - start} bytes, but {size} of "
                     f"{dtype} is {math.prod(size) * itemsize}"
                 )
-            boxes.append(Box(offset, size, check_file_name(b["file"], bw), start, end))
+            crc = b.get("crc32")
+            if crc is not None and (isinstance(crc, bool) or not isinstance(crc, int)
+                                    or not 0 <= crc < 2**32):  # fmt: skip
+                raise CheckpointError(f"{bw}: crc32 must be an int in [0, 2**32), got {short(crc)}")
+            boxes.append(Box(offset, size, check_file_name(b["file"], bw), start, end, crc))
         _check_tiling(at, shape, boxes)
         tensors[name] = Tensor(name, shape, dtype, layout, boxes)
     mesh = doc.get("mesh")

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import secrets
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -204,8 +205,9 @@ class _Staged:
         at = len(head)
         listing: dict[str, list[list[Any]]] = {}
         for name, offset, _, block in self.blocks:
+            crc = zlib.crc32(block.reshape(-1).view(np.uint8).data)
             listing.setdefault(name, []).append(
-                [list(offset), list(block.shape), at, at + block.nbytes]
+                [list(offset), list(block.shape), at, at + block.nbytes, crc]
             )
             at += block.nbytes
         payload = {"file": file, "boxes": listing, "error": problem}
@@ -244,9 +246,9 @@ class _Staged:
         for part in parts:
             for name, boxes in part["boxes"].items():
                 tensors[name]["boxes"].extend(
-                    {"offset": o, "size": s, "file": part["file"], "start": a, "end": b}
-                    for o, s, a, b in boxes
-                )
+                    {"offset": o, "size": s, "file": part["file"], "start": a, "end": b,
+                     "crc32": c} for o, s, a, b, c in boxes
+                )  # fmt: skip
         doc = {"format": FORMAT, "version": VERSION, "tensors": tensors}
         text = json.dumps(doc, indent=1).encode()
         parse_manifest(text, "the manifest being written")  # what we write, we can read
@@ -393,12 +395,16 @@ class Checkpoint:
     """A checkpoint opened for reading, without any framework: its tensors' names, global
     shapes, dtypes and saved layouts; :meth:`read` gives any slice as numpy, reading only its
     bytes. ``bytes_read`` counts what was read from data files. ``kind``: ``unimesh`` (a
-    manifest) or ``safetensors`` (Hugging Face: one file, or files with an index)."""
+    manifest) or ``safetensors`` (Hugging Face: one file, or files with an index). With
+    ``verify=True`` every box a read touches is first read whole and checked against the
+    checksum the save wrote (``crc32``), once."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         from .foreign import INDEX, SINGLE, index_files
 
         self.path = Path(path)
+        self.verify = bool(verify)
+        self._checked: set[tuple[str, int]] = set()
         self.bytes_read = 0
         self._headers: dict[str, dict[str, Any]] = {}
         self.mesh: dict[str, Any] | None = None
@@ -511,6 +517,8 @@ class Checkpoint:
         if out.size == 0:
             return out
         for piece in pieces(t.boxes, start, stop, t.itemsize):
+            if self.verify:
+                self.check_box(t.name, piece.box)
             buf = bytearray(piece.nbytes)
             at = 0
             fd = os.open(self._file(piece.box.file), os.O_RDONLY)
@@ -529,6 +537,33 @@ class Checkpoint:
             where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
             out[where] = np.frombuffer(buf, dtype=dtype).reshape(piece.shape)
         return out
+
+    def check_box(self, name: str, box: Box) -> None:
+        """Read ``box`` of tensor ``name`` whole and compare its crc32 with the manifest's
+        (once per box; nothing to check where the writer gave no checksum)."""
+        key = (box.file, box.start)
+        if box.crc32 is None or key in self._checked:
+            return
+        crc, at = 0, box.start
+        with open(self._file(box.file), "rb") as f:
+            f.seek(at)
+            while at < box.end:
+                chunk = f.read(min(16 << 20, box.end - at))
+                if not chunk:
+                    raise CheckpointError(
+                        f"{self.path}: data file {box.file!r} is truncated (tensor {name!r} "
+                        f"needs bytes {at}..{box.end})"
+                    )
+                crc = zlib.crc32(chunk, crc)
+                at += len(chunk)
+        self.bytes_read += box.end - box.start
+        if crc != box.crc32:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r}, the box at {list(box.offset)} in {box.file} "
+                f"(bytes {box.start}..{box.end}) fails its checksum: crc32 {crc:#010x}, the "
+                f"manifest says {box.crc32:#010x}; the file changed after the save"
+            )
+        self._checked.add(key)
 
 
 def _by_rule(ckpt: Checkpoint, rules: Any, logical_axes: Any, mesh: Mesh | None) -> dict[str, Any]:
@@ -571,9 +606,11 @@ def _region(
     return tuple(start), tuple(stop)
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """A checkpoint opened for inspection and reading, with no framework imported."""
-    return Checkpoint(path)
+def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> Checkpoint:
+    """A checkpoint opened for inspection and reading, with no framework imported: a unimesh
+    checkpoint, or Hugging Face safetensors. ``verify=True`` checks each box's checksum before
+    it is first read (which reads the whole box)."""
+    return Checkpoint(path, verify=verify)
 
 
 # -- load ----------------------------------------------------------------------------------------
@@ -587,6 +624,7 @@ def load(
     mesh: Mesh | None = None,
     logical_axes: Any = None,
     stats: dict[str, int] | None = None,
+    verify: bool = False,
 ) -> Any:
     """The checkpoint's tensors laid out as ``target`` says, as the backend's distributed
     arrays in ``target``'s tree. ``target`` is a pytree whose leaves are :class:`Layout` s
@@ -598,11 +636,13 @@ def load(
     every tensor of ``target`` must be in the checkpoint (False: missing ones are left as
     given). ``dtype`` casts on purpose; otherwise a dtype differing from a native target's
     is an error, never a silent cast. ``stats`` (a dict) receives ``bytes_read`` (from data
-    files) and ``bytes_held`` (of the distinct blocks this process's devices hold)."""
+    files) and ``bytes_held`` (of the distinct blocks this process's devices hold).
+    ``verify=True`` checks the checksum of every saved box a block comes from (reading those
+    boxes whole, so more than the blocks' bytes)."""
     from ..registry import from_local, get_backend, owner_of
     from ..rules import AxisRules, LayoutMap
 
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, verify=verify)
     if isinstance(target, (LayoutMap, AxisRules)):
         target = _by_rule(ckpt, target, logical_axes, mesh)
     names, leaves, treedef = _flatten(target)

@@ -83,7 +83,7 @@ def problems(path: str) -> list[str]:
     """Everything wrong with the checkpoint at ``path`` (empty: it is sound): the manifest
     parses strictly and its boxes tile every tensor once; every data file is there with a
     sound safetensors header; every box's entry in its file has the manifest's dtype, shape
-    and byte range."""
+    and byte range, and its bytes the checksum the save wrote (this reads every byte)."""
     try:
         ck = open_checkpoint(path)
     except CheckpointError as exc:
@@ -112,6 +112,11 @@ def problems(path: str) -> list[str]:
                     f"{box.start}..{box.end} of {box.file}, its header {dtype} {tuple(shape)} "
                     f"at {start}..{end}"
                 )
+                continue
+            try:
+                ck.check_box(tname, box)
+            except CheckpointError as exc:
+                found.append(str(exc))
     return found
 
 
