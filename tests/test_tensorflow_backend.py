@@ -149,3 +149,11 @@ def test_checkpoint_round_trip_and_reshard_onto_jax(tmp_path) -> None:
     for k, want in values.items():
         assert isinstance(onto["tf"][k], jax.Array)
         assert np.asarray(onto["tf"][k]).tobytes() == want.tobytes(), k
+
+
+def test_reserved_dim_names_are_refused_by_name() -> None:
+    """DTensor gives 'unsharded', 'any' and 'match' a meaning of their own: a mesh axis named
+    so is an UnsupportedError naming the fix, not TF's ValueError from mesh parsing."""
+    for name in ("unsharded", "any", "match"):
+        with pytest.raises(UnsupportedError, match=rf"uses \['{name}'\]: rename those axes"):
+            unimesh.to_native(Mesh((2, 4), (name, "tp")), "tensorflow")

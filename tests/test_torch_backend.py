@@ -286,3 +286,12 @@ def test_gpu_for_rank(local_rank: str, local_world: str, gpus: int, want: int | 
     from unimesh_torch.runtime import gpu_for_rank
 
     assert gpu_for_rank(local_rank, local_world, gpus) == want
+
+
+def test_more_axes_than_device_mesh_holds_is_refused_by_name() -> None:
+    """33 to 64 axes (the core's bound is 64): DeviceMesh builds its groups with numpy, which
+    stops at 32 dims; refused with the fix before torch is asked, for a mesh and a layout."""
+    mesh = Mesh((1,) * 33, tuple(f"a{i}" for i in range(33)))
+    for obj in (mesh, Layout(mesh, P("a0"))):
+        with pytest.raises(UnsupportedError, match=r"33 axes is more than a torch mesh holds"):
+            unimesh.to_native(obj, "torch")

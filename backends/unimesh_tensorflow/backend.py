@@ -28,6 +28,10 @@ from unimesh.messages import short
 __all__ = ["TensorFlowBackend", "configure_cpu_devices"]
 
 
+#: dim names DTensor gives a meaning of its own (its layout's sharding specs)
+_RESERVED = frozenset({"unsharded", "any", "match"})
+
+
 def _tf() -> Any:
     import tensorflow as tf
 
@@ -111,6 +115,14 @@ class TensorFlowBackend(Backend):
         """``dtensor.Mesh`` with positions 0..N-1 and, at position i, the logical device
         ``device_ids.flat[i]``."""
         self.reject_options(options, "device_type")
+        reserved = [a for a in mesh.axis_names if a in _RESERVED]
+        if reserved:
+            raise UnsupportedError(
+                f"DTensor reserves the dim names {sorted(_RESERVED)}, and {mesh!r} uses "
+                f"{reserved}: rename those axes (Mesh.rename)",
+                backend=self.name,
+                capability="mesh",
+            )
         devices = self._devices(device_type)
         top = int(mesh.device_ids.max())
         if top >= len(devices):

@@ -29,6 +29,7 @@ class TorchBackend(TorchPrograms):
     extra = "torch"
     native_modules = ("torch", "unimesh_torch")
     features = frozenset({"multi_process", "partial", "tuple_axes", "uneven_shards"})
+    max_mesh_axes = 32  # DeviceMesh builds its groups with numpy, 32 dims at most
     native_primitives = frozenset(
         {
             "all_reduce",
