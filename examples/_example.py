@@ -28,7 +28,10 @@ def start(description: str) -> tuple[unimesh.Backend, int, int]:
         help="devices to ask for where one process holds several (JAX)",
     )
     args = parser.parse_args()
-    backend = unimesh.get_backend(args.backend)
+    try:
+        backend = unimesh.get_backend(args.backend)
+    except unimesh.UnimeshError as exc:  # no --backend, or one not installed: say how to run
+        parser.error(f"{exc} (give --backend jax, keras, torch or mlx)")
     n = backend.prepare_devices(args.devices)  # JAX: CPU devices; torch/MLX: the world size
     full_float32_matmuls(backend)
     rank = next(

@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         help="devices to ask for where one process holds several (JAX)",
     )
     args = parser.parse_args(argv)
-    backend = unimesh.get_backend(args.backend)
+    try:
+        backend = unimesh.get_backend(args.backend)
+    except unimesh.UnimeshError as exc:  # no --backend, or one not installed: say how to run
+        parser.error(f"{exc} (give --backend jax, keras, torch or mlx)")
     n = backend.prepare_devices(args.devices)  # JAX: CPU devices; torch/MLX: the world size
     dp = 2 if n % 2 == 0 else 1  # one GPU: dp=1, tp=1
     mesh = unimesh.make_mesh({"dp": dp, "tp": n // dp})
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(e <= 1e-5 for e in errors)
     print(
         f"RANK {rank} {'OK' if ok else 'FAIL'} backend={backend.name} mesh={mesh.to_string()} "
-        f"loss={float(got[0]):.6f} reference={want[0]:.6f} max_errors={errors}",
+        f"loss={float(got[0]):.6f} reference={want[0]:.6f} largest differences: "
+        f"loss {errors[0]:.1e}, w1 {errors[1]:.1e}, w2 {errors[2]:.1e}",
         flush=True,
     )
     return 0 if ok else 1

@@ -54,7 +54,10 @@ def main() -> int:
     parser.add_argument("--resume", help="a checkpoint to go on from")
     parser.add_argument("--save", help="where to save the checkpoint at the end")
     args = parser.parse_args()
-    backend = unimesh.get_backend(args.backend)
+    try:
+        backend = unimesh.get_backend(args.backend)
+    except unimesh.UnimeshError as exc:  # no --backend, or one not installed: say how to run
+        parser.error(f"{exc} (give --backend jax, keras, torch or mlx)")
     n = backend.prepare_devices(args.devices)
     full_float32_matmuls(backend)
     rank, _ = unimesh.initialize(backend)

@@ -304,7 +304,8 @@ class JaxBackend(Backend):
         top = int(mesh.device_ids.max())
         if top >= len(devs):
             raise MeshMismatchError(
-                f"{mesh!r} uses device {top}, but JAX sees {len(devs)} devices; start more "
+                f"{mesh!r} uses device {top}, but JAX sees {len(devs)} "
+                f"device{'s' if len(devs) != 1 else ''}; start more "
                 "processes, or for CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
                 f"{top + 1} before importing jax"
             )
