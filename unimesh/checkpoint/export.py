@@ -11,14 +11,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError
+from .foreign import INDEX, SINGLE
 from .format import Tensor, safetensors_header
 from .store import Checkpoint, open_checkpoint
 
 __all__ = ["to_safetensors"]
-
-#: the file of a checkpoint that fits in one shard, and the index of a sharded one (HF's names)
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 Progress = Callable[[int, int], None]
 
