@@ -561,3 +561,21 @@ def test_checksums_catch_a_changed_byte(tmp_path: Path, capsys: pytest.CaptureFi
     bad["tensors"]["w"]["boxes"][0]["crc32"] = -1
     with pytest.raises(CheckpointError, match=r"crc32 must be an int in \[0, 2\*\*32\)"):
         parse_manifest(json.dumps(bad).encode(), "m.json")
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), 1e9, True, "10"])
+def test_a_bad_save_timeout_is_refused(tmp_path: Path, timeout: Any) -> None:
+    with pytest.raises(CheckpointError, match=r"timeout must be a number of seconds, > 0"):
+        unimesh.save(tmp_path / "ck", {"x": np.zeros(2)}, timeout=timeout)
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("max_shard_bytes", 0), ("window", -5), ("window", 2.5), ("max_shard_bytes", True),
+     ("window", 2**70)],
+)  # fmt: skip
+def test_bad_export_sizes_are_refused(tmp_path: Path, option: str, value: Any) -> None:
+    unimesh.save(tmp_path / "ck", {"x": np.zeros(2)})
+    with pytest.raises(CheckpointError, match=rf"{option} must be a positive int of bytes"):
+        unimesh.checkpoint.to_safetensors(tmp_path / "ck", tmp_path / "hf", **{option: value})
