@@ -68,49 +68,32 @@ if mode == "disagree" and rank == 1:
     mesh = unimesh.Mesh((2, size // 2), ("dp", "tp"), np.arange(size)[::-1].reshape(2, -1))
 if mode == "small":
     mesh = unimesh.Mesh((2, size // 2 + 1), ("dp", "tp"))
-if mode == "save-full":  # a sharded save that the disk (a small tmpfs) cannot hold
+if mode.startswith("save-"):  # a second save that fails; CHECKPOINT_DIR holds the first
     path = os.environ["CHECKPOINT_DIR"]
     tree = {"w": np.full((4, 4), 1.0, np.float32)}
     unimesh.save(path, tree, backend=backend, timeout=15)  # the previous checkpoint
-    line = unimesh.Mesh((world,), ("x",))
-    big = np.ones((world * 256, 1024), np.float32)  # 1 MiB a process
+    if mode == "save-full":  # sharded, 1 MiB a process: more than the small tmpfs holds
+        line = unimesh.Mesh((world,), ("x",))
+        big = np.ones((world * 256, 1024), np.float32)
+        second = {"w": unimesh.distribute(big, unimesh.Layout(line, unimesh.P("x")), backend)}
+    else:  # a peer gone (save-die) or stuck (save-stuck)
+        if rank == 1:
+            if mode == "save-die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(40)
+            sys.exit(0)
+        second = {"w": np.full((4, 4), 2.0, np.float32)}
     try:
-        unimesh.save(
-            path,
-            {"w": unimesh.distribute(big, unimesh.Layout(line, unimesh.P("x")), backend)},
-            backend=backend,
-            timeout=15,
-        )
+        unimesh.save(path, second, backend=backend, timeout=15)
     except unimesh.CheckpointError as exc:
         kept = unimesh.open_checkpoint(path).read("w").tolist() == tree["w"].tolist()
         print(
-            f"VERIFY rank {rank} of {world} full after {time.monotonic() - t0:.1f}s "
-            f"(previous checkpoint {'intact' if kept else 'LOST'}): {exc}",
+            f"VERIFY rank {rank} of {world} {'full' if mode == 'save-full' else 'gone'} after "
+            f"{time.monotonic() - t0:.1f}s (previous checkpoint {'intact' if kept else 'LOST'}): "
+            f"{exc}",
             flush=True,
         )
-        time.sleep(1.0)
-        sys.exit(4)
-    print(f"VERIFY rank {rank} of {world} saved after {time.monotonic() - t0:.1f}s", flush=True)
-    sys.exit(0)
-if mode.startswith("save-"):  # a save whose peer is gone or stuck: CHECKPOINT_DIR holds it
-    path = os.environ["CHECKPOINT_DIR"]
-    tree = {"w": np.full((4, 4), 1.0, np.float32)}
-    unimesh.save(path, tree, backend=backend, timeout=15)  # the previous checkpoint
-    if rank == 1:
-        if mode == "save-die":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(40)
-        sys.exit(0)
-    try:
-        unimesh.save(path, {"w": np.full((4, 4), 2.0, np.float32)}, backend=backend, timeout=15)
-    except unimesh.CheckpointError as exc:
-        kept = unimesh.open_checkpoint(path).read("w").tolist() == tree["w"].tolist()
-        print(
-            f"VERIFY rank {rank} of {world} gone after {time.monotonic() - t0:.1f}s "
-            f"(previous checkpoint {'intact' if kept else 'LOST'}): {exc}",
-            flush=True,
-        )
-        time.sleep(1.0)
+        time.sleep(1.0)  # let every rank print before the first exit ends the rest
         sys.exit(4)
     print(f"VERIFY rank {rank} of {world} saved after {time.monotonic() - t0:.1f}s", flush=True)
     sys.exit(0)
