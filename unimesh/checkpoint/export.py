@@ -4,6 +4,7 @@ tensor is in memory at once, whatever the model's size. Framework-free."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -40,22 +41,13 @@ def _slabs(shape: tuple[int, ...], itemsize: int, window: int) -> Iterator[tuple
         return
     chunk = max(1, window // inner)
     outer = shape[: k - 1]
-    for index in _indices(outer):
+    for index in itertools.product(*map(range, outer)):
         for a in range(0, shape[k - 1], chunk):
             yield (
                 *(slice(i, i + 1) for i in index),
                 slice(a, min(a + chunk, shape[k - 1])),
                 *(slice(0, n) for n in shape[k:]),
             )
-
-
-def _indices(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    if not shape:
-        yield ()
-        return
-    for i in range(shape[0]):
-        for rest in _indices(shape[1:]):
-            yield (i, *rest)
 
 
 def _shards(tensors: list[Tensor], max_shard: int) -> list[list[Tensor]]:

@@ -70,10 +70,17 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(name)
 
 
+def dtype_text(dtype: Any) -> str:
+    """A numpy or framework dtype as its plain name: ``float32`` for numpy's and TF's
+    (``.name``), torch's (``torch.float32``) and MLX's (``mlx.core.float32``)."""
+    name = getattr(dtype, "name", None)
+    return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
+
+
 def dtype_name(dtype: Any) -> str:
     """The checkpoint name of a numpy (or framework) dtype; CheckpointError for one the format
     does not hold."""
-    name = str(getattr(dtype, "name", dtype)).rsplit(".", 1)[-1]
+    name = dtype_text(dtype)
     if name not in DTYPES:
         raise CheckpointError(
             f"dtype {name} cannot be checkpointed; the format holds {', '.join(DTYPES)}: cast "

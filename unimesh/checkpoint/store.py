@@ -29,6 +29,7 @@ from .format import (
     Tensor,
     check_file_name,
     dtype_name,
+    dtype_text,
     numpy_dtype,
     parse_manifest,
     read_header,
@@ -348,13 +349,6 @@ def async_save(
     return handle
 
 
-def _dtype_text(dtype: Any) -> str:
-    """A framework's dtype as its plain name: ``float32`` for numpy's, TF's (``.name``),
-    torch's (``torch.float32``) and MLX's (``mlx.core.float32``)."""
-    name = getattr(dtype, "name", None)
-    return name if isinstance(name, str) else str(dtype).rsplit(".", 1)[-1]
-
-
 def _spec_json(spec: PartitionSpec) -> list[Any]:
     return [e if e is None or isinstance(e, str) else list(e) for e in spec]
 
@@ -672,7 +666,7 @@ def load(
                 raise CheckpointError(
                     f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target {shape}"
                 )
-            want_dtype = _dtype_text(getattr(leaf, "dtype", ""))
+            want_dtype = dtype_text(getattr(leaf, "dtype", ""))
         if len(layout.spec) > len(t.shape):
             raise CheckpointError(
                 f"tensor {name!r} has {len(t.shape)} dims, its target layout {layout.spec!r} "
@@ -701,7 +695,7 @@ def load(
             blocks[device] = block
         made = from_local(blocks, layout, t.shape, backend=be)
         wanted = t.dtype if cast is None else dtype_name(cast)
-        got = _dtype_text(getattr(made, "dtype", wanted))
+        got = dtype_text(getattr(made, "dtype", wanted))
         if got != wanted:  # the framework changed it (JAX without x64 keeps no int64)
             raise CheckpointError(
                 f"tensor {name!r} is {wanted}, but the {be.name} backend made it {got}: the "
