@@ -3,10 +3,7 @@ tests/test_checkpoint_crash.py and benchmarks/crash.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +13,8 @@ from typing import Any
 import numpy as np
 
 import unimesh
+
+from .launch import kill_tree
 
 WORKER = str(Path(__file__).with_name("checkpoint_crash_worker.py"))
 
@@ -33,40 +32,6 @@ def command(engine: str, path: Path, logs: Path, processes: int = 4) -> list[str
     mpirun = shutil.which("mpirun") or "mpirun"
     return [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(processes),
             sys.executable, *args]  # fmt: skip
-
-
-def _children() -> dict[int, list[int]]:
-    """Every process's children, from /proc."""
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and every descendant of ``pid`` at once: the launcher
-    and every rank, including ranks a launcher put in sessions of their own (OpenMPI's
-    daemon does). Descendants are stopped first (SIGSTOP), so none can start another."""
-    tree = [pid]
-    children = _children()
-    for p in tree:
-        tree.extend(children.get(p, []))
-    for p in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGSTOP)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-    for p in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
 
 
 def _finished(logs: Path) -> list[int]:

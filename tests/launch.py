@@ -29,7 +29,7 @@ def run_bounded(
     try:
         out, _ = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         pytest.fail(f"{cmd} did not finish within {limit} s; output:\n{out[-4000:]}")
     return proc.returncode, out
@@ -95,7 +95,7 @@ def run_ranks_timed(
             time.sleep(0.05)
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_tree(p.pid)
                 p.wait()
         outs = []
         for f in files:
@@ -108,3 +108,37 @@ def run_ranks_timed(
             + "\n---\n".join(o[-1500:] for o in outs)
         )
     return [p.returncode for p in procs], outs, [float(e or 0.0) for e in ends]
+
+
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from /proc."""
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant of ``pid`` at once: the launcher
+    and every rank, including ranks a launcher put in sessions of their own (OpenMPI's
+    daemon does). Descendants are stopped first (SIGSTOP), so none can start another."""
+    tree = [pid]
+    children = _children()
+    for p in tree:
+        tree.extend(children.get(p, []))
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGSTOP)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
