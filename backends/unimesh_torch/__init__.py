@@ -9,9 +9,19 @@ from .backend import TorchBackend, TorchLayout, axis_mesh
 from .plan import layout_map_from_plan, plan_from_layout_map
 
 __all__ = [
+    "CheckpointReader",
     "TorchBackend",
     "TorchLayout",
     "axis_mesh",
     "layout_map_from_plan",
     "plan_from_layout_map",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # CheckpointReader subclasses torch's StorageReader: its module imports torch, on first use
+    if name == "CheckpointReader":
+        from .dcp import CheckpointReader
+
+        return CheckpointReader
+    raise AttributeError(f"module 'unimesh_torch' has no attribute {name!r}")

@@ -92,7 +92,7 @@ def dtype_name(dtype: Any) -> str:
 class Box:
     """One saved block: where it sits in the global array, and its bytes in a data file."""
 
-    __slots__ = ("crc32", "end", "file", "offset", "size", "start")
+    __slots__ = ("crc32", "end", "file", "offset", "size", "start", "strides")
 
     def __init__(
         self,
@@ -102,6 +102,7 @@ class Box:
         start: int,
         end: int,
         crc32: int | None = None,
+        strides: tuple[int, ...] | None = None,
     ) -> None:
         self.offset = offset
         self.size = size
@@ -109,6 +110,9 @@ class Box:
         self.start = start
         self.end = end
         self.crc32 = crc32  # of the box's bytes (zlib.crc32), where the writer gave one
+        # element strides of a box not stored row-major (a DCP chunk of a transposed tensor):
+        # such a box is read whole, bytes start..end, and viewed with these strides
+        self.strides = strides
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -392,6 +396,19 @@ def read_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Any]
             f"{where}: bytes {at - start}..{size - start} after the last entry are unused"
         )
     return start, out
+
+
+def header_metadata(text: bytes, where: str) -> dict[str, str]:
+    """The ``__metadata__`` strings of a safetensors header's JSON (empty if it has none)."""
+    doc = load_json(text, f"{where} header")
+    meta = doc.get("__metadata__") if isinstance(doc, Mapping) else None
+    if meta is None:
+        return {}
+    if not isinstance(meta, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise CheckpointError(f"{where}: __metadata__ must map strings to strings")
+    return dict(meta)
 
 
 def _pair(value: Any, where: str) -> tuple[Any, Any]:

@@ -71,5 +71,6 @@ def pieces(
         b = tuple(min(e, o + n) for e, o, n in zip(stop, box.offset, box.size))
         if any(x >= y for x, y in zip(a, b)) or (box.size and math.prod(box.size) == 0):
             continue
-        out.append(Piece(box, a, b, runs(box, a, b, itemsize)))
+        found = [(box.start, box.end - box.start)] if box.strides else runs(box, a, b, itemsize)
+        out.append(Piece(box, a, b, found))
     return out

@@ -394,6 +394,7 @@ class Checkpoint:
     checksum the save wrote (``crc32``), once."""
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
+        from .dcp import METADATA, read_dcp, read_hf_sharded
         from .foreign import INDEX, SINGLE, index_files
 
         self.path = Path(path)
@@ -402,6 +403,8 @@ class Checkpoint:
         self.bytes_read = 0
         self._headers: dict[str, dict[str, Any]] = {}
         self.mesh: dict[str, Any] | None = None
+        #: names of entries that are not tensors (DCP's pickled objects), which are not read
+        self.objects: list[str] = []
         manifest = self.path / MANIFEST
         weights: dict[str, str] = {}
         if self.path.suffix == ".safetensors" and self.path.is_file():
@@ -412,16 +415,25 @@ class Checkpoint:
             self.kind = "unimesh"
             self.mesh, self.tensors = parse_manifest(data, str(manifest))
             return
+        elif (self.path / METADATA).is_file():
+            self.kind = "dcp"
+            self.tensors, self.objects = read_dcp(self.path)
+            return
         elif (self.path / INDEX).is_file():
             files, weights = index_files(self.path)
         elif (self.path / SINGLE).is_file():
             files = [SINGLE]
         else:
-            raise CheckpointError(
-                f"{self.path} is not a checkpoint: it has no {MANIFEST} (a unimesh save that did "
-                "not finish leaves none; the previous checkpoint is kept until one does), no "
-                f"{INDEX} and no {SINGLE}"
-            )
+            files = _dcp_safetensors(self.path)
+            if not files:
+                raise CheckpointError(
+                    f"{self.path} is not a checkpoint: it has no {MANIFEST} (a unimesh save that "
+                    "did not finish leaves none; the previous checkpoint is kept until one does), "
+                    f"no {INDEX}, no {SINGLE} and no torch DCP {METADATA}"
+                )
+            self.kind = "safetensors"
+            self.tensors = read_hf_sharded(self.path, files, self.header, self._metadata)
+            return
         self.kind = "safetensors"
         self.tensors = {}
         for file in files:
@@ -452,6 +464,12 @@ class Checkpoint:
         try:
             return self.tensors[name]
         except KeyError:
+            if name in self.objects:
+                raise CheckpointError(
+                    f"{self.path}: {name!r} is a pickled object in this DCP checkpoint, not a "
+                    "tensor; unimesh does not unpickle objects (load it with torch, or leave it "
+                    "out of the target)"
+                ) from None
             hint = close_match(name, list(self.tensors))
             raise CheckpointError(
                 f"{self.path} has no tensor {name!r}{hint}; it has {short(list(self.tensors))}"
@@ -474,9 +492,20 @@ class Checkpoint:
             ) from None
 
     def _file(self, name: str) -> Path:
-        """The data file ``name``, its safetensors header checked on first use."""
-        self.header(name)
+        """The data file ``name``, its safetensors header checked on first use (DCP's files
+        were checked chunk by chunk when opened)."""
+        if self.kind != "dcp":
+            self.header(name)
         return self.path / name
+
+    def _metadata(self, name: str) -> dict[str, Any]:
+        """The ``__metadata__`` of data file ``name``'s safetensors header."""
+        from .format import header_metadata
+
+        self.header(name)
+        with open(self.path / name, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            return header_metadata(f.read(length), str(self.path / name))
 
     def header(self, name: str) -> dict[str, Any]:
         """The entries of data file ``name``'s safetensors header, ``{entry: (dtype, shape,
@@ -529,7 +558,14 @@ class Checkpoint:
                 os.close(fd)
             self.bytes_read += piece.nbytes
             where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
-            out[where] = np.frombuffer(buf, dtype=dtype).reshape(piece.shape)
+            view: np.ndarray = np.frombuffer(buf, dtype=dtype)
+            box = piece.box
+            if box.strides:  # read whole; viewed with its strides, then cut to the piece
+                view = np.lib.stride_tricks.as_strided(
+                    view, box.size, tuple(s * dtype.itemsize for s in box.strides), writeable=False
+                )[tuple(slice(a - o, b - o) for a, b, o in zip(piece.start, piece.stop,
+                                                              box.offset))]  # fmt: skip
+            out[where] = view.reshape(piece.shape)
         return out
 
     def check_box(self, name: str, box: Box) -> None:
@@ -558,6 +594,14 @@ class Checkpoint:
                 f"manifest says {box.crc32:#010x}; the file changed after the save"
             )
         self._checked.add(key)
+
+
+def _dcp_safetensors(root: Path) -> list[str]:
+    """The ``.safetensors`` files of a directory that torch's HuggingFaceStorageWriter wrote
+    with ``save_distributed=True`` (the chunks' offsets in each file's ``__metadata__``)."""
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.suffix == ".safetensors" and p.is_file())
 
 
 def _by_rule(ckpt: Checkpoint, rules: Any, logical_axes: Any, mesh: Mesh | None) -> dict[str, Any]:

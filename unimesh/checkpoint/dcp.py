@@ -1,0 +1,478 @@
+"""torch Distributed Checkpoint (DCP) directories, read with neither torch nor a pickle that
+runs: ``.metadata`` goes through an unpickler that admits only DCP's metadata classes (each
+becomes an inert record of its pickled state) and plain values, and refuses any other class
+with a :class:`CheckpointError` naming it. Each tensor chunk in a ``__R_I.distcp`` file is a
+``torch.save`` zip archive; its storage is a stored (uncompressed) zip record, located here
+from the archive's directory and the record's local header, so that a block is read as byte
+runs like any other saved box. The chunk's own ``data.pkl`` (a tensor's rebuild call) is read
+by a second restricted unpickler that admits only ``torch._utils._rebuild_tensor_v2`` and the
+storage types.
+
+Also read: the files ``torch.distributed.checkpoint.HuggingFaceStorageWriter`` writes with
+``save_distributed=True`` (safetensors files whose ``__metadata__`` gives each tensor's
+``saved_offsets``), whose global shapes are inferred from the chunks, as DCP does, and then
+checked to be tiled exactly."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..errors import CheckpointError
+from ..messages import short
+from .format import DTYPES, MAX_HEADER, Box, Tensor, _check_tiling, check_file_name
+
+__all__ = ["HF_SHARDING_KEY", "METADATA", "read_dcp", "read_hf_sharded", "torch_dtype_name"]
+
+#: the metadata file torch's FileSystemWriter writes last
+METADATA = ".metadata"
+#: the ``__metadata__`` key where HuggingFaceStorageWriter puts the chunks' offsets
+HF_SHARDING_KEY = "DCP_SHARDING_INFO"
+
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_DCP_FS = "torch.distributed.checkpoint.filesystem"
+
+#: torch dtype names (as pickled: ``torch.float32``) -> checkpoint dtype names
+_TORCH_DTYPES = {name: name for name in DTYPES} | {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "long": "int64",
+    "int": "int32",
+    "short": "int16",
+}
+#: torch's typed storage classes (a chunk's data.pkl) -> checkpoint dtype names
+_STORAGES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "Float8_e4m3fnStorage": "float8_e4m3fn",
+    "Float8_e5m2Storage": "float8_e5m2",
+}
+_MAX_PICKLE = 1 << 20  # a chunk's data.pkl: one rebuild call, a few hundred bytes
+
+
+def torch_dtype_name(name: str) -> str:
+    """The checkpoint dtype name of a torch dtype's name (``float32``, ``bfloat16``, ...)."""
+    found = _TORCH_DTYPES.get(name)
+    if found is None:
+        raise CheckpointError(
+            f"torch dtype {name!r} has no checkpoint equivalent; readable: {', '.join(DTYPES)}"
+        )
+    return found
+
+
+# -- the restricted unpicklers ---------------------------------------------------------------------
+class _Record:
+    """An inert stand-in for one of DCP's classes: its pickled state, nothing else."""
+
+    kind = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.state: Any = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def get(self, field: str, position: int | None = None) -> Any:
+        """A field of the state: by name (a dict state) or by position (a tuple state)."""
+        state = getattr(self, "state", None)
+        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
+            state = state[0]  # (dict, slots) as pickle's default for slotted classes
+        if isinstance(state, dict):
+            return state.get(field)
+        if isinstance(state, tuple) and position is not None and position < len(state):
+            return state[position]
+        return None
+
+
+_RECORDS: dict[str, type[_Record]] = {}
+
+
+def _record(kind: str) -> type[_Record]:
+    found = _RECORDS.get(kind)
+    if found is None:
+        found = _RECORDS[kind] = type(kind, (_Record,), {"kind": kind, "__slots__": ()})
+    return found
+
+
+class _DType(str):
+    """A torch dtype as pickled (``torch.float32``): its name."""
+
+
+def _size(values: Any = ()) -> tuple[int, ...]:
+    out = tuple(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
+        raise CheckpointError(f"a torch.Size of non-integers: {short(out)}")
+    return out
+
+
+def _text(*parts: Any) -> str:
+    if not all(isinstance(p, str) for p in parts):
+        raise CheckpointError(f"a path of non-strings: {short(parts)}")
+    return "/".join(parts)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+_META_CLASSES = {
+    (_DCP_META, name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+    )
+} | {(_DCP_FS, "_StorageInfo"), ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo")}
+_META_CALLS: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): _size,
+    ("torch.serialization", "_get_layout"): _same,  # _get_layout('torch.strided')
+    (_DCP_META, "_MEM_FORMAT_ENCODING"): _same,  # an Enum called with its value
+    ("collections", "OrderedDict"): OrderedDict,
+    **{("pathlib", name): _text for name in
+       ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
+}  # fmt: skip
+
+
+class _Refusing(pickle.Unpickler):
+    """An unpickler that admits only the globals of ``calls`` (each replaced by an inert
+    function) and ``classes`` (each an inert record); anything else is refused, naming it."""
+
+    calls: ClassVar[dict[tuple[str, str], Any]] = {}
+    classes: ClassVar[set[tuple[str, str]]] = set()
+    where = ""
+
+    def find_class(self, module: str, name: str) -> Any:
+        key = (module, name)
+        if key in self.classes:
+            return _record(name)
+        found = self.calls.get(key)
+        if found is not None:
+            return found
+        if module == "torch" and name in _TORCH_DTYPES:
+            return _DType(name)
+        raise CheckpointError(
+            f"{self.where} asks for {short(module + '.' + name)}, which is not one of DCP's "
+            "metadata classes; unimesh runs no other code from a pickle (if this file is a "
+            "real DCP checkpoint, report the class so that it can be admitted)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointError(f"{self.where} holds a persistent reference {short(pid)}")
+
+
+class _MetaUnpickler(_Refusing):
+    calls = _META_CALLS
+    classes = _META_CLASSES
+
+
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _Record:
+    out = _record("TensorRebuild")()
+    out.state = {"storage": storage, "offset": offset, "size": size, "stride": stride}
+    return out
+
+
+class _Storage:
+    """A storage type named in a chunk's pickle (``torch.FloatStorage``)."""
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+
+
+class _ChunkUnpickler(_Refusing):
+    calls: ClassVar[dict[tuple[str, str], Any]] = {
+        ("torch._utils", "_rebuild_tensor_v2"): _rebuild,
+        ("torch._utils", "_rebuild_tensor"): _rebuild,
+        ("collections", "OrderedDict"): OrderedDict,
+        **{("torch", name): _Storage(dtype) for name, dtype in _STORAGES.items()},
+    }
+
+    def persistent_load(self, pid: Any) -> Any:
+        # ('storage', storage type, key, location, numel)
+        if (
+            not isinstance(pid, tuple)
+            or len(pid) != 5
+            or pid[0] != "storage"
+            or not isinstance(pid[1], _Storage)
+            or not isinstance(pid[2], str)
+            or not isinstance(pid[4], int)
+        ):
+            raise CheckpointError(f"{self.where} holds an unknown storage reference {short(pid)}")
+        return pid
+
+
+def _unpickle(kind: type[_Refusing], data: bytes, where: str) -> Any:
+    reader = kind(io.BytesIO(data))
+    reader.where = where
+    try:
+        return reader.load()
+    except CheckpointError:
+        raise
+    except (Exception, RecursionError) as exc:  # noqa: BLE001 - any fault of a hostile pickle
+        raise CheckpointError(
+            f"{where} is not a readable DCP pickle: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
+
+
+def load_metadata(data: bytes, where: str) -> Any:
+    """The ``.metadata`` pickle as inert records (DCP's classes) and plain values."""
+    return _unpickle(_MetaUnpickler, data, where)
+
+
+# -- .distcp chunks ---------------------------------------------------------------------------
+class _Window(io.RawIOBase):
+    """Bytes ``start .. start + length`` of an open file, as a seekable file of its own."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, self.length)[whence]
+        self.pos = max(0, min(self.length, base + offset))
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos) if n else b""
+        buf[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _chunk_box(
+    root: Path, fd: int, size: int, name: str, offset: tuple[int, ...], sizes: tuple[int, ...],
+    dtype: str, info: _Record,
+) -> Box:  # fmt: skip
+    """Where the storage of one saved chunk lies: its ``torch.save`` archive at
+    ``info.offset .. + info.length`` of the file, the stored record its pickle names."""
+    file = info.get("relative_path", 0)
+    start, length = info.get("offset", 1), info.get("length", 2)
+    where = f"{root / str(file)}: chunk of {name!r} at {list(offset)}"
+    if (
+        not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, length))
+        or start < 0
+        or length < 0
+        or start + length > size
+    ):
+        raise CheckpointError(
+            f"{where}: bytes {short(start)}..+{short(length)} fall outside the file ({size} bytes)"
+        )
+    try:
+        with zipfile.ZipFile(_Window(fd, start, length)) as archive:
+            pkl = [i for i in archive.infolist() if i.filename.endswith("data.pkl")]
+            if len(pkl) != 1 or pkl[0].file_size > _MAX_PICKLE:
+                raise CheckpointError(f"{where}: not a torch.save archive of one tensor")
+            prefix = pkl[0].filename[: -len("data.pkl")]
+            order = prefix + "byteorder"
+            if order in archive.namelist() and archive.read(order) != b"little":
+                raise CheckpointError(f"{where}: big-endian storage is not read")
+            rebuilt = _unpickle(_ChunkUnpickler, archive.read(pkl[0]), f"{where} (data.pkl)")
+            if not isinstance(rebuilt, _Record) or rebuilt.kind != "TensorRebuild":
+                raise CheckpointError(f"{where}: data.pkl is not one tensor")
+            storage, first = rebuilt.get("storage"), rebuilt.get("offset")
+            shape, strides = rebuilt.get("size"), rebuilt.get("stride")
+            record = archive.getinfo(f"{prefix}data/{storage[2]}")
+            head = os.pread(fd, 30, start + record.header_offset)
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, EOFError, OSError,
+            OverflowError, struct.error, IndexError, zipfile.LargeZipFile) as exc:  # fmt: skip
+        raise CheckpointError(f"{where}: not a readable torch.save archive ({exc})") from None
+    held = storage[1].dtype
+    if held != dtype:
+        raise CheckpointError(f"{where}: stored as {held}, the metadata says {dtype}")
+    if not isinstance(shape, tuple) or tuple(shape) != sizes or not isinstance(first, int):
+        raise CheckpointError(f"{where}: holds shape {short(shape)}, the metadata {list(sizes)}")
+    contiguous = [math.prod(sizes[d + 1 :]) for d in range(len(sizes))]
+    if (
+        not isinstance(strides, tuple)
+        or len(strides) != len(sizes)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in strides)
+    ):
+        raise CheckpointError(f"{where}: strides {short(strides)} do not fit shape {list(sizes)}")
+    row_major = all(s == c for s, c, n in zip(strides, contiguous, sizes) if n > 1)
+    if record.compress_type != zipfile.ZIP_STORED or record.flag_bits & 1:
+        raise CheckpointError(f"{where}: its storage record is compressed or encrypted")
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise CheckpointError(f"{where}: the storage record's header is damaged")
+    names, extra = struct.unpack("<HH", head[26:30])
+    itemsize = DTYPES[dtype][1]
+    data = start + record.header_offset + 30 + names + extra
+    begin = data + first * itemsize
+    if row_major or not math.prod(sizes):
+        span = math.prod(sizes)
+    else:  # a strided view (a transposed tensor): the elements up to its farthest one
+        span = 1 + sum((n - 1) * s for n, s in zip(sizes, strides))
+    end = begin + span * itemsize
+    if first < 0 or end > data + record.file_size or end > start + length:
+        raise CheckpointError(f"{where}: the tensor reaches past its storage record")
+    return Box(offset, sizes, str(file), begin, end, strides=None if row_major else strides)
+
+
+def _ints(value: Any, where: str) -> tuple[int, ...]:
+    if (
+        not isinstance(value, tuple)
+        or len(value) > 64
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in value)
+    ):
+        raise CheckpointError(f"{where} must be a list of at most 64 ints >= 0, got {short(value)}")
+    return value
+
+
+def read_dcp(root: Path) -> tuple[dict[str, Tensor], list[str]]:
+    """The tensors of the DCP checkpoint ``root`` (each saved chunk one box), and the names of
+    its non-tensor entries (pickled objects, which are not read)."""
+    where = str(root / METADATA)
+    path = root / METADATA
+    if path.is_symlink() or path.stat().st_size > MAX_HEADER:
+        raise CheckpointError(f"{where} is a symlink or over the {MAX_HEADER}-byte cap")
+    meta = load_metadata(path.read_bytes(), where)
+    if not isinstance(meta, _Record) or meta.kind != "Metadata":
+        raise CheckpointError(f"{where} is not DCP metadata (it holds {short(meta)})")
+    entries, storage = meta.get("state_dict_metadata", 0), meta.get("storage_data", 2)
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CheckpointError(f"{where}: state_dict_metadata and storage_data must be dicts")
+    places: dict[tuple[str, tuple[int, ...]], _Record] = {}
+    for index, info in storage.items():
+        if not isinstance(index, _Record) or not isinstance(info, _Record):
+            raise CheckpointError(f"{where}: storage_data holds {short(index)}: {short(info)}")
+        fqn, at = index.get("fqn", 0), index.get("offset", 1)
+        if info.get("transform_descriptors", 3):
+            raise CheckpointError(
+                f"{where}: {short(fqn)} was written through storage transforms "
+                f"{short(info.get('transform_descriptors', 3))} (compression or another "
+                "extension), which unimesh does not read"
+            )
+        if isinstance(fqn, str) and isinstance(at, tuple):
+            places[(fqn, at)] = info
+    tensors: dict[str, Tensor] = {}
+    others: list[str] = []
+    files: dict[str, tuple[int, int]] = {}
+    try:
+        for name, entry in entries.items():
+            if not isinstance(name, str) or not isinstance(entry, _Record):
+                raise CheckpointError(f"{where}: entry {short(name)} is {short(entry)}")
+            if entry.kind == "BytesStorageMetadata":
+                others.append(name)
+                continue
+            if entry.kind != "TensorStorageMetadata":
+                raise CheckpointError(f"{where}: entry {name!r} is a {entry.kind}")
+            props, chunks = entry.get("properties", 0), entry.get("chunks", 2)
+            shape = _ints(entry.get("size", 1), f"{where}: the size of {name!r}")
+            raw = props.get("dtype", 0) if isinstance(props, _Record) else None
+            if not isinstance(raw, _DType):
+                raise CheckpointError(f"{where}: {name!r} has no torch dtype ({short(raw)})")
+            dtype = torch_dtype_name(str(raw))
+            if not isinstance(chunks, list):
+                raise CheckpointError(f"{where}: the chunks of {name!r} are {short(chunks)}")
+            boxes = []
+            for chunk in chunks:
+                if not isinstance(chunk, _Record):
+                    raise CheckpointError(f"{where}: a chunk of {name!r} is {short(chunk)}")
+                offset = _ints(chunk.get("offsets", 0), f"{where}: a chunk offset of {name!r}")
+                sizes = _ints(chunk.get("sizes", 1), f"{where}: a chunk size of {name!r}")
+                if (
+                    len(offset) != len(shape)
+                    or len(sizes) != len(shape)
+                    or any(o + n > s for o, n, s in zip(offset, sizes, shape))
+                ):
+                    raise CheckpointError(
+                        f"{where}: the chunk of {name!r} at {list(offset)} (size {list(sizes)}) "
+                        f"reaches past its shape {list(shape)}"
+                    )
+                info = places.get((name, offset))
+                if info is None:
+                    raise CheckpointError(
+                        f"{where}: the chunk of {name!r} at {list(offset)} has no storage entry"
+                    )
+                file = check_file_name(info.get("relative_path", 0), f"{where} ({name!r})")
+                if file not in files:
+                    target = root / file
+                    if target.is_symlink() or not target.is_file():
+                        raise CheckpointError(
+                            f"{where} names {file!r}, which is missing, not a file or a symlink"
+                        )
+                    files[file] = (os.open(target, os.O_RDONLY), target.stat().st_size)
+                fd, size = files[file]
+                boxes.append(_chunk_box(root, fd, size, name, offset, sizes, dtype, info))
+            _check_tiling(f"{where}: {name!r}", shape, boxes)
+            tensors[name] = Tensor(name, shape, dtype, None, boxes)
+    finally:
+        for fd, _ in files.values():
+            os.close(fd)
+    return tensors, others
+
+
+# -- HuggingFaceStorageWriter(save_distributed=True) ---------------------------------------
+def read_hf_sharded(root: Path, files: list[str], headers: Any, metadata: Any) -> dict[str, Tensor]:
+    """The tensors of safetensors files each of whose ``__metadata__`` carries DCP's
+    ``saved_offsets``: ``headers(file)`` gives a file's entries, ``metadata(file)`` its
+    ``__metadata__``. A tensor's global shape is the end of its farthest chunk (DCP's own
+    inference), then checked: the chunks must tile it exactly once."""
+    chunks: dict[str, list[Box]] = {}
+    dtypes: dict[str, str] = {}
+    for file in files:
+        where = str(root / file)
+        text = metadata(file).get(HF_SHARDING_KEY)
+        if not isinstance(text, str) or len(text) > MAX_HEADER:
+            raise CheckpointError(
+                f"{where} has no {HF_SHARDING_KEY} in its __metadata__: a directory of "
+                ".safetensors files without model.safetensors.index.json is read only as "
+                "torch's HuggingFaceStorageWriter(save_distributed=True) writes it; open the "
+                "file itself, or add the index"
+            )
+        try:
+            info = json.loads(text)
+        except ValueError as exc:
+            raise CheckpointError(f"{where}: {HF_SHARDING_KEY} is not JSON: {exc}") from None
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where}: {HF_SHARDING_KEY} is not an object")
+        for name, (dtype, shape, start, end) in headers(file).items():
+            entry = info.get(name)
+            offset = entry.get("saved_offsets") if isinstance(entry, dict) else None
+            if not isinstance(offset, list):
+                raise CheckpointError(f"{where}: {name!r} has no saved_offsets")
+            offset = _ints(tuple(offset), f"{where}: the saved_offsets of {name!r}")
+            if len(offset) != len(shape):
+                raise CheckpointError(f"{where}: {name!r}'s saved_offsets do not match its shape")
+            if dtypes.setdefault(name, dtype) != dtype:
+                raise CheckpointError(f"{where}: {name!r} is {dtype} here, {dtypes[name]} before")
+            chunks.setdefault(name, []).append(Box(offset, tuple(shape), file, start, end))
+    tensors = {}
+    for name, boxes in chunks.items():
+        ndim = {len(b.size) for b in boxes}
+        if len(ndim) != 1:
+            raise CheckpointError(f"{root}: the chunks of {name!r} differ in rank")
+        shape = tuple(max(b.offset[d] + b.size[d] for b in boxes) for d in range(ndim.pop()))
+        _check_tiling(f"{root}: {name!r}", shape, boxes)
+        tensors[name] = Tensor(name, shape, dtypes[name], None, boxes)
+    return tensors
