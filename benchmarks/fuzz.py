@@ -1,6 +1,9 @@
 """The parsers of untrusted input under the grammar fuzzer of tests/grammar.py (hypothesis
 strategies built from each grammar: mesh text, mesh JSON, mesh dicts, config TOML, config JSON,
-config dicts; --count inputs per family) and the mutation fuzzer of tests/fuzzing.py.
+config dicts, checkpoint manifests, safetensors headers, DCP .metadata pickles; --count inputs
+per family), the mutation fuzzer of tests/fuzzing.py, and mutations of real checkpoints'
+files (a unimesh save's manifest and data file, torch's own DCP .metadata and .distcp file),
+each opened and read whole (tests/checkpoint_grammar.py).
 
     python benchmarks/fuzz.py [--count 100000] [--seed 0] [--memory-count 5000]
     python benchmarks/fuzz.py --families "mesh text,config toml" --count 1000
@@ -40,6 +43,12 @@ def main() -> int:
         help="grammar families to run ('' for none)",
     )
     parser.add_argument("--no-mutation", action="store_true", help="skip the mutation fuzzer")
+    parser.add_argument(
+        "--no-checkpoints",
+        dest="checkpoints",
+        action="store_false",
+        help="skip the mutations of real checkpoints",
+    )
     args = parser.parse_args()
     bad = False
     every_n = max(1, args.count // max(1, args.memory_count))
@@ -57,6 +66,17 @@ def main() -> int:
             f"{run.peak_bytes / 2**20:.2f} MiB: {run.peak_input}",
             flush=True,
         )
+        for line in run.failures[:10]:
+            print("  FAILURE", line)
+        bad |= bool(run.failures) or run.slowest_ms_per_100kb > LIMIT_MS
+    if args.checkpoints:  # mutations of real checkpoints' files (issue 37)
+        from tests.checkpoint_grammar import mutate_checkpoints
+
+        run = mutate_checkpoints(args.count, args.seed)
+        print(f"checkpoint mutations {run.count:,} inputs in {run.seconds:.0f} s; outcomes:")
+        for key, n in sorted(run.outcomes.items()):
+            print(f"  {key:40s} {n:8,d}")
+        print(f"  slowest (opened and every tensor read): {run.slowest}")
         for line in run.failures[:10]:
             print("  FAILURE", line)
         bad |= bool(run.failures) or run.slowest_ms_per_100kb > LIMIT_MS

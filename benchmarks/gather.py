@@ -16,6 +16,8 @@ generated from. Every figure is a ratio (or a time) measured in this one run.
 5. example programs: the FSDP, tensor + sequence parallel, MoE and pipeline steps through
    unimesh against the same loss run with the framework's own collectives (bench_programs.py:
    JAX and torch).
+6. checkpoints: save and load against the disk's and memory's limit and against safetensors,
+   torch DCP and Orbax (bench_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -258,6 +260,26 @@ def programs(repeat: int) -> dict[str, Any]:
     }
 
 
+def checkpoints(mib: int) -> dict[str, Any]:
+    """bench_checkpoint.py in a fresh interpreter (8 JAX CPU devices): its rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        subprocess.run(
+            [sys.executable, str(HERE / "bench_checkpoint.py"), "--mib", str(mib), "--json",
+             str(out)],
+            check=True,
+        )  # fmt: skip
+        found = json.loads(out.read_text())
+    return {
+        "title": "Checkpoints",
+        "note": f"bench_checkpoint.py: {found['bytes'] / 2**20:.0f} MiB on 8 JAX CPU devices in "
+        "one process; each system's GB/s and its fraction of this machine's limit measured in "
+        "the same run (pwrite + fsync, pread warm and cold, memcpy).",
+        "columns": ["system", "operation", "seconds", "GB/s", "of limit", "limit"],
+        "rows": found["rows"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
@@ -274,6 +296,7 @@ def main() -> None:
         ("core scale", lambda: scale(2 if q else 7)),
         ("step overhead", lambda: steps(20 if q else 300)),
         ("example programs", lambda: programs(10 if q else 200)),
+        ("checkpoints", lambda: checkpoints(128 if q else 1024)),
     ]
     sections = []
     for label, part in parts:

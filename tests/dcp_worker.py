@@ -45,6 +45,22 @@ def _reference(out: Path) -> dict[str, np.ndarray]:
     return found
 
 
+def write_reference(out: Path, state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Every tensor's ``full_tensor()`` (torch's own gather, on every rank); rank 0 writes
+    them to OUT/ref-NAME.bin with their dtypes and shapes in OUT/ref.json."""
+    import torch
+
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+    if rank == 0:
+        meta = {}
+        for name, t in full.items():
+            t = t.detach().contiguous()
+            meta[name] = (str(t.dtype).rsplit(".", 1)[-1], list(t.shape))
+            (out / f"ref-{name}.bin").write_bytes(t.view(torch.uint8).numpy().tobytes())
+        (out / "ref.json").write_text(json.dumps(meta))
+    return full
+
+
 def _model() -> Any:
     import torch
     from torch import nn
@@ -102,14 +118,8 @@ def save(out: Path) -> None:
         state,
         storage_writer=HuggingFaceStorageWriter(path=str(out / "hf"), save_distributed=True),
     )
-    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+    write_reference(out, state, rank)
     if rank == 0:
-        meta = {}
-        for name, t in full.items():
-            t = t.detach().contiguous()
-            meta[name] = (str(t.dtype).rsplit(".", 1)[-1], list(t.shape))
-            (out / f"ref-{name}.bin").write_bytes(t.view(torch.uint8).numpy().tobytes())
-        (out / "ref.json").write_text(json.dumps(meta))
         (out / "placements.json").write_text(json.dumps({k: repr(v) for k, v in
                                                          placements.items()}))  # fmt: skip
     dist.barrier()

@@ -142,3 +142,30 @@ def kill_tree(pid: int) -> None:
     for p in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
+
+
+def run_worker(
+    worker: Path, launcher: str, args: list[str], limit: float, **extra_env: str
+) -> tuple[int, str]:
+    """``python worker args...`` under ``launcher``: ``torch`` (torchrun --standalone, 4
+    processes), ``mlx`` (mpirun -np 4) or anything else (one process), with the tests folder
+    on PYTHONPATH, one OpenMP thread and ``extra_env``; bounded by ``limit`` seconds."""
+    import sys
+
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(worker.parent), os.environ.get("PYTHONPATH", "")]),
+        **extra_env,
+    )
+    cmd = [str(worker), *args]
+    if launcher == "torch":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "4", *cmd]  # fmt: skip
+    elif launcher == "mlx":
+        cmd = [require_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "4",
+               sys.executable, *cmd]  # fmt: skip
+    else:
+        cmd = [sys.executable, *cmd]
+    return run_bounded(cmd, env, limit)

@@ -579,3 +579,21 @@ def test_bad_export_sizes_are_refused(tmp_path: Path, option: str, value: Any) -
     unimesh.save(tmp_path / "ck", {"x": np.zeros(2)})
     with pytest.raises(CheckpointError, match=rf"{option} must be a positive int of bytes"):
         unimesh.checkpoint.to_safetensors(tmp_path / "ck", tmp_path / "hf", **{option: value})
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_reading_straight_into_the_block_only_where_numpy_says_it_is_contiguous(
+    data: st.DataObject,
+) -> None:
+    """load() reads a piece's runs straight into the destination block when the piece is one
+    contiguous stretch of it; that test agrees with numpy's own C_CONTIGUOUS flag."""
+    from unimesh.checkpoint.store import _contiguous_in
+
+    shape = tuple(data.draw(st.integers(1, 4)) for _ in range(data.draw(st.integers(0, 4))))
+    where = []
+    for n in shape:
+        a = data.draw(st.integers(0, n - 1))
+        where.append(slice(a, data.draw(st.integers(a + 1, n))))
+    block = np.empty(shape, dtype=np.int16)
+    assert _contiguous_in(tuple(where), shape) == block[tuple(where)].flags["C_CONTIGUOUS"]

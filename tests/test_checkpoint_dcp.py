@@ -29,7 +29,7 @@ import pytest
 import unimesh
 from unimesh import CheckpointError
 
-from .launch import require_mpirun, run_bounded
+from .launch import run_worker
 
 HERE = Path(__file__).parent
 WORKER = HERE / "dcp_worker.py"
@@ -37,26 +37,8 @@ LIMIT = 300
 RANKS = {"jax": 1, "torch": 4, "mlx": 4}
 
 
-def _env() -> dict[str, str]:
-    return dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    )
-
-
 def _launch(framework: str, *args: str) -> str:
-    cmd = [str(WORKER), *args]
-    if framework == "torch":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "4", *cmd]  # fmt: skip
-    elif framework == "mlx":
-        cmd = [require_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "4",
-               sys.executable, *cmd]  # fmt: skip
-    else:
-        cmd = [sys.executable, *cmd]
-    rc, output = run_bounded(cmd, _env(), LIMIT)
+    rc, output = run_worker(WORKER, framework, list(args), LIMIT)
     assert rc == 0, output[-6000:]
     return output
 
@@ -201,7 +183,7 @@ class _Evil:
 
 _AUDITED = """
 import sys
-import encodings.cp437, unimesh, unimesh.checkpoint.dcp, zipfile  # before the hook: their own code
+import encodings.cp437, unimesh, unimesh.checkpoint.dcp, unimesh.checkpoint.orbax, zipfile
 events = []
 def hook(event, args):
     if event in ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "exec",
@@ -332,3 +314,19 @@ def test_hugging_face_dcp_shards_must_tile_their_tensor(tmp_path: Path) -> None:
     st.save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "plain.safetensors"))
     with pytest.raises(CheckpointError, match="DCP_SHARDING_INFO"):
         unimesh.open_checkpoint(tmp_path)
+
+
+def test_a_memo_slot_beyond_the_pickle_is_refused_at_once(tmp_path: Path) -> None:
+    """Found by benchmarks/fuzz.py: one mutated byte of a real .metadata asked the C unpickler
+    for memo slot 1298491233, and it zero-filled a 10 GB table first (25 s). Refused before
+    the unpickler runs, in far less time than that."""
+    import struct
+    import time
+
+    ck = tmp_path / "c"
+    ck.mkdir()
+    (ck / ".metadata").write_bytes(b"\x80\x02N" + b"r" + struct.pack("<I", 1298491233) + b".")
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match="memo slot 1298491233"):
+        unimesh.open_checkpoint(ck)
+    assert time.perf_counter() - t0 < 5.0

@@ -107,3 +107,25 @@ def test_the_property_catches_a_parser_that_evaluates() -> None:
     with pytest.raises(AssertionError, match="triggered"):
         grammar.check(evaluating_then_refusing, "1")
     assert grammar.check(Mesh.from_string, "dp=2") == "accepted"
+
+
+# -- checkpoints (issue 37): manifests, safetensors headers, DCP .metadata pickles ------------
+@pytest.mark.parametrize("family", ["checkpoint manifest", "safetensors header", "dcp metadata"])
+def test_checkpoint_readers(family: str) -> None:
+    """Every generated input gives a result or a CheckpointError with a message, evaluates
+    nothing, and a part of them is accepted (the grammar reaches the valid path)."""
+    run = grammar.drive(family, COUNT, seed=37)
+    assert not run.failures, run.failures[:3]
+    assert run.count == COUNT
+    assert run.outcomes.get("accepted", 0) > 0, run.outcomes
+    assert set(run.outcomes) <= {"accepted", "CheckpointError"}, run.outcomes
+
+
+def test_mutations_of_real_checkpoints() -> None:
+    """A unimesh save's manifest and data file (and torch's own DCP files where torch is
+    installed), mutated byte by byte, opened and read: a result or a CheckpointError."""
+    from .checkpoint_grammar import mutate_checkpoints
+
+    run = mutate_checkpoints(max(200, COUNT), seed=37)
+    assert not run.failures, run.failures[:3]
+    assert all(key.endswith(("accepted", "CheckpointError")) for key in run.outcomes), run.outcomes

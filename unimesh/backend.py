@@ -445,6 +445,20 @@ class Backend:
         with no blocks."""
         return self._missing("from_local")
 
+    # == models (optional): unimesh.save / unimesh.load of a framework's model object ==========
+    def model_state(self, model: Any) -> dict[str, Any] | None:
+        """The named arrays of ``model`` when it is one of the framework's model objects (a
+        torch ``nn.Module``, a Keras model, an ``mlx.nn.Module``): ``{name: distributed array,
+        or numpy for an array held whole}``, names as the framework writes them (state_dict
+        names, variable paths). None (the default): ``model`` is not a model this backend
+        knows, and the core treats it as a pytree."""
+        return None
+
+    def model_assign(self, model: Any, values: dict[str, Any]) -> None:
+        """Write loaded arrays into ``model`` in place, each in the layout
+        :meth:`model_state` gave for its name (no gather)."""
+        self._missing("model_assign")
+
     # == layer 2, runtime (optional; the defaults are one process with one device) ==============
     def prepare_devices(self, count: int) -> int:
         """Ask for ``count`` logical devices in this process where the framework allows it

@@ -7,4 +7,13 @@ from __future__ import annotations
 
 from .backend import KerasBackend, distribution
 
-__all__ = ["KerasBackend", "distribution"]
+__all__ = ["CheckpointCallback", "KerasBackend", "distribution"]
+
+
+def __getattr__(name: str) -> object:
+    # CheckpointCallback subclasses keras.callbacks.Callback: its module imports keras
+    if name == "CheckpointCallback":
+        from .callbacks import CheckpointCallback
+
+        return CheckpointCallback
+    raise AttributeError(f"module 'unimesh_keras' has no attribute {name!r}")

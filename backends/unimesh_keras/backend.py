@@ -219,6 +219,31 @@ class KerasBackend(Backend):
             for s in array.addressable_shards
         }
 
+    # -- models: unimesh.save(path, model) / unimesh.load(path, model) ------------------------
+    def model_state(self, model: Any) -> dict[str, Any] | None:
+        """A Keras model's (or layer's) variables by their paths (``dense/kernel``): each a
+        distributed array under a ``keras.distribution``, numpy where it has no layout."""
+        import keras
+
+        if not isinstance(model, keras.layers.Layer):
+            return None
+        from unimesh.checkpoint.store import layout_of
+
+        out: dict[str, Any] = {}
+        for variable in model.variables:
+            distributed = keras.backend.backend() == "jax" and layout_of(variable) is not None
+            value = variable if distributed else keras.ops.convert_to_numpy(variable)
+            out[_variable_name(model, variable)] = value
+        return out
+
+    def model_assign(self, model: Any, values: dict[str, Any]) -> None:
+        """``variable.assign`` of each loaded value, which already has the variable's layout
+        (Keras keeps it: no gather)."""
+        for variable in model.variables:
+            name = _variable_name(model, variable)
+            if name in values:
+                variable.assign(values[name])
+
     # -- programs: Keras distributes through JAX ----------------------------------------------
     def _jax(self, what: str) -> Backend:
         self._require_distribution(what)
@@ -398,3 +423,11 @@ def _check_processes(mesh: Mesh, batch: str) -> None:
             f"(axis {batch!r}); Keras needs the process count to be a multiple of the batch "
             "axis's size when it is the larger"
         )
+
+
+def _variable_name(model: Any, variable: Any) -> str:
+    """A variable's path below its model (``up/kernel``, not ``sequential_3/up/kernel``: the
+    model's own name is numbered by how many models the process built before)."""
+    path = str(variable.path)
+    prefix = f"{model.name}/"
+    return path.removeprefix(prefix)

@@ -116,3 +116,100 @@ class MLXBackend(MLXPrograms):
             )
         out = Layout(layout.mesh, PartitionSpec(layout.spec[0], None))
         return self.full_array(MLXArray(partial, out, (shape[0], int(weight.shape[1]))))
+
+    # -- models: unimesh.save(path, module) / unimesh.load(path, module) -----------------------
+    def model_state(self, model: Any) -> dict[str, Any] | None:
+        """An ``mlx.nn.Module``'s parameters by path: the weights of MLX's sharded layers
+        (``AllToShardedLinear``, ``ShardedToAllLinear``, from ``shard_linear``) and of
+        ``fully_shard`` modules as distributed arrays of their global shape, everything else
+        as numpy (held whole by every process)."""
+        from mlx.nn.layers.base import Module
+        from mlx.utils import tree_flatten
+
+        if not isinstance(model, Module):
+            return None
+        from unimesh.registry import from_local
+
+        from .runtime import mx_to_host
+
+        layouts = _sharded_layouts(model, int(self._world().size()))
+        rank = int(self._world().rank())
+        out: dict[str, Any] = {}
+        flat: Any = tree_flatten(model.parameters())  # type: ignore[no-untyped-call]
+        for name, value in flat:
+            found = layouts.get(name)
+            if found is None:
+                out[name] = mx_to_host(value)
+                continue
+            layout, dim = found
+            shape = list(value.shape)
+            shape[dim] *= _axis_size(layout, dim)
+            out[name] = from_local({rank: value}, layout, tuple(shape), backend=self)
+        return out
+
+    def model_assign(self, model: Any, values: dict[str, Any]) -> None:
+        """``model.update`` with each loaded value (this process's block of a sharded one)."""
+        from mlx.utils import tree_unflatten
+
+        from .runtime import host_to_mx
+
+        items = [
+            (name, value.local if isinstance(value, MLXArray) else host_to_mx(value))
+            for name, value in values.items()
+        ]
+        model.update(tree_unflatten(items))
+
+
+def _axis_size(layout: Layout, dim: int) -> int:
+    entry = layout.spec[dim]
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return int(np.prod([layout.mesh.axis_size(a) for a in axes]))
+
+
+def _sharded_layouts(model: Any, world: int) -> dict[str, tuple[Layout, int]]:
+    """Parameter path -> (global layout, sharded dim) for the sharded layers of ``model``:
+    MLX's sharded Linear layers (the layout unimesh's ``shard_linear`` recorded, else their
+    group, which must then be the whole world: MLX does not say which ranks a split group
+    holds) and ``FullyShardedModule`` (dim 0 over its group)."""
+    from mlx.nn.layers import distributed as dist
+
+    from unimesh import UnsupportedError
+
+    out: dict[str, tuple[Layout, int]] = {}
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        quantized = (dist.QuantizedAllToShardedLinear, dist.QuantizedShardedToAllLinear)
+        if isinstance(module, quantized):
+            raise UnsupportedError(
+                f"{path or 'the model'} is a quantized sharded layer; unimesh saves and loads "
+                "unquantized ones (quantize after loading)",
+                backend="mlx",
+            )
+        sharded = isinstance(module, (dist.AllToShardedLinear, dist.ShardedToAllLinear))
+        if not sharded and not isinstance(module, dist.FullyShardedModule):
+            continue
+        size = int(module.group.size()) if hasattr(module, "group") else world
+        recorded = getattr(module, "_unimesh_layout", None)
+        if recorded is None and size != world:
+            raise UnsupportedError(
+                f"{path or 'the model'} is sharded over a group of {size} of the {world} "
+                "processes, which MLX does not name; build it with unimesh_mlx.shard_linear "
+                "(which records its layout) or over the whole world",
+                backend="mlx",
+            )
+        mesh = Mesh((world,), ("shard",))
+        if isinstance(module, dist.FullyShardedModule):
+            for inner in module._paths:
+                out[f"{prefix}module.{inner}"] = (Layout(mesh, PartitionSpec("shard")), 0)
+            continue
+        weight = recorded or Layout(
+            mesh,
+            PartitionSpec("shard", None)
+            if isinstance(module, dist.AllToShardedLinear)
+            else PartitionSpec(None, "shard"),
+        )
+        dim = 0 if weight.spec[0] is not None else 1
+        out[f"{prefix}weight"] = (weight, dim)
+        if "bias" in module and dim == 0:  # a sharded-to-all layer's bias is whole
+            out[f"{prefix}bias"] = (Layout(weight.mesh, PartitionSpec(weight.spec[0])), 0)
+    return out

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from unimesh import ConversionError, Layout, LayoutError, Mesh, UnsupportedError
+from unimesh import ConversionError, Layout, LayoutError, Mesh, PartitionSpec, UnsupportedError
 from unimesh.messages import short
 
 from .runtime import _LAYERS, _mx, host_to_mx, mx_to_host
@@ -319,4 +319,6 @@ def shard_linear(linear: Any, layout: Layout, native_mesh: MLXMesh) -> Any:
         linear, sharding, group=group.group if group.group is not None else native_mesh.world
     )
     _LAYERS.append(weakref.ref(layer))  # it holds the split group: released at exit too
+    # the weight's global layout, which the layer itself does not record (for unimesh.save)
+    layer._unimesh_layout = Layout(layout.mesh, PartitionSpec(*spec))
     return layer

@@ -111,3 +111,36 @@ class TorchBackend(TorchPrograms):
             torch.from_numpy(weight), device_mesh, [Replicate()] * device_mesh.ndim
         )
         return (array @ w).full_tensor().numpy()
+
+    # -- models: unimesh.save(path, module) / unimesh.load(path, module) -----------------------
+    def model_state(self, model: Any) -> dict[str, Any] | None:
+        """An ``nn.Module``'s state_dict: DTensors as they are (FSDP2 and TP layouts), plain
+        tensors as numpy."""
+        torch = _torch()
+        if not isinstance(model, torch.nn.Module):
+            return None
+        from torch.distributed.tensor import DTensor
+
+        from .translate import _to_host
+
+        return {
+            name: t if isinstance(t, DTensor) else _to_host(t.detach().cpu())
+            for name, t in model.state_dict().items()
+        }
+
+    def model_assign(self, model: Any, values: dict[str, Any]) -> None:
+        """Copy each loaded value into the module's own parameter or buffer (shard by shard for
+        a DTensor, in its layout)."""
+        torch = _torch()
+        from torch.distributed.tensor import DTensor
+
+        from .translate import _from_host
+
+        live = model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in values.items():
+                into = live[name]
+                if isinstance(into, DTensor):
+                    into.to_local().copy_(value.to_local())
+                else:
+                    into.copy_(_from_host(value))

@@ -258,7 +258,7 @@ def parse_manifest(data: bytes, where: str) -> tuple[dict[str, Any] | None, dict
         _fields(t, at, {"shape", "dtype", "boxes"}, {"layout"})
         shape = _ints(t["shape"], f"{at} shape")
         dtype = t["dtype"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"{at}: unknown dtype {short(dtype)}; known: {list(DTYPES)}")
         layout = t.get("layout")
         if layout is not None:
@@ -368,7 +368,7 @@ def read_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Any]
             continue
         at = f"{where}: entry {short(name)}"
         _fields(entry, at, {"dtype", "shape", "data_offsets"})
-        if entry["dtype"] not in _FROM_SAFETENSORS:
+        if not isinstance(entry["dtype"], str) or entry["dtype"] not in _FROM_SAFETENSORS:
             raise CheckpointError(f"{at}: unknown dtype {short(entry['dtype'])}")
         shape = _ints(entry["shape"], f"{at} shape")
         lo, hi = (_int(v, f"{at} data_offsets") for v in _pair(entry["data_offsets"], at))

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from .format import (
     safetensors_header,
 )
 from .plan import pieces
+from .storage import Remote, is_url
 
 __all__ = ["Checkpoint", "SaveHandle", "async_save", "load", "open_checkpoint", "save"]
 
@@ -90,6 +93,23 @@ def layout_of(leaf: Any) -> Layout | None:
     return None
 
 
+def model_state(obj: Any, backend: Any) -> tuple[Any, dict[str, Any]] | None:
+    """(backend, named arrays) when ``obj`` is a framework's model object (a torch
+    ``nn.Module``, a Keras model, an ``mlx.nn.Module``), through the backend's
+    ``model_state`` hook; None for anything else (a pytree)."""
+    from ..registry import get_backend, owner_of
+
+    # (an mlx.nn.Module is a dict: the exact builtin containers are what is passed over)
+    if type(obj) in (dict, list, tuple) or isinstance(obj, (np.ndarray, Layout)) or _is_leaf(obj):
+        return None
+    try:
+        be = get_backend(backend) if backend is not None else owner_of(obj)
+    except UnimeshError:
+        return None
+    state = be.model_state(obj)
+    return None if state is None else (be, state)
+
+
 # -- file helpers ----------------------------------------------------------------------------------
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -122,7 +142,12 @@ class _Staged:
     """A save with this process's blocks copied to host memory, ready to be written."""
 
     def __init__(
-        self, path: str | os.PathLike[str], tree: Any, backend: Any, timeout: float
+        self,
+        path: str | os.PathLike[str],
+        tree: Any,
+        backend: Any,
+        timeout: float,
+        copy: bool = True,
     ) -> None:
         if (
             isinstance(timeout, bool)
@@ -137,7 +162,8 @@ class _Staged:
         be = _backend_of(leaves, backend)
         if be is not None:
             be.require("checkpoint", "unimesh.save takes its arrays' blocks with local_shards")
-        self.root = Path(path)
+        self.remote = Remote(os.fspath(path)) if is_url(path) else None
+        self.root: Any = self.remote.url if self.remote is not None else Path(path)
         self.be = be
         try:
             self.rank = 0 if be is None else int(be.initialize(self.timeout)[0])
@@ -161,8 +187,9 @@ class _Staged:
                 if layout is None
                 else {"mesh": layout.mesh.to_dict(), "spec": _spec_json(layout.spec)},
             }
-            for offset, block in blocks:  # a copy: the caller may change its arrays now
-                self.blocks.append((name, offset, dtype, np.array(block, order="C", copy=True)))
+            for offset, block in blocks:  # async: a copy, as the caller may change its arrays
+                kept = np.array(block, order="C", copy=True if copy else None)  # 0-d stays
+                self.blocks.append((name, offset, dtype, kept))
 
     def exchange(self, payload: bytes) -> list[bytes]:
         if self.be is None:
@@ -181,13 +208,27 @@ class _Staged:
         agreement, so that every process raises the same CheckpointError at once and the
         checkpoint already at the path stays as it was."""
         root, rank = self.root, self.rank
-        token = self.exchange(secrets.token_hex(6).encode() if rank == 0 else b"")[0].decode()
+        # process 0's token for this save's file names, and which process writes each block:
+        # the first that holds it. An array on a sub-mesh (FSDP's dp mesh inside dp x tp) is
+        # held whole by several such meshes, which do not know of each other's copies.
+        mine = [[name, list(offset), list(block.shape)] for name, offset, _, block in self.blocks]
+        hello = {"token": secrets.token_hex(6) if rank == 0 else "", "blocks": mine}
+        told = [json.loads(p) for p in self.exchange(json.dumps(hello).encode())]
+        token = told[0]["token"]
+        writer: dict[str, int] = {}
+        for r, part in enumerate(told):
+            for key in part["blocks"]:
+                writer.setdefault(json.dumps(key), r)
+        self.blocks = [b for b, key in zip(self.blocks, mine) if writer[json.dumps(key)] == rank]
         problem = ""
         if rank == 0:
             try:
-                root.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                problem = f"process 0 could not create the directory: {_os_text(exc)}"
+                if self.remote is not None:
+                    self.remote.mkdir()
+                else:
+                    root.mkdir(parents=True, exist_ok=True)
+            except (OSError, CheckpointError) as exc:
+                problem = f"process 0 could not create the directory: {_error_text(exc)}"
         self._agree(problem)  # the directory exists before anyone writes into it
         file = check_file_name(f"data-{token}-{rank:05d}.safetensors", "save")
         entries = [
@@ -197,12 +238,15 @@ class _Staged:
         head = safetensors_header(entries)
         try:
             if self.blocks:  # a process with no block to write writes no file
-                _write_file(root / file, [head, *(b.reshape(-1).view(np.uint8).data for *_, b
-                                                 in self.blocks)])  # fmt: skip
-        except OSError as exc:
-            problem = f"process {rank} could not write {file}: {_os_text(exc)}"
-            with contextlib.suppress(OSError):
-                (root / file).unlink(missing_ok=True)
+                body: list[Any] = [head]
+                body += [b.reshape(-1).view(np.uint8).data for *_, b in self.blocks]
+                if self.remote is not None:
+                    self.remote.write(file, body)
+                else:
+                    _write_file(root / file, body)
+        except Exception as exc:  # noqa: BLE001 - told to every process, then raised
+            problem = f"process {rank} could not write {file}: {_error_text(exc)}"
+            self._unlink(file)
         at = len(head)
         listing: dict[str, list[list[Any]]] = {}
         for name, offset, _, block in self.blocks:
@@ -215,18 +259,24 @@ class _Staged:
         parts = [json.loads(p) for p in self.exchange(json.dumps(payload).encode())]
         errors = [p["error"] for p in parts if p["error"]]
         if errors:
-            with contextlib.suppress(OSError):
-                (root / file).unlink(missing_ok=True)
+            self._unlink(file)
             self._fail(errors)
         if rank == 0:
             try:
                 self._commit(token, parts)
-            except OSError as exc:
-                problem = f"process 0 could not write the manifest: {_os_text(exc)}"
+            except Exception as exc:  # noqa: BLE001 - told to every process, then raised
+                problem = f"process 0 could not write the manifest: {_error_text(exc)}"
                 for part in parts:  # this save's files: the previous checkpoint stays
-                    with contextlib.suppress(OSError):
-                        (root / part["file"]).unlink(missing_ok=True)
+                    self._unlink(part["file"])
         self._agree(problem)  # every process returns once the checkpoint is committed
+
+    def _unlink(self, name: str) -> None:
+        """Remove this save's file ``name`` if it is there (a failed save tidies up)."""
+        with contextlib.suppress(Exception):
+            if self.remote is not None:
+                self.remote.remove(name)
+            else:
+                (self.root / name).unlink(missing_ok=True)
 
     def _agree(self, problem: str) -> None:
         """Exchange each process's problem (empty: none); raise if any process has one."""
@@ -253,6 +303,14 @@ class _Staged:
         doc = {"format": FORMAT, "version": VERSION, "tensors": tensors}
         text = json.dumps(doc, indent=1).encode()
         parse_manifest(text, "the manifest being written")  # what we write, we can read
+        keep = {p["file"] for p in parts} | {MANIFEST}
+        if self.remote is not None:  # no rename: the manifest's one PUT is the commit
+            self.remote.write(MANIFEST, [text])
+            with contextlib.suppress(Exception):
+                for name in self.remote.names():  # files of earlier saves, finished or killed
+                    if name not in keep and name.startswith("data-"):
+                        self.remote.remove(name)
+            return
         _fsync_dir(root)
         temp = root / f".{MANIFEST}.{token}"
         try:
@@ -265,12 +323,18 @@ class _Staged:
         # committed: what follows only tidies up, and a failure there changes nothing
         with contextlib.suppress(OSError):
             _fsync_dir(root)
-            keep = {p["file"] for p in parts} | {MANIFEST}
             for stale in root.iterdir():  # files of earlier saves, finished or killed
                 if stale.name not in keep and (
                     stale.name.startswith("data-") or stale.name.startswith(f".{MANIFEST}.")
                 ):
                     stale.unlink(missing_ok=True)
+
+
+def _error_text(exc: BaseException) -> str:
+    """An error as a person reads it (an OSError with its errno's name)."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return _os_text(exc)
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
 
 
 def _os_text(exc: OSError) -> str:
@@ -325,16 +389,21 @@ def _after_pending() -> None:
 def save(
     path: str | os.PathLike[str], tree: Any, *, backend: Any = None, timeout: float = _TIMEOUT
 ) -> None:
-    """Save ``tree`` (a pytree of the backend's distributed arrays or numpy arrays) to the
-    directory ``path``. Every process writes only the blocks it holds, each distinct block
-    once (a replicated block by the device of lowest id that holds it); nothing is gathered.
+    """Save ``tree`` (a pytree of the backend's distributed arrays or numpy arrays, or a
+    framework's model: a torch ``nn.Module`` by its state_dict names, a Keras model by its
+    variables' paths, an ``mlx.nn.Module`` by its parameter paths) to the directory
+    ``path``. Every process writes only the blocks it holds, each distinct block once (a
+    replicated block by the device of lowest id that holds it); nothing is gathered.
     The manifest, written last by process 0 once every process's file is complete, is the
     commit point: a save into an existing checkpoint replaces it only then, and the previous
     one stays loadable until that moment. Call it on every process; a process that is gone or
     does not come within ``timeout`` seconds makes it fail with :class:`CheckpointError` on
     every other one, naming it where the backend can."""
     _after_pending()
-    _Staged(path, tree, backend, timeout).write()
+    found = model_state(tree, backend)
+    if found is not None:
+        backend, tree = found
+    _Staged(path, tree, backend, timeout, copy=False).write()  # written before it returns
 
 
 def async_save(
@@ -344,6 +413,9 @@ def async_save(
     writing goes on in a background thread. A later save (async or not) waits for this one.
     Returns a handle: ``.wait()`` (re-raises a failure), ``.done()``."""
     _after_pending()
+    found = model_state(tree, backend)
+    if found is not None:
+        backend, tree = found
     handle = SaveHandle(_Staged(path, tree, backend, timeout))
     _PENDING.append(handle)
     return handle
@@ -396,8 +468,8 @@ class Checkpoint:
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         from .dcp import METADATA, read_dcp, read_hf_sharded
         from .foreign import INDEX, SINGLE, index_files
+        from .orbax import OrbaxArrays, is_orbax
 
-        self.path = Path(path)
         self.verify = bool(verify)
         self._checked: set[tuple[str, int]] = set()
         self.bytes_read = 0
@@ -405,6 +477,24 @@ class Checkpoint:
         self.mesh: dict[str, Any] | None = None
         #: names of entries that are not tensors (DCP's pickled objects), which are not read
         self.objects: list[str] = []
+        #: the checkpoint's files at an fsspec URL (None: a local directory)
+        self.remote = Remote(os.fspath(path)) if is_url(path) else None
+        if self.remote is not None:
+            self.path: Any = self.remote.url
+            if not self.remote.is_file(MANIFEST):
+                raise CheckpointError(
+                    f"{self.path} is not a checkpoint: it has no {MANIFEST} (a save that did not "
+                    "finish leaves none; the previous checkpoint is kept until one does). In "
+                    "object storage unimesh reads its own checkpoints; copy others locally"
+                )
+            size = self.remote.size(MANIFEST)
+            if size > MAX_HEADER:
+                raise CheckpointError(f"{self.path / MANIFEST} is over the {MAX_HEADER} cap")
+            self.kind = "unimesh"
+            data = self.remote.read(MANIFEST, 0, size)
+            self.mesh, self.tensors = parse_manifest(data, str(self.path / MANIFEST))
+            return
+        self.path = Path(path)
         manifest = self.path / MANIFEST
         weights: dict[str, str] = {}
         if self.path.suffix == ".safetensors" and self.path.is_file():
@@ -414,6 +504,12 @@ class Checkpoint:
                 data = f.read(MAX_HEADER + 1)
             self.kind = "unimesh"
             self.mesh, self.tensors = parse_manifest(data, str(manifest))
+            return
+        elif is_orbax(self.path):
+            self.kind = "orbax"
+            self._orbax = OrbaxArrays(self.path)
+            self.objects = self._orbax.objects
+            self.tensors = {name: self._orbax.tensor(name) for name in self._orbax.names}
             return
         elif (self.path / METADATA).is_file():
             self.kind = "dcp"
@@ -494,9 +590,9 @@ class Checkpoint:
     def _file(self, name: str) -> Path:
         """The data file ``name``, its safetensors header checked on first use (DCP's files
         were checked chunk by chunk when opened)."""
-        if self.kind != "dcp":
+        if self.kind not in ("dcp", "orbax"):
             self.header(name)
-        return self.path / name
+        return Path(self.path / name)
 
     def _metadata(self, name: str) -> dict[str, Any]:
         """The ``__metadata__`` of data file ``name``'s safetensors header."""
@@ -515,6 +611,15 @@ class Checkpoint:
         if found is not None:
             return found
         path = self.path / name
+        if self.remote is not None:
+            size = self.remote.size(name)
+            head = self.remote.read(name, 0, min(size, 8))
+            if len(head) == 8:
+                length = int.from_bytes(head, "little")
+                if length <= MAX_HEADER and 8 + length <= size:
+                    head += self.remote.read(name, 8, 8 + length)
+            found = self._headers[name] = read_header(head, size, str(path))[1]
+            return found
         if path.is_symlink() or not path.is_file():
             raise CheckpointError(f"{self.path}: data file {name!r} is missing or not a file")
         size = path.stat().st_size
@@ -536,30 +641,60 @@ class Checkpoint:
 
     def _region(self, t: Tensor, start: tuple[int, ...], stop: tuple[int, ...]) -> np.ndarray:
         dtype = numpy_dtype(t.dtype)
-        out = np.empty(tuple(b - a for a, b in zip(start, stop)), dtype=dtype)
+        out = np.empty(tuple(b - a for a, b in zip(start, stop)), dtype=dtype)  # C order
         if out.size == 0:
             return out
+        if self.kind == "orbax":  # TensorStore reads the (compressed) chunks it touches whole
+            for box in t.boxes:
+                if all(max(a, o) < min(b, o + n)
+                       for a, b, o, n in zip(start, stop, box.offset, box.size)):  # fmt: skip
+                    self.bytes_read += math.prod(box.size) * t.itemsize
+            whole = self._orbax.read(t, start, stop)
+            if whole.shape != out.shape or whole.dtype != dtype:
+                raise CheckpointError(
+                    f"{self.path}: {t.name!r} read as {whole.dtype} {whole.shape}, its metadata "
+                    f"says {dtype} {out.shape}"
+                )
+            return whole
         for piece in pieces(t.boxes, start, stop, t.itemsize):
             if self.verify:
                 self.check_box(t.name, piece.box)
-            buf = bytearray(piece.nbytes)
+            if self.remote is not None:  # ranged requests, made together
+                self.header(piece.box.file)
+                fetched = b"".join(self.remote.read_runs(piece.box.file, piece.runs))
+                self.bytes_read += piece.nbytes
+                where = tuple(
+                    slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start)
+                )
+                out[where] = np.frombuffer(fetched, dtype=dtype).reshape(piece.shape)
+                continue
+            where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
+            box = piece.box
+            # where the piece is one contiguous stretch of ``out`` (the dims after its first
+            # partial one whole), its runs are read straight into it: no buffer, no copy
+            direct = not box.strides and _contiguous_in(where, out.shape)
+            if direct:
+                first = sum(w.start * st for w, st in zip(where, out.strides))
+                buf: Any = out.reshape(-1).view(np.uint8)[first : first + piece.nbytes].data
+            else:
+                buf = bytearray(piece.nbytes)
             at = 0
-            fd = os.open(self._file(piece.box.file), os.O_RDONLY)
+            fd = os.open(self._file(box.file), os.O_RDONLY)
             try:
                 for offset, length in piece.runs:
                     got = os.preadv(fd, [memoryview(buf)[at : at + length]], offset)
                     if got != length:
                         raise CheckpointError(
-                            f"{self.path}: data file {piece.box.file!r} is truncated (tensor "
+                            f"{self.path}: data file {box.file!r} is truncated (tensor "
                             f"{t.name!r} needs bytes {offset}..{offset + length})"
                         )
                     at += length
             finally:
                 os.close(fd)
             self.bytes_read += piece.nbytes
-            where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
+            if direct:
+                continue
             view: np.ndarray = np.frombuffer(buf, dtype=dtype)
-            box = piece.box
             if box.strides:  # read whole; viewed with its strides, then cut to the piece
                 view = np.lib.stride_tricks.as_strided(
                     view, box.size, tuple(s * dtype.itemsize for s in box.strides), writeable=False
@@ -575,10 +710,22 @@ class Checkpoint:
         if box.crc32 is None or key in self._checked:
             return
         crc, at = 0, box.start
-        with open(self._file(box.file), "rb") as f:
-            f.seek(at)
+        with contextlib.ExitStack() as stack:
+            read: Callable[[int, int], bytes]
+            if self.remote is not None:
+                self.header(box.file)
+                remote = self.remote
+
+                def read(a: int, n: int) -> bytes:
+                    return remote.read(box.file, a, a + n)
+            else:
+                f = stack.enter_context(open(self._file(box.file), "rb"))
+
+                def read(a: int, n: int) -> bytes:
+                    return os.pread(f.fileno(), n, a)
+
             while at < box.end:
-                chunk = f.read(min(16 << 20, box.end - at))
+                chunk = read(at, min(16 << 20, box.end - at))
                 if not chunk:
                     raise CheckpointError(
                         f"{self.path}: data file {box.file!r} is truncated (tensor {name!r} "
@@ -593,7 +740,15 @@ class Checkpoint:
                 f"(bytes {box.start}..{box.end}) fails its checksum: crc32 {crc:#010x}, the "
                 f"manifest says {box.crc32:#010x}; the file changed after the save"
             )
-        self._checked.add(key)
+        self._checked.add((box.file, box.start))
+
+
+def _contiguous_in(where: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
+    """Whether the region ``where`` of a C-order array of ``shape`` is one contiguous stretch
+    of its memory: single indices up to some dim, any extent there, whole dims after it."""
+    extents = [w.stop - w.start for w in where]
+    j = next((i for i, e in enumerate(extents) if e != 1), len(extents))
+    return all(e == n for e, n in zip(extents[j + 1 :], shape[j + 1 :]))
 
 
 def _dcp_safetensors(root: Path) -> list[str]:
@@ -676,10 +831,21 @@ def load(
     is an error, never a silent cast. ``stats`` (a dict) receives ``bytes_read`` (from data
     files) and ``bytes_held`` (of the distinct blocks this process's devices hold).
     ``verify=True`` checks the checksum of every saved box a block comes from (reading those
-    boxes whole, so more than the blocks' bytes)."""
+    boxes whole, so more than the blocks' bytes). A numpy leaf is read whole, as numpy.
+
+    ``target`` may also be a framework's model (a torch ``nn.Module``, a Keras model, an
+    ``mlx.nn.Module``): each of its arrays is loaded in its own layout (no gather) and
+    written into the model in place, which is returned."""
     from ..registry import from_local, get_backend, owner_of
     from ..rules import AxisRules, LayoutMap
 
+    as_model = model_state(target, backend)
+    if as_model is not None:  # a model: its arrays loaded in their layouts, then written into it
+        be, state = as_model
+        values = load(path, state, strict=strict, dtype=dtype, backend=be, stats=stats,
+                      verify=verify)  # fmt: skip
+        be.model_assign(target, {k: v for k, v in values.items() if v is not state[k]})
+        return target
     ckpt = open_checkpoint(path, verify=verify)
     if isinstance(target, (LayoutMap, AxisRules)):
         target = _by_rule(ckpt, target, logical_axes, mesh)
@@ -693,6 +859,21 @@ def load(
             out.append(leaf)
             continue
         t = ckpt.tensor(name)
+        if isinstance(leaf, np.ndarray):  # a host array: read whole, as numpy
+            if tuple(leaf.shape) != t.shape:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target "
+                    f"{tuple(leaf.shape)}"
+                )
+            if dtype is None and dtype_text(leaf.dtype) != t.dtype:
+                raise CheckpointError(
+                    f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target "
+                    f"{dtype_text(leaf.dtype)}: pass dtype= to cast on purpose"
+                )
+            whole = ckpt.read(name)
+            out.append(whole if dtype is None else whole.astype(np.dtype(dtype)))
+            held += whole.nbytes
+            continue
         if isinstance(leaf, Layout):
             layout, be = leaf, get_backend(backend)
             want_dtype = None

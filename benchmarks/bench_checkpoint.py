@@ -1,0 +1,264 @@
+"""Checkpoint speed side by side, in one run, on one process with 8 JAX CPU devices (issue 37,
+item 3, first part): the limit of this machine measured in the same run (pwrite + fsync and
+pread of the same bytes, warm and cold, and a host memcpy), unimesh's save / async_save / load
+(same layout and a reshard), and the incumbents on the same state: safetensors (save_file,
+and safe_open + get_slice of the same blocks), torch DCP (dcp.save / dcp.load, one process)
+and Orbax (StandardCheckpointer on the same jax.Arrays).
+
+    python benchmarks/bench_checkpoint.py [--mib 1024] [--dir DIR] [--json FILE]
+
+The state: float32 4096-column matrices, two bfloat16 copies, replicated biases and one
+uneven 4097-row matrix, about --mib MiB in all, laid out 4 x 2 over 8 devices. Prints one
+line per measurement (``BENCH system operation seconds GB/s fraction-of-limit``) and writes the
+rows as JSON. The multi-process comparisons (DCP under torchrun 4, mx under mpirun 4) are not
+in this script yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def state(mib: int) -> dict[str, np.ndarray]:
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    count = max(3, mib // 64)  # 64 MiB per float32 4096 x 4096 matrix
+    out: dict[str, np.ndarray] = {}
+    for i in range(count - 2):
+        out[f"layers.{i}.w"] = rng.standard_normal((4096, 4096), dtype=np.float32)
+        out[f"layers.{i}.b"] = rng.standard_normal(4096, dtype=np.float32)
+    for i in range(2):
+        out[f"bf16.{i}"] = out["layers.0.w"][i * 2048 : (i + 1) * 2048].astype(ml_dtypes.bfloat16)
+    out["uneven"] = rng.standard_normal((4097, 4096), dtype=np.float32)
+    return out
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    """Evict the files from the page cache (posix_fadvise DONTNEED after a sync)."""
+    os.sync()
+    for path in paths:
+        for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def limits(work: Path, nbytes: int) -> dict[str, float]:
+    """Seconds for this machine's floor on ``nbytes``: pwrite + fsync, pread warm and cold,
+    and memcpy, in 64 MiB pieces."""
+    piece = np.random.default_rng(1).integers(0, 255, 64 << 20, dtype=np.uint8)
+    path = work / "limit.bin"
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            at = 0
+            while at < nbytes:
+                n = min(len(piece), nbytes - at)
+                os.pwrite(fd, piece[:n].data, at)
+                at += n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    buf = bytearray(64 << 20)
+
+    def read() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            at = 0
+            while at < nbytes:
+                got = os.preadv(fd, [memoryview(buf)[: min(len(buf), nbytes - at)]], at)
+                at += got
+        finally:
+            os.close(fd)
+
+    src = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    out = {"pwrite+fsync": timed(write)}
+    read()
+    out["pread warm"] = min(timed(read) for _ in range(2))
+    _drop_cache([path])
+    out["pread cold"] = timed(read)
+    out["memcpy"] = min(timed(lambda: np.copyto(dst, src)) for _ in range(3))
+    path.unlink()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=1024)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--json", default=None, help="write the rows here as JSON")
+    parser.add_argument("--skip", default="", help="systems to leave out: dcp,orbax,safetensors")
+    args = parser.parse_args()
+    import jax
+
+    import unimesh
+    from unimesh import Layout, Mesh, P
+
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
+    skip = set(filter(None, args.skip.split(",")))
+    rows: list[dict[str, Any]] = []
+    try:
+        values = state(args.mib)
+        nbytes = sum(v.nbytes for v in values.values())
+        mesh = Mesh.from_string("x=4,y=2")
+        specs = {k: P("x", "y") if v.ndim == 2 and v.shape[0] % 4 == 0 else
+                 (P(None, "y") if v.ndim == 2 else P()) for k, v in values.items()}  # fmt: skip
+        arrays = {
+            k: jax.device_put(v, unimesh.to_native(Layout(mesh, specs[k]), "jax"))
+            for k, v in values.items()
+        }
+        jax.block_until_ready(arrays)
+        floor = limits(work, nbytes)
+
+        def row(system: str, operation: str, seconds: float, limit: str, **extra: Any) -> None:
+            gbs = nbytes / seconds / 1e9
+            frac = floor[limit] / seconds if limit else None
+            rows.append({"system": system, "operation": operation,
+                         "seconds": round(seconds, 3), "GB/s": round(gbs, 2), "limit": limit,
+                         "of limit": None if frac is None else round(frac, 2),
+                         **extra})  # fmt: skip
+            shown = "" if frac is None else f"{frac:.2f} of {limit}"
+            print(f"BENCH {system:12s} {operation:28s} {seconds:8.3f} s {gbs:6.2f} GB/s {shown}",
+                  flush=True)  # fmt: skip
+
+        for name, seconds in floor.items():
+            row("limit", name, seconds, "")
+        # -- unimesh ------------------------------------------------------------------------
+        path = work / "unimesh"
+        row("unimesh", "save (durable: fsync)", timed(lambda: unimesh.save(path, arrays)),
+            "pwrite+fsync")  # fmt: skip
+        target = {k: Layout(mesh, specs[k]) for k in values}
+        stats: dict[str, int] = {}
+        load = lambda t: jax.block_until_ready(  # noqa: E731
+            unimesh.load(path, t, backend="jax", stats=stats)
+        )
+        load(target)
+        row("unimesh", "load warm, same layout", min(timed(lambda: load(target))
+                                                     for _ in range(2)), "pread warm",
+            read=stats["bytes_read"], held=stats["bytes_held"])  # fmt: skip
+        _drop_cache([path])
+        row("unimesh", "load cold, same layout", timed(lambda: load(target)), "pread cold")
+        other = Mesh.from_string("all=8")
+        rows_target = {k: Layout(other, P("all") if v.shape and v.shape[0] % 8 == 0 else P())
+                       for k, v in values.items()}  # fmt: skip
+        row("unimesh", "load warm, reshard (rows)", min(timed(lambda: load(rows_target))
+                                                        for _ in range(2)), "pread warm",
+            read=stats["bytes_read"], held=stats["bytes_held"])  # fmt: skip
+
+        def host_copy() -> None:
+            for a in arrays.values():
+                for s in a.addressable_shards:
+                    np.array(s.data)
+
+        copy = min(timed(host_copy) for _ in range(2))
+        row("host copy", "every block to numpy", copy, "memcpy")
+        handle: list[Any] = []
+        blocking = timed(lambda: handle.append(unimesh.async_save(work / "async", arrays)))
+        handle[0].wait()
+        row("unimesh", "async_save blocking", blocking, "", **{"x host copy": round(
+            blocking / copy, 2)})  # fmt: skip
+        shutil.rmtree(work / "async", ignore_errors=True)
+        # -- safetensors --------------------------------------------------------------------
+        if "safetensors" not in skip:
+            from safetensors import safe_open
+            from safetensors.numpy import save_file
+
+            file = work / "model.safetensors"
+            row("safetensors", "save_file (whole arrays)", timed(lambda: save_file(
+                values, str(file))), "pwrite+fsync")  # fmt: skip
+
+            def sliced() -> None:
+                with safe_open(str(file), framework="numpy") as f:
+                    for k, v in values.items():
+                        layout = Layout(mesh, specs[k])
+                        seen = set()
+                        for sl in layout.device_slices(v.shape).values():
+                            key = tuple((s.start, s.stop) for s in sl)
+                            if key not in seen:
+                                seen.add(key)
+                                f.get_slice(k)[sl]
+
+            sliced()
+            best = min(timed(sliced) for _ in range(2))
+            row("safetensors", "get_slice warm, same blocks", best, "pread warm")
+        # -- torch DCP (one process) --------------------------------------------------------
+        if "dcp" not in skip:
+            import warnings
+
+            import torch
+            import torch.distributed.checkpoint as dcp
+            from unimesh_torch.translate import _from_host
+
+            tensors = {k: _from_host(v) for k, v in values.items()}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                row("torch DCP", "dcp.save (one process)", timed(lambda: dcp.save(
+                    tensors, checkpoint_id=str(work / "dcp"))), "pwrite+fsync")  # fmt: skip
+                into = {k: torch.empty_like(t) for k, t in tensors.items()}
+                dcp.load(into, checkpoint_id=str(work / "dcp"))
+                best = min(
+                    timed(lambda: dcp.load(into, checkpoint_id=str(work / "dcp"))) for _ in "ab"
+                )
+                row("torch DCP", "dcp.load warm (one process)", best, "pread warm")
+            del tensors, into
+            ours = unimesh.open_checkpoint(work / "dcp")  # DCP's own files, read by unimesh
+            row("unimesh", "load warm, from DCP files", min(timed(lambda: jax.block_until_ready(
+                unimesh.load(work / "dcp", target, backend="jax"))) for _ in range(2)),
+                "pread warm", tensors=len(ours.names))  # fmt: skip
+        # -- Orbax --------------------------------------------------------------------------
+        if "orbax" not in skip:
+            import orbax.checkpoint as ocp
+
+            checkpointer = ocp.StandardCheckpointer()
+
+            def orbax_save() -> None:
+                checkpointer.save(work / "orbax", arrays)
+                checkpointer.wait_until_finished()
+
+            row("Orbax", "StandardCheckpointer.save", timed(orbax_save), "pwrite+fsync")
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
+            restore = lambda: jax.block_until_ready(  # noqa: E731
+                checkpointer.restore(work / "orbax", abstract)
+            )
+            restore()
+            row("Orbax", "restore warm, same layout", min(timed(restore) for _ in range(2)),
+                "pread warm")  # fmt: skip
+            row("unimesh", "load warm, from Orbax files", min(timed(lambda: jax.block_until_ready(
+                unimesh.load(work / "orbax", target, backend="jax"))) for _ in range(2)),
+                "pread warm")  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"state: {nbytes / 2**20:.0f} MiB in {len(values)} tensors, 8 JAX CPU devices, one "
+          "process")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"mib": args.mib, "bytes": nbytes, "rows": rows},
+                                              indent=1) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

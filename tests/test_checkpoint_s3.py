@@ -1,0 +1,140 @@
+"""Checkpoints in object storage (issue 37, item 4), against an S3 endpoint this test starts on
+127.0.0.1 (moto's server, as s3fs's own tests use): a 4-process save under torchrun and under
+mpirun to ``s3://``, each loaded onto JAX with another mesh (ranged reads: each block's byte
+runs, counted at the filesystem layer), a save killed between its data files and its manifest
+(the previous checkpoint stays whole; the next save removes the leftovers), and the command
+line on a URL."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import unimesh
+from unimesh import CheckpointError
+
+from .launch import free_port, run_worker
+
+HERE = Path(__file__).parent
+WORKER = HERE / "s3_worker.py"
+LIMIT = 300
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, str]]:
+    """moto's S3 server on a free port; the environment that points fsspec (s3fs) at it."""
+    pytest.importorskip("s3fs")
+    server_module = pytest.importorskip("moto.server")
+    port = free_port()
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec
+
+    fsspec.config.set_conf_env(fsspec.config.conf)  # fsspec reads FSSPEC_* once: read again
+    fs = fsspec.filesystem("s3")
+    fs.mkdir("ckpts")
+    try:
+        yield env
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        fsspec.config.conf.pop("s3", None)
+
+
+def _launch(s3: dict[str, str], framework: str, *args: str) -> tuple[int, str]:
+    return run_worker(WORKER, framework, list(args), LIMIT, **s3)
+
+
+@pytest.mark.timeout(4 * LIMIT)
+@pytest.mark.parametrize("saver", ["torch", "mlx"])
+def test_a_four_process_save_to_s3_loads_onto_jax(
+    s3: dict[str, str], tmp_path: Path, saver: str
+) -> None:
+    pytest.importorskip({"torch": "torch", "mlx": "mlx.core"}[saver])
+    pytest.importorskip("jax")
+    pytest.importorskip("ml_dtypes")
+    url = f"s3://ckpts/{saver}"
+    rc, output = _launch(s3, saver, "save", saver, url, str(tmp_path))
+    assert rc == 0, output[-6000:]
+    ck = unimesh.open_checkpoint(url)
+    assert ck.kind == "unimesh" and len(ck.names) == 7
+    files = {b.file for t in ck.tensors.values() for b in t.boxes}
+    assert len(files) == 4  # one object per process
+    rc, output = _launch(s3, "jax", "load", "jax", url, str(tmp_path))
+    assert rc == 0, output[-6000:]
+    report = json.loads((tmp_path / f"load-{saver}.json").read_text())
+    assert not report["errors"], report["errors"]
+    assert report["read"] <= 1.05 * report["held"], report
+    assert report["slice_read"] == 2 * 12 * 4  # two float32 rows of model.w, nothing more
+    # at the filesystem layer: the blocks' bytes, the manifest and the data files' headers
+    assert report["fetched"] <= report["slice_read"] + report["manifest"] + 4 * 4096, report
+
+
+def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    pytest.importorskip("ml_dtypes")
+    sys.path.insert(0, str(HERE))
+    try:
+        from checkpoint_matrix import data
+    finally:
+        sys.path.remove(str(HERE))
+    import fsspec
+
+    url = "s3://ckpts/killed"
+    first = {name: value for name, value in data().items() if value.dtype.kind == "f"}
+    unimesh.save(url, {"model": first})
+    rc, output = _launch(s3, "numpy", "killed", "none", url, str(tmp_path))
+    assert rc == 9, output[-3000:]
+    fs = fsspec.filesystem("s3")
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpts/killed", detail=False))
+    assert len([n for n in names if n.startswith("data-")]) == 2, names  # the dead save's too
+    ck = unimesh.open_checkpoint(url)  # still the first save, whole
+    for name, value in first.items():
+        assert ck.read(f"model.{name}").tobytes() == value.tobytes()
+    second = {name: value * 2 for name, value in first.items()}
+    unimesh.save(url, {"model": second})
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpts/killed", detail=False))
+    assert len(names) == 2 and "manifest.json" in names, names  # leftovers removed
+    ck = unimesh.open_checkpoint(url, verify=True)
+    for name, value in second.items():
+        assert ck.read(f"model.{name}").tobytes() == value.tobytes()
+
+
+def test_the_command_line_and_errors_on_urls(
+    s3: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from unimesh.cli import main
+
+    url = "s3://ckpts/cli"
+    unimesh.save(url, {"a": np.arange(6.0).reshape(2, 3)})
+    assert main(["checkpoint", "verify", url]) == 0
+    assert "sound (1 tensors" in capsys.readouterr().out
+    assert main(["checkpoint", "show", "--json", url]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors"]["a"]["shape"] == [2, 3]
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        unimesh.open_checkpoint("s3://ckpts/nothing-here")
+    with pytest.raises(CheckpointError, match="nosuchscheme"):
+        unimesh.open_checkpoint("nosuchscheme://x/y")
+    got = unimesh.load(url, {"a": np.zeros((2, 3))})  # a numpy target: read whole
+    assert got["a"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
