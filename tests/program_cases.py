@@ -239,6 +239,43 @@ CASES.append(
 )
 
 
+def _xp(a: Any) -> Any:
+    """The array module of ``a`` (jax.numpy, torch, mlx.core) for exp and log."""
+    import importlib
+
+    top = type(a).__module__.split(".")[0]
+    return importlib.import_module({"torch": "torch", "mlx": "mlx.core"}.get(top, "jax.numpy"))
+
+
+def _loss_parallel_xent(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
+    """A numerically stable cross-entropy over vocabulary-parallel logits (Megatron's loss
+    parallel): the shift is ``pmax`` of ``stop_gradient(logits)`` over ``tp`` (pmax has no
+    derivative), the softmax's sum a ``psum``. The gradient is softmax - labels, as JAX's."""
+
+    def body(x: Any, y: Any) -> Any:  # (B/dp, V/tp) logits and one-hot labels
+        m = unimesh.pmax(unimesh.stop_gradient(x), "tp").sum(-1) / x.shape[-1]  # a row shift
+        xp = _xp(x)
+        z = unimesh.psum(xp.exp(x - m[:, None]).sum(-1), "tp")
+        picked = unimesh.psum((x * y).sum(-1), "tp")
+        return unimesh.psum((xp.log(z) + m - picked).sum(), "dp") / 8
+
+    return unimesh.shard_map(
+        body, mesh, in_specs=(P("dp", "tp"), P("dp", "tp")), out_specs=P(), backend=backend
+    )
+
+
+_LOGITS = (_data(40, (8, 12))[0] * 20).astype(np.float32)  # large: exp overflows unshifted
+CASES.append(
+    Case(
+        "loss-parallel-xent",
+        _loss_parallel_xent,
+        [_LOGITS, np.eye(12, dtype=np.float32)[_rng(41).integers(0, 12, 8)]],
+        [P("dp", "tp"), P("dp", "tp")],
+        (0,),
+    )
+)
+
+
 def _layout(mesh: unimesh.Mesh, spec: P) -> Layout:
     return Layout(mesh, spec)
 

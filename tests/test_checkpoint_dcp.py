@@ -330,3 +330,18 @@ def test_a_memo_slot_beyond_the_pickle_is_refused_at_once(tmp_path: Path) -> Non
     with pytest.raises(CheckpointError, match="memo slot 1298491233"):
         unimesh.open_checkpoint(ck)
     assert time.perf_counter() - t0 < 5.0
+
+
+def test_a_dcp_checkpoint_converts_to_hugging_face_safetensors(tmp_path: Path) -> None:
+    """`unimesh checkpoint convert DCP_DIR DST --to safetensors`: torch's checkpoint as
+    Hugging Face files, every tensor the same."""
+    torch = pytest.importorskip("torch")
+    from unimesh.checkpoint import to_safetensors
+
+    _dcp_save(tmp_path / "c", {"w": torch.arange(12.0).reshape(3, 4),
+                               "b": torch.ones(5, dtype=torch.int64), "step": 1})  # fmt: skip
+    to_safetensors(tmp_path / "c", tmp_path / "hf")
+    dcp, hf = unimesh.open_checkpoint(tmp_path / "c"), unimesh.open_checkpoint(tmp_path / "hf")
+    assert hf.kind == "safetensors" and sorted(hf.names) == ["b", "w"]
+    for name in hf.names:
+        assert hf.read(name).tobytes() == dcp.read(name).tobytes()

@@ -317,6 +317,28 @@ def test_porting_torch_dcp_checkpoint_loads_into_the_jax_port_on_another_mesh(tm
         _check_port(out)
 
 
+def test_porting_loss_parallel_cross_entropy(tmp_path):
+    """The guide's loss-parallel cross-entropy (stop_gradient before pmax) on JAX: a finite
+    loss and softmax - labels as the gradient, against numpy in float64."""
+    pytest.importorskip("jax")
+    (code,) = [b for b in blocks("porting.md", "python") if "def xent(" in b]
+    out = _run_on_jax(
+        code + "\nimport json\nprint(json.dumps({'loss': float(value), "
+        "'grad': np.asarray(grad).tolist(), 'logits': logits.tolist()}))\n",
+        tmp_path / "loss_parallel.py",
+    )
+    got = json.loads(out.strip().splitlines()[-1])
+    x = np.asarray(got["logits"], dtype=np.float64)
+    labels = np.eye(16)[np.arange(8) % 16]
+    top = x.max(axis=1, keepdims=True)
+    lse = np.log(np.exp(x - top).sum(axis=1, keepdims=True)) + top
+    want_loss = float((lse[:, 0] - (x * labels).sum(axis=1)).sum() / 8)
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(np.exp(x.astype(np.float32)).sum())  # unshifted would overflow
+    assert abs(got["loss"] - want_loss) <= 1e-4 * abs(want_loss)
+    np.testing.assert_allclose(got["grad"], (np.exp(x - lse) - labels) / 8, atol=1e-6)
+
+
 def test_config_page_example(tmp_path):
     toml, rule_list = blocks("configs.md", "toml")
     listed = unimesh.Config.from_toml('mesh = "batch=2,fsdp=2,model=2"\n' + rule_list)

@@ -42,6 +42,7 @@ from .parallel import (
     psum_scatter,
     shard_map,
     shard_params,
+    stop_gradient,
     value_and_grad,
 )
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
@@ -130,6 +131,7 @@ __all__ = [
     "save",
     "shard_map",
     "shard_params",
+    "stop_gradient",
     "to_native",
     "unregister_backend",
     "value_and_grad",

@@ -445,6 +445,11 @@ class Backend:
         with no blocks."""
         return self._missing("from_local")
 
+    def stop_gradient(self, x: Any) -> Any:
+        """``x`` with no gradient through it, in the framework's own autodiff
+        (:func:`unimesh.stop_gradient`)."""
+        return self._missing("stop_gradient")
+
     # == models (optional): unimesh.save / unimesh.load of a framework's model object ==========
     def model_state(self, model: Any) -> dict[str, Any] | None:
         """The named arrays of ``model`` when it is one of the framework's model objects (a

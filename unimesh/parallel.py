@@ -44,6 +44,7 @@ __all__ = [
     "psum_scatter",
     "shard_map",
     "shard_params",
+    "stop_gradient",
     "value_and_grad",
 ]
 
@@ -177,6 +178,25 @@ def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
     it has no derivative: stop the gradient before it (``.detach()``, ``stop_gradient``)."""
     env, axes = _env("pmax", axis_name)
     return env.reduce(x, axes, "max")
+
+
+def stop_gradient(x: Any) -> Any:
+    """``x`` (an array or a pytree of them) as a constant for differentiation: the same
+    values, no gradient through them (``jax.lax.stop_gradient``, torch's ``detach()``,
+    ``mx.stop_gradient``, ``keras.ops.stop_gradient``), inside :func:`shard_map` or outside.
+    A numerically stable loss-parallel softmax shifts by ``pmax(stop_gradient(x), axis)``
+    (``pmax`` has no derivative). numpy arrays and Python numbers pass through."""
+    import numpy as np
+    import optree
+
+    from .registry import owner_of
+
+    def one(leaf: Any) -> Any:
+        if isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool)) or leaf is None:
+            return leaf
+        return owner_of(leaf).stop_gradient(leaf)
+
+    return optree.tree_map(one, x, none_is_leaf=True)
 
 
 def pmin(x: Any, axis_name: str | Sequence[str]) -> Any:

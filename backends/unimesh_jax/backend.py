@@ -545,6 +545,9 @@ class JaxBackend(Backend):
         jax = _jax()
         return jax.jit(lambda a, b: a @ b)(array, weight)
 
+    def stop_gradient(self, x: Any) -> Any:
+        return _jax().lax.stop_gradient(x)
+
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{logical device id: numpy block}`` for this process's addressable shards."""
         position = {d: i for i, d in enumerate(global_devices())}

@@ -219,6 +219,11 @@ class KerasBackend(Backend):
             for s in array.addressable_shards
         }
 
+    def stop_gradient(self, x: Any) -> Any:
+        import keras
+
+        return keras.ops.stop_gradient(x)
+
     # -- models: unimesh.save(path, model) / unimesh.load(path, model) ------------------------
     def model_state(self, model: Any) -> dict[str, Any] | None:
         """A Keras model's (or layer's) variables by their paths (``dense/kernel``): each a

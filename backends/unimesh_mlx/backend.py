@@ -117,6 +117,11 @@ class MLXBackend(MLXPrograms):
         out = Layout(layout.mesh, PartitionSpec(layout.spec[0], None))
         return self.full_array(MLXArray(partial, out, (shape[0], int(weight.shape[1]))))
 
+    def stop_gradient(self, x: Any) -> Any:
+        local = x.local if isinstance(x, MLXArray) else x
+        stopped = _mx().stop_gradient(local)
+        return MLXArray(stopped, x.layout, x.shape) if isinstance(x, MLXArray) else stopped
+
     # -- models: unimesh.save(path, module) / unimesh.load(path, module) -----------------------
     def model_state(self, model: Any) -> dict[str, Any] | None:
         """An ``mlx.nn.Module``'s parameters by path: the weights of MLX's sharded layers

@@ -112,6 +112,9 @@ class TorchBackend(TorchPrograms):
         )
         return (array @ w).full_tensor().numpy()
 
+    def stop_gradient(self, x: Any) -> Any:
+        return x.detach()
+
     # -- models: unimesh.save(path, module) / unimesh.load(path, module) -----------------------
     def model_state(self, model: Any) -> dict[str, Any] | None:
         """An ``nn.Module``'s state_dict: DTensors as they are (FSDP2 and TP layouts), plain
