@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from ..errors import CheckpointError
 from ..messages import short
 from .format import DTYPES, MAX_HEADER, Box, Tensor, _check_tiling, check_file_name
+from .format import _ints as format_ints
 
 __all__ = ["HF_SHARDING_KEY", "METADATA", "read_dcp", "read_hf_sharded", "torch_dtype_name"]
 
@@ -361,13 +362,10 @@ def _chunk_box(
 
 
 def _ints(value: Any, where: str) -> tuple[int, ...]:
-    if (
-        not isinstance(value, tuple)
-        or len(value) > 64
-        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in value)
-    ):
-        raise CheckpointError(f"{where} must be a list of at most 64 ints >= 0, got {short(value)}")
-    return value
+    """A pickled ``torch.Size`` (a tuple), checked as the manifest's int lists are."""
+    if not isinstance(value, tuple):
+        raise CheckpointError(f"{where} must be a list of at most 64 ints, got {short(value)}")
+    return format_ints(list(value), where)
 
 
 def read_dcp(root: Path) -> tuple[dict[str, Tensor], list[str]]:

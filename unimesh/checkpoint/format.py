@@ -345,9 +345,12 @@ def safetensors_header(
     return struct.pack("<Q", len(text)) + text
 
 
-def read_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Any]]:
+def read_header(
+    head: bytes, size: int, where: str, extra: dict[str, Any] | None = None
+) -> tuple[int, dict[str, Any]]:
     """(data start, tensors) of a safetensors file from its first bytes; ``size`` is the file's
-    length. Every entry is checked: known dtype, offsets inside the file, numel x itemsize."""
+    length. Every entry is checked: known dtype, offsets inside the file, numel x itemsize.
+    ``extra`` (a dict), if given, receives the header's ``__metadata__`` as it is (unchecked)."""
     if len(head) < 8:
         raise CheckpointError(f"{where} is shorter than a safetensors header")
     (n,) = struct.unpack("<Q", head[:8])
@@ -362,6 +365,8 @@ def read_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Any]
     if not isinstance(doc, Mapping):
         raise CheckpointError(f"{where}: the header is not a JSON object")
     start = 8 + n
+    if extra is not None:
+        extra["__metadata__"] = doc.get("__metadata__")
     out: dict[str, Any] = {}
     for name, entry in doc.items():
         if name == "__metadata__":
@@ -396,19 +401,6 @@ def read_header(head: bytes, size: int, where: str) -> tuple[int, dict[str, Any]
             f"{where}: bytes {at - start}..{size - start} after the last entry are unused"
         )
     return start, out
-
-
-def header_metadata(text: bytes, where: str) -> dict[str, str]:
-    """The ``__metadata__`` strings of a safetensors header's JSON (empty if it has none)."""
-    doc = load_json(text, f"{where} header")
-    meta = doc.get("__metadata__") if isinstance(doc, Mapping) else None
-    if meta is None:
-        return {}
-    if not isinstance(meta, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
-        raise CheckpointError(f"{where}: __metadata__ must map strings to strings")
-    return dict(meta)
 
 
 def _pair(value: Any, where: str) -> tuple[Any, Any]:

@@ -11,7 +11,7 @@ import math
 import os
 import secrets
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -474,6 +474,7 @@ class Checkpoint:
         self._checked: set[tuple[str, int]] = set()
         self.bytes_read = 0
         self._headers: dict[str, dict[str, Any]] = {}
+        self._header_metadata: dict[str, dict[str, Any]] = {}
         self.mesh: dict[str, Any] | None = None
         #: names of entries that are not tensors (DCP's pickled objects), which are not read
         self.objects: list[str] = []
@@ -594,14 +595,30 @@ class Checkpoint:
             self.header(name)
         return Path(self.path / name)
 
-    def _metadata(self, name: str) -> dict[str, Any]:
+    def _metadata(self, name: str) -> dict[str, str]:
         """The ``__metadata__`` of data file ``name``'s safetensors header."""
-        from .format import header_metadata
-
         self.header(name)
-        with open(self.path / name, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            return header_metadata(f.read(length), str(self.path / name))
+        found = self._header_metadata[name].get("__metadata__")
+        if found is None:
+            return {}
+        if not isinstance(found, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in found.items()
+        ):
+            raise CheckpointError(f"{self.path / name}: __metadata__ must map strings to strings")
+        return found
+
+    @contextlib.contextmanager
+    def _reading(self, name: str) -> Iterator[tuple[int, Callable[[int, int], bytes]]]:
+        """(size, read(offset, length) -> bytes) of data file ``name``, local or remote."""
+        if self.remote is not None:
+            remote = self.remote
+            yield remote.size(name), lambda at, n: remote.read(name, at, at + n)
+            return
+        path = self.path / name
+        if path.is_symlink() or not path.is_file():
+            raise CheckpointError(f"{self.path}: data file {name!r} is missing or not a file")
+        with open(path, "rb") as f:
+            yield os.fstat(f.fileno()).st_size, lambda at, n: os.pread(f.fileno(), n, at)
 
     def header(self, name: str) -> dict[str, Any]:
         """The entries of data file ``name``'s safetensors header, ``{entry: (dtype, shape,
@@ -610,26 +627,15 @@ class Checkpoint:
         found = self._headers.get(name)
         if found is not None:
             return found
-        path = self.path / name
-        if self.remote is not None:
-            size = self.remote.size(name)
-            head = self.remote.read(name, 0, min(size, 8))
+        with self._reading(name) as (size, read):
+            head = read(0, min(size, 8))
             if len(head) == 8:
                 length = int.from_bytes(head, "little")
                 if length <= MAX_HEADER and 8 + length <= size:
-                    head += self.remote.read(name, 8, 8 + length)
-            found = self._headers[name] = read_header(head, size, str(path))[1]
-            return found
-        if path.is_symlink() or not path.is_file():
-            raise CheckpointError(f"{self.path}: data file {name!r} is missing or not a file")
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) == 8:
-                length = int.from_bytes(head, "little")
-                if length <= MAX_HEADER and 8 + length <= size:
-                    head += f.read(length)
-        found = self._headers[name] = read_header(head, size, str(path))[1]
+                    head += read(8, length)
+        extra: dict[str, Any] = {}
+        found = read_header(head, size, str(self.path / name), extra)[1]
+        self._headers[name], self._header_metadata[name] = found, extra
         return found
 
     def read(self, name: str, index: Any = None) -> np.ndarray:
@@ -710,20 +716,8 @@ class Checkpoint:
         if box.crc32 is None or key in self._checked:
             return
         crc, at = 0, box.start
-        with contextlib.ExitStack() as stack:
-            read: Callable[[int, int], bytes]
-            if self.remote is not None:
-                self.header(box.file)
-                remote = self.remote
-
-                def read(a: int, n: int) -> bytes:
-                    return remote.read(box.file, a, a + n)
-            else:
-                f = stack.enter_context(open(self._file(box.file), "rb"))
-
-                def read(a: int, n: int) -> bytes:
-                    return os.pread(f.fileno(), n, a)
-
+        self._file(box.file)  # its header checked first
+        with self._reading(box.file) as (_, read):
             while at < box.end:
                 chunk = read(at, min(16 << 20, box.end - at))
                 if not chunk:
