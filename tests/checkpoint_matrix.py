@@ -96,11 +96,12 @@ def _start(framework: str) -> int:
     return int(unimesh.initialize(framework)[0])
 
 
-def save(framework: str, out: Path) -> None:
+def arrays_of(framework: str, rank: int) -> dict[str, Any]:
+    """data(), laid out as SAVE says, as ``framework``'s distributed arrays (this process's
+    part of them): torch DTensors, MLXArrays, jax.Arrays or Keras variables."""
     import unimesh
     from unimesh import Layout, Mesh
 
-    rank = _start(framework)
     text, specs = SAVE[framework]
     mesh = Mesh.from_string(text)
     arrays: dict[str, Any] = {}
@@ -132,6 +133,14 @@ def save(framework: str, out: Path) -> None:
             with distribution(mesh, lm).scope():
                 arrays[name] = keras.Variable(value, name=name, trainable=False)
             assert unimesh.from_native(arrays[name].value.sharding) == layout, name
+    return arrays
+
+
+def save(framework: str, out: Path) -> None:
+    import unimesh
+
+    rank = _start(framework)
+    arrays = arrays_of(framework, rank)
     if framework in ("torch", "mlx"):  # the writing in a background thread, peers agreeing
         handle = unimesh.async_save(out / framework, {"model": arrays})
         handle.wait()

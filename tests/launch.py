@@ -169,3 +169,12 @@ def run_worker(
     else:
         cmd = [sys.executable, *cmd]
     return run_bounded(cmd, env, limit)
+
+
+def worker_output(
+    worker: Path, launcher: str, args: list[str], limit: float, **extra_env: str
+) -> str:
+    """:func:`run_worker`, failing the test with the end of its output unless it exits 0."""
+    rc, output = run_worker(worker, launcher, args, limit, **extra_env)
+    assert rc == 0, output[-6000:]
+    return output

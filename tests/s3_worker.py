@@ -21,27 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from checkpoint_matrix import LOAD, SAVE, data
+from checkpoint_matrix import LOAD, arrays_of, data
 
 
 def save(framework: str, url: str, out: Path) -> None:
     import unimesh
-    from unimesh import Layout, Mesh
 
     rank = int(unimesh.initialize(framework)[0])
-    text, specs = SAVE[framework]
-    mesh = Mesh.from_string(text)
-    arrays: dict[str, Any] = {}
-    for name, value in data().items():
-        layout = Layout(mesh, specs[name])
-        if framework == "torch":
-            from unimesh_torch.translate import _from_host
-
-            arrays[name] = unimesh.distribute(_from_host(value), layout, backend="torch")
-        else:
-            block = value[layout.shard_slices(value.shape, rank)]
-            arrays[name] = unimesh.from_local({rank: block}, layout, value.shape, backend="mlx")
-    unimesh.save(url, {"model": arrays})
+    unimesh.save(url, {"model": arrays_of(framework, rank)})
     print(f"{framework} rank {rank}: saved to {url}", flush=True)
 
 

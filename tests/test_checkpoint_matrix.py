@@ -10,14 +10,12 @@ its own blocks (the reader's own counter, data files only; the manifest comes on
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .launch import require_mpirun, run_bounded
+from .launch import worker_output
 
 HERE = Path(__file__).parent
 WORKER = HERE / "checkpoint_matrix.py"
@@ -35,24 +33,7 @@ def _needs(framework: str) -> None:
 
 
 def _run(framework: str, mode: str, out: Path) -> str:
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    )
-    args = [str(WORKER), framework, mode, str(out)]
-    if framework == "torch":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "4", *args]  # fmt: skip
-    elif framework == "mlx":
-        cmd = [require_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "4",
-               sys.executable, *args]  # fmt: skip
-    else:
-        cmd = [sys.executable, *args]
-    rc, output = run_bounded(cmd, env, LIMIT)
-    assert rc == 0, output[-6000:]
-    return output
+    return worker_output(WORKER, framework, [framework, mode, str(out)], LIMIT)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 import unimesh
 from unimesh import CheckpointError
 
-from .launch import run_worker
+from .launch import worker_output
 
 HERE = Path(__file__).parent
 WORKER = HERE / "model_worker.py"
@@ -26,9 +26,7 @@ LIMIT = 300
 
 
 def _launch(mode: str, out: Path) -> str:
-    rc, output = run_worker(WORKER, mode, [mode, str(out)], LIMIT)
-    assert rc == 0, output[-6000:]
-    return output
+    return worker_output(WORKER, mode, [mode, str(out)], LIMIT)
 
 
 def _reports(out: Path, mode: str, ranks: int, output: str) -> list[dict[str, Any]]:

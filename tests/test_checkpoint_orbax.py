@@ -17,7 +17,7 @@ import pytest
 import unimesh
 from unimesh import CheckpointError
 
-from .launch import run_worker
+from .launch import worker_output
 
 HERE = Path(__file__).parent
 WORKER = HERE / "orbax_worker.py"
@@ -26,9 +26,7 @@ RANKS = {"jax": 1, "torch": 4, "mlx": 4}
 
 
 def _launch(framework: str, *args: str) -> str:
-    rc, output = run_worker(WORKER, framework, list(args), LIMIT)
-    assert rc == 0, output[-6000:]
-    return output
+    return worker_output(WORKER, framework, list(args), LIMIT)
 
 
 @pytest.fixture(scope="module")

@@ -274,6 +274,20 @@ def test_porting_unimesh_block_on_every_backend(backend, tmp_path):
     _check_port(out)
 
 
+def _port_on_jax(tmp_path, checkpoint):
+    """The guide's unimesh program on 4 JAX devices, dp=4 x tp=1, its weights from
+    ``checkpoint``: its output (it must exit 0)."""
+    rc, out = run_bounded(
+        [sys.executable, str(_porting(tmp_path, 1)), "--backend", "jax", "--mesh", "dp=4,tp=1",
+         "--checkpoint", checkpoint],
+        env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+        300,
+        tmp_path,
+    )  # fmt: skip
+    assert rc == 0, out[-3000:]
+    return out
+
+
 def test_porting_torch_dcp_checkpoint_loads_into_the_jax_port_on_another_mesh(tmp_path):
     """Issue 36's porting story: the PyTorch program (FSDP2 x TP) saves with dcp.save; the
     unimesh program, unchanged, loads that checkpoint on JAX with a dp=4 x tp=1 mesh and gives
@@ -292,29 +306,13 @@ def test_porting_torch_dcp_checkpoint_loads_into_the_jax_port_on_another_mesh(tm
     assert (tmp_path / "ckpt-torch" / ".metadata").exists()
     command = blocks("porting.md", "bash")[0]
     assert "--checkpoint ckpt-torch" in command and "--mesh dp=4,tp=1" in command
-    rc, out = run_bounded(
-        [sys.executable, str(_porting(tmp_path, 1)), "--backend", "jax", "--mesh", "dp=4,tp=1",
-         "--checkpoint", "ckpt-torch"],
-        env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
-        300,
-        tmp_path,
-    )  # fmt: skip
-    assert rc == 0, out[-3000:]
-    _check_port(out)
+    _check_port(_port_on_jax(tmp_path, "ckpt-torch"))
     # the weights do come from the checkpoint: doubled ones give another loss
     ck = unimesh.open_checkpoint(tmp_path / "ckpt-torch")
     assert ck.kind == "dcp"
     unimesh.save(tmp_path / "doubled", {name: 2 * ck.read(name) for name in ck.names})
-    rc, out = run_bounded(
-        [sys.executable, str(_porting(tmp_path, 1)), "--backend", "jax", "--mesh", "dp=4,tp=1",
-         "--checkpoint", "doubled"],
-        env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
-        300,
-        tmp_path,
-    )  # fmt: skip
-    assert rc == 0, out[-3000:]
     with pytest.raises(AssertionError):
-        _check_port(out)
+        _check_port(_port_on_jax(tmp_path, "doubled"))
 
 
 def test_porting_loss_parallel_cross_entropy(tmp_path):
