@@ -595,3 +595,11 @@ def test_close_match_guesses_only_for_a_plain_name():
         ("zzz", ("dp", "tp")),
     ]:
         assert close_match(name, choices) == ""
+
+
+def test_stop_gradient_refuses_what_no_backend_differentiates() -> None:
+    import unimesh
+
+    with pytest.raises(unimesh.ConversionError, match=r"stop_gradient\(\) got .*object.*give a"):
+        unimesh.stop_gradient({"w": object()})
+    assert unimesh.stop_gradient({"a": 1.5, "b": None}) == {"a": 1.5, "b": None}

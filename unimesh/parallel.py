@@ -194,7 +194,15 @@ def stop_gradient(x: Any) -> Any:
     def one(leaf: Any) -> Any:
         if isinstance(leaf, (np.ndarray, np.generic, int, float, complex, bool)) or leaf is None:
             return leaf
-        return owner_of(leaf).stop_gradient(leaf)
+        try:
+            owner = owner_of(leaf)
+        except ConversionError:
+            raise ConversionError(
+                f"stop_gradient() got {short(leaf)} ({type(leaf).__qualname__}): give a "
+                "backend's arrays (jax, torch, MLX, Keras), numpy or Python numbers, or a "
+                "pytree of them"
+            ) from None
+        return owner.stop_gradient(leaf)
 
     return optree.tree_map(one, x, none_is_leaf=True)
 
