@@ -69,3 +69,43 @@ def docs_html(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rc, log = run_bounded([*cmd, str(docs), str(out)], env, 300, out.parent)
     assert rc == 0, log[-5000:]
     return out
+
+
+CHILD = "UNIMESH_TEST_CHILD"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "isolated: the test runs in a child pytest process, so that libraries which leave "
+        "threads and native state behind (fsspec's IO loop, TensorStore, Orbax) never load in "
+        "the process that runs the rest of the suite",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run an ``isolated`` test's body as ``python -m pytest NODEID`` in a child process (its
+    own temporary directory, so the child's pytest never rotates this session's away); the
+    parent's fixtures have run and pass what the child needs through the environment."""
+    if pyfuncitem.get_closest_marker("isolated") is None or os.environ.get(CHILD):
+        return None
+    import tempfile
+
+    from .launch import run_bounded
+
+    marker = pyfuncitem.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else 300.0
+    base = tempfile.mkdtemp(prefix="unimesh-child-")
+    root = Path(str(pyfuncitem.config.rootpath))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header",
+           f"--basetemp={base}", pyfuncitem.nodeid]  # fmt: skip
+    try:
+        rc, log = run_bounded(cmd, dict(os.environ, **{CHILD: "1"}), limit - 10, root)
+    finally:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+    if rc != 0:
+        pytest.fail(f"in its child process (exit {rc}):\n{log[-6000:]}", pytrace=False)
+    return True

@@ -178,3 +178,17 @@ def worker_output(
     rc, output = run_worker(worker, launcher, args, limit, **extra_env)
     assert rc == 0, output[-6000:]
     return output
+
+
+def need(*modules: str) -> None:
+    """Skip unless each module is installed, without importing it (``pytest.importorskip``
+    would load it into this process)."""
+    import importlib.util
+
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            found = False
+        if not found:
+            pytest.skip(f"{name} is not installed")

@@ -8,8 +8,10 @@ anything."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,12 +19,15 @@ import pytest
 import unimesh
 from unimesh import CheckpointError
 
-from .launch import worker_output
+from .launch import need, worker_output
 
 HERE = Path(__file__).parent
 WORKER = HERE / "orbax_worker.py"
 LIMIT = 300
 RANKS = {"jax": 1, "torch": 4, "mlx": 4}
+SAVED = "UNIMESH_TEST_ORBAX_SAVED"
+# Orbax and TensorStore leave threads and native state behind: every test here runs in a child
+pytestmark = pytest.mark.isolated
 
 
 def _launch(framework: str, *args: str) -> str:
@@ -30,13 +35,21 @@ def _launch(framework: str, *args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("jax")
-    pytest.importorskip("orbax.checkpoint")
-    pytest.importorskip("tensorstore")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Orbax's own save, once (a worker process); the isolated tests' child processes are
+    handed its folder through the environment instead of saving again."""
+    need("jax", "orbax.checkpoint", "tensorstore")
+    given = os.environ.get(SAVED)
+    if given:
+        yield Path(given)
+        return
     out = tmp_path_factory.mktemp("orbax")
     _launch("jax", "save", str(out))
-    return out
+    os.environ[SAVED] = str(out)
+    try:
+        yield out
+    finally:
+        os.environ.pop(SAVED, None)
 
 
 @pytest.mark.timeout(3 * LIMIT)

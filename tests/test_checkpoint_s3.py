@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,44 +20,65 @@ import pytest
 import unimesh
 from unimesh import CheckpointError
 
-from .launch import free_port, run_worker
+from .launch import free_port, kill_tree, need, run_worker
 
 HERE = Path(__file__).parent
 WORKER = HERE / "s3_worker.py"
 LIMIT = 300
+ENDPOINT = "FSSPEC_S3_ENDPOINT_URL"
+
+
+# fsspec's IO loop thread lives as long as its process: every test here runs in a child
+pytestmark = pytest.mark.isolated
 
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, str]]:
-    """moto's S3 server on a free port; the environment that points fsspec (s3fs) at it."""
-    pytest.importorskip("s3fs")
-    server_module = pytest.importorskip("moto.server")
+    """moto's S3 server (its own process) on a free port, with the bucket ``ckpts``; the
+    environment that points fsspec (s3fs) at it, which the isolated tests' children inherit."""
+    need("s3fs", "moto.server")
+    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", ENDPOINT)
+    if os.environ.get(ENDPOINT):  # a child: the parent's server
+        yield {k: os.environ[k] for k in keys}
+        return
     port = free_port()
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    env = dict(zip(keys, ("testing", "testing", "us-east-1", f"http://127.0.0.1:{port}")))
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import fsspec
-
-    fsspec.config.set_conf_env(fsspec.config.conf)  # fsspec reads FSSPEC_* once: read again
-    fs = fsspec.filesystem("s3")
-    fs.mkdir("ckpts")
     try:
+        _make_bucket(env[ENDPOINT] + "/ckpts", server)
+        os.environ.update(env)
         yield env
     finally:
-        server.stop()
+        kill_tree(server.pid)
+        server.wait()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        fsspec.config.conf.pop("s3", None)
+
+
+def _make_bucket(url: str, server: subprocess.Popen[bytes]) -> None:
+    """PUT the bucket once the server answers (moto checks no signature)."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="PUT"), timeout=5).close()
+            return
+        except (urllib.error.URLError, ConnectionError) as exc:
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"moto's S3 server did not come up at {url}: {exc}")
+            time.sleep(0.2)
 
 
 def _launch(s3: dict[str, str], framework: str, *args: str) -> tuple[int, str]:
