@@ -23,6 +23,10 @@ check = Checks(f"rank {rank}")
 be = unimesh.get_backend("mlx")
 for mesh in (Mesh((2, 2), ("dp", "tp")), Mesh((2, 2), ("dp", "tp"), [[3, 1], [2, 0]])):
     native = unimesh.to_native(mesh, be)
+    check(  # known before any group is built (issue 40)
+        native.uses_split_groups is (backend_name == "mpi"),
+        f"split groups known before the first group: {native.uses_split_groups}",
+    )
     check(native.coords == mesh.coords(rank), f"{mesh!r}: coordinate {native.coords}")
     check(unimesh.from_native(native) == mesh, "from_native(to_native(mesh)) == mesh")
     for axes in ("dp", "tp", ("tp", "dp")):

@@ -197,6 +197,32 @@ def test_shard_params_of_a_keras_model() -> None:
     np.testing.assert_allclose(np.asarray(model(x)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_rules_that_match_nothing_are_refused_before_anything_moves() -> None:
+    """Issue 40: a key that matches no parameter is named with the closest paths, on the
+    backend's own path spelling, before a parameter is touched; strict=False warns."""
+    keras = pytest.importorskip("keras")
+    if keras.backend.backend() != "jax":
+        pytest.skip("keras.distribution needs KERAS_BACKEND=jax")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="up")])
+    before = [v.value for v in model.variables]
+    rules = LayoutMap(MESH, {".*up/kernel": P(None, "tp"), r"up\.weight": P("tp", None)})
+    with pytest.raises(LayoutError, match=r"1 of 2 LayoutMap keys match no parameter.*"
+                       r"'up\\\\.weight' \(closest: '.*up/kernel'"):  # fmt: skip
+        unimesh.shard_params(model, rules, backend="keras")
+    assert all(v.value is b for v, b in zip(model.variables, before))  # untouched
+    with pytest.warns(UserWarning, match=r"match no parameter"):
+        unimesh.shard_params(model, rules, backend="keras", strict=False)
+    assert (
+        model.variables[0].value.sharding.spec
+        == unimesh.to_native(Layout(MESH, P(None, "tp")), "jax").spec
+    )
+    names = {"w1": ("embed", "mlp"), "w9": ("mlp", "embed")}
+    with pytest.raises(LayoutError, match=r"1 of 2 logical_axes paths.*'w9' \(closest: 'w"):
+        unimesh.shard_params(
+            tree(), AxisRules([("mlp", "tp")]), mesh=MESH, logical_axes=names, backend="jax"
+        )
+
+
 @pytest.mark.parametrize(
     "call",
     [

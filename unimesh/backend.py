@@ -538,3 +538,9 @@ class Backend:
         """Every parameter of ``model`` laid out as ``resolve(path, shape)`` says
         (``shard_params``; :func:`unimesh.shard_params`)."""
         return self._missing("shard_params")
+
+    def param_paths(self, model: Any) -> list[tuple[str, tuple[int, ...]]] | None:
+        """The path and shape of each parameter :meth:`shard_params` lays out, in its
+        spelling, without changing anything (so that rules are checked before a parameter is
+        touched). None (the default): the core checks after placing instead."""
+        return None

@@ -724,6 +724,7 @@ def shard_params(
     mesh: Mesh | None = None,
     logical_axes: Any = None,
     backend: str | Backend | None = None,
+    strict: bool = True,
 ) -> Any:
     """Every parameter of ``model`` laid out by rule; unmatched parameters are replicated.
 
@@ -732,6 +733,11 @@ def shard_params(
     function from parameter path to logical axis names) and ``mesh``. Paths are the framework's
     own: ``fc1.weight`` (torch ``named_parameters``), ``dense/kernel`` (Keras variable paths),
     ``layers.0.weight`` (MLX), ``w1`` / ``block/w`` (JAX pytree keys joined with ``/``).
+
+    A LayoutMap key (or a ``logical_axes`` dict key) that matches no parameter is almost always
+    a path in another framework's spelling: it is a :class:`LayoutError` naming the keys and the
+    closest parameter paths, before any parameter is touched; ``strict=False`` makes it a
+    :class:`UserWarning`.
 
     torch ``nn.Module``: parameters become DTensors, in place; returns the module. JAX pytree:
     returns a new pytree of ``jax.Array``. Keras model: each variable is re-placed with its
@@ -743,4 +749,67 @@ def shard_params(
     be = get_backend(backend)
     be.require("shard_params")
     resolve = _resolver(rules, mesh, logical_axes, be)
-    return be.shard_params(model, resolve)
+    params = be.param_paths(model)
+    if params is None:  # a backend that cannot list them first: checked after placing
+        seen: list[str] = []
+
+        def recording(path: str, shape: tuple[int, ...]) -> Layout:
+            seen.append(path)
+            return resolve(path, shape)
+
+        out = be.shard_params(model, recording)
+        _unmatched(rules, logical_axes, seen, strict)
+        return out
+    # every layout resolved (and so checked) before the backend changes anything
+    layouts = {path: resolve(path, tuple(shape)) for path, shape in params}
+    _unmatched(rules, logical_axes, list(layouts), strict)
+    return be.shard_params(model, lambda path, shape: layouts.get(path) or resolve(path, shape))
+
+
+def _unmatched(rules: Any, logical_axes: Any, paths: list[str], strict: bool) -> None:
+    """Refuse (or, not ``strict``, warn of) rule keys that match none of ``paths``."""
+    import difflib
+
+    if isinstance(rules, LayoutMap):
+        used = {rules.key_for(p) for p in paths}
+        keys, what = [k for k in rules if k not in used], "LayoutMap keys"
+    elif isinstance(logical_axes, dict):
+        keys, what = [k for k in logical_axes if k not in set(paths)], "logical_axes paths"
+    else:
+        return
+    if not keys:
+        return
+    plain = {k: k.replace("\\", "") for k in keys}  # 'attn\\.wq' reads as 'attn.wq'
+
+    def words(text: str) -> list[str]:
+        return text.replace("/", ".").split(".")
+
+    near = []
+    for key in keys[:3]:
+        want = words(plain[key])
+        score = {  # against the path's last as many parts, in either spelling
+            p: difflib.SequenceMatcher(
+                None, ".".join(want), ".".join(words(p)[-len(want) :])
+            ).ratio()
+            + difflib.SequenceMatcher(None, plain[key], p).ratio() / 10
+            for p in paths
+        }
+        close = [p for p in sorted(paths, key=lambda p: -score[p])[:2] if score[p] >= 0.3]
+        near.append(f"{key!r} (closest: {', '.join(map(repr, close)) or 'none'})")
+    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+    text = (
+        f"{len(keys)} of {len(rules) if isinstance(rules, LayoutMap) else len(logical_axes)} "
+        f"{what} match no parameter of the model: {'; '.join(near)}{more}. The model's "
+        f"parameter paths look like {short(paths[:4], 160)} ({len(paths)} in all)"
+    )
+    if any("." in plain[k] for k in keys) and any("/" in p for p in paths):
+        text += (
+            "; these are torch names on a '/'-joined tree: make the map with "
+            "unimesh_torch.layout_map_from_plan(..., names='flax') or names='keras'"
+        )
+    text += "; fix the keys, or pass strict=False to only warn"
+    if strict:
+        raise LayoutError(text)
+    import warnings
+
+    warnings.warn(text, UserWarning, stacklevel=3)

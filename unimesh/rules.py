@@ -4,7 +4,8 @@ matches parameter paths (Keras' ``LayoutMap``); :class:`AxisRules` resolves logi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+import re
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from ._pyregex import RegexRefused, check_path, to_re2
@@ -198,13 +199,18 @@ class LayoutMap(MutableMapping[str, Layout]):
 
     def get(self, path: str, default: Layout | None = None) -> Layout | None:  # type: ignore[override]
         """The layout for a variable path, or ``default`` (None) when no key matches."""
+        key = self.key_for(path)
+        return default if key is None else self._rules[key]
+
+    def key_for(self, path: str) -> str | None:
+        """The key (as written) whose rule gives ``path`` its layout, or None."""
         if not isinstance(path, str):
             _lfail(f"LayoutMap lookups take a str path, got {short(path)}")
         if path in self._rules:
-            return self._rules[path]
+            return path
         _utf8(path, "LayoutMap path")
         if not self._regexes:
-            return default
+            return None
         why = check_path(path)
         if why is not None:
             _lfail(f"LayoutMap path {short(path)} cannot be matched: {why}")
@@ -223,7 +229,40 @@ class LayoutMap(MutableMapping[str, Layout]):
                 f"path {path!r} matches more than one LayoutMap key: {hits[0]!r} and "
                 f"{hits[1]!r}; make the patterns exclusive"
             )
-        return self._rules[hits[0]] if hits else default
+        return hits[0] if hits else None
+
+    def with_fsdp(self, axis: str, dim: int = 0, params: Iterable[str] = ()) -> LayoutMap:
+        """This map with every rule's dim ``dim`` split over ``axis`` too, as FSDP does over a
+        tensor-parallel layout: ``axis`` becomes the minor-most axis of that dim (each TP
+        block is split again, torch's ``_StridedShard``), so ``P('tp', None)`` becomes
+        ``P(('tp', 'dp'), None)`` and ``P(None, 'tp')`` becomes ``P('dp', 'tp')``. Each path
+        in ``params`` that no rule matches (say ``[n for n, _ in model.named_parameters()]``)
+        gets a rule of its own splitting dim ``dim`` over ``axis``."""
+        if not isinstance(axis, str) or axis not in self._mesh.axis_names:
+            _lfail(f"with_fsdp() axis {short(axis)} is not an axis of {self._mesh!r}")
+        if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim < 64:
+            _lfail(f"with_fsdp() dim must be an int in [0, 64), got {short(dim)}")
+        if isinstance(params, (str, bytes)):
+            _lfail(f"with_fsdp() params is an iterable of parameter paths, got {short(params)}")
+        out = LayoutMap(self._mesh)
+        for key, layout in self._rules.items():
+            entries = [*layout.spec, *([None] * (dim + 1 - len(layout.spec)))]
+            if axis in layout.spec.axes():
+                _lfail(
+                    f"rule {key!r} already uses axis {axis!r} ({layout.spec!r}); with_fsdp() "
+                    f"adds it to dim {dim}: leave it out of the rule or pick another axis"
+                )
+            held = entries[dim]
+            names = () if held is None else (held,) if isinstance(held, str) else tuple(held)
+            entries[dim] = (*names, axis) if names else axis
+            out._set(key, PartitionSpec(*entries), self._regexes.get(key))
+        for path in params:
+            if not isinstance(path, str):
+                _lfail(f"with_fsdp() params are parameter paths (str), got {short(path)}")
+            key = re.escape(path)
+            if self.key_for(path) is None and key not in out:
+                out._set(key, PartitionSpec(*([None] * dim), axis), _is_regex(key))
+        return out
 
     def pop(self, key: str, *default: Any) -> Any:
         """Remove the key as written (not matched as a regex) and return its layout."""

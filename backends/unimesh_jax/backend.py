@@ -593,6 +593,11 @@ class JaxBackend(Backend):
 
         return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
+    def param_paths(self, model: Any) -> list[tuple[str, tuple[int, ...]]]:
+        """Each leaf's key path (``a/b/0``) and shape."""
+        leaves = _jax().tree_util.tree_flatten_with_path(model)[0]
+        return [(key_path(path), tuple(np.shape(leaf))) for path, leaf in leaves]
+
     def shard_params(self, model: Any, resolve: Any) -> Any:
         """A new pytree whose leaves are placed by ``resolve(path, shape)``; a path joins the
         key entries with ``/`` (dict keys, attribute names, sequence indices)."""

@@ -292,18 +292,17 @@ class KerasBackend(Backend):
             array = array.value  # a Keras variable
         return self._jax("full_array").full_array(array)
 
+    def param_paths(self, model: Any) -> list[tuple[str, tuple[int, ...]]]:
+        """Each variable's ``path`` and shape."""
+        _keras_model(model)
+        return [(v.path, tuple(v.shape)) for v in model.variables]
+
     def shard_params(self, model: Any, resolve: Any) -> Any:
         """Each variable of a built Keras model is re-placed with its layout
         (``variable.assign`` of the distributed value keeps the sharding); paths are Keras's
         ``variable.path`` (``sequential/dense/kernel``). For a model not built yet, build it
         under ``unimesh_keras.distribution(mesh, layout_map).scope()`` instead."""
-        import keras
-
-        if not isinstance(model, (keras.Model, keras.layers.Layer)):
-            raise ConversionError(
-                f"the keras backend shards the variables of a keras Model or "
-                f"Layer, not {short(model)}"
-            )
+        _keras_model(model)
         self._jax("shard_params")
         for variable in model.variables:
             host = np.asarray(variable.value)
@@ -313,6 +312,15 @@ class KerasBackend(Backend):
             variable._layout = self.layout_to_native(layout)
             variable.assign(host)
         return model
+
+
+def _keras_model(model: Any) -> None:
+    import keras
+
+    if not isinstance(model, (keras.Model, keras.layers.Layer)):
+        raise ConversionError(
+            f"the keras backend shards the variables of a keras Model or Layer, not {short(model)}"
+        )
 
 
 #: Meshes up to this size keep their DeviceMesh for the next conversion.

@@ -233,16 +233,20 @@ class MLXPrograms(MLXTranslator):
             out[sl] = every[r][tuple(slice(0, n) for n in widths[r])]
         return out
 
+    def param_paths(self, model: Any) -> list[tuple[str, tuple[int, ...]]]:
+        """``tree_flatten(model.parameters())``'s names and shapes."""
+        from mlx.utils import tree_flatten
+
+        _mlx_module(model)
+        flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+        return [(path, tuple(value.shape)) for path, value in flat]
+
     def shard_params(self, model: Any, resolve: Any) -> Any:
         """Every parameter of an MLX ``nn.Module`` becomes this process's block (paths as
         ``mlx.utils.tree_flatten`` names them, e.g. ``layers.0.weight``). In place."""
-        import mlx.nn
         from mlx.utils import tree_flatten, tree_unflatten
 
-        if not isinstance(model, mlx.nn.Module):  # type: ignore[attr-defined]
-            raise ConversionError(
-                f"the mlx backend shards the parameters of an mlx.nn.Module, not {short(model)}"
-            )
+        _mlx_module(model)
         placed = []
         flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
         for path, value in flat:
@@ -250,6 +254,15 @@ class MLXPrograms(MLXTranslator):
             placed.append((path, self.distribute(host, resolve(path, host.shape)).local))
         model.update(tree_unflatten(placed))
         return model
+
+
+def _mlx_module(model: Any) -> None:
+    import mlx.nn
+
+    if not isinstance(model, mlx.nn.Module):  # type: ignore[attr-defined]
+        raise ConversionError(
+            f"the mlx backend shards the parameters of an mlx.nn.Module, not {short(model)}"
+        )
 
 
 #: the tracer probe, made on first use (None: this MLX cannot be asked)

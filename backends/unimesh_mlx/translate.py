@@ -5,6 +5,7 @@ neutral order); a layout is this process's block (:class:`MLXLayout`, :class:`ML
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
@@ -120,8 +121,20 @@ class MLXMesh:
 
     @property
     def uses_split_groups(self) -> bool | None:
-        """True (MPI), False (emulated, e.g. ring), None (no group built yet)."""
-        return self._can_split
+        """Whether the axis groups are MLX split groups (True: the MPI backend) or emulated
+        over the world group (False: the ring backend, which cannot split, or a world of one
+        process). Known before any group is built from the world and the launcher's
+        environment (mpirun's, or mlx.launch's ring hostfile), and from the first split after;
+        None only under a launcher neither names."""
+        if self._can_split is not None:
+            return self._can_split
+        if self.world.size() == 1:
+            return False
+        if os.environ.get("MLX_HOSTFILE") or os.environ.get("MLX_RANK"):
+            return False  # mlx.launch's ring backend
+        if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
+            return True
+        return None
 
     def __repr__(self) -> str:
         return f"MLXMesh({self.mesh!r}, rank={self.rank}, coords={self.coords}, {self.device})"

@@ -52,15 +52,51 @@ def _matches(key: str, name: str) -> bool:
     return len(k) == len(n) and all(fnmatch(a, b) for a, b in zip(n, k))
 
 
+#: Plan entries that move activations only (no parameters): read as nothing to lay out.
+_ACTIVATIONS = ("PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput")
+
+#: names="flax" / "keras": each torch parameter name -> (that framework's name, transposed?)
+_RENAMES: dict[str, dict[tuple[str | None, str], tuple[str, bool]]] = {
+    "flax": {
+        ("Linear", "weight"): ("kernel", True),
+        ("Embedding", "weight"): ("embedding", False),
+        (None, "weight"): ("scale", False),  # LayerNorm / RMSNorm
+    },
+    "keras": {
+        ("Linear", "weight"): ("kernel", True),
+        ("Embedding", "weight"): ("embeddings", False),
+        (None, "weight"): ("gamma", False),
+        (None, "bias"): ("beta", False),
+    },
+}
+
+
 def layout_map_from_plan(
-    module: Any, plan: Mapping[str, Any], mesh: Mesh, axis: str = "tp"
+    module: Any,
+    plan: Mapping[str, Any],
+    mesh: Mesh,
+    axis: str = "tp",
+    *,
+    under: str | None = None,
+    names: str = "torch",
 ) -> LayoutMap:
     """The layout of every parameter that ``parallelize_module(module, mesh[axis], plan)``
     shards, as a LayoutMap on ``mesh`` keyed by the parameter's path (``named_parameters``'
     dotted name, regex-escaped). Parameters of ``SequenceParallel`` modules are replicated.
 
-    Takes ``ColwiseParallel``, ``RowwiseParallel`` and ``SequenceParallel`` on ``nn.Linear`` /
-    ``nn.Embedding`` (what torch defines them for); anything else is a :class:`LayoutError`.
+    Takes plans as torch's tutorial and torchtitan write them: ``ColwiseParallel``,
+    ``RowwiseParallel`` and ``SequenceParallel`` on ``nn.Linear`` / ``nn.Embedding`` (what
+    torch defines them for; ``SequenceParallel`` on any module), wildcard keys
+    (``layers.*.attention.wq``), and ``PrepareModuleInput`` / ``PrepareModuleOutput`` entries,
+    which move activations and hold no parameters (skipped). ``under``: the plan is a
+    per-block plan (block-relative keys such as ``attention.wq``), applied to every submodule
+    that ``under`` names (``layers.*``), as torchtitan's loop over its blocks does.
+
+    ``names``: ``"torch"`` (the default), or ``"flax"`` / ``"keras"`` for the same model
+    written in that framework: paths joined by ``/`` (any prefix such as ``params/``
+    allowed), ``weight`` of a Linear as ``kernel`` with its spec transposed (``[in, out]``
+    there), of an Embedding as ``embedding`` (Keras: ``embeddings``), of a norm as ``scale``
+    (Keras: ``gamma``, and ``bias`` as ``beta``). Module names must agree between the two.
     """
     if not isinstance(mesh, Mesh):
         raise LayoutError(f"layout_map_from_plan() needs a unimesh.Mesh, got {short(mesh)}")
@@ -70,23 +106,45 @@ def layout_map_from_plan(
         )
     if not isinstance(plan, Mapping):
         raise LayoutError(f"a TP plan is a dict {{module path: style}}, got {short(plan)}")
-    names = [n for n, _ in module.named_modules() if n]
+    if names not in ("torch", *_RENAMES):
+        raise LayoutError(
+            f"layout_map_from_plan() names={short(names)}: pick 'torch', 'flax' or 'keras'"
+        )
+    if under is not None and (not isinstance(under, str) or not under):
+        raise LayoutError(
+            f"under= is a module path such as 'layers.*' (the blocks a per-block plan is for), "
+            f"got {short(under)}"
+        )
+    modules = [n for n, _ in module.named_modules() if n]
+    blocks = [""] if under is None else [n for n in modules if _matches(under, n)]
+    if not blocks:
+        raise LayoutError(
+            f"under={under!r} names no submodule of {type(module).__name__}; its submodules "
+            f"are {short(modules, 120)}"
+        )
     # parallelize_module applies the entries in order: a later entry for a module (a wildcard
     # first, then the module by name) is the one its parameters end up with
-    rules: dict[str, P] = {}
+    rules: dict[str, tuple[P, Any, str]] = {}
     for key, style in plan.items():
         kind_name = type(style).__name__
+        if kind_name in _ACTIVATIONS:
+            continue
         if kind_name not in _STYLES:
             raise LayoutError(
                 f"TP plan entry {key!r} is {short(style)}; unimesh reads {', '.join(_STYLES)} "
-                "(PrepareModuleInput/Output move activations and hold no parameters: leave "
-                "them out)"
+                f"(and skips {', '.join(_ACTIVATIONS)}, which hold no parameters)"
             )
-        hits = [n for n in names if _matches(str(key), n)]
+        hits = [
+            n
+            for block in blocks
+            for n in modules
+            if _matches(f"{block}.{key}" if block else str(key), n)
+        ]
         if not hits:
             raise LayoutError(
-                f"TP plan key {key!r} names no submodule of {type(module).__name__}; its "
-                f"submodules are {short(names, 120)}"
+                f"TP plan key {key!r} names no submodule of {type(module).__name__}"
+                + (f" under {under!r}" if under else "")
+                + f"; its submodules are {short(modules, 120)}"
             )
         for name in hits:
             sub = module.get_submodule(name)
@@ -97,10 +155,20 @@ def layout_map_from_plan(
                     "nn.Linear and nn.Embedding only"
                 )
             for pname, _ in sub.named_parameters(recurse=False):
-                key_ = re.escape(f"{name}.{pname}")
-                rules.pop(key_, None)  # keeps the order of the entry that decides
-                rules[key_] = specs.get(pname, P())
-    return LayoutMap(mesh, rules)
+                path = f"{name}.{pname}"
+                rules.pop(path, None)  # keeps the order of the entry that decides
+                rules[path] = (specs.get(pname, P()), _kind(sub), pname)
+    out = LayoutMap(mesh)
+    for path, (spec, kind, pname) in rules.items():
+        if names == "torch":
+            out[re.escape(path)] = spec
+            continue
+        new, flip = _RENAMES[names].get((kind, pname), (pname, False))
+        if flip and len(spec) == 2:
+            spec = P(spec[1], spec[0])
+        parts = [*path.split(".")[:-1], new]
+        out["(?:.*/)?" + re.escape("/".join(parts))] = spec
+    return out
 
 
 def plan_from_layout_map(module: Any, layout_map: LayoutMap, axis: str = "tp") -> dict[str, Any]:

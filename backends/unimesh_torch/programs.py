@@ -325,15 +325,17 @@ class TorchPrograms(TorchTranslator):
             array = array.full_tensor()
         return array.detach().cpu().numpy()
 
+    def param_paths(self, model: Any) -> list[tuple[str, tuple[int, ...]]]:
+        """``named_parameters``' names and shapes."""
+        _module(_torch(), model)
+        return [(path, tuple(p.shape)) for path, p in model.named_parameters()]
+
     def shard_params(self, model: Any, resolve: Any) -> Any:
         """Every parameter of an ``nn.Module`` becomes a DTensor parameter laid out as
         ``resolve(name, shape)`` says (names from ``named_parameters``; tied parameters stay
         tied). In place; returns the module."""
         torch = _torch()
-        if not isinstance(model, torch.nn.Module):
-            raise ConversionError(
-                f"the torch backend shards the parameters of an nn.Module, not {short(model)}"
-            )
+        _module(torch, model)
         new: dict[int, Any] = {}
         for path, param in model.named_parameters():
             layout = resolve(path, tuple(param.shape))
@@ -344,6 +346,13 @@ class TorchPrograms(TorchTranslator):
                 if id(param) in new:
                     module.register_parameter(name, new[id(param)])
         return model
+
+
+def _module(torch: Any, model: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ConversionError(
+            f"the torch backend shards the parameters of an nn.Module, not {short(model)}"
+        )
 
 
 class _TorchGroup:
