@@ -513,7 +513,7 @@ def shard_map(
         A function of the global arguments that returns the backend's distributed arrays
         (``jax.Array``, torch ``DTensor``, ``unimesh_mlx.MLXArray``) in the result's tree.
     """
-    from .registry import get_backend, require_layout
+    from .registry import get_backend, require_layout, require_mesh
 
     if not callable(f):
         raise LayoutError(f"shard_map() needs a function, got {short(f)}")
@@ -523,6 +523,7 @@ def shard_map(
     outs = SpecTree(mesh, out_specs, "out_specs")
     be = get_backend(backend)
     be.require("shard_map")
+    require_mesh(be, mesh)
     for layout in set(ins.layouts + outs.layouts):
         require_layout(be, layout)
     if checked is None:

@@ -45,6 +45,7 @@ __all__ = [
     "refresh_backends",
     "register_backend",
     "require_layout",
+    "require_mesh",
     "to_native",
     "unregister_backend",
 ]
@@ -315,10 +316,23 @@ def _detect() -> Backend:
     )
 
 
+def require_mesh(backend: Backend, mesh: Mesh) -> None:
+    """Refuse a mesh of more axes than the backend's framework holds (``max_mesh_axes``), on
+    every path that hands a mesh to it, before the framework is called."""
+    limit = backend.max_mesh_axes
+    if limit is not None and mesh.ndim > limit:
+        raise UnsupportedError(
+            f"{mesh.ndim} axes is more than a {backend.framework} mesh holds ({limit}); "
+            "flatten some axes (Mesh.flatten) or drop size-1 axes",
+            backend=backend.name,
+        )
+
+
 def require_layout(backend: Backend, layout: Any) -> None:
     """Raise :class:`~unimesh.UnsupportedError` unless ``backend`` supports what ``layout``
     needs (layouts, tuple axes, pending reductions): the checks shared by every backend."""
     backend.require("layout")
+    require_mesh(backend, layout.mesh)
     spec = layout.spec
     if any(isinstance(e, tuple) for e in spec):
         backend.require(
@@ -341,14 +355,7 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
             f"({type(obj).__name__})"
         )
     be = get_backend(backend)
-    mesh = obj if isinstance(obj, Mesh) else obj.mesh
-    limit = be.max_mesh_axes
-    if limit is not None and mesh.ndim > limit:
-        raise UnsupportedError(
-            f"{mesh.ndim} axes is more than a {be.framework} mesh holds ({limit}); "
-            "flatten some axes (Mesh.flatten) or drop size-1 axes",
-            backend=be.name,
-        )
+    require_mesh(be, obj if isinstance(obj, Mesh) else obj.mesh)
     if isinstance(obj, Mesh):
         be.require("mesh")
         return be.mesh_to_native(obj, **options)
