@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from contextvars import ContextVar
 from typing import Any, cast
 
+import numpy as np
+
 from .backend import Backend
 from .errors import AxisContextError, ConversionError, LayoutError
 from .layout import Layout
@@ -750,6 +752,11 @@ def shard_params(
     be = get_backend(backend)
     be.require("shard_params")
     resolve = _resolver(rules, mesh, logical_axes, be)
+    if isinstance(model, dict):  # the neutral model: nested dicts (and lists) of arrays
+        leaves = _dict_leaves(model)
+        layouts = {path: resolve(path, np.shape(leaf)) for path, leaf in leaves}
+        _unmatched(rules, logical_axes, list(layouts), strict)
+        return _rebuilt(model, "", lambda path, leaf: be.distribute(leaf, layouts[path]))
     params = be.param_paths(model)
     if params is None:  # a backend that cannot list them first: checked after placing
         seen: list[str] = []
@@ -765,6 +772,57 @@ def shard_params(
     layouts = {path: resolve(path, tuple(shape)) for path, shape in params}
     _unmatched(rules, logical_axes, list(layouts), strict)
     return be.shard_params(model, lambda path, shape: layouts.get(path) or resolve(path, shape))
+
+
+_MAX_DEPTH = 64
+
+
+def _dict_leaves(tree: Any, path: str = "", depth: int = 0) -> list[tuple[str, np.ndarray]]:
+    """(path, host array) of each leaf of nested dicts and lists, paths joined with ``/``
+    (as JAX names pytree keys)."""
+    if depth > _MAX_DEPTH:
+        raise ConversionError(
+            f"shard_params() model nests deeper than {_MAX_DEPTH} levels at {path!r}; "
+            "pass a flatter dict of arrays"
+        )
+    if isinstance(tree, dict):
+        out = []
+        for key, value in tree.items():
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise ConversionError(
+                    f"shard_params() model keys are str, got {short(key)} under {path!r}"
+                )
+            out += _dict_leaves(value, f"{path}/{key}" if path else str(key), depth + 1)
+        return out
+    if isinstance(tree, (list, tuple)):
+        return [
+            kv
+            for i, value in enumerate(tree)
+            for kv in _dict_leaves(value, f"{path}/{i}" if path else str(i), depth + 1)
+        ]
+    try:
+        host = np.asarray(tree)
+    except Exception as exc:  # noqa: BLE001 - any array-like that numpy cannot read
+        host = np.asarray(None)
+        reason = f" ({type(exc).__name__})"
+    else:
+        reason = ""
+    if host.dtype.kind not in "biufc":
+        raise ConversionError(
+            f"shard_params() lays out a pytree of arrays; leaf {path or '(the root)'!r} is "
+            f"{short(tree)} ({type(tree).__name__}){reason}; pass the parameters' pytree"
+        )
+    return [(path, host)]
+
+
+def _rebuilt(tree: Any, path: str, place: Callable[[str, Any], Any]) -> Any:
+    """``tree`` with each leaf replaced by ``place(path, host array)``."""
+    if isinstance(tree, dict):
+        return {k: _rebuilt(v, f"{path}/{k}" if path else str(k), place) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        items = [_rebuilt(v, f"{path}/{i}" if path else str(i), place) for i, v in enumerate(tree)]
+        return type(tree)(items) if type(tree) in (list, tuple) else items
+    return place(path, np.asarray(tree))
 
 
 def _unmatched(rules: Any, logical_axes: Any, paths: list[str], strict: bool) -> None:

@@ -21,10 +21,13 @@ CHECKED = (
     "tuple_axes",
     "partial",
     "distribute",
+    "from_local",
     "uneven_shards",
     "layout_map",
     "axis_groups",
     "shard_map",
     "grad",
+    "shard_params",
     "checkpoint",
+    "multi_process",
 )

@@ -245,6 +245,50 @@ def test_from_local_inverts_local_shards(
         )
 
 
+@capability("shard_params")
+@pytest.mark.parametrize("mesh_key", ["1d", "2d-permuted"])
+def test_shard_params_of_a_dict_of_arrays(
+    backend: unimesh.Backend, devices: int, mesh_key: str
+) -> None:
+    """The neutral model, nested dicts and lists of arrays, laid out by a LayoutMap: each
+    leaf is the backend's array holding the reference blocks; unmatched leaves replicated."""
+    mesh = _mesh(mesh_key, devices)
+    a = mesh.axis_names
+    n = devices
+    rng = np.random.default_rng(11)
+    params = {
+        "embed": rng.standard_normal((2 * n, n)).astype(np.float32),
+        "block": {"w": rng.standard_normal((n, 2 * n)).astype(np.float32),
+                  "norm": [np.arange(n, dtype=np.float32)]},
+    }  # fmt: skip
+    specs = {"embed": P(a[0], a[-1] if len(a) > 1 else None), "block/w": P(None, a[0]),
+             "block/norm/0": P()}  # fmt: skip
+    rules = unimesh.LayoutMap(mesh, {"embed": specs["embed"], "block/w": specs["block/w"]})
+    placed = _refused(lambda: unimesh.shard_params(params, rules, backend=backend))
+    leaves = {"embed": (placed["embed"], params["embed"]),
+              "block/w": (placed["block"]["w"], params["block"]["w"]),
+              "block/norm/0": (placed["block"]["norm"][0], params["block"]["norm"][0])}  # fmt: skip
+    for path, (got, x) in leaves.items():
+        lay = Layout(mesh, specs[path])
+        for device_id, block in backend.local_shards(got).items():
+            np.testing.assert_array_equal(
+                np.asarray(block), x[lay.shard_slices(x.shape, device_id)], err_msg=path
+            )
+    with pytest.raises(unimesh.LayoutError, match="match no parameter"):
+        unimesh.shard_params(params, unimesh.LayoutMap(mesh, {"nope": P()}), backend=backend)
+
+
+@capability("multi_process")
+def test_processes_meet_and_exchange(backend: unimesh.Backend, devices: int) -> None:
+    """The runtime hooks: this process's index and the count agree with every peer, and an
+    exchange gives every process's payload in process order (one process outside a
+    launcher)."""
+    rank, size = backend.initialize(300.0)
+    assert 0 <= rank < size
+    got = backend.exchange(f"process {rank} of {size}".encode(), 300.0)
+    assert got == [f"process {r} of {size}".encode() for r in range(size)]
+
+
 @capability("distribute", "uneven_shards")
 @pytest.mark.parametrize("mesh_key", ["1d", "2d"])
 def test_uneven_shards_follow_torch_chunk(
@@ -731,6 +775,13 @@ def test_checkpoint_loads_onto_another_layout(
             want = x[lay.shard_slices(x.shape, device_id)]
             assert np.asarray(block).tobytes() == want.tobytes(), (k, device_id)
     assert stats["bytes_read"] <= stats["bytes_held"] * 1.05
+
+
+@capability("shard_params", refusal=True)
+def test_refuses_shard_params(backend: unimesh.Backend, devices: int) -> None:
+    rules = unimesh.LayoutMap(_mesh("1d", devices), {"w": P()})
+    with pytest.raises(UnsupportedError):
+        unimesh.shard_params({"w": np.zeros(2, np.float32)}, rules, backend=backend)
 
 
 @capability("checkpoint", refusal=True)
