@@ -256,7 +256,7 @@ def test_shard_params_of_a_dict_of_arrays(
     a = mesh.axis_names
     n = devices
     rng = np.random.default_rng(11)
-    params = {
+    params: dict[str, Any] = {
         "embed": rng.standard_normal((2 * n, n)).astype(np.float32),
         "block": {"w": rng.standard_normal((n, 2 * n)).astype(np.float32),
                   "norm": [np.arange(n, dtype=np.float32)]},
