@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import unimesh
 
@@ -89,6 +90,16 @@ def test_version_help_examples_and_typo_suggestions():
     assert run("--version").stdout.strip() == f"unimesh {__version__}"
     top = run("--help").stdout
     assert "``" not in top and "examples:" in top
+    examples = top.split("examples:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    # each example command alone on its line, its description indented below it (issue 40:
+    # one space between a command and its description ran them together)
+    commands = [ln for ln in examples if ln.startswith("  unimesh ")]
+    assert len(commands) == 4 and all(ln.startswith("      ") for ln in examples[1::2])
+    for line in commands:
+        assert subprocess.run(  # each parses as written (argparse alone: --help of it)
+            [sys.executable, "-m", "unimesh", *line.split()[1:], "--help"],
+            capture_output=True, text=True, timeout=120, check=False,
+        ).returncode == 0, line  # fmt: skip
     for command in ("demo", "backends", "show", "convert", "check"):
         text = run(command, "--help").stdout
         assert f"examples:\n  unimesh {command}" in text, (command, text)
@@ -193,6 +204,29 @@ def test_convert_prints_the_native_mesh():
     proc = run("convert", "dp=2,tp=2;ids=3,1,2,0", "--to", "jax")
     assert proc.returncode == 0, proc.stderr
     assert "axis_names=('dp', 'tp')" in proc.stdout and "id=3" in proc.stdout
+
+
+def test_convert_is_quiet_readable_and_printed_once():
+    """Issue 40: TensorFlow's C++ log lines are kept out of convert's output, its mesh is
+    printed as lines that fit a terminal, and under torchrun only the first process prints."""
+    pytest.importorskip("tensorflow")
+    proc = run("convert", "dp=2,tp=4", "--to", "tensorflow", "--layout", "dp,None")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr  # no oneDNN / absl lines
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "dtensor.Mesh(dp=2, tp=4), device type CPU", lines
+    assert "global device ids: [[0, 1, 2, 3], [4, 5, 6, 7]]" in proc.stdout
+    assert "sharding_specs=['dp', 'unsharded']" in proc.stdout
+    assert all(len(ln) <= 80 for ln in lines), lines
+    pytest.importorskip("torch.distributed")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    proc = subprocess.run(
+        [*launch, "-m", "unimesh", "convert", "dp=2,tp=2", "--to", "torch"],
+        capture_output=True, text=True, timeout=300, check=False,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("DeviceMesh(") == 1, proc.stdout
 
 
 def test_convert_code_builds_the_same_mesh_when_run():

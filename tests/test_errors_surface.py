@@ -361,7 +361,7 @@ CASES: list[tuple[str, str | None, Callable[[], Any], type[Exception], tuple[str
         "torch",
         lambda: unimesh.to_native(M, "torch"),
         MeshMismatchError,
-        ("not initialized", "unimesh.initialize()"),
+        ("not initialized", "torchrun --nproc-per-node N"),
     ),
     ("torch-axis-mesh", "torch", _torch_axis_mesh, MeshMismatchError, ("torchrun",)),
     (

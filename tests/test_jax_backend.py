@@ -142,3 +142,18 @@ def test_refusals() -> None:
         unimesh.to_native(Mesh((2,), ("dp",)), "jax", colour="red")
     with pytest.raises(unimesh.ConversionError, match="jax backend converts Mesh"):
         unimesh.from_native(jax.numpy.zeros(2))
+
+
+def test_a_converted_layout_is_kept_and_equal_layouts_share_it() -> None:
+    """Issue 40, item 5: a layout converted again is a dict lookup (the NamedSharding is an
+    immutable value), with the same answer as the first conversion."""
+    from jax.sharding import NamedSharding
+
+    mesh = unimesh.Mesh((2, 4), ("dp", "tp"))
+    first = unimesh.to_native(unimesh.Layout(mesh, unimesh.P("dp", "tp")), "jax")
+    again = unimesh.to_native(unimesh.Layout(mesh, unimesh.P("dp", "tp")), "jax")
+    assert again is first and isinstance(first, NamedSharding)
+    other = unimesh.to_native(unimesh.Layout(mesh, unimesh.P("tp", "dp")), "jax")
+    assert other is not first and other.spec != first.spec
+    with pytest.raises(unimesh.UnimeshError):  # a refusal is never kept as an answer
+        unimesh.to_native(unimesh.Layout(mesh, unimesh.P("dp", "tp")), "jax", device_type="x")

@@ -126,3 +126,34 @@ def test_check_names_the_test_that_runs_and_its_legend_fits(example_site):
             line.strip().startswith(verdict) and line.strip().endswith(what)
             for line in screen.lines
         ), (verdict, screen.text)
+
+
+def test_the_matrix_of_five_backends_fits_80_columns_whole() -> None:
+    """Issue 40: five backends side by side are wider than 80 columns; the matrix is then
+    printed as tables of as many backends as fit, with no row name cut or cell wrapped."""
+    from rich.console import Console
+
+    from unimesh.cli.check import Run, matrix_tables
+    from unimesh.conformance import CHECKED
+    from unimesh.conformance.matrix import Case
+
+    runs = []
+    for name in ("torch", "jax", "keras", "tensorflow", "mlx"):
+        run = Run(name, 4, "torchrun 4", returncode=0, reports=4, seconds=61.0)
+        for i, cap in enumerate(CHECKED):
+            outcome = ("passed", "refused", "undeclared")[(i + len(name)) % 3]
+            run.cases += [Case(name, cap, f"t{k}", outcome, "why") for k in range(29)]
+        runs.append(run)
+    wide = Console(width=200, record=True)
+    assert len(matrix_tables(runs, wide)) == 1  # room for all: one table
+    console = Console(width=COLUMNS, record=True)
+    tables = matrix_tables(runs, console)
+    assert len(tables) > 1
+    for table in tables:
+        console.print(table)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= COLUMNS
+    for cap in CHECKED:  # each capability's name whole, once per table
+        assert sum(f"│ {cap} " in line for line in text.splitlines()) == len(tables), cap
+    assert "…" not in text
+    assert all(sum(f" {n} " in line for line in text.splitlines()) for n in ("mlx", "torch"))

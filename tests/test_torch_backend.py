@@ -220,7 +220,7 @@ def test_backend_override_bad_input() -> None:
 
 def test_not_initialized_is_a_clear_error() -> None:
     assert not dist.is_initialized()
-    with pytest.raises(unimesh.LaunchError, match="torch.distributed is not initialized: run"):
+    with pytest.raises(unimesh.LaunchError, match="not initialized and no torchrun launched"):
         unimesh.to_native(Mesh((2,), ("dp",)), "torch")
 
 

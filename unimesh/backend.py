@@ -219,6 +219,9 @@ class Backend:
     max_simulated_devices: ClassVar[int | None] = None
     #: the most mesh axes the framework's mesh can hold (None: the core's limit, 64)
     max_mesh_axes: ClassVar[int | None] = None
+    #: True when :meth:`layout_to_native` gives an immutable value that depends on the layout
+    #: alone (JAX's NamedSharding, Keras's TensorLayout): the core then keeps it per layout
+    native_layouts_immutable: ClassVar[bool] = False
     #: derived in ``__init_subclass__``: see the class docstring
     capabilities: ClassVar[frozenset[str]] = frozenset()
 
@@ -538,6 +541,11 @@ class Backend:
         """Every parameter of ``model`` laid out as ``resolve(path, shape)`` says
         (``shard_params``; :func:`unimesh.shard_params`)."""
         return self._missing("shard_params")
+
+    def describe_native(self, native: Any) -> str:
+        """How ``unimesh convert`` prints a native mesh or layout: ``repr`` unless the
+        framework's own is unreadable in a terminal."""
+        return repr(native)
 
     def param_paths(self, model: Any) -> list[tuple[str, tuple[int, ...]]] | None:
         """The path and shape of each parameter :meth:`shard_params` lays out, in its

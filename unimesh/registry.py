@@ -27,6 +27,7 @@ from .layout import Layout
 from .mesh import Mesh
 from .messages import close_match, short
 from .rules import LayoutMap
+from .spec import PartitionSpec
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -344,11 +345,23 @@ def require_layout(backend: Backend, layout: Any) -> None:
         backend.require("partial", f"spec {spec!r} has pending reductions")
 
 
+#: (backend name, Layout) -> its native object, for backends whose native layouts are immutable
+#: values (``Backend.native_layouts_immutable``): a layout converted again costs a dict lookup
+_NATIVE_LAYOUTS: dict[tuple[str, Layout], tuple[PartitionSpec, Any]] = {}
+_NATIVE_LAYOUTS_MAX = 4096
+
+
 def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) -> Any:
     """A neutral Mesh, Layout or LayoutMap as the backend's own object.
 
     ``options`` go to the backend (e.g. ``device_type`` for torch).
     """
+    if type(obj) is Layout and type(backend) is str and not options:
+        hit = _NATIVE_LAYOUTS.get((backend, obj))
+        # checked and converted before: the same immutable object, if the spec is spelled the
+        # same (P() and P(None) are one layout, but the native spec keeps the spelling)
+        if hit is not None and (hit[0] is obj.spec or hit[0] == obj.spec):
+            return hit[1]
     if not isinstance(obj, (Mesh, Layout, LayoutMap)):
         raise ConversionError(
             f"to_native() takes a unimesh Mesh, Layout or LayoutMap, got {short(obj)} "
@@ -361,7 +374,12 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
         return be.mesh_to_native(obj, **options)
     if isinstance(obj, Layout):
         require_layout(be, obj)
-        return be.layout_to_native(obj, **options)
+        native = be.layout_to_native(obj, **options)
+        if be.native_layouts_immutable and type(backend) is str and not options:
+            if len(_NATIVE_LAYOUTS) >= _NATIVE_LAYOUTS_MAX:
+                _NATIVE_LAYOUTS.clear()
+            _NATIVE_LAYOUTS[(backend, obj)] = (obj.spec, native)
+        return native
     be.require("layout_map")
     for layout in obj.values():
         require_layout(be, layout)

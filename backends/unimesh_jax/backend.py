@@ -143,6 +143,7 @@ class JaxBackend(Backend):
     #: XLA's host platform: 4096 CPU devices start in ~1 s; 8192 take ~30 s and 1 GB
     max_simulated_devices = 4096
     max_mesh_axes = 32  # jax.sharding.Mesh flattens its device array with numpy, 32 dims at most
+    native_layouts_immutable = True
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "jax.sharding.Mesh (AbstractMesh from_native)",
         "layout": "jax.sharding.NamedSharding(mesh, PartitionSpec)",

@@ -48,6 +48,7 @@ class KerasBackend(Backend):
     #: it simulates devices through JAX (XLA_FLAGS), with JAX's limit
     max_simulated_devices = 4096
     max_mesh_axes = 32  # Keras builds a jax.sharding.Mesh (32 dims at most)
+    native_layouts_immutable = True
     requires = ("jax",)
     framework = "keras"
     extra = "keras"

@@ -180,6 +180,25 @@ class TensorFlowBackend(Backend):
             ids[pos] = index[key(dev)]
         return Mesh(shape, tuple(names), ids.reshape(shape))
 
+    def describe_native(self, native: Any) -> str:
+        """A DTensor Mesh or Layout as readable lines (their ``repr`` is one line of
+        ``from_string`` text with every device's full name)."""
+        mesh = getattr(native, "mesh", native)
+        dims = ", ".join(f"{n}={k}" for n, k in zip(mesh.dim_names, mesh.shape()))
+        local = [str(d) for d in mesh.local_devices()]
+        task = local[0].rsplit("/", 1)[0] if local else ""
+        names = [d.rsplit("device:", 1)[-1] for d in local]
+        if len(names) > 2 and names == [f"{mesh.device_type()}:{i}" for i in range(len(names))]:
+            names = [f"{names[0]} .. {names[-1]}"]
+        lines = [
+            f"dtensor.Mesh({dims}), device type {mesh.device_type()}",
+            f"  global device ids: {mesh.global_device_ids().tolist()}",
+            f"  local devices: {', '.join(names)} ({len(local)}, on {task})",
+        ]
+        if native is not mesh:
+            lines.insert(0, f"dtensor.Layout(sharding_specs={list(native.sharding_specs)}) on")
+        return "\n".join(lines)
+
     def layout_to_native(self, layout: Layout, *, rank: int | None = None, **options: Any) -> Any:
         """``dtensor.Layout`` with one sharding spec per tensor dim (``UNSHARDED`` for None);
         ``rank`` pads the spec with ``UNSHARDED`` for a tensor with more dims."""

@@ -184,9 +184,10 @@ class TorchRuntime(ProcessBackend):
             if launcher is not None and launcher.name == "torchrun":
                 return self.initialize(300.0)  # under torchrun: start the group it describes
             raise LaunchError(
-                "torch.distributed is not initialized: run under torchrun and call "
-                "unimesh.initialize() (or torch.distributed.init_process_group) before "
-                "converting a mesh to torch"
+                "torch.distributed is not initialized and no torchrun launched this process: "
+                "run the script under `torchrun --nproc-per-node N script.py` (unimesh then "
+                "starts the process group itself), or call "
+                "torch.distributed.init_process_group yourself first"
             )
         return dist.get_rank(), dist.get_world_size()
 

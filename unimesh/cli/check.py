@@ -162,6 +162,7 @@ def check(
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
 
     from ..registry import backends, get_backend, load_backend
 
@@ -196,16 +197,18 @@ def check(
         BarColumn(bar_width=16),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        TextColumn("{task.fields[note]}"),
+        # the running test's whole name, wrapped rather than cut
+        TextColumn("{task.fields[note]}", table_column=Column(no_wrap=False, ratio=1)),
         console=console,
         transient=not console.is_terminal,
     ) as bar:
         for name in names:
-            task = bar.add_task(f"{name:<12}", total=None, note="starting")
+            starting = "starting: importing the framework and collecting the suite"
+            task = bar.add_task(f"{name:<10}", total=None, note=starting)
 
             def tick(run: Run, task: Any = task) -> None:
                 bad = f"[red]{len(run.failed)} failed[/red]" if run.failed else ""
-                now = "" if run.returncode is not None else escape(_short(run.running, 30))
+                now = "" if run.returncode is not None else escape(run.running)
                 bar.update(
                     task,
                     total=run.total or None,
@@ -214,7 +217,8 @@ def check(
                 )
 
             runs.append(run_suite(name, processes, timeout, tick))
-    console.print(matrix_table(runs))
+    for table in matrix_tables(runs, console):
+        console.print(table)
     console.print(legend_table())
     for run in runs:  # why a cell is not a plain pass
         for cap, cell in run.matrix().items():
@@ -256,15 +260,6 @@ _STYLE = {
 }
 
 
-def _short(text: str, width: int) -> str:
-    """``text`` in at most ``width`` characters, its middle elided (a parametrised test's
-    name keeps its start and its parameters' end)."""
-    if len(text) <= width:
-        return text
-    half = (width - 1) // 2
-    return text[:half] + "…" + text[len(text) - (width - 1 - half) :]
-
-
 def legend_table() -> Any:
     """What each verdict means, one per line (it stays readable in 80 columns)."""
     from rich.table import Table
@@ -278,6 +273,23 @@ def legend_table() -> Any:
     return table
 
 
+def matrix_tables(runs: list[Run], console: Any) -> list[Any]:
+    """The matrix as one table, or, where that is wider than the terminal, as several tables of
+    as many backends as fit (every row whole: no cut names or wrapped cells)."""
+    from rich.measure import Measurement
+
+    groups = [runs]
+    while True:
+        tables = [matrix_table(group) for group in groups]
+        unbounded = console.options.update(max_width=10_000)
+        widest = max(Measurement.get(console, unbounded, t).maximum for t in tables)
+        size = max(len(g) for g in groups)
+        if widest <= console.width or size == 1:
+            return tables
+        size -= 1
+        groups = [runs[i : i + size] for i in range(0, len(runs), size)]
+
+
 def matrix_table(runs: list[Run]) -> Any:
     """The capability matrix as a rich table: a row per capability, a column per backend, each
     cell the verdict with its case counts."""
@@ -285,9 +297,9 @@ def matrix_table(runs: list[Run]) -> Any:
     from rich.table import Table
 
     table = Table(title="unimesh capability matrix")
-    table.add_column("capability")
+    table.add_column("capability", no_wrap=True)
     for run in runs:
-        table.add_column(run.backend, justify="center")
+        table.add_column(run.backend, justify="center", no_wrap=True)
     for cap, cells in text_rows({run.backend: run.matrix() for run in runs}):
         styled = []
         for text in cells:

@@ -166,17 +166,29 @@ def _convert(args: argparse.Namespace) -> int:
             f"{shlex.join([*launch[0], '-m', 'unimesh', *again])}; "
             "or add --code for the code to write"
         )
-    if args.abstract:
-        native = to_native(mesh, backend, abstract=True)
-    else:
-        backend.request_devices(int(mesh.device_ids.max()) + 1)
-        native = to_native(mesh, backend)
-    print(repr(native))
+    from .demo import _stderr_kept
+
+    log: list[str] = []
+    try:  # the frameworks' C++ log lines (TensorFlow's, XLA's) are kept unless it fails
+        with _stderr_kept(log):
+            if args.abstract:
+                native = to_native(mesh, backend, abstract=True)
+            else:
+                backend.request_devices(int(mesh.device_ids.max()) + 1)
+                native = to_native(mesh, backend)
+            native_layout = None if layout is None else to_native(layout, backend)
+    except BaseException:
+        sys.stderr.write("".join(log))
+        raise
+    launcher = detect_launcher()
+    if launcher is not None and launcher.rank not in (None, 0):
+        return 0  # under a launcher every process builds the mesh; the first one prints it
+    print(backend.describe_native(native))
     devices = None if args.abstract else getattr(native, "devices", None)
     if devices is not None and not callable(devices):
         print(f"devices:\n{devices}")
-    if layout is not None:
-        print(f"layout:\n{to_native(layout, backend)!r}")
+    if native_layout is not None:
+        print(f"layout:\n{backend.describe_native(native_layout)}")
     return 0
 
 
@@ -226,10 +238,14 @@ DESCRIPTION = """\
 Describe a device mesh once; get PyTorch, JAX, Keras, TensorFlow DTensor and MLX objects.
 
 examples:
-  unimesh demo                              one mesh on every installed backend
+  unimesh demo
+      one mesh on every installed backend, checked against the reference
   unimesh show dp=2,tp=4 --layout dp,tp --shape 8,8
-  unimesh convert dp=2,tp=4 --to jax --code native code that builds the mesh
-  unimesh check torch                       the conformance suite, under torchrun
+      the grid, and the block of an 8x8 tensor each device holds
+  unimesh convert dp=2,tp=4 --to jax --code
+      the native code that builds the mesh
+  unimesh check torch
+      the conformance suite, under torchrun
 """
 
 EXAMPLES = {

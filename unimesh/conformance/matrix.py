@@ -34,7 +34,7 @@ OUTCOMES = ("failed", "refused", "skipped", "passed", "refusal checked", "undecl
 VERDICTS = {
     "pass": "every case that ran passed",
     "fail": "a case failed",
-    "refused": "declared, but some cases were refused (UnsupportedError)",
+    "refused": "declared; cases it cannot express refused by name, not failed",
     "skipped": "declared, but no case could run here",
     "not declared": "not declared; the backend refuses it, as checked",
 }
