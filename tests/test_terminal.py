@@ -36,13 +36,16 @@ def test_demo_shows_each_backend_live_and_no_framework_logs():
         pytest.skip("no framework of jax, tensorflow, torch is installed")
     screen = unimesh_in_terminal("demo", "--backends", ",".join(wanted), timeout=340)
     assert screen.returncode == 0, screen.text
-    progress = re.compile(r"^\S (\w+)\s+(.+?)\s+(\d+:\d\d:\d\d)$")
+    progress = re.compile(r"^\S (\w+)\s+(.+?)\s+(\d+):(\d\d):(\d\d)$")
     seen: dict[str, set[str]] = {}
+    live: dict[str, int] = {}  # the longest time each backend's live line showed
     for frame in screen.frames:
         for line in frame:
             found = progress.match(line)
             if found and found.group(1) in wanted:
                 seen.setdefault(found.group(1), set()).add(found.group(2))
+                h, m, sec = (int(found.group(i)) for i in (3, 4, 5))
+                live[found.group(1)] = max(live.get(found.group(1), 0), 3600 * h + 60 * m + sec)
     assert set(seen) == set(wanted), seen
     if "torch" in wanted:  # a launched backend: the launch, then its processes' steps
         steps = seen["torch"]
@@ -51,6 +54,15 @@ def test_demo_shows_each_backend_live_and_no_framework_logs():
     for name in wanted:
         line = row(screen, name)
         assert line.count(" ok ") == 2 and line.endswith("│"), line
+        # the table's time counts what the live line counted (import or launch included)
+        cell = line.rstrip("│ ").rsplit("│", 1)[1].strip()
+        took = float(cell[:-3]) / 1e3 if cell.endswith(" ms") else float(cell[:-2])
+        assert took >= live[name] - 1, (name, cell, live[name])
+    # the caption's lines are whole: no word left alone on a line of its own
+    assert any(x.strip() == "numpy: the core's reference blocks" for x in screen.lines)
+    assert any(
+        x.strip() == "time: from the framework's import, launch included" for x in screen.lines
+    )
     assert max(len(line) for line in screen.lines) <= COLUMNS
     for noise in ("absl", "oneDNN", "WARNING", "I0000", "Traceback"):
         assert noise not in screen.text, screen.text

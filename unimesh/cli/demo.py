@@ -154,13 +154,19 @@ def _stderr_kept(kept: list[str]) -> Iterator[None]:
 
 
 def _in_process_row(
-    backend: Backend, mesh: Mesh, step: Callable[[str], None], log: list[str]
+    backend: Backend,
+    mesh: Mesh,
+    step: Callable[[str], None],
+    log: list[str],
+    imported: float = 0.0,
 ) -> tuple[str, ...]:
+    """The row of a backend run in this process; its time counts the framework's import
+    (``imported`` seconds, spent before) as the launched rows count their launch."""
     t0 = time.perf_counter()
     with _stderr_kept(log):
         report = trial(backend, mesh, step)
     runs = f"1 ({report['count']} devices)" if "count" in report else "1"
-    return _cells(backend.name, report, runs, time.perf_counter() - t0)
+    return _cells(backend.name, report, runs, imported + time.perf_counter() - t0)
 
 
 def _launched_row(
@@ -240,7 +246,17 @@ def demo(args: argparse.Namespace) -> int:
     """The ``unimesh demo`` command: 0 when every row checks out, 1 otherwise."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress, ProgressColumn, SpinnerColumn, TaskID, TextColumn
+    from rich.text import Text
+
+    class Took(ProgressColumn):
+        """Time the backend's row has taken: its framework's import (``offset``, spent before
+        the row started) plus the row so far; the table's time column says the same."""
+
+        def render(self, task: Any) -> Text:
+            seconds = int(task.fields.get("offset", 0.0) + (task.elapsed or 0.0))
+            return Text(f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}")
+
     from rich.table import Table
 
     from ..registry import backends, get_backend, load_backend
@@ -271,8 +287,8 @@ def demo(args: argparse.Namespace) -> int:
     count, ok_tiles, ok_matmul, ref_ms = _reference(mesh)
     table = Table(
         title="one mesh, every backend",
-        caption="numpy: the core's reference blocks. time: from the framework's import, "
-        "launch included",
+        caption="numpy: the core's reference blocks\n"
+        "time: from the framework's import, launch included",
     )
     for col in ("backend", "native", "processes", "blocks", "matmul", "time"):
         table.add_column(col)
@@ -288,7 +304,7 @@ def demo(args: argparse.Namespace) -> int:
         SpinnerColumn(finished_text="[green]✓[/green]"),
         TextColumn("[bold]{task.description:<12}"),
         TextColumn("{task.fields[step]}"),
-        TimeElapsedColumn(),
+        Took(),
         console=console,
         transient=True,
         redirect_stdout=False,
@@ -298,15 +314,20 @@ def demo(args: argparse.Namespace) -> int:
         tasks = {
             name: progress.add_task(name, step="waiting", total=1, start=False) for name in runnable
         }
+        imported: dict[str, float] = {}  # seconds each in-process framework took to start
         for name in runnable:  # in-process frameworks hear how many devices, first
             if name not in launched:
                 progress.start_task(tasks[name])
                 progress.update(tasks[name], step=f"importing {plugins[name].framework}")
+                t0 = time.perf_counter()
                 with _stderr_kept(logs[name]), contextlib.suppress(ImportError, UnimeshError):
                     plugins[name].request_devices(max(8, mesh.size))  # its row says what failed
+                imported[name] = time.perf_counter() - t0
+                progress.stop_task(tasks[name])  # its clock waits with it
+                progress.update(tasks[name], step="imported; waiting")
         for name in runnable:
             task = tasks[name]
-            progress.start_task(task)
+            progress.reset(task, total=1, step="starting", offset=imported.get(name, 0.0))
 
             def step(what: str, task: TaskID = task) -> None:
                 progress.update(task, step=what)
@@ -314,7 +335,9 @@ def demo(args: argparse.Namespace) -> int:
             if name in launched:
                 cells = _launched_row(get_backend(name), args.mesh, mesh.size, step, logs[name])
             else:
-                cells = _in_process_row(get_backend(name), mesh, step, logs[name])
+                cells = _in_process_row(
+                    get_backend(name), mesh, step, logs[name], imported.get(name, 0.0)
+                )
             failed = "FAIL" in "".join(cells) or "failed" in cells[1] or "timed out" in cells[1]
             failures += failed
             progress.update(task, step="[red]failed[/red]" if failed else "done", completed=1)
