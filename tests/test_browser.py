@@ -29,16 +29,25 @@ OVERFLOW = """(() => {
       if (o === 'auto' || o === 'scroll') { box = a; break; }
     }
     items.push({what: el.tagName + ' ' + el.textContent.trim().slice(0, 60),
-                right: box.getBoundingClientRect().right});
+                right: box.getBoundingClientRect().right,
+                cut: el.tagName === 'PRE' && el.scrollWidth > el.clientWidth + 1});
   }
-  return {limit: limit, items: items};
+  const broken = [];  // inline code split over lines
+  for (const el of col.querySelectorAll('code.literal')) {
+    if (el.getClientRects().length > 1) broken.push(el.textContent);
+  }
+  return {limit: limit, items: items, broken: broken};
 })()"""
 
 
-@pytest.mark.parametrize("page", ["index", "porting", "capabilities", "api-mapping"])
+@pytest.mark.parametrize(
+    "page", ["index", "quickstart", "programs", "porting", "capabilities", "api-mapping"]
+)
 def test_docs_page_fits_its_column(docs_html, page, tmp_path):
     """At 1400 px and at a phone's 420 px, every table and code block ends inside the content
-    column or scrolls inside its own box (the API table used to run off-screen); the page's
+    column or scrolls inside its own box (the API table used to run off-screen), and no code
+    block hides the end of a line behind a sideways scroll (issue 40: `parallelize_modul`);
+    at 1400 px no inline code breaks over two lines (`XLA_FLAGS=--` did); the page's
     screenshot has content (not one colour)."""
     from PIL import Image
 
@@ -47,6 +56,10 @@ def test_docs_page_fits_its_column(docs_html, page, tmp_path):
         assert found["items"], f"{page}: no table or code block found"
         over = [i for i in found["items"] if i["right"] > found["limit"] + 0.5]
         assert not over, (page, width, found["limit"], over)
+        cut = [i["what"] for i in found["items"] if i["cut"]]
+        assert not cut, (page, width, cut)
+        if width == 1400:
+            assert not found["broken"], (page, found["broken"])
     shot = screenshot(docs_html / f"{page}.html", tmp_path / f"{page}.png")
     with Image.open(shot) as image:
         assert image.size == (1400, 1000)
