@@ -315,14 +315,29 @@ def arguments(case: Case, mesh: unimesh.Mesh, backend: str) -> list[Any]:
     return out
 
 
-def run(case: Case, mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
-    """The loss and every gradient, whole, as numpy (every process gets the same)."""
+#: The cases also run through unimesh.compile (issue 38): mx.compile on MLX, torch.compile
+#: (backend aot_eager: dynamo and AOT autograd, without inductor's C++ build) on torch
+COMPILED = ("issue-example", "pytree", "loss-parallel-xent")
+COMPILE_OPTIONS = {"torch": {"backend": "aot_eager"}}
+
+
+def run(
+    case: Case, mesh: unimesh.Mesh, backend: str, compiled: bool = False
+) -> dict[str, np.ndarray]:
+    """The loss and every gradient, whole, as numpy (every process gets the same); with
+    ``compiled``, the value-and-gradient step under :func:`unimesh.compile`."""
     import optree
 
     loss = case.build(mesh, backend)
-    value, grads = unimesh.value_and_grad(loss, argnums=case.argnums, backend=backend)(
-        *arguments(case, mesh, backend)
-    )
+    step = unimesh.value_and_grad(loss, argnums=case.argnums, backend=backend)
+    if compiled:
+        step = unimesh.compile(
+            step, backend=backend, compiler_options=COMPILE_OPTIONS.get(backend, {})
+        )
+    args = arguments(case, mesh, backend)
+    value, grads = step(*args)
+    if compiled:  # a second call runs the compiled trace (the first traced it)
+        value, grads = step(*args)
     out = {"value": np.asarray(unimesh.full_array(value, backend=backend), np.float64)}
     for n, g in zip(case.argnums, grads):
         leaves, treedef = optree.tree_flatten(g)

@@ -52,6 +52,24 @@ def main() -> int:
             )
         except Exception:  # noqa: BLE001 - any failure is reported for this case
             report[case.name] = traceback.format_exc(limit=6)
+    for case in program_cases.CASES:  # the same steps under unimesh.compile
+        if case.name not in program_cases.COMPILED:
+            continue
+        try:
+            got = program_cases.run(case, mesh, backend, compiled=True)
+            keys = sorted(k for k in want.files if k.startswith(case.name + ":"))
+            report[f"compiled:{case.name}"] = max(
+                float(
+                    np.max(
+                        np.abs(got[k.split(":", 1)[1]] - want[k])
+                        / np.maximum(1.0, np.abs(want[k])),
+                        initial=0.0,
+                    )
+                )
+                for k in keys
+            )
+        except Exception:  # noqa: BLE001 - any failure is reported for this case
+            report[f"compiled:{case.name}"] = traceback.format_exc(limit=6)
     try:  # the framework's own autodiff through a program
         native = program_cases.native_autodiff(mesh, backend)
         expected = want["issue-example:grad2"]

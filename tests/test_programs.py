@@ -45,7 +45,36 @@ def test_issue_example_gradient_on_jax(reference: Path) -> None:
     np.testing.assert_allclose(want["issue-example:grad2"], np.full((8, 1), 16.0))
 
 
-def _check(out_dir: Path, ranks: int, output: str, extra: tuple[str, ...] = ()) -> None:
+def test_compiled_steps_on_jax_are_jax_jit(reference: Path) -> None:
+    """unimesh.compile on JAX is jax.jit of the step: the same values and gradients as the
+    eager step (the reference), and the compiled object is JAX's own."""
+    import jax
+    import program_cases
+
+    import unimesh
+
+    mesh = unimesh.Mesh.from_string(program_cases.MESH)
+    want = np.load(reference)
+    assert isinstance(unimesh.compile(lambda x: x, backend="jax"), type(jax.jit(lambda x: x)))
+    for case in program_cases.CASES:
+        if case.name in program_cases.COMPILED:
+            for key, value in program_cases.run(case, mesh, "jax", compiled=True).items():
+                expected = want[f"{case.name}:{key}"]  # the workers' measure: 1e-5 of max(1, |x|)
+                error = np.abs(value - expected) / np.maximum(1.0, np.abs(expected))
+                assert float(np.max(error, initial=0.0)) <= 1e-5, (case.name, key)
+    with pytest.raises(unimesh.LayoutError, match=r"compile\(\) needs a function, got 3"):
+        unimesh.compile(3, backend="jax")  # type: ignore[arg-type]
+    with pytest.raises(unimesh.UnsupportedError, match="does not implement compile"):
+        unimesh.compile(lambda x: x, backend="tensorflow")
+
+
+def _check(
+    out_dir: Path,
+    ranks: int,
+    output: str,
+    extra: tuple[str, ...] = (),
+    torch_compiled: bool = False,
+) -> None:
     import program_cases
 
     reports = {
@@ -53,14 +82,27 @@ def _check(out_dir: Path, ranks: int, output: str, extra: tuple[str, ...] = ()) 
     }
     assert sorted(reports) == list(range(ranks)), output[-4000:]
     for rank, report in reports.items():
+        compiled = [f"compiled:{name}" for name in program_cases.COMPILED]
         assert sorted(report) == sorted(
-            [c.name for c in program_cases.CASES] + ["native-autodiff", *extra]
+            [c.name for c in program_cases.CASES] + ["native-autodiff", *compiled, *extra]
         )
+        known = report.pop("compiled:issue-example") if torch_compiled else None
+        if known is not None:
+            # a known gap (issue 38): under torch.compile the check_vma typing (tags set on
+            # tensors by a TorchFunctionMode) loses the invariance a pmean gives, so this step
+            # is refused loudly (never a wrong gradient); when that is fixed, this fails
+            assert isinstance(known, str) and "varies along ('dp',)" in known, known
         bad = {k: v for k, v in report.items() if not isinstance(v, float) or v > 1e-5}
         assert not bad, f"rank {rank}: {json.dumps(bad, indent=1)[:6000]}"
 
 
-def _run(cmd: list[str], ranks: int, out_dir: Path, extra: tuple[str, ...] = ()) -> None:
+def _run(
+    cmd: list[str],
+    ranks: int,
+    out_dir: Path,
+    extra: tuple[str, ...] = (),
+    torch_compiled: bool = False,
+) -> None:
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -69,7 +111,7 @@ def _run(cmd: list[str], ranks: int, out_dir: Path, extra: tuple[str, ...] = ())
     )
     rc, out = run_bounded(cmd, env, LIMIT)
     assert rc == 0, out[-6000:]
-    _check(out_dir, ranks, out, extra)
+    _check(out_dir, ranks, out, extra, torch_compiled)
 
 
 def test_torchrun_four_processes(reference: Path, tmp_path: Path) -> None:
@@ -90,6 +132,7 @@ def test_torchrun_four_processes(reference: Path, tmp_path: Path) -> None:
         4,
         tmp_path,
         ("typed-refusal",),
+        torch_compiled=True,
     )  # torch follows JAX's check_vma rules, refusal included
 
 

@@ -448,6 +448,12 @@ class Backend:
         with no blocks."""
         return self._missing("from_local")
 
+    def compile(self, fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+        """``fn`` compiled by the framework's own compiler (:func:`unimesh.compile`), taking
+        and returning what ``fn`` takes and returns; ``options`` go to that compiler."""
+        missing: Callable[..., Any] = self._missing("compile")
+        return missing
+
     def stop_gradient(self, x: Any) -> Any:
         """``x`` with no gradient through it, in the framework's own autodiff
         (:func:`unimesh.stop_gradient`)."""

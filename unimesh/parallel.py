@@ -35,6 +35,7 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "compile",
     "full_array",
     "grad",
     "pbroadcast",
@@ -180,6 +181,38 @@ def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
     it has no derivative: stop the gradient before it (``.detach()``, ``stop_gradient``)."""
     env, axes = _env("pmax", axis_name)
     return env.reduce(x, axes, "max")
+
+
+def compile(
+    fn: Callable[..., Any],
+    *,
+    backend: str | Backend | None = None,
+    compiler_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> Callable[..., Any]:
+    """``fn``, a step written with unimesh, compiled by the backend's own compiler: ``jax.jit``
+    (JAX, Keras on JAX), ``torch.compile`` (torch), ``mx.compile`` (MLX). Framework-agnostic
+    code compiles without naming its framework. ``options`` go to that compiler as they are
+    (``donate_argnums=...``, ``fullgraph=True``, ``shapeless=True``); an option whose name is
+    ``backend`` (torch.compile's ``backend="aot_eager"``) goes in ``compiler_options``.
+
+    On MLX the compiled function takes and returns :class:`unimesh_mlx.MLXArray` values as
+    the step does: ``mx.compile`` accepts only trees of ``mx.array`` and constants, so each
+    MLXArray is handed to it as its block, and its layout and global shape (static, like a
+    jitted function's shapes) select the compiled trace. Eager and compiled steps give the
+    same values and gradients.
+    """
+    from .registry import get_backend
+
+    if not callable(fn):
+        raise LayoutError(f"compile() needs a function, got {short(fn)}")
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+        raise LayoutError(
+            f"compile() compiler_options is a dict of the compiler's options, got "
+            f"{short(compiler_options)}"
+        )
+    be = get_backend(backend)
+    return be.compile(fn, {**(compiler_options or {}), **options})
 
 
 def stop_gradient(x: Any) -> Any:

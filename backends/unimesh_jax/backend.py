@@ -549,6 +549,10 @@ class JaxBackend(Backend):
     def stop_gradient(self, x: Any) -> Any:
         return _jax().lax.stop_gradient(x)
 
+    def compile(self, fn: Any, options: dict[str, Any]) -> Any:
+        """``jax.jit(fn, **options)``: a unimesh step's programs are ``jax.shard_map``."""
+        return _jax().jit(fn, **options)
+
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{logical device id: numpy block}`` for this process's addressable shards."""
         position = {d: i for i, d in enumerate(global_devices())}

@@ -225,6 +225,10 @@ class KerasBackend(Backend):
 
         return keras.ops.stop_gradient(x)
 
+    def compile(self, fn: Any, options: dict[str, Any]) -> Any:
+        """``jax.jit`` (Keras on JAX, where its programs run)."""
+        return self._jax("compile").compile(fn, options)
+
     # -- models: unimesh.save(path, model) / unimesh.load(path, model) ------------------------
     def model_state(self, model: Any) -> dict[str, Any] | None:
         """A Keras model's (or layer's) variables by their paths (``dense/kernel``): each a

@@ -117,6 +117,13 @@ class MLXBackend(MLXPrograms):
         out = Layout(layout.mesh, PartitionSpec(layout.spec[0], None))
         return self.full_array(MLXArray(partial, out, (shape[0], int(weight.shape[1]))))
 
+    def compile(self, fn: Any, options: dict[str, Any]) -> Any:
+        """``mx.compile`` of ``fn`` with :class:`MLXArray` arguments and results handed over
+        as their blocks (see :func:`unimesh_mlx.compiled`)."""
+        from .compiled import compiled
+
+        return compiled(fn, options)
+
     def stop_gradient(self, x: Any) -> Any:
         local = x.local if isinstance(x, MLXArray) else x
         stopped = _mx().stop_gradient(local)

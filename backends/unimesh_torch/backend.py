@@ -115,6 +115,12 @@ class TorchBackend(TorchPrograms):
     def stop_gradient(self, x: Any) -> Any:
         return x.detach()
 
+    def compile(self, fn: Any, options: dict[str, Any]) -> Any:
+        """``torch.compile(fn, **options)`` (dynamo traces the step's DTensor programs)."""
+        import torch
+
+        return torch.compile(fn, **options)
+
     # -- models: unimesh.save(path, module) / unimesh.load(path, module) -----------------------
     def model_state(self, model: Any) -> dict[str, Any] | None:
         """An ``nn.Module``'s state_dict: DTensors as they are (FSDP2 and TP layouts), plain
