@@ -327,7 +327,7 @@ class TorchTranslator(TorchRuntime):
         rank is the reference block ``layout.shard_slices(shape, rank)``."""
         torch = _torch()
         if not torch.is_tensor(array):
-            array = torch.as_tensor(np.asarray(array))
+            array = _from_host(np.asarray(array))  # ml_dtypes' bfloat16 / float8 too
         if layout.spec.partial:
             raise UnsupportedError(
                 f"distribute() of a partial layout {layout.spec!r}: DTensor builds pending "
