@@ -866,7 +866,8 @@ def _unmatched(rules: Any, logical_axes: Any, paths: list[str], strict: bool) ->
         used = {rules.key_for(p) for p in paths}
         keys, what = [k for k in rules if k not in used], "LayoutMap keys"
     elif isinstance(logical_axes, dict):
-        keys, what = [k for k in logical_axes if k not in set(paths)], "logical_axes paths"
+        known = set(paths)
+        keys, what = [k for k in logical_axes if k not in known], "logical_axes paths"
     else:
         return
     if not keys:
@@ -877,6 +878,7 @@ def _unmatched(rules: Any, logical_axes: Any, paths: list[str], strict: bool) ->
         return text.replace("/", ".").split(".")
 
     near = []
+    candidates = paths[:5000]  # an error's hint: bounded work on a model of any size
     for key in keys[:3]:
         want = words(plain[key])
         score = {  # against the path's last as many parts, in either spelling
@@ -884,10 +886,10 @@ def _unmatched(rules: Any, logical_axes: Any, paths: list[str], strict: bool) ->
                 None, ".".join(want), ".".join(words(p)[-len(want) :])
             ).ratio()
             + difflib.SequenceMatcher(None, plain[key], p).ratio() / 10
-            for p in paths
+            for p in candidates
         }
-        close = [p for p in sorted(paths, key=lambda p: -score[p])[:2] if score[p] >= 0.3]
-        near.append(f"{key!r} (closest: {', '.join(map(repr, close)) or 'none'})")
+        close = [p for p in sorted(candidates, key=lambda p: -score[p])[:2] if score[p] >= 0.3]
+        near.append(f"{short(key, 80)} (closest: {', '.join(map(repr, close)) or 'none'})")
     more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
     text = (
         f"{len(keys)} of {len(rules) if isinstance(rules, LayoutMap) else len(logical_axes)} "
