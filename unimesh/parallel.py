@@ -785,7 +785,8 @@ def shard_params(
     be = get_backend(backend)
     be.require("shard_params")
     resolve = _resolver(rules, mesh, logical_axes, be)
-    if isinstance(model, dict):  # the neutral model: nested dicts (and lists) of arrays
+    if type(model) is dict:  # the neutral model: nested dicts (and lists) of arrays
+        # (exactly dict: an mlx.nn.Module is a dict too, and its backend lays it out)
         leaves = _dict_leaves(model)
         layouts = {path: resolve(path, np.shape(leaf)) for path, leaf in leaves}
         _unmatched(rules, logical_axes, list(layouts), strict)
