@@ -16,12 +16,31 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import program_cases
 
 import unimesh
 from unimesh import P
+
+
+def _error(got: dict[str, np.ndarray], want: Any, name: str) -> float | str:
+    """The largest difference of a case's outputs from JAX's, relative to the size of the
+    value (at least 1); text where the outputs themselves differ."""
+    keys = sorted(k for k in want.files if k.startswith(name + ":"))
+    missing = sorted({k.split(":", 1)[1] for k in keys} ^ set(got))
+    if missing:
+        return f"outputs differ from JAX's: {missing}"
+    return max(
+        float(
+            np.max(
+                np.abs(got[k.split(":", 1)[1]] - want[k]) / np.maximum(1.0, np.abs(want[k])),
+                initial=0.0,
+            )
+        )
+        for k in keys
+    )
 
 
 def main() -> int:
@@ -34,22 +53,7 @@ def main() -> int:
         if os.environ.get("UNIMESH_DEBUG"):
             print(f"rank {rank}: {case.name}", flush=True)
         try:
-            got = program_cases.run(case, mesh, backend)
-            keys = sorted(k for k in want.files if k.startswith(case.name + ":"))
-            missing = sorted({k.split(":", 1)[1] for k in keys} ^ set(got))
-            if missing:
-                report[case.name] = f"outputs differ from JAX's: {missing}"
-                continue
-            report[case.name] = max(  # relative to the size of the value, at least 1
-                float(
-                    np.max(
-                        np.abs(got[k.split(":", 1)[1]] - want[k])
-                        / np.maximum(1.0, np.abs(want[k])),
-                        initial=0.0,
-                    )
-                )
-                for k in keys
-            )
+            report[case.name] = _error(program_cases.run(case, mesh, backend), want, case.name)
         except Exception:  # noqa: BLE001 - any failure is reported for this case
             report[case.name] = traceback.format_exc(limit=6)
     for case in program_cases.CASES:  # the same steps under unimesh.compile
@@ -57,17 +61,7 @@ def main() -> int:
             continue
         try:
             got = program_cases.run(case, mesh, backend, compiled=True)
-            keys = sorted(k for k in want.files if k.startswith(case.name + ":"))
-            report[f"compiled:{case.name}"] = max(
-                float(
-                    np.max(
-                        np.abs(got[k.split(":", 1)[1]] - want[k])
-                        / np.maximum(1.0, np.abs(want[k])),
-                        initial=0.0,
-                    )
-                )
-                for k in keys
-            )
+            report[f"compiled:{case.name}"] = _error(got, want, case.name)
         except Exception:  # noqa: BLE001 - any failure is reported for this case
             report[f"compiled:{case.name}"] = traceback.format_exc(limit=6)
     try:  # the framework's own autodiff through a program

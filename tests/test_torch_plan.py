@@ -155,11 +155,7 @@ def test_the_porting_guide_example_runs():
     (code,) = [b for b in blocks if "layer_plan = {" in b]
     ns: dict = {"model": Llama()}
     exec(compile(code, "porting.md", "exec"), ns)  # noqa: S102 - our own docs
-    model_plan, layer_plan = _llama_plans()
-    assert ns["layouts"] == _merged(
-        layout_map_from_plan(Llama(), layer_plan, ns["mesh"], under="layers.*"),
-        layout_map_from_plan(Llama(), model_plan, ns["mesh"]),
-    )
+    assert ns["layouts"] == _llama_map(Llama(), ns["mesh"])
     assert ns["layouts"].get("layers.0.attention.wq.weight").spec == P("tp", None)
     assert ns["layouts"].get("layers.0.attention_norm.weight").spec == P()
     assert type(ns["plan_again"]["tok_embeddings"]).__name__ == "RowwiseParallel"
@@ -246,6 +242,15 @@ def _llama_plans() -> tuple[dict[str, object], dict[str, object]]:
     return model_plan, layer_plan
 
 
+def _llama_map(model: nn.Module, mesh: Mesh, names: str = "torch") -> LayoutMap:
+    """The per-block plan over every block (``under=``), then the model plan, as one map."""
+    model_plan, layer_plan = _llama_plans()
+    return _merged(
+        layout_map_from_plan(model, layer_plan, mesh, under="layers.*", names=names),
+        layout_map_from_plan(model, model_plan, mesh, names=names),
+    )
+
+
 def _parallelized(mesh: Mesh, fsdp: bool) -> tuple[nn.Module, nn.Module]:
     """The tutorial's model, and a copy parallelized as torchtitan does it (each block with the
     per-block plan, then the model plan; FSDP2 over ``dp`` on top when ``fsdp``)."""
@@ -283,10 +288,7 @@ def test_the_tutorials_plans_as_written_give_what_parallelize_module_does():
     written; a per-block plan applies to each block through ``under=``."""
     mesh = Mesh((2, 4), ("dp", "tp"))
     model, done = _parallelized(mesh, fsdp=False)
-    model_plan, layer_plan = _llama_plans()
-    lm = LayoutMap(mesh)
-    lm.update(layout_map_from_plan(model, layer_plan, mesh, under="layers.*"))
-    lm.update(layout_map_from_plan(model, model_plan, mesh))
+    lm = _llama_map(model, mesh)
     assert len(lm) == len(list(model.named_parameters()))
     tp = mesh.submesh("tp", containing=1)  # this process is rank 1 of the fake world
     for path, param in done.named_parameters():
@@ -296,6 +298,7 @@ def test_the_tutorials_plans_as_written_give_what_parallelize_module_does():
     assert lm.get("layers.0.feed_forward.w2.weight").spec == P(None, "tp")
     assert lm.get("layers.0.attention_norm.weight").spec == P()
     # the same plan with torch's own wildcard keys instead of under=
+    _, layer_plan = _llama_plans()
     wild = {f"layers.*.{k}": v for k, v in layer_plan.items()}
     assert layout_map_from_plan(model, wild, mesh) == layout_map_from_plan(
         model, layer_plan, mesh, under="layers.*"
@@ -307,10 +310,7 @@ def test_with_fsdp_gives_what_fully_shard_over_the_tp_plan_does():
     the TP-split dims), exactly as fully_shard leaves the parameters."""
     mesh = Mesh((2, 4), ("dp", "tp"))
     model, done = _parallelized(mesh, fsdp=True)
-    model_plan, layer_plan = _llama_plans()
-    lm = LayoutMap(mesh)
-    lm.update(layout_map_from_plan(model, layer_plan, mesh, under="layers.*"))
-    lm.update(layout_map_from_plan(model, model_plan, mesh))
+    lm = _llama_map(model, mesh)
     both = lm.with_fsdp("dp", params=[n for n, _ in model.named_parameters()])
     assert _layouts_agree(done, both, mesh) == len(list(model.named_parameters()))
     assert both.get("layers.0.attention.wq.weight").spec == P(("tp", "dp"), None)
@@ -357,17 +357,12 @@ def test_flax_names_lay_out_the_same_model_written_in_flax():
             self.output = nnx.Linear(8, 32, use_bias=False, rngs=rngs)
 
     mesh = Mesh((2, 4), ("dp", "tp"))
-    model_plan, layer_plan = _llama_plans()
     torch_model = Llama()
-    lm = LayoutMap(mesh)
-    lm.update(layout_map_from_plan(torch_model, layer_plan, mesh, under="layers.*", names="flax"))
-    lm.update(layout_map_from_plan(torch_model, model_plan, mesh, names="flax"))
+    lm = _llama_map(torch_model, mesh, names="flax")
     flax_model = FlaxLlama(nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(flax_model, nnx.Param))
     placed = unimesh.shard_params(params, lm, backend="jax")
-    torch_names = dict(layout_map_from_plan(torch_model, layer_plan, mesh, under="layers.*"))
-    torch_lm = LayoutMap(mesh, torch_names)
-    torch_lm.update(layout_map_from_plan(torch_model, model_plan, mesh))
+    torch_lm = _llama_map(torch_model, mesh)
     pairs = {
         "layers/1/attention/wq/kernel": "layers.1.attention.wq.weight",
         "layers/0/feed_forward/w2/kernel": "layers.0.feed_forward.w2.weight",
