@@ -787,10 +787,10 @@ def shard_params(
     resolve = _resolver(rules, mesh, logical_axes, be)
     if type(model) is dict:  # the neutral model: nested dicts (and lists) of arrays
         # (exactly dict: an mlx.nn.Module is a dict too, and its backend lays it out)
-        leaves = _dict_leaves(model)
-        layouts = {path: resolve(path, np.shape(leaf)) for path, leaf in leaves}
+        hosts = dict(_dict_leaves(model))
+        layouts = {path: resolve(path, host.shape) for path, host in hosts.items()}
         _unmatched(rules, logical_axes, list(layouts), strict)
-        return _rebuilt(model, "", lambda path, leaf: be.distribute(leaf, layouts[path]))
+        return _rebuilt(model, "", lambda path: be.distribute(hosts[path], layouts[path]))
     params = be.param_paths(model)
     if params is None:  # a backend that cannot list them first: checked after placing
         seen: list[str] = []
@@ -849,14 +849,14 @@ def _dict_leaves(tree: Any, path: str = "", depth: int = 0) -> list[tuple[str, n
     return [(path, host)]
 
 
-def _rebuilt(tree: Any, path: str, place: Callable[[str, Any], Any]) -> Any:
-    """``tree`` with each leaf replaced by ``place(path, host array)``."""
+def _rebuilt(tree: Any, path: str, place: Callable[[str], Any]) -> Any:
+    """``tree`` with each leaf replaced by ``place(its path)``."""
     if isinstance(tree, dict):
         return {k: _rebuilt(v, f"{path}/{k}" if path else str(k), place) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         items = [_rebuilt(v, f"{path}/{i}" if path else str(i), place) for i, v in enumerate(tree)]
         return type(tree)(items) if type(tree) in (list, tuple) else items
-    return place(path, np.asarray(tree))
+    return place(path)
 
 
 def _unmatched(rules: Any, logical_axes: Any, paths: list[str], strict: bool) -> None:

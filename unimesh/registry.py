@@ -368,8 +368,8 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
             f"({type(obj).__name__})"
         )
     be = get_backend(backend)
-    require_mesh(be, obj if isinstance(obj, Mesh) else obj.mesh)
     if isinstance(obj, Mesh):
+        require_mesh(be, obj)
         be.require("mesh")
         return be.mesh_to_native(obj, **options)
     if isinstance(obj, Layout):
@@ -380,6 +380,7 @@ def to_native(obj: Any, backend: str | Backend | None = None, **options: Any) ->
                 _NATIVE_LAYOUTS.clear()
             _NATIVE_LAYOUTS[(backend, obj)] = (obj.spec, native)
         return native
+    require_mesh(be, obj.mesh)  # (a layout's mesh is checked by require_layout)
     be.require("layout_map")
     for layout in obj.values():
         require_layout(be, layout)
