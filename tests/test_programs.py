@@ -64,6 +64,8 @@ def test_compiled_steps_on_jax_are_jax_jit(reference: Path) -> None:
                 assert float(np.max(error, initial=0.0)) <= 1e-5, (case.name, key)
     with pytest.raises(unimesh.LayoutError, match=r"compile\(\) needs a function, got 3"):
         unimesh.compile(3, backend="jax")  # type: ignore[arg-type]
+    with pytest.raises(unimesh.LayoutError, match=r"compiler_options is a dict .*got 3"):
+        unimesh.compile(lambda x: x, backend="jax", compiler_options=3)  # type: ignore[arg-type]
     with pytest.raises(unimesh.UnsupportedError, match="does not implement compile"):
         unimesh.compile(lambda x: x, backend="tensorflow")
 
