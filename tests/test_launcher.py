@@ -66,8 +66,48 @@ def test_no_launcher_and_partial_variables():
 
 
 def test_two_framework_launchers_at_once_are_an_error():
-    with pytest.raises(LaunchError, match=r"both torchrun .* and jax.distributed .*backend="):
+    with pytest.raises(LaunchError, match=r"started by both .* and .*backend=") as caught:
         detect_launcher({**TORCHRUN, **JAX})
+    assert "torchrun (" in str(caught.value) and "jax.distributed (" in str(caught.value)
+
+
+def test_launchers_are_declared_by_the_backends():
+    """The core finds a launcher only through a backend's launcher_signs: a backend
+    registered in this process with a sign of its own is found by it, and its sign yields to
+    a framework's launcher when both mark the environment."""
+    from .refbackend import RefBackend
+
+    from unimesh.launchers import LauncherSign
+
+    class Launched(RefBackend):
+        name = "launched"
+        launcher_signs = (
+            LauncherSign("mylaunch", any_set=("MY_RANK",), rank_var="MY_RANK", size_var="MY_N"),
+            LauncherSign("mympi", any_set=("MY_MPI",), names_framework=False),
+        )
+
+    unimesh.register_backend(Launched())
+    try:
+        found = detect_launcher({"MY_RANK": "2", "MY_N": "4"})
+        assert found == ("mylaunch", "launched", 2, 4, "MY_RANK='2', MY_N='4'")
+        assert detect_launcher({"MY_MPI": "1"}).name == "mympi"
+        assert detect_launcher({"MY_MPI": "1", **JAX}).name == "jax.distributed"
+        with pytest.raises(LaunchError, match="started by both"):
+            detect_launcher({"MY_RANK": "0", **TORCHRUN})
+    finally:
+        unimesh.unregister_backend("launched")
+    assert detect_launcher({"MY_RANK": "2"}) is None
+
+
+def test_a_backend_with_malformed_launcher_signs_is_refused():
+    from .refbackend import RefBackend
+
+    class Bad(RefBackend):
+        name = "badsigns"
+        launcher_signs = (("torchrun", "RANK"),)  # type: ignore[assignment]
+
+    with pytest.raises(unimesh.BackendRegistrationError, match="launcher_signs must be a tuple"):
+        unimesh.register_backend(Bad())
 
 
 def test_initialize_outside_a_launcher_runs_one_process(monkeypatch):

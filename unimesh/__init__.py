@@ -9,6 +9,7 @@ from __future__ import annotations
 from .backend import CAPABILITIES, CONCEPTS, FEATURES, LAYERS, Backend
 from .checkpoint import Checkpoint, SaveHandle, async_save, load, open_checkpoint, save
 from .config import Config, load_config
+from .convert import distribute, from_local, from_native, local_shards, to_native
 from .errors import (
     AxisContextError,
     BackendNotFoundError,
@@ -47,18 +48,7 @@ from .parallel import (
     value_and_grad,
 )
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
-from .registry import (
-    backends,
-    distribute,
-    from_local,
-    from_native,
-    get_backend,
-    local_shards,
-    refresh_backends,
-    register_backend,
-    to_native,
-    unregister_backend,
-)
+from .registry import backends, get_backend, refresh_backends, register_backend, unregister_backend
 from .rules import AxisRules, LayoutMap
 from .runtime import Launcher, detect_launcher, initialize, verify
 from .spec import P, PartitionSpec

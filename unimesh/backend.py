@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 from .errors import UnsupportedError
 
 if TYPE_CHECKING:
+    from .launchers import LauncherSign
     from .layout import Layout
     from .mesh import Mesh
-    from .parallel import Body, SpecTree
+    from .program import Body, SpecTree
     from .rules import LayoutMap
 
 __all__ = ["CAPABILITIES", "CONCEPTS", "DERIVED", "FEATURES", "LAYERS", "Backend", "Layer"]
@@ -192,6 +193,9 @@ class Backend:
             API it translates to (documentation; generates the cross-framework table).
         launcher_name: how :meth:`launcher` starts processes, in a few words for tables
             (``"torchrun, gloo"``); the launcher's program name when empty.
+        launcher_signs: the launchers that start this backend's runtime, each as the
+            environment variables it sets (:class:`~unimesh.launchers.LauncherSign`):
+            :func:`unimesh.detect_launcher` and backend detection read them.
         requires: backends this one builds on (Keras: ``("jax",)``); they must be installed
             too.
         max_simulated_devices: the most devices :meth:`prepare_devices` will ask the framework
@@ -215,6 +219,7 @@ class Backend:
     wraps: ClassVar[tuple[str, ...]] = ()
     native_api: ClassVar[dict[str, str]] = {}
     launcher_name: ClassVar[str] = ""
+    launcher_signs: ClassVar[tuple[LauncherSign, ...]] = ()
     requires: ClassVar[tuple[str, ...]] = ()
     max_simulated_devices: ClassVar[int | None] = None
     #: the most mesh axes the framework's mesh can hold (None: the core's limit, 64)
@@ -524,7 +529,7 @@ class Backend:
     # == layer 3, programs (optional) ============================================================
     def shard_map(self, body: Body, mesh: Mesh, ins: SpecTree, outs: SpecTree) -> Any:
         """A function of the global arguments that runs ``body(env, *blocks)`` on every device
-        with an :class:`~unimesh.parallel.AxisEnv` ``env`` and returns the native distributed
+        with an :class:`~unimesh.program.AxisEnv` ``env`` and returns the native distributed
         results (``shard_map``, with :meth:`full_array`). ``ins`` and ``outs`` are pytree
         prefixes of Layouts. Backends that run one device per process derive from
         :class:`unimesh.spmd.ProcessBackend`, which implements this."""

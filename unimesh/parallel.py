@@ -14,23 +14,21 @@ differentiate a function of global arrays with the backend's own autodiff.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from contextvars import ContextVar
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from .backend import Backend
-from .errors import AxisContextError, ConversionError, LayoutError
+from .errors import ConversionError, LayoutError
 from .layout import Layout
 from .mesh import Mesh
 from .messages import short
+from .program import Body, Program, SpecTree, current_env
 from .rules import AxisRules, LayoutMap
 from .spec import PartitionSpec
 
 __all__ = [
-    "AxisEnv",
     "all_gather",
     "all_to_all",
     "axis_index",
@@ -50,87 +48,6 @@ __all__ = [
     "stop_gradient",
     "value_and_grad",
 ]
-
-
-class AxisEnv:
-    """What a backend provides inside :func:`shard_map`: the collectives over mesh axes.
-
-    Every argument reaching these methods has been checked by the core: ``axes`` is a non-empty
-    tuple of distinct axis names of :attr:`mesh`, dims are in range and divide as the
-    collective needs, ``perm`` is a partial permutation of ``0..n-1``. JAX implements them
-    with ``jax.lax``; per-process backends get them from :class:`unimesh.spmd.ProcessAxisEnv`.
-    """
-
-    def __init__(self, mesh: Mesh, device: int | None = None) -> None:
-        self.mesh = mesh
-        #: this process's logical device id, where one device runs the function (torch, MLX)
-        self.device = device
-        self._checked: dict[Any, tuple[str, ...]] = {}
-        self._sizes: dict[tuple[str, ...], int] = {}
-
-    def axes(self, axis: Any, call: str) -> tuple[str, ...]:
-        """``axis`` (a name or a sequence of names) checked against the mesh, as a tuple."""
-        try:
-            return self._checked[axis]
-        except (KeyError, TypeError):  # TypeError: an unhashable sequence (a list)
-            names = self.mesh._axes(axis, f"{call}() axis")
-            if isinstance(axis, (str, tuple)):
-                self._checked[axis] = names
-            return names
-
-    def size(self, axes: tuple[str, ...]) -> int:
-        try:
-            return self._sizes[axes]
-        except KeyError:
-            n = self._sizes[axes] = math.prod(self.mesh.axis_size(a) for a in axes)
-            return n
-
-    def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
-        """``op`` ("sum", "max" or "min") over the devices that differ only along ``axes``."""
-        raise NotImplementedError
-
-    def all_gather(
-        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
-    ) -> Any:
-        """Every member's ``x`` in the order of their index along ``axes`` (row-major)."""
-        raise NotImplementedError
-
-    def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
-        raise NotImplementedError
-
-    def all_to_all(
-        self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int, tiled: bool
-    ) -> Any:
-        raise NotImplementedError
-
-    def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
-        raise NotImplementedError
-
-    def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
-        raise NotImplementedError
-
-    def axis_index(self, axes: tuple[str, ...]) -> Any:
-        """This device's row-major index along ``axes``."""
-        if self.device is None:
-            raise NotImplementedError
-        coords = self.mesh.coords(self.device)
-        index = 0
-        for axis in axes:
-            index = index * self.mesh.axis_size(axis) + coords[axis]
-        return index
-
-
-_ENV: ContextVar[AxisEnv | None] = ContextVar("unimesh_axis_env", default=None)
-
-
-def _env(call: str, axis: object) -> tuple[AxisEnv, tuple[str, ...]]:
-    env = _ENV.get()
-    if env is None:
-        raise AxisContextError(
-            f"unimesh.{call}({short(axis)}) was called outside unimesh.shard_map; call it inside "
-            "the function given to unimesh.shard_map(f, mesh, in_specs, out_specs)"
-        )
-    return env, env.axes(axis, call)
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -166,20 +83,20 @@ def _divides(
 
 def psum(x: Any, axis_name: str | Sequence[str]) -> Any:
     """The sum of ``x`` over the devices along ``axis_name`` (a name or a tuple of names)."""
-    env, axes = _env("psum", axis_name)
+    env, axes = current_env("psum", axis_name)
     return env.reduce(x, axes, "sum")
 
 
 def pmean(x: Any, axis_name: str | Sequence[str]) -> Any:
     """The mean of ``x`` over the devices along ``axis_name``."""
-    env, axes = _env("pmean", axis_name)
+    env, axes = current_env("pmean", axis_name)
     return env.reduce(x, axes, "sum") / env.size(axes)
 
 
 def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
     """The elementwise maximum of ``x`` over the devices along ``axis_name``. Like ``jax.lax.pmax``
     it has no derivative: stop the gradient before it (``.detach()``, ``stop_gradient``)."""
-    env, axes = _env("pmax", axis_name)
+    env, axes = current_env("pmax", axis_name)
     return env.reduce(x, axes, "max")
 
 
@@ -244,7 +161,7 @@ def stop_gradient(x: Any) -> Any:
 
 def pmin(x: Any, axis_name: str | Sequence[str]) -> Any:
     """The elementwise minimum of ``x`` over the devices along ``axis_name`` (no derivative)."""
-    env, axes = _env("pmin", axis_name)
+    env, axes = current_env("pmin", axis_name)
     return env.reduce(x, axes, "min")
 
 
@@ -266,7 +183,7 @@ def all_gather(
     ``axis=`` is JAX's name for ``dim``. Unlike ``jax.lax.all_gather``, ``tiled`` is True by
     default (torch's ``all_gather_into_tensor``): pass it explicitly when porting JAX code.
     """
-    env, axes = _env("all_gather", axis_name)
+    env, axes = current_env("all_gather", axis_name)
     if axis is not None:
         if dim not in (0, axis):
             raise LayoutError(
@@ -293,7 +210,7 @@ def psum_scatter(
     ``scatter_dimension`` (a reduce-scatter, ``jax.lax.psum_scatter``'s meaning): with
     ``tiled=False`` that dim has one entry per device and disappears; with ``tiled=True`` it is
     split into equal blocks, the device at index ``i`` keeping block ``i``."""
-    env, axes = _env("psum_scatter", axis_name)
+    env, axes = current_env("psum_scatter", axis_name)
     ndim = len(_shape(x))
     if ndim == 0:
         raise LayoutError("psum_scatter() needs an array with a dim to scatter, got a scalar")
@@ -309,7 +226,7 @@ def all_to_all(
     block ``j`` to the device at index ``j``, and puts what it receives along ``concat_axis`` in
     the senders' order (``jax.lax.all_to_all``'s meaning: with ``tiled=False`` the split dim
     has one entry per device and a new dim of that size appears at ``concat_axis``)."""
-    env, axes = _env("all_to_all", axis_name)
+    env, axes = current_env("all_to_all", axis_name)
     ndim = len(_shape(x))
     if ndim == 0:
         raise LayoutError("all_to_all() needs an array with a dim to split, got a scalar")
@@ -349,7 +266,7 @@ def ppermute(x: Any, axis_name: str | Sequence[str], perm: Sequence[tuple[int, i
     """Send ``x`` from the device at index ``src`` to the one at ``dst`` for every pair of
     ``perm`` (indices along ``axis_name``); a device no pair sends to gets zeros
     (``jax.lax.ppermute``'s meaning)."""
-    env, axes = _env("ppermute", axis_name)
+    env, axes = current_env("ppermute", axis_name)
     n = env.size(axes)
     pairs: tuple[Any, ...] | None
     try:  # a step passes the same perm at every call: checked once
@@ -373,7 +290,7 @@ _PERMS: set[tuple[tuple[tuple[int, int], ...], int]] = set()
 def pbroadcast(x: Any, axis_name: str | Sequence[str], source: int) -> Any:
     """The value of ``x`` on the device at index ``source`` along ``axis_name``, on every device of
     the axis (``jax.lax.pbroadcast``'s meaning; its gradient flows back to the source)."""
-    env, axes = _env("pbroadcast", axis_name)
+    env, axes = current_env("pbroadcast", axis_name)
     n = env.size(axes)
     if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < n:
         raise LayoutError(
@@ -386,134 +303,14 @@ def axis_index(axis_name: str | Sequence[str]) -> Any:
     """This device's index along ``axis_name`` (row-major over a tuple of names): a traced
     scalar under JAX, a 0-d tensor on torch (tagged as varying along the axis), a Python int
     on MLX."""
-    env, axes = _env("axis_index", axis_name)
+    env, axes = current_env("axis_index", axis_name)
     return env.axis_index(axes)
 
 
 def axis_size(axis_name: str | Sequence[str]) -> int:
     """The number of devices along ``axis_name`` (the product over a tuple of names)."""
-    env, axes = _env("axis_size", axis_name)
+    env, axes = current_env("axis_size", axis_name)
     return env.size(axes)
-
-
-# -- spec trees -------------------------------------------------------------------------------
-def _is_spec(x: object) -> bool:
-    return x is None or isinstance(x, (PartitionSpec, Layout))
-
-
-class _Static:
-    """Where ``in_specs`` has None: the argument leaves below it pass through unchanged
-    (``jax.shard_map``'s meaning: not an array to lay out, e.g. a flag or an object)."""
-
-    def __repr__(self) -> str:
-        return "None"
-
-
-#: the marker of a None in_spec in :attr:`SpecTree.tree`
-STATIC = _Static()
-
-
-def _is_layout(x: object) -> bool:
-    return x is STATIC or isinstance(x, Layout)
-
-
-class SpecTree:
-    """``in_specs`` or ``out_specs``: a pytree prefix whose leaves are specs (``P``, a Layout,
-    or None), each turned into a :class:`Layout` on the mesh. A None out_spec means ``P()``;
-    a None in_spec marks static arguments (JAX's meaning): :meth:`for_leaves` gives None for
-    the leaves below it, which the backend passes to the function unchanged (an array among
-    them is seen whole, as under ``P()``)."""
-
-    def __init__(self, mesh: Mesh, specs: Any, what: str) -> None:
-        import optree
-
-        self.what = what
-        self.mesh = mesh
-        leaves, self.treedef = optree.tree_flatten(specs, is_leaf=_is_spec, none_is_leaf=True)
-        layouts = []
-        static = []
-        for path, spec in zip(optree.treespec_paths(self.treedef), leaves):
-            where = what + "".join(f"[{p!r}]" for p in path)
-            if isinstance(spec, Layout):
-                if spec.mesh != mesh:
-                    raise LayoutError(f"{where} is a layout on {spec.mesh!r}, not on {mesh!r}")
-                layouts.append(spec)
-            elif isinstance(spec, PartitionSpec) or spec is None:
-                layouts.append(Layout(mesh, spec if spec is not None else PartitionSpec()))
-            else:
-                raise LayoutError(
-                    f"{where} must be a P(...) (None for replicated), got {short(spec)}"
-                )
-            static.append(spec is None and what == "in_specs")
-        self.layouts = tuple(layouts)
-        #: per spec leaf: a None in_spec (its arguments pass through unchanged)
-        self.static = tuple(static)
-        self.tree = optree.tree_unflatten(
-            self.treedef, [STATIC if s else lay for lay, s in zip(self.layouts, static)]
-        )
-        self._per_leaf: dict[Any, tuple[Layout | None, ...]] = {}
-
-    def map(self, fn: Callable[[Layout], Any]) -> Any:
-        """The spec tree with every layout replaced by ``fn(layout)`` (same containers); a
-        static in_spec stays None."""
-        import optree
-
-        return optree.tree_unflatten(
-            self.treedef,
-            [None if s else fn(lay) for lay, s in zip(self.layouts, self.static)],
-        )
-
-    def for_leaves(self, tree: Any, treedef: Any) -> tuple[Layout | None, ...]:
-        """The layout of every leaf of ``tree`` (whose structure is ``treedef``), by prefix;
-        None for a leaf below a None in_spec. None nodes of ``tree`` have no leaves, as in
-        JAX: an argument that is None takes no spec from the arguments after it."""
-        try:
-            return self._per_leaf[treedef]
-        except KeyError:
-            pass
-        import optree
-
-        try:
-            full = optree.tree_broadcast_prefix(self.tree, tree, is_leaf=_is_layout)
-        except ValueError as exc:
-            raise LayoutError(
-                f"{self.what} {short(self.tree)} is not a prefix of the "
-                f"{'arguments' if self.what == 'in_specs' else 'results'} {short(tree)}: "
-                f"{str(exc).splitlines()[0]}"
-            ) from None
-        layouts: tuple[Layout | None, ...] = tuple(
-            v if isinstance(v, Layout) else None
-            for v in optree.tree_leaves(full, is_leaf=_is_layout)
-        )
-        self._per_leaf[treedef] = layouts
-        return layouts
-
-
-class Body:
-    """The user's function, run with the backend's :class:`AxisEnv` as the current one; its
-    result must have ``out_specs`` as a prefix (checked here, for every backend)."""
-
-    def __init__(self, f: Callable[..., Any], outs: SpecTree) -> None:
-        self.f = f
-        self.outs = outs
-        #: per-process engines check that processes agree on every collective (shard_map)
-        self.checked = False
-
-    def __call__(self, env: AxisEnv, *blocks: Any) -> Any:
-        return self.flat(env, *blocks)[0]
-
-    def flat(self, env: AxisEnv, *blocks: Any) -> tuple[Any, list[Any], Any, tuple[Layout, ...]]:
-        """The result, its leaves, its treedef and the out layout of every leaf."""
-        import optree
-
-        token = _ENV.set(env)
-        try:
-            result = self.f(*blocks)
-        finally:
-            _ENV.reset(token)
-        leaves, treedef = optree.tree_flatten(result)
-        outs = self.outs.for_leaves(result, treedef)  # out_specs have no static leaves
-        return result, leaves, treedef, cast("tuple[Layout, ...]", outs)
 
 
 def shard_map(
@@ -548,7 +345,8 @@ def shard_map(
         A function of the global arguments that returns the backend's distributed arrays
         (``jax.Array``, torch ``DTensor``, ``unimesh_mlx.MLXArray``) in the result's tree.
     """
-    from .registry import get_backend, require_layout, require_mesh
+    from .convert import require_layout, require_mesh
+    from .registry import get_backend
 
     if not callable(f):
         raise LayoutError(f"shard_map() needs a function, got {short(f)}")
@@ -568,7 +366,7 @@ def shard_map(
     body = Body(f, outs)
     body.checked = bool(checked)
     run = be.shard_map(body, mesh, ins, outs)
-    flat = getattr(run, "run_flat", None)
+    flat = run.run_flat if isinstance(run, Program) else None
     n_in = len(in_specs) if isinstance(in_specs, (tuple, list)) else None
     seen: set[tuple[int, tuple[int, ...]]] = set()
 
@@ -705,7 +503,7 @@ def full_array(array: Any, backend: str | Backend | None = None) -> Any:
 def _resolver(
     rules: LayoutMap | AxisRules, mesh: Mesh | None, logical_axes: Any, be: Backend
 ) -> Callable[[str, tuple[int, ...]], Layout]:
-    from .registry import require_layout
+    from .convert import require_layout
 
     if isinstance(rules, LayoutMap):
         if mesh is not None and mesh != rules.mesh:

@@ -17,87 +17,24 @@ from .errors import (
     UnimeshError,
     UnsupportedError,
 )
+from .launchers import Launcher, find_launcher
 from .mesh import Mesh
 from .messages import short
+from .registry import _REGISTRY, ENV_VAR, get_backend
 
 __all__ = ["Launch", "Launcher", "detect_launcher", "fingerprint", "initialize", "verify"]
-
-
-class Launcher(NamedTuple):
-    """A launcher found in this process's environment (:func:`detect_launcher`)."""
-
-    #: ``"torchrun"``, ``"jax.distributed"``, ``"mlx.launch"`` or ``"mpirun"``
-    name: str
-    #: the unimesh backend whose runtime it starts
-    backend: str
-    #: this process's index and the number of processes, where the environment says them
-    rank: int | None
-    processes: int | None
-    #: the variables that gave it away, as ``NAME=value`` text
-    evidence: str
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.evidence})"
-
-
-def _int(env: Mapping[str, str], var: str) -> int | None:
-    value = env.get(var, "")
-    return int(value) if value.isascii() and value.isdigit() and len(value) < 10 else None
-
-
-def _evidence(env: Mapping[str, str], names: tuple[str, ...]) -> str:
-    return ", ".join(f"{v}={short(env[v], 40)}" for v in names if v in env)
-
-
-def _launchers(env: Mapping[str, str]) -> list[Launcher]:
-    found: list[Launcher] = []
-    names: tuple[str, ...]
-    torch_vars = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    if "TORCHELASTIC_RUN_ID" in env or all(v in env for v in torch_vars):
-        names = ("TORCHELASTIC_RUN_ID", *torch_vars)
-        found.append(
-            Launcher(
-                "torchrun",
-                "torch",
-                _int(env, "RANK"),
-                _int(env, "WORLD_SIZE"),
-                _evidence(env, names),
-            )
-        )
-    if env.get("JAX_COORDINATOR_ADDRESS"):
-        names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-        rank, procs = _int(env, "JAX_PROCESS_ID"), _int(env, "JAX_NUM_PROCESSES")
-        found.append(Launcher("jax.distributed", "jax", rank, procs, _evidence(env, names)))
-    if env.get(KERAS_VARS[0]):
-        rank, procs = _int(env, KERAS_VARS[2]), _int(env, KERAS_VARS[1])
-        found.append(
-            Launcher("keras.distribution", "keras", rank, procs, _evidence(env, KERAS_VARS))
-        )
-    if "MLX_RANK" in env:
-        names = ("MLX_RANK", "MLX_WORLD_SIZE", "MLX_HOSTFILE")
-        rank, procs = _int(env, "MLX_RANK"), _int(env, "MLX_WORLD_SIZE")
-        found.append(Launcher("mlx.launch", "mlx", rank, procs, _evidence(env, names)))
-    for rank_var, size_var in (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-        ("PMI_RANK", "PMI_SIZE"),
-    ):
-        if size_var in env:
-            rank, procs = _int(env, rank_var), _int(env, size_var)
-            evidence = _evidence(env, (rank_var, size_var))
-            found.append(Launcher("mpirun", "mlx", rank, procs, evidence))
-            break
-    return found
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None:
     """The launcher that started this process, read from its environment (``os.environ``
     unless ``environ`` is given), or None outside one.
 
-    torchrun (``TORCHELASTIC_RUN_ID``, or ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
-    ``MASTER_PORT``) starts the torch backend; ``JAX_COORDINATOR_ADDRESS`` the jax backend;
-    mlx.launch (``MLX_RANK``) and mpirun (``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE``) the mlx
-    backend. torchrun and jax.distributed name their framework, so they win over an MPI
-    environment around them; both at once is a :class:`~unimesh.LaunchError`.
+    Each installed backend declares the launchers that start its runtime, as the variables
+    that mark their processes (``Backend.launcher_signs``: torchrun's ``TORCHELASTIC_RUN_ID``,
+    mpirun's ``OMPI_COMM_WORLD_SIZE`` ...); the core keeps no list of them. A launcher of one
+    framework wins over a generic one (an MPI environment around it); two frameworks'
+    launchers at once are a :class:`~unimesh.LaunchError`. Loads the backends' plugin
+    modules, no framework.
     """
     env = os.environ if environ is None else environ
     if not isinstance(env, Mapping):
@@ -105,23 +42,12 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
             f"detect_launcher() reads a mapping of environment variables (like os.environ), "
             f"got {short(environ)}"
         )
-    found = _launchers(env)
-    named = [f for f in found if f.name in ("torchrun", "jax.distributed", "keras.distribution")]
-    if len(named) > 1:
-        raise LaunchError(
-            f"this process looks started by both {named[0]} and {named[1]}; pass backend=... "
-            "to say which runtime to start"
-        )
-    if named:
-        return named[0]
-    return found[0] if found else None
+    return find_launcher(_REGISTRY.all_loaded(), env)
 
 
 def _runtime_backend(backend: Any) -> Any:
     """The backend to start: the one given (or in ``UNIMESH_BACKEND``), else the launcher's,
     else the one detected from the imported frameworks."""
-    from .registry import ENV_VAR, get_backend
-
     if backend is not None or os.environ.get(ENV_VAR, "").strip():
         return get_backend(backend)  # given, or named by UNIMESH_BACKEND: that one
     launcher = detect_launcher()

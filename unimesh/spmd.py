@@ -37,7 +37,7 @@ from .backend import Backend
 from .errors import LayoutError, MeshMismatchError, UnsupportedError
 from .layout import Layout
 from .mesh import Mesh
-from .parallel import AxisEnv, Body, SpecTree
+from .program import AxisEnv, Body, Program, SpecTree
 from .spec import PartitionSpec
 
 __all__ = ["ENGINE_REQUIRED", "PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
@@ -297,7 +297,7 @@ class ProcessBackend(Backend):
         return env
 
 
-class _Program:
+class _Program(Program):
     """One shard_map program on a per-process backend."""
 
     def __init__(

@@ -24,8 +24,9 @@ from unimesh import (
     P,
     UnsupportedError,
 )
+from unimesh.launchers import LauncherSign
 from unimesh.messages import first_line, short
-from unimesh.parallel import AxisEnv
+from unimesh.program import AxisEnv
 
 from .runtime import leave_without_peers, processes, rendezvous
 
@@ -137,6 +138,15 @@ class JaxBackend(Backend):
 
     name = "jax"
     framework = "jax"
+    launcher_signs = (
+        LauncherSign(
+            "jax.distributed",
+            any_set=("JAX_COORDINATOR_ADDRESS",),
+            rank_var="JAX_PROCESS_ID",
+            size_var="JAX_NUM_PROCESSES",
+            evidence=_JAX_ENV,
+        ),
+    )
     extra = "jax"
     native_modules = ("jax",)
     features = frozenset({"axis_types", "multi_process", "partial", "tuple_axes"})

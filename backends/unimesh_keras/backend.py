@@ -24,7 +24,9 @@ from unimesh import (
     P,
     UnsupportedError,
 )
+from unimesh.launchers import LauncherSign
 from unimesh.messages import short
+from unimesh.runtime import KERAS_VARS
 
 __all__ = ["KerasBackend", "distribution"]
 
@@ -45,6 +47,16 @@ class KerasBackend(Backend):
     """Keras 3 ``keras.distribution`` (which runs on Keras's JAX backend)."""
 
     name = "keras"
+    #: the variables keras.distribution.initialize reads (unimesh.initialize reads them too)
+    launcher_signs = (
+        LauncherSign(
+            "keras.distribution",
+            any_set=(KERAS_VARS[0],),
+            rank_var=KERAS_VARS[2],
+            size_var=KERAS_VARS[1],
+            evidence=KERAS_VARS,
+        ),
+    )
     #: it simulates devices through JAX (XLA_FLAGS), with JAX's limit
     max_simulated_devices = 4096
     max_mesh_axes = 32  # Keras builds a jax.sharding.Mesh (32 dims at most)

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from unimesh import Layout, Mesh, PartitionSpec
+from unimesh.launchers import LauncherSign
 
 from .programs import MLXPrograms, shard_linear
 from .runtime import _mx
@@ -24,6 +25,33 @@ class MLXBackend(MLXPrograms):
 
     name = "mlx"
     launcher_name = "mlx.launch, ring"
+    #: generic (names_framework=False): each yields to a framework's own launcher around it
+    launcher_signs = (
+        LauncherSign(
+            "mlx.launch",
+            any_set=("MLX_RANK",),
+            rank_var="MLX_RANK",
+            size_var="MLX_WORLD_SIZE",
+            evidence=("MLX_RANK", "MLX_WORLD_SIZE", "MLX_HOSTFILE"),
+            names_framework=False,
+        ),
+        LauncherSign(
+            "mpirun",
+            any_set=("OMPI_COMM_WORLD_SIZE",),
+            rank_var="OMPI_COMM_WORLD_RANK",
+            size_var="OMPI_COMM_WORLD_SIZE",
+            evidence=("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+            names_framework=False,
+        ),
+        LauncherSign(
+            "mpirun",
+            any_set=("PMI_SIZE",),
+            rank_var="PMI_RANK",
+            size_var="PMI_SIZE",
+            evidence=("PMI_RANK", "PMI_SIZE"),
+            names_framework=False,
+        ),
+    )
     lazy = True  # collectives run when evaluated: the engine chains them in program order
     framework = "mlx"
     extra = "mlx"
@@ -140,7 +168,7 @@ class MLXBackend(MLXPrograms):
 
         if not isinstance(model, Module):
             return None
-        from unimesh.registry import from_local
+        from unimesh.convert import from_local
 
         from .runtime import mx_to_host
 

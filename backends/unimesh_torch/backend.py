@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from unimesh import Layout, Mesh, Partial, Shard, StridedShard
+from unimesh.launchers import LauncherSign
 
 from .programs import TorchPrograms
 from .runtime import _torch
@@ -25,6 +26,15 @@ class TorchBackend(TorchPrograms):
 
     name = "torch"
     launcher_name = "torchrun, gloo"
+    launcher_signs = (
+        LauncherSign(
+            "torchrun",
+            any_set=("TORCHELASTIC_RUN_ID",),
+            all_set=("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+            rank_var="RANK",
+            size_var="WORLD_SIZE",
+        ),
+    )
     framework = "torch"
     extra = "torch"
     native_modules = ("torch", "unimesh_torch")

@@ -70,7 +70,7 @@ def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
 def layout_of(leaf: Any) -> Layout | None:
     """The layout of a backend's distributed array (None for a host array): an ``MLXArray``'s
     ``layout``, a DTensor's placements, a ``jax.Array``'s (or Keras variable's) sharding."""
-    from ..registry import from_native
+    from ..convert import from_native
 
     found = getattr(leaf, "layout", None)
     if isinstance(found, Layout):
@@ -429,7 +429,7 @@ def _blocks(
     name: str, leaf: Any, layout: Layout | None, be: Any, rank: int
 ) -> tuple[list[tuple[tuple[int, ...], np.ndarray]], tuple[int, ...], str]:
     """(the blocks this process writes, as (offset, array)), the global shape and dtype."""
-    from ..registry import local_shards
+    from ..convert import local_shards
 
     if layout is None:
         host = np.asarray(leaf)
@@ -830,7 +830,8 @@ def load(
     ``target`` may also be a framework's model (a torch ``nn.Module``, a Keras model, an
     ``mlx.nn.Module``): each of its arrays is loaded in its own layout (no gather) and
     written into the model in place, which is returned."""
-    from ..registry import from_local, get_backend, owner_of
+    from ..convert import from_local
+    from ..registry import get_backend, owner_of
     from ..rules import AxisRules, LayoutMap
 
     as_model = model_state(target, backend)

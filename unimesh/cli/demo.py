@@ -60,7 +60,7 @@ def trial(
     ``step`` hears the name of each of :data:`STEPS` as it begins."""
     import numpy as np
 
-    from ..registry import distribute, to_native
+    from ..convert import distribute, to_native
 
     layout, x, w = demo_problem(mesh)
     try:

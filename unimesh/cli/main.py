@@ -131,8 +131,9 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from ..convert import require_layout, to_native
     from ..layout import Layout
-    from ..registry import backends, get_backend, load_backend, require_layout, to_native
+    from ..registry import backends, get_backend, load_backend
     from ..runtime import detect_launcher
     from .show import parse_spec
 
