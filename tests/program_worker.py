@@ -81,7 +81,7 @@ def main() -> int:
             report["rules-only-when-traced"] = program_cases.mlx_rules_only_when_traced(mesh)
         except Exception:  # noqa: BLE001 - any failure is reported
             report["rules-only-when-traced"] = traceback.format_exc(limit=6)
-    if getattr(unimesh.get_backend(backend), "typed", False):  # JAX's check_vma refusal too
+    if getattr(unimesh.get_backend(backend), "check_vma", False):  # JAX's check_vma refusal too
         try:
             unimesh.shard_map(lambda b: b * 2, mesh, P("dp"), P(), backend=backend)(
                 np.ones((4, 2), np.float32)

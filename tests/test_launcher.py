@@ -75,9 +75,9 @@ def test_launchers_are_declared_by_the_backends():
     """The core finds a launcher only through a backend's launcher_signs: a backend
     registered in this process with a sign of its own is found by it, and its sign yields to
     a framework's launcher when both mark the environment."""
-    from .refbackend import RefBackend
-
     from unimesh.launchers import LauncherSign
+
+    from .refbackend import RefBackend
 
     class Launched(RefBackend):
         name = "launched"

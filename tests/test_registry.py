@@ -261,6 +261,20 @@ def test_entry_point_discovery_is_lazy(tmp_path: Path) -> None:
                 unimesh.get_backend(name)
             except unimesh.UnimeshError as exc:
                 out[name] = [type(exc).__name__, str(exc)]
+        # pluggy's plugin manager loaded the entry point, and its hook answered
+        from unimesh.registry import _REGISTRY
+        pm = _REGISTRY.pm
+        out["plugin"] = pm.get_plugin("fake").__name__
+        out["dists"] = [d.project_name for _, d in pm.list_plugin_distinfo()]
+        out["hook"] = sorted(b.name for b in pm.hook.unimesh_backend())
+        # a backend registered in this process under an installed name replaces it, before
+        # or after its plugin is loaded; unregistered, the installed one is back
+        class Mine(type(be)):
+            pass
+        unimesh.register_backend(Mine(), replace=True)
+        out["replaced"] = type(unimesh.get_backend("fake")).__name__
+        unimesh.unregister_backend("fake")
+        out["back"] = type(unimesh.get_backend("fake")).__name__
         print(json.dumps(out))
     """)
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
@@ -282,6 +296,9 @@ def test_entry_point_discovery_is_lazy(tmp_path: Path) -> None:
     assert "no_such_module_q" in out["broken"][1]
     assert out["liar"][0] == "BackendNotFoundError"
     assert "provides no backend named 'liar'" in out["liar"][1]
+    assert out["plugin"] == "fakeplug_pkg" and "fakeplug" in out["dists"]
+    assert "fake" in out["hook"] and "liar" not in out["hook"]  # the liar was unregistered
+    assert out["replaced"] == "Mine" and out["back"] == "FakeBackend"
 
 
 def test_installed_backends_declare_native_apis_for_what_they_do():
@@ -404,3 +421,30 @@ def test_a_process_backend_gets_shard_map_only_with_the_engine_primitives():
     assert liar.contract_problems() == [
         "lists 'split' in native_primitives but implements no split_group"
     ]
+
+
+def test_a_process_backend_whose_init_skips_the_engine_is_refused_naming_the_fix():
+    """The engine keeps its state in ProcessBackend.__init__; a subclass whose __init__ does
+    not call it is refused when registered (not later, in the middle of a program)."""
+    from unimesh.spmd import ENGINE_REQUIRED, ProcessBackend
+
+    hooks = {h: _hook(h) for h in (*ENGINE_REQUIRED, "full_array")}
+    base = {"mesh_to_native": _hook("m"), "from_native": _hook("f"), "framework": "numpy"}
+
+    def skips(self):  # type: ignore[no-untyped-def]
+        self.mine = 1
+
+    def calls(self):  # type: ignore[no-untyped-def]
+        super(type(self), self).__init__()
+        self.mine = 1
+
+    skipping = type(
+        "Skips", (ProcessBackend,), {**base, **hooks, "name": "pskip", "__init__": skips}
+    )
+    with pytest.raises(BackendRegistrationError, match=r"call super\(\).__init__\(\) first"):
+        unimesh.register_backend(skipping())
+    calling = type(
+        "Calls", (ProcessBackend,), {**base, **hooks, "name": "pcall", "__init__": calls}
+    )
+    unimesh.register_backend(calling())
+    unimesh.unregister_backend("pcall")

@@ -258,7 +258,7 @@ def meet(procs: int, ids: list[int], counts: list[int] | None = None, timeout: f
     return each one's LaunchError message, or None."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from unimesh_jax.runtime import rendezvous
+    from unimesh_jax.rendezvous import rendezvous
 
     address = f"127.0.0.1:{free_port()}"
 
@@ -306,7 +306,7 @@ def test_jax_rendezvous_ignores_strangers():
     import socket
     import threading
 
-    from unimesh_jax.runtime import rendezvous
+    from unimesh_jax.rendezvous import rendezvous
 
     address = f"127.0.0.1:{free_port()}"
     said: list[object] = []
@@ -336,14 +336,14 @@ def test_jax_rendezvous_ignores_strangers():
 
 @pytest.mark.parametrize("address", ["nohost", "host:", ":80", "host:99999", "host:\u0662", "h:-1"])
 def test_jax_coordinator_address_is_checked(address):
-    from unimesh_jax.runtime import split_address
+    from unimesh_jax.rendezvous import split_address
 
     with pytest.raises(unimesh.LaunchError, match="JAX_COORDINATOR_ADDRESS must be host:port"):
         split_address(address)
 
 
 def test_jax_coordinator_address_forms():
-    from unimesh_jax.runtime import split_address
+    from unimesh_jax.rendezvous import split_address
 
     assert split_address("10.0.0.1:1234") == ("10.0.0.1", 1234)
     assert split_address("[::1]:80") == ("::1", 80)

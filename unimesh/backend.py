@@ -259,6 +259,11 @@ class Backend:
             if layer.required or any(cls.implements(h) for h in layer.all_hooks)
         )
 
+    def instance_problems(self) -> list[str]:
+        """What this instance gets wrong (checked when it is registered), each with its fix:
+        e.g. state a base class declares in ``__init__`` that a subclass never set up."""
+        return []
+
     @classmethod
     def contract_problems(cls) -> list[str]:
         """What this class gets wrong about the contract (checked when it is registered), each

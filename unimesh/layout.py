@@ -105,7 +105,7 @@ class Layout:
     def _repr_html_(self) -> str:
         """The mesh's grid in a notebook, each device with its block index per tensor dim
         (:func:`unimesh.visual.html`)."""
-        from .visual import html
+        from .visual import html  # lazy: the notebook view sits above this module
 
         return html(self._mesh, self)
 

@@ -311,7 +311,7 @@ class Mesh:
 
     def _repr_html_(self) -> str:
         """The grid of device ids in a notebook (:func:`unimesh.visual.html`)."""
-        from .visual import html
+        from .visual import html  # lazy: the notebook view sits above this module
 
         return html(self)
 

@@ -84,20 +84,20 @@ def _divides(
 def psum(x: Any, axis_name: str | Sequence[str]) -> Any:
     """The sum of ``x`` over the devices along ``axis_name`` (a name or a tuple of names)."""
     env, axes = current_env("psum", axis_name)
-    return env.reduce(x, axes, "sum")
+    return env.psum(x, axes)
 
 
 def pmean(x: Any, axis_name: str | Sequence[str]) -> Any:
     """The mean of ``x`` over the devices along ``axis_name``."""
     env, axes = current_env("pmean", axis_name)
-    return env.reduce(x, axes, "sum") / env.size(axes)
+    return env.psum(x, axes) / env.size(axes)
 
 
 def pmax(x: Any, axis_name: str | Sequence[str]) -> Any:
     """The elementwise maximum of ``x`` over the devices along ``axis_name``. Like ``jax.lax.pmax``
     it has no derivative: stop the gradient before it (``.detach()``, ``stop_gradient``)."""
     env, axes = current_env("pmax", axis_name)
-    return env.reduce(x, axes, "max")
+    return env.pmax(x, axes)
 
 
 def compile(
@@ -162,7 +162,7 @@ def stop_gradient(x: Any) -> Any:
 def pmin(x: Any, axis_name: str | Sequence[str]) -> Any:
     """The elementwise minimum of ``x`` over the devices along ``axis_name`` (no derivative)."""
     env, axes = current_env("pmin", axis_name)
-    return env.reduce(x, axes, "min")
+    return env.pmin(x, axes)
 
 
 def all_gather(

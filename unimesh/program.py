@@ -12,8 +12,8 @@ the arguments already flattened (:meth:`Program.run_flat`). The user-facing call
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any, cast
 
 from .errors import AxisContextError, LayoutError
@@ -31,7 +31,7 @@ class AxisEnv:
     Every argument reaching these methods has been checked by the core: ``axes`` is a non-empty
     tuple of distinct axis names of :attr:`mesh`, dims are in range and divide as the
     collective needs, ``perm`` is a partial permutation of ``0..n-1``. JAX implements them
-    with ``jax.lax``; per-process backends get them from :class:`unimesh.spmd.ProcessAxisEnv`.
+    with ``jax.lax``; per-process backends get them from :class:`unimesh.vjp.ProcessAxisEnv`.
     """
 
     def __init__(self, mesh: Mesh, device: int | None = None) -> None:
@@ -58,8 +58,14 @@ class AxisEnv:
             n = self._sizes[axes] = math.prod(self.mesh.axis_size(a) for a in axes)
             return n
 
-    def reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
-        """``op`` ("sum", "max" or "min") over the devices that differ only along ``axes``."""
+    def psum(self, x: Any, axes: tuple[str, ...]) -> Any:
+        """The sum over the devices that differ only along ``axes``."""
+        raise NotImplementedError
+
+    def pmax(self, x: Any, axes: tuple[str, ...]) -> Any:
+        raise NotImplementedError
+
+    def pmin(self, x: Any, axes: tuple[str, ...]) -> Any:
         raise NotImplementedError
 
     def all_gather(
@@ -93,28 +99,21 @@ class AxisEnv:
         return index
 
 
-class _Current(threading.local):
-    """The AxisEnv of the body running on this thread (a stack: programs may nest). A
-    ``threading.local`` rather than a ``ContextVar``: torch.compile's tracer reads the one
-    and breaks its graph on the other."""
-
-    def __init__(self) -> None:
-        self.stack: list[AxisEnv] = []
-
-
-_CURRENT = _Current()
+#: the AxisEnv of the body running in this context. A ContextVar, whose ``get`` torch.compile's
+#: tracer does not trace: it runs the collective eagerly, where the check_vma tags the engine
+#: sets on tensors hold (a traced collective loses them; issue 38).
+_CURRENT: ContextVar[AxisEnv | None] = ContextVar("unimesh_axis_env", default=None)
 
 
 def current_env(call: str, axis: object) -> tuple[AxisEnv, tuple[str, ...]]:
     """The running body's AxisEnv and ``axis`` checked as a tuple of names, for the collective
     ``call``; :class:`~unimesh.AxisContextError` outside :func:`unimesh.shard_map`."""
-    stack = _CURRENT.stack
-    if not stack:
+    env = _CURRENT.get()
+    if env is None:
         raise AxisContextError(
             f"unimesh.{call}({short(axis)}) was called outside unimesh.shard_map; call it inside "
             "the function given to unimesh.shard_map(f, mesh, in_specs, out_specs)"
         )
-    env = stack[-1]
     return env, env.axes(axis, call)
 
 
@@ -227,12 +226,11 @@ class Body:
         """The result, its leaves, its treedef and the out layout of every leaf."""
         import optree
 
-        stack = _CURRENT.stack
-        stack.append(env)
+        token = _CURRENT.set(env)
         try:
             result = self.f(*blocks)
         finally:
-            stack.pop()
+            _CURRENT.reset(token)
         leaves, treedef = optree.tree_flatten(result)
         outs = self.outs.for_leaves(result, treedef)  # out_specs have no static leaves
         return result, leaves, treedef, cast("tuple[Layout, ...]", outs)

@@ -44,10 +44,17 @@ _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
 
 
 class _Registry:
+    """Backends as pluggy plugins: an installed backend is the plugin that pluggy's plugin
+    manager loads from its entry point (``load_setuptools_entrypoints``, one name at a time,
+    so that a plugin module is imported only when its backend is first asked for); a backend
+    registered in this process is an :class:`~unimesh.plugin.InProcessPlugin`. Either way the
+    backend is what the ``unimesh_backend`` hook returns, the latest registration first."""
+
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._pm: pluggy.PluginManager | None = None
         self._eps: dict[str, EntryPoint] | None = None
+        #: the hook's answer per name, validated (a cache: cleared on every registration)
         self._loaded: dict[str, Backend] = {}
 
     # pluggy is imported on first use, not with `import unimesh`
@@ -64,6 +71,7 @@ class _Registry:
         return self._pm
 
     def entry_points(self) -> dict[str, EntryPoint]:
+        """The installed backends' entry points (metadata only: nothing is imported)."""
         if self._eps is None:
             from importlib.metadata import entry_points
 
@@ -72,9 +80,15 @@ class _Registry:
             self._eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
         return self._eps
 
+    def _in_process(self) -> set[str]:
+        if self._pm is None:
+            return set()
+        names = (name for name, _ in self._pm.list_name_plugin() if name)
+        return {n.removeprefix(_IN_PROCESS) for n in names if n.startswith(_IN_PROCESS)}
+
     def names(self) -> list[str]:
         with self._lock:
-            return sorted(set(self.entry_points()) | set(self._loaded))
+            return sorted(set(self.entry_points()) | self._in_process())
 
     def load(self, name: str) -> Backend:
         loaded = self._loaded.get(name) if isinstance(name, str) else None
@@ -83,41 +97,54 @@ class _Registry:
         with self._lock:
             if name in self._loaded:
                 return self._loaded[name]
+            pm = self.pm
             ep = self.entry_points().get(name)
-            if ep is None:
+            here = name in self._in_process()  # registered in this process: it wins
+            if ep is not None and not here and pm.get_plugin(name) is None:
+                self._load_entry_point(pm, ep)
+            elif ep is None and not here:
                 choices = self.names()
                 raise BackendNotFoundError(
                     f"no backend named {short(name)}{close_match(name, choices)}; "
                     "installed backends: "
                     f"{', '.join(choices) or 'none'}"
                 )
-            try:
-                plugin = ep.load()
-            except ImportError as exc:
-                raise BackendUnavailableError(
-                    f"backend {name!r} is installed but its plugin {ep.value!r} failed to import "
-                    f"({exc}); reinstall the distribution that provides it"
-                    f"{_dist_hint(ep)}"
-                ) from exc
-            except Exception as exc:
-                raise BackendNotFoundError(
-                    f"backend {name!r}: loading entry point {ep.value!r} raised {exc!r}"
-                ) from exc
-            pm = self.pm
-            if not pm.is_registered(plugin):
-                pm.register(plugin, name=f"entrypoint:{name}")
-            impls = [i for i in pm.hook.unimesh_backend.get_hookimpls() if i.plugin is plugin]
-            found = [impl.function() for impl in impls]
+            found = pm.hook.unimesh_backend()
             match = [b for b in found if getattr(b, "name", None) == name]
             if not match:
-                pm.unregister(plugin)
+                plugin = pm.get_plugin(name)
+                if plugin is not None:
+                    pm.unregister(plugin)
                 raise BackendNotFoundError(
-                    f"entry point {name!r} ({ep.value}) provides no backend named {name!r} "
-                    f"(its unimesh_backend hook returned {[short(b) for b in found]})"
+                    f"entry point {name!r} ({getattr(ep, 'value', '?')}) provides no backend "
+                    f"named {name!r} (the unimesh_backend hooks returned "
+                    f"{[short(b) for b in found]})"
                 )
             backend = _validated(match[0])
             self._loaded[name] = backend
             return backend
+
+    def _load_entry_point(self, pm: pluggy.PluginManager, ep: EntryPoint) -> None:
+        """The plugin manager loads ``ep`` (and only it) and registers its plugin."""
+        from .plugin import ENTRY_POINT_GROUP
+
+        try:
+            count = pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"backend {ep.name!r} is installed but its plugin {ep.value!r} failed to import "
+                f"({exc}); reinstall the distribution that provides it"
+                f"{_dist_hint(ep)}"
+            ) from exc
+        except Exception as exc:
+            raise BackendNotFoundError(
+                f"backend {ep.name!r}: loading entry point {ep.value!r} raised {exc!r}"
+            ) from exc
+        if not count:  # listed in the metadata read earlier, gone since (uninstalled)
+            raise BackendNotFoundError(
+                f"backend {ep.name!r}: its entry point {ep.value!r} is no longer installed; "
+                "call unimesh.refresh_backends() after installing or removing a backend"
+            )
 
     def all_loaded(self) -> list[Backend]:
         """Every installed backend, loading plugin modules (not frameworks) as needed."""
@@ -138,30 +165,35 @@ class _Registry:
                     "to replace it, or call unimesh.unregister_backend() first"
                 )
             pm = self.pm
-            old = pm.get_plugin(f"inprocess:{backend.name}")
+            old = pm.get_plugin(_IN_PROCESS + backend.name)
             if old is not None:
                 pm.unregister(old)
             from .plugin import InProcessPlugin
 
-            pm.register(InProcessPlugin(backend), name=f"inprocess:{backend.name}")
-            self._loaded[backend.name] = backend
+            pm.register(InProcessPlugin(backend), name=_IN_PROCESS + backend.name)
+            self._loaded.clear()
 
     def unregister(self, name: str) -> None:
         with self._lock:
-            if name not in self._loaded:
-                raise BackendNotFoundError(
-                    f"no registered backend named {name!r}; registered: {sorted(self._loaded)}"
-                )
             pm = self.pm
-            for key in (f"inprocess:{name}", f"entrypoint:{name}"):
-                plugin = pm.get_plugin(key)
+            plugins = [pm.get_plugin(key) for key in (_IN_PROCESS + name, name)]
+            if not any(p is not None for p in plugins) and name not in self._loaded:
+                raise BackendNotFoundError(
+                    f"no registered backend named {short(name)}; registered: "
+                    f"{sorted(set(self._loaded) | self._in_process())}"
+                )
+            for plugin in plugins:
                 if plugin is not None:
                     pm.unregister(plugin)
-            del self._loaded[name]
+            self._loaded.clear()
 
     def refresh(self) -> None:
         with self._lock:
             self._eps = None
+
+
+#: the plugin-manager name of a backend registered in this process (entry points: their name)
+_IN_PROCESS = "inprocess:"
 
 
 def _dist_hint(ep: EntryPoint) -> str:
@@ -185,7 +217,7 @@ def _validated(backend: object) -> Backend:
         raise BackendRegistrationError(
             f"backend {name!r} must set `framework` to its top-level module name"
         )
-    problems = type(backend).contract_problems()
+    problems = type(backend).contract_problems() + backend.instance_problems()
     if problems:
         raise BackendRegistrationError(
             f"backend {name!r} ({type(backend).__qualname__}) does not keep the backend "

@@ -1,206 +1,229 @@
-"""The JAX backend's process rendezvous and its exit after a lost peer.
-
-``jax.distributed.initialize`` cannot report a process that never starts: its coordination
-client aborts every other process from C++ (SIGABRT, "RegisterTask" deadline exceeded), where no
-Python exception can be raised and no process is named. So before it, the processes meet once
-on the coordinator's port in a small line protocol of their own: process 0 listens, every other
-process says who it is, and process 0 answers each with a verdict: all here, or which processes
-did not come (or claim the same id, or count the processes differently). Every process then
-raises the same ``LaunchError``, or goes on to ``jax.distributed.initialize`` on that port.
-
-After a peer is found gone, :func:`leave_without_peers` makes this process's exit skip JAX's
-shutdown barrier, which would otherwise hold it for the shutdown timeout and then abort it.
-"""
+"""The JAX backend's runtime layer: the global device order, simulated CPU devices, and
+``jax.distributed`` started from the launcher's environment (or JAX's cluster detection), with
+the exchange that :func:`unimesh.verify` uses. jax is imported inside the functions."""
 
 from __future__ import annotations
 
-import contextlib
-import re
-import socket
-import time
 from typing import Any
 
-from unimesh import LaunchError
-from unimesh.messages import short
+import numpy as np
 
-__all__ = ["leave_without_peers", "processes", "rendezvous", "split_address"]
+from unimesh import Backend, LaunchError, MeshMismatchError
+from unimesh.messages import first_line
 
-_HELLO = re.compile(r"unimesh-jax (\d{1,9}) (\d{1,9})")
-_LINE = 4096  # longest line either side reads
-_SETTLE = 5.0  # seconds a process waits for the verdict after process 0's deadline
+from .rendezvous import leave_without_peers, processes, rendezvous
 
 
-def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) of ``JAX_COORDINATOR_ADDRESS``, checked."""
-    host, sep, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isascii() or not port.isdigit() or int(port) > 65535:
-        raise LaunchError(
-            f"JAX_COORDINATOR_ADDRESS must be host:port (for example 10.0.0.1:1234), got "
-            f"{address[:200]!r}"
-        )
-    return host, int(port)
+def _jax() -> Any:
+    import jax
+
+    return jax
 
 
-def _read_line(conn: socket.socket, deadline: float) -> str | None:
-    """One line (at most ``_LINE`` bytes) before ``deadline``; None if the peer closed, sent
-    something too long or not ASCII, or was silent."""
-    data = b""
-    while b"\n" not in data and len(data) <= _LINE:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        conn.settimeout(left)
+def global_devices() -> list[Any]:
+    """JAX's devices in unimesh's logical order: by process, then by id within the process."""
+    return list(_device_array())
+
+
+_DEVICES: list[Any] = []  # [(device count, object array in logical order)]
+
+
+def _device_array() -> np.ndarray:
+    """:func:`global_devices` as an object array, sorted once per device set (JAX's device
+    list is fixed once its runtime has started)."""
+    count = _jax().device_count()
+    if _DEVICES and _DEVICES[0][0] == count:
+        cached: np.ndarray = _DEVICES[0][1]
+        return cached
+    devs = sorted(_jax().devices(), key=lambda d: (d.process_index, d.id))
+    arr = np.fromiter(devs, dtype=object, count=len(devs))  # no per-object inspection
+    _DEVICES[:] = [(count, arr)]
+    return arr
+
+
+def request_cpu_devices(count: int) -> None:
+    """Ask XLA for ``count`` virtual CPU devices (XLA_FLAGS). Only possible before jax is
+    imported, and only when nobody has asked already; otherwise it does nothing."""
+    import os
+    import sys
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+
+_JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+_EXCHANGES = [0]
+
+
+def _absent(client: Any, key: str, others: range) -> list[int]:
+    """Which of ``others`` have not set their part of the exchange ``key`` (asked without
+    waiting; a service that is gone answers for none)."""
+    failed = _jax().errors.JaxRuntimeError
+    out = []
+    for other in others:
         try:
-            chunk = conn.recv(_LINE)
-        except OSError:
-            return None
-        if not chunk:
-            return None
-        data += chunk
-    line, _, _ = data.partition(b"\n")
+            client.key_value_try_get_bytes(f"{key}{other}")
+        except failed:  # NOT_FOUND, or the service is unreachable
+            out.append(other)
+    return out
+
+
+def _detected_cluster() -> str | None:
+    """The name of the cluster JAX's ``jax.distributed.initialize()`` would detect from the
+    environment (SLURM, Open MPI, Cloud TPU, Kubernetes), or None. Asks JAX's own list of
+    cluster kinds; an internal it no longer has means no detection (one process)."""
     try:
-        return line.decode("ascii") if len(line) <= _LINE else None
-    except UnicodeDecodeError:
+        from jax._src import clusters
+
+        kinds = list(clusters.ClusterEnv._cluster_types)
+        for kind in kinds:
+            if not getattr(kind, "opt_in_only_method", False) and kind.is_env_present():
+                return str(getattr(kind, "name", kind.__name__))
+    except Exception:  # noqa: BLE001 - a JAX internal: any failure means "none detected"
         return None
+    return None
 
 
-def processes(ranks: list[int]) -> str:
-    """``process 1`` or ``processes [1, 3]`` (a long list cut short, as the core's messages)."""
-    return f"process {ranks[0]}" if len(ranks) == 1 else f"processes {short(ranks, 60)}"
+class JaxRuntime(Backend):
+    """The runtime layer: devices and processes."""
 
+    def prepare_devices(self, count: int) -> int:
+        """Before jax is imported: ``count`` virtual CPU devices (XLA_FLAGS), shared out over
+        the processes when ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+        ``JAX_PROCESS_ID`` ask for a multi-process run, which is then started with
+        ``jax.distributed.initialize`` over gloo CPU collectives. Returns the number of global
+        devices."""
+        import os
 
-def _serve(port: int, procs: int, timeout: float, address: str) -> str:
-    """Process 0: wait up to ``timeout`` for the other processes; tell each the verdict (empty
-    when all came and agree) and return it."""
-    try:
-        if socket.has_dualstack_ipv6():
-            server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-        else:
-            server = socket.create_server(("", port))
-    except OSError as exc:
-        raise LaunchError(
-            f"process 0 cannot listen on the coordinator port {port} ({address}): {exc}; "
-            "choose a free port for JAX_COORDINATOR_ADDRESS"
-        ) from None
-    deadline = time.monotonic() + timeout
-    came: dict[int, socket.socket] = {}
-    extra: list[socket.socket] = []
-    problems: list[str] = []
-    try:
-        while len(came) < procs - 1 and time.monotonic() < deadline:
-            server.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                conn, _ = server.accept()
-            except OSError:  # the deadline passed
-                break
-            line = _read_line(conn, min(deadline, time.monotonic() + 5.0)) or ""
-            hello = _HELLO.fullmatch(line)
-            if hello is None:  # not one of ours: a stranger or a port scanner
-                conn.close()
-                continue
-            pid, count = int(hello[1]), int(hello[2])
-            if count != procs:
-                problems.append(
-                    f"process {pid} has JAX_NUM_PROCESSES={count} where process 0 has {procs}"
-                )
-            if pid in came or not 0 < pid < procs:
-                problems.append(
-                    f"two processes have JAX_PROCESS_ID={pid}"
-                    if pid in came or pid == 0
-                    else f"a process has JAX_PROCESS_ID={pid}, outside 0..{procs - 1}"
-                )
-                extra.append(conn)
-                continue
-            came[pid] = conn
-        missing = [p for p in range(1, procs) if p not in came]
-        if missing:
-            problems.insert(
-                0,
-                f"{processes(missing)} of {procs} did not start within {timeout:.0f} s (the "
-                f"coordinator {address} heard from {processes([0, *sorted(came)])})",
+        procs = os.environ.get("JAX_NUM_PROCESSES")
+        multi = all(os.environ.get(v) for v in _JAX_ENV)
+        request_cpu_devices(max(1, count // int(procs)) if multi and procs else count)
+        self.initialize(300.0)
+        return len(global_devices())
+
+    def initialize(self, timeout: float, launch: Any = None) -> tuple[int, int]:
+        """``jax.distributed.initialize`` (gloo CPU collectives) from ``JAX_COORDINATOR_ADDRESS``,
+        ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (``launch``'s values win over them), every
+        process joining within ``timeout`` seconds (checked first by
+        :func:`~unimesh_jax.runtime.rendezvous`, which names a process that never came); a
+        peer that stops sending heartbeats for ``timeout`` seconds (at least 10, at most JAX's
+        default 100) is gone, and JAX ends the others. Where none of the three is known, JAX's
+        own cluster detection (SLURM, Open MPI, Cloud TPU, Kubernetes) starts the job, as
+        ``jax.distributed.initialize()`` does; no cluster found: one process."""
+        import os
+
+        given: dict[str, str | None] = {v: os.environ.get(v) or None for v in _JAX_ENV}
+        if launch is not None:
+            for var, value in zip(_JAX_ENV, launch):
+                if value is not None:
+                    given[var] = str(value)
+        missing = [v for v, value in given.items() if not value]
+        jax = _jax()
+        if jax.distributed.is_initialized():
+            return int(jax.process_index()), int(jax.process_count())
+        cluster = _detected_cluster() if missing else None
+        if cluster is not None:
+            return self._start_detected(cluster, given, timeout)
+        if len(missing) not in (0, len(_JAX_ENV)):
+            raise LaunchError(
+                f"a multi-process JAX run needs {', '.join(_JAX_ENV)} (or initialize("
+                "coordinator_address=..., num_processes=..., process_id=...)); "
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set (the others "
+                "are) and no cluster JAX detects (SLURM, Open MPI, Cloud TPU) is around: set "
+                "them on every process (process ids 0..N-1), or none for one process"
             )
-        verdict = "; ".join(problems)
-        for conn in [*came.values(), *extra]:
+        if not missing:
+            address = str(given["JAX_COORDINATOR_ADDRESS"])
             try:
-                conn.sendall(f"{verdict or 'ok'}\n".encode("ascii", "replace"))
-                # the peer closes first, so that no socket of this port lingers here (the
-                # coordination service binds the port next)
-                _read_line(conn, time.monotonic() + 2.0)
-            except OSError:
-                pass
-            conn.close()
-    finally:
-        server.close()
-    return verdict
+                procs, pid = int(str(given["JAX_NUM_PROCESSES"])), int(str(given["JAX_PROCESS_ID"]))
+            except ValueError:
+                raise LaunchError(
+                    f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got "
+                    f"{given['JAX_NUM_PROCESSES']!r} and "
+                    f"{given['JAX_PROCESS_ID']!r}"
+                ) from None
+            if not 0 <= pid < procs:
+                raise LaunchError(
+                    f"JAX_PROCESS_ID={pid} must be in 0..JAX_NUM_PROCESSES-1 "
+                    f"(JAX_NUM_PROCESSES={procs})"
+                )
+            rendezvous(address, procs, pid, timeout)
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            try:
+                # a peer silent for longer than this is gone (JAX's default: 100 s), and the
+                # exit barrier waits no longer for it
+                patience = max(10, min(100, int(timeout)))
+                jax.distributed.initialize(
+                    address,
+                    num_processes=procs,
+                    process_id=pid,
+                    initialization_timeout=max(1, int(timeout)),
+                    heartbeat_timeout_seconds=patience,
+                    shutdown_timeout_seconds=patience,
+                )
+            except RuntimeError as exc:
+                if "once" not in str(exc):
+                    first = first_line(exc)
+                    raise LaunchError(
+                        f"jax.distributed.initialize({address!r}, num_processes={procs}, "
+                        f"process_id={pid}) failed within {timeout:.0f} s (a peer process may "
+                        f"be gone, or JAX already ran a computation): {first}"
+                    ) from exc
+        return int(jax.process_index()), int(jax.process_count())
 
-
-def _join(host: str, port: int, pid: int, procs: int, timeout: float, address: str) -> str:
-    """A process other than 0: reach process 0 within ``timeout``, say who this is, and return
-    its verdict (empty when all came)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def _start_detected(
+        self, cluster: str, given: dict[str, str | None], timeout: float
+    ) -> tuple[int, int]:
+        """``jax.distributed.initialize`` with what is known; JAX's detection of ``cluster``
+        fills in the rest."""
+        jax = _jax()
+        procs, pid = given["JAX_NUM_PROCESSES"], given["JAX_PROCESS_ID"]
         try:
-            conn = socket.create_connection(
-                (host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))
+            jax.distributed.initialize(
+                given["JAX_COORDINATOR_ADDRESS"],
+                num_processes=None if procs is None else int(procs),
+                process_id=None if pid is None else int(pid),
+                initialization_timeout=max(1, int(timeout)),
             )
-            break
-        except OSError:
-            if time.monotonic() >= deadline:
-                return (
-                    f"process 0 of {procs} (the coordinator, {address}) did not start within "
-                    f"{timeout:.0f} s, or the others met without this process (is "
-                    f"JAX_PROCESS_ID={pid} given twice?)"
-                )
-            time.sleep(0.05)
-    with conn:
-        with contextlib.suppress(OSError):  # a closed peer shows as no answer below
-            conn.sendall(f"unimesh-jax {pid} {procs}\n".encode("ascii"))
-        line = _read_line(conn, deadline + _SETTLE)
-    if line is None:
-        return (
-            f"process 0 of {procs} ({address}) gave no answer within {timeout:.0f} s (is "
-            "another program on that port, did process 0 stop, or did the others meet without "
-            f"this process: is JAX_PROCESS_ID={pid} given twice?)"
-        )
-    return "" if line == "ok" else line
+        except (RuntimeError, ValueError) as exc:
+            raise LaunchError(
+                f"jax.distributed.initialize() found a {cluster} job but could not start it "
+                f"within {timeout:.0f} s: {first_line(exc)}; pass coordinator_address, "
+                "num_processes and process_id to unimesh.initialize, or set JAX_COORDINATOR_"
+                "ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID"
+            ) from exc
+        return int(jax.process_index()), int(jax.process_count())
 
+    def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
+        """Through the ``jax.distributed`` coordination service's key-value store: each process
+        sets its payload, then reads every other one with a deadline."""
+        import time
 
-def rendezvous(address: str, procs: int, pid: int, timeout: float) -> None:
-    """Meet every other process on the coordinator's port within ``timeout`` seconds, before
-    ``jax.distributed.initialize``; raise the same ``LaunchError`` on every process that came
-    when one did not (naming it), two share an id, or they count the processes differently."""
-    host, port = split_address(address)
-    if procs == 1:
-        return
-    if pid == 0:
-        verdict = _serve(port, procs, timeout, address)
-    else:
-        verdict = _join(host, port, pid, procs, timeout, address)
-    if verdict:
-        raise LaunchError(
-            f"jax.distributed (this is process {pid} of {procs}): {verdict}; start every "
-            "process with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES and its own "
-            "JAX_PROCESS_ID, or raise initialize's timeout"
-        )
+        from jax._src import distributed
 
-
-def leave_without_peers() -> None:
-    """A peer is gone or stuck, so JAX's exit barrier (every process meets at
-    ``jax.distributed.shutdown``) cannot complete: it would hold this process for the shutdown
-    timeout and then abort it. Detach the coordination client (and, on process 0, the service)
-    from JAX's state so that exit skips the barrier. Both are kept, never destroyed: their
-    destructors would run the barrier too; the process's end takes them."""
-    import ctypes
-
-    from jax._src import distributed
-
-    state: Any = distributed.global_state
-    if state.preemption_sync_manager is not None:
-        state.preemption_sync_manager.shutdown()
-        state.preemption_sync_manager = None
-    for name in ("client", "service"):
-        held = getattr(state, name)
-        if held is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))
-            setattr(state, name, None)
+        index, count = self.initialize(timeout)
+        if count == 1:
+            return [payload]
+        client: Any = distributed.global_state.client
+        _EXCHANGES[0] += 1
+        key = f"unimesh/exchange/{_EXCHANGES[0]}/"
+        client.key_value_set_bytes(f"{key}{index}", payload)
+        deadline = time.monotonic() + timeout
+        out = []
+        for other in range(count):
+            left = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                out.append(bytes(client.blocking_key_value_get_bytes(f"{key}{other}", left)))
+            except Exception as exc:  # JaxRuntimeError: deadline exceeded, service gone
+                absent = [other, *_absent(client, key, range(other + 1, count))]
+                leave_without_peers()
+                first = first_line(exc)
+                raise MeshMismatchError(
+                    f"process {index} of {count}: {processes(absent)} did not take part in the "
+                    f"check within {timeout:.0f} s; a peer process is gone or stuck "
+                    f"({first[:200]})"
+                ) from exc
+        return out

@@ -63,6 +63,8 @@ class AxisGroup:
         """``mx.distributed.<collective>`` on the split group, or ``mx.<local>`` over the
         members' contributions gathered from the world group."""
         mx = _mx()
+        if len(self.members) == 1:
+            return x
         if self._group is not None:
             return getattr(mx.distributed, collective)(x, group=self._group)
         return getattr(mx, local)(self._gathered(x), axis=0)
@@ -79,6 +81,8 @@ class AxisGroup:
     def all_gather(self, x: Any) -> Any:
         """The members' arrays concatenated along axis 0, in the neutral member order."""
         mx = _mx()
+        if len(self.members) == 1:
+            return x
         if self._group is not None:
             return mx.distributed.all_gather(x, group=self._group)
         return mx.concatenate(list(self._gathered(x)), axis=0)
@@ -91,32 +95,25 @@ class AxisGroup:
 class MLXMesh:
     """The MLX form of a neutral mesh for this process."""
 
-    def __init__(self, mesh: Mesh, world: Any, device: Any) -> None:
+    def __init__(self, mesh: Mesh, world: Any, device: Any, backend: MLXTranslator) -> None:
         self.mesh = mesh
         self.world = world
         self.device = device
         self.rank = int(world.rank())
         self.coords = mesh.coords(self.rank)
         self._groups: dict[tuple[str, ...], AxisGroup] = {}
-        self._can_split: bool | None = None
+        self._backend = backend
 
     def axis_group(self, axes: str | tuple[str, ...]) -> AxisGroup:
-        """The group along ``axes`` holding this rank (built on first use, by every rank)."""
+        """The group along ``axes`` holding this rank: the SPMD engine's group (made on first
+        use, by every rank, once for this group and for the programs on this mesh)."""
         names = (axes,) if isinstance(axes, str) else tuple(axes)
-        if names in self._groups:
-            return self._groups[names]
-        rows = self.mesh.groups_array(names)  # validates the names
-        row = int(np.flatnonzero((rows == self.rank).any(axis=1))[0])
-        members = tuple(int(d) for d in rows[row])
-        group = None
-        if self._can_split is not False and self.world.size() > 1:
-            try:  # collective: every rank splits, colour = which group, key = place in it
-                group = self.world.split(row, members.index(self.rank))
-                self._can_split = True
-            except RuntimeError:
-                self._can_split = False  # MLX's ring backend has no split: emulate
-        made = AxisGroup(names, members, self.world, group)
-        self._groups[names] = made
+        made = self._groups.get(names)
+        if made is None:
+            self.mesh.groups_array(names)  # validates the names
+            group = self._backend.axis_env(self.mesh).group(names)
+            split = group.handle.group if group.handle is not None else None
+            made = self._groups[names] = AxisGroup(names, group.members, self.world, split)
         return made
 
     @property
@@ -126,8 +123,9 @@ class MLXMesh:
         process). Known before any group is built from the world and the launcher's
         environment (mpirun's, or mlx.launch's ring hostfile), and from the first split after;
         None only under a launcher neither names."""
-        if self._can_split is not None:
-            return self._can_split
+        split: bool | None = self._backend.axis_env(self.mesh).can_split
+        if split is not None:
+            return split
         if self.world.size() == 1:
             return False
         if os.environ.get("MLX_HOSTFILE") or os.environ.get("MLX_RANK"):
@@ -217,7 +215,7 @@ class MLXTranslator(MLXRuntime):
                 f"{mesh.size} python script.py (MPI) or mlx.launch -n {mesh.size} --backend ring "
                 "-- python script.py"
             )
-        return MLXMesh(mesh, world, _mx().default_device())
+        return MLXMesh(mesh, world, _mx().default_device(), self)
 
     def layout_to_native(self, layout: Layout, **options: Any) -> MLXLayout:
         """An :class:`MLXLayout`: which block of each global array this process holds."""

@@ -51,7 +51,7 @@ class TorchBackend(TorchPrograms):
             "split",
         }
     )
-    typed = True  # TorchFunctionMode sees every operation: JAX's check_vma gradient rules
+    check_vma = True  # a TorchFunctionMode sees every operation: JAX's check_vma rules
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "torch.distributed.device_mesh.DeviceMesh",
         "layout": "DTensor placements: Shard(d), Replicate(), Partial(op), _StridedShard",
@@ -64,6 +64,19 @@ class TorchBackend(TorchPrograms):
         "shard_params": "nn.Parameter(distribute_tensor(param, mesh, placements))",
         "launch": "torchrun --standalone --nproc-per-node N (gloo)",
     }
+
+    def __init__(self) -> None:
+        """The backend's whole state (its layers hold none of their own)."""
+        super().__init__()  # the engine's
+        # DeviceMeshes built in this process under the current world group:
+        # (device type, mesh[, backend override]) -> DeviceMesh. Sub-meshes are sliced from
+        # these, so that no rank-dependent group is ever created. A new world group empties it.
+        self._meshes = {}
+        self._world_group = None
+        # (layout, global shape, dtype) -> DTensorSpec of shard_map results (wrap_result)
+        self._specs = {}
+        # Layout -> TorchLayout of programs' arguments and results, under the current world
+        self._native_layouts = {}
 
     def native_code(self, mesh: Mesh) -> str:
         """``init_device_mesh`` where the ranks are in the default order, else ``DeviceMesh``

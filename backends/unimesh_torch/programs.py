@@ -139,7 +139,7 @@ class TorchPrograms(TorchTranslator):
     def needs_grad(self, x: Any) -> bool:
         return bool(x.requires_grad) and _torch().is_grad_enabled()
 
-    def typing(self, env: Any) -> Any:
+    def vma_mode(self, env: Any) -> Any:
         """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
         axes of variation and passes a gradient-carrying argument that lacks some of them
         through ``env.pvary`` (JAX inserts the same pvary)."""
@@ -152,9 +152,12 @@ class TorchPrograms(TorchTranslator):
         setattr(x, _VMA, vma)
         return x
 
-    def untyped(self, fn: Any, x: Any) -> Any:
+    def unwatched(self, fn: Any, x: Any, vma: frozenset[str] | None = None) -> Any:
         with _torch()._C.DisableTorchFunction():
-            return fn(x)
+            out = fn(x)
+        if vma is not None:
+            setattr(out, _VMA, vma)
+        return out
 
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
         function = _vjp_function()
@@ -220,7 +223,7 @@ class TorchPrograms(TorchTranslator):
         return out
 
     def _native_layout(self, layout: Layout) -> TorchLayout:
-        cache: dict[Layout, TorchLayout] = self.__dict__.setdefault("_native_layouts", {})
+        cache: dict[Layout, TorchLayout] = self._native_layouts
         if self._world_group is not _dist().group.WORLD:  # a new world: rebuild everything
             cache.clear()
             self._specs.clear()
@@ -389,7 +392,7 @@ _MODE: list[Any] = []
 
 
 def _vma_mode() -> Any:
-    """The TorchFunctionMode class of :meth:`TorchBackend.typing` (made once, on first use)."""
+    """The TorchFunctionMode class of :meth:`TorchBackend.vma_mode` (made once, on first use)."""
     if _MODE:
         return _MODE[0]
     torch = _torch()

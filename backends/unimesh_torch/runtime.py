@@ -168,14 +168,11 @@ def gpu_for_rank(local_rank: str, local_world: str, gpus: int) -> int | None:
 class TorchRuntime(ProcessBackend):
     """The runtime layer: torch.distributed's process group, one device per rank."""
 
-    def __init__(self) -> None:
-        # DeviceMeshes built in this process under the current world group:
-        # (device type, mesh[, backend override]) -> DeviceMesh. Sub-meshes are sliced from
-        # these, so that no rank-dependent group is ever created. A new world group empties it.
-        self._meshes: dict[tuple[Any, ...], Any] = {}
-        self._world_group: Any = None
-        # (layout, global shape, dtype) -> DTensorSpec of shard_map results (wrap_result)
-        self._specs: dict[tuple[Layout, tuple[int, ...], Any], Any] = {}
+    # the backend's state, set up in TorchBackend.__init__ (the layers hold none of their own)
+    _meshes: dict[tuple[Any, ...], Any]
+    _world_group: Any
+    _specs: dict[tuple[Layout, tuple[int, ...], Any], Any]
+    _native_layouts: dict[Layout, Any]
 
     def _world(self) -> tuple[int, int]:
         dist = _dist()

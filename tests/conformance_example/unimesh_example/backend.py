@@ -144,6 +144,7 @@ class ThreadedExampleBackend(ExampleBackend):
     native_primitives = frozenset({"all_reduce", "all_gather", "split"})
 
     def __init__(self) -> None:
+        super().__init__()  # the engine's state
         self._local = threading.local()
         self._lock = threading.Lock()
         self._boards: dict[tuple[int, ...], _Board] = {}

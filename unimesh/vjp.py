@@ -1,0 +1,546 @@
+"""The per-process engine's axis collectives with their gradient rules: JAX's two rule sets,
+one class each, chosen once per backend (``ProcessBackend.check_vma``).
+
+Gradients follow the global function the program computes:
+
+- :class:`CheckVmaEnv` (JAX's ``check_vma=True``), where the backend can watch every operation
+  the function runs (torch's ``TorchFunctionMode``): each value carries its ``vma``, the axes
+  along which it varies; where an invariant value meets a varying one, the engine inserts
+  ``pvary`` (identity forward, psum backward), so ``psum`` transposes to nothing, inputs need
+  no boundary reduction and an output must be invariant along the axes its spec leaves out
+  (checked, as JAX does);
+- :class:`NoCheckVmaEnv` (JAX's ``check_vma=False``) elsewhere (MLX has no such hook): every
+  collective transposes to its adjoint collective (``psum`` to ``psum``, ``all_gather`` to
+  ``psum_scatter``, ``all_to_all`` to the reverse ``all_to_all``, ``ppermute`` to the inverse
+  permutation, ``pbroadcast`` to a sum at the source); an input replicated over some axes gets
+  its gradient summed over them; an output replicated over some axes counts once (its
+  cotangent is divided by their size).
+
+Both give the numbers of ``jax.grad``; the check_vma rules move no more bytes than JAX. The
+communication itself is :class:`~unimesh.groups.GroupComm`'s; checked mode is
+:func:`unimesh.checked.agree`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from .checked import agree
+from .errors import LayoutError, UnsupportedError
+from .groups import Group, GroupComm
+from .layout import Layout
+from .mesh import Mesh
+from .program import AxisEnv
+from .spec import PartitionSpec
+
+if TYPE_CHECKING:
+    from .spmd import ProcessBackend
+
+__all__ = ["CheckVmaEnv", "NoCheckVmaEnv", "ProcessAxisEnv"]
+
+Fn = Callable[[Any], Any]
+#: values that are not a framework's array: numbers, sequences and numpy
+_HOST_VALUES = (int, float, complex, list, tuple, np.ndarray, np.generic)
+
+
+def _same(v: Any) -> Any:
+    return v
+
+
+def _replicated_axes(layout: Layout) -> tuple[str, ...]:
+    """Mesh axes of size > 1 along which ``layout`` says the value is the same."""
+    used = set(layout.spec.axes()) | set(layout.spec.partial)
+    return tuple(
+        a for a in layout.mesh.axis_names if a not in used and layout.mesh.axis_size(a) > 1
+    )
+
+
+class ProcessAxisEnv(AxisEnv):
+    """The collectives of one process on one mesh, with gradient rules: what the two rule
+    sets share (checked mode, the caches, the program's edges). Each collective is checked
+    (in checked mode) and handed to the rule set's method of the same name with a ``_``."""
+
+    #: which of JAX's rule sets this class implements
+    check_vma: ClassVar[bool] = False
+
+    def __init__(self, be: ProcessBackend, mesh: Mesh, device: int) -> None:
+        super().__init__(mesh, device)
+        self.be = be
+        self.comm = GroupComm(be, mesh, device)
+        self.checked = False  # set per run by the program (shard_map(checked=...))
+        self.calls = 0
+        #: a custom vjp per key (made once: a collective of a step runs with no set-up)
+        self._fns: dict[Any, Fn] = {}
+        #: a collective's function with its rule, per (axes, op) or (axes, perm)
+        self._collectives: dict[tuple[tuple[str, ...], Any], Fn] = {}
+        self._in: dict[Layout, Any] = {}
+        self._whole = Layout(mesh, PartitionSpec())  # an array under a None in_spec
+
+    # -- for backends ---------------------------------------------------------------------------
+    def group(self, axes: tuple[str, ...]) -> Group:
+        """This process's group along ``axes`` (the one programs use)."""
+        return self.comm.group(axes)
+
+    @property
+    def can_split(self) -> bool | None:
+        """See :attr:`GroupComm.can_split`."""
+        return self.comm.can_split
+
+    # -- shared by the rule sets ------------------------------------------------------------------
+    def _array(self, x: Any) -> Any:
+        """``x`` as the framework's array: only Python and numpy values ask the backend (an
+        array's own attributes are not read: under torch's vma mode each read is an
+        operation)."""
+        if isinstance(x, _HOST_VALUES):
+            return self.be.as_array(x)
+        return x
+
+    def _vjp(self, key: Any, fwd: Fn, bwd: Fn) -> Fn:
+        """``fwd`` with ``bwd`` as its transpose (a custom vjp made once per key)."""
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self.be.custom_vjp(fwd, bwd)
+        return fn
+
+    def _check(self, op: str, axes: tuple[str, ...], x: Any, params: object = ()) -> None:
+        self.calls += 1
+        agree(self.comm, self.calls, op, axes, x, params)
+
+    def _mesh_order(self, axes: frozenset[str] | set[str]) -> tuple[str, ...]:
+        return tuple(a for a in self.mesh.axis_names if a in axes)
+
+    def _no_derivative(self, op: str, axes: tuple[str, ...]) -> Fn:
+        def fail(ct: Any) -> Any:
+            raise UnsupportedError(
+                f"{op}() over {axes} has no derivative (jax.lax.{op} has none either): stop "
+                "the gradient before it (torch: .detach(), MLX: mx.stop_gradient)",
+                backend=self.be.name,
+                capability="shard_map",
+            )
+
+        return fail
+
+    def _reduction(self, axes: tuple[str, ...], op: str) -> Fn:
+        """The forward of ``op`` over ``axes``: the backend's primitive directly where it has
+        the group (the common case: no engine code between the step and the primitive)."""
+        g = self.comm.group(axes)
+        if g.size > 1 and g.handle is not None:
+            prim, handle = self.be.group_all_reduce, g.handle
+            if self.be.lazy:
+                run = self.comm.run
+                return lambda v: run(prim, v, handle, op)
+            return lambda v: prim(v, handle, op)
+        comm = self.comm
+        return lambda v: comm.all_reduce(v, g, op)
+
+    # -- the collectives (AxisEnv) --------------------------------------------------------------
+    def psum(self, x: Any, axes: tuple[str, ...]) -> Any:
+        return self._reduce(x, axes, "sum")
+
+    def pmax(self, x: Any, axes: tuple[str, ...]) -> Any:
+        return self._reduce(x, axes, "max")
+
+    def pmin(self, x: Any, axes: tuple[str, ...]) -> Any:
+        return self._reduce(x, axes, "min")
+
+    def _reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
+        if self.checked:
+            self._check("p" + op, axes, x)
+        run = self._collectives.get((axes, op))
+        if run is None:
+            run = self._collectives[axes, op] = self._reducer(axes, op)
+        return run(x)
+
+    def all_gather(
+        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
+    ) -> Any:
+        if self.checked:
+            self._check("all_gather", axes, x, (dim, tiled))
+        return self._all_gather(x, axes, dim, tiled, invariant)
+
+    def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
+        if self.checked:
+            self._check("psum_scatter", axes, x, (dim, tiled))
+        comm = self.comm
+        return self._collective(
+            ("psum_scatter", axes, dim, tiled),
+            x,
+            axes,
+            lambda v: comm.reduce_scatter_dim(v, axes, dim, tiled),
+            lambda ct: comm.all_gather_dim(ct, axes, dim, tiled),
+        )
+
+    def all_to_all(
+        self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int, tiled: bool
+    ) -> Any:
+        if self.checked:
+            self._check("all_to_all", axes, x, (split_axis, concat_axis, tiled))
+        comm = self.comm
+        return self._collective(
+            ("all_to_all", axes, split_axis, concat_axis, tiled),
+            x,
+            axes,
+            lambda v: comm.all_to_all_dim(v, axes, split_axis, concat_axis, tiled),
+            lambda ct: comm.all_to_all_dim(ct, axes, concat_axis, split_axis, tiled),
+        )
+
+    def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
+        if self.checked:
+            self._check("ppermute", axes, x, perm)
+        run = self._collectives.get((axes, perm))
+        if run is None:
+            run = self._collectives[axes, perm] = self._permuter(axes, perm)
+        return run(x)
+
+    def _permuter(self, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Fn:
+        """``ppermute`` by ``perm`` over ``axes`` with its rule, built on the first call."""
+        g = self.comm.group(axes)
+        there: list[int | None] = [None] * g.size
+        back: list[int | None] = [None] * g.size
+        for src, dst in perm:
+            there[dst], back[src] = src, dst
+        sources, inverse = tuple(there), tuple(back)
+        comm = self.comm
+        key = ("ppermute", axes, perm)
+
+        def fwd(v: Any) -> Any:
+            return comm.permute(v, g, sources)
+
+        def bwd(ct: Any) -> Any:
+            return comm.permute(ct, g, inverse)
+
+        return lambda x: self._collective(key, x, axes, fwd, bwd)
+
+    def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
+        if self.checked:
+            self._check("pbroadcast", axes, x, source)
+        return self._pbroadcast(x, axes, source)
+
+    # -- the rule set's ---------------------------------------------------------------------------
+    def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
+        """``op`` over ``axes`` with its gradient rule, as one function of the block."""
+        raise NotImplementedError
+
+    def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
+        """``fwd(x)``, a collective over ``axes`` whose result varies along them, with ``bwd``
+        as its transpose."""
+        raise NotImplementedError
+
+    def _all_gather(
+        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
+    ) -> Any:
+        raise NotImplementedError
+
+    def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
+        raise NotImplementedError
+
+    def _edge(self, block: Any, layout: Layout) -> Any:
+        """A shard_map argument's block, at the program's edge."""
+        raise NotImplementedError
+
+    def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
+        """A result block, at the program's edge."""
+        raise NotImplementedError
+
+    # -- the program's edges ----------------------------------------------------------------------
+    def _input_plan(
+        self, layout: Layout
+    ) -> tuple[tuple[str, ...], tuple[tuple[int, tuple[str, ...]], ...], frozenset[str]]:
+        """(axes an input is replicated over, (dim, axes) it is sharded over, axes it varies
+        along)."""
+        plan = self._in.get(layout)
+        if plan is None:
+            sharded = tuple(
+                (d, (e,) if isinstance(e, str) else tuple(e))
+                for d, e in enumerate(layout.spec)
+                if e
+            )
+            used = set(layout.spec.axes()) | set(layout.spec.partial)
+            plan = self._in[layout] = (
+                _replicated_axes(layout),
+                sharded,
+                frozenset(a for a in self.mesh.axis_names if a in used),
+            )
+        return plan
+
+    def enter(self, arg: Any, layout: Layout | None) -> Any:
+        """This process's block of a shard_map argument. Gradient: for a global array,
+        assembled whole on every process (and, by the rule set, summed over the axes the input
+        is replicated on). Under a None in_spec (``layout`` None) a non-array passes unchanged
+        and an array is seen whole."""
+        if layout is None:
+            if getattr(arg, "shape", None) is None:
+                return arg
+            layout = self._whole
+        elif arg is None:
+            return None
+        return self._edge(arg, layout)
+
+    def _block(self, arg: Any, layout: Layout, replicated: tuple[str, ...]) -> tuple[Any, bool]:
+        """(this process's block of ``arg``, whether it came from the backend's distributed
+        array); a global array's block sends back the whole gradient, first summed over
+        ``replicated``."""
+        assert self.device is not None
+        block, is_global = self.be.local_block(arg, layout, self.device)
+        if not is_global:
+            return block, True
+        _, sharded, _ = self._input_plan(layout)
+        shape = tuple(int(n) for n in block.shape)
+        if len(shape) < len(layout.spec):
+            raise LayoutError(
+                f"a shard_map argument of shape {shape} has fewer dims than "
+                f"its in_spec {layout.spec!r}"
+            )
+        slices = layout.shard_slices(shape, self.device)
+        block = self._array(block)
+        if not self.be.needs_grad(block):
+            return block[slices], False
+        comm = self.comm
+
+        def whole(ct: Any) -> Any:
+            if replicated:
+                ct = comm.all_reduce(ct, comm.group(replicated), "sum")
+            for dim, axes in sharded:
+                ct = comm.all_gather_dim(ct, axes, dim, True)
+            return ct
+
+        return self._vjp(("enter", layout, shape), lambda v: v[slices], whole)(block), False
+
+    def whole(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any | None:
+        """The global array (of ``shape``) whose block on this process is ``block`` under
+        ``layout`` (of this env's mesh), gathered by collectives over the sharded dims, for a
+        backend that moves a distributed array to another layout through the whole value.
+        Differentiable: the whole value's cotangent, the same on every process, gives this
+        block its own part (no communication). None where the layout has partial sums or
+        blocks of unequal size (the backend's host path handles those; they only come from
+        ``distribute``, whose blocks carry no gradient)."""
+        if layout.spec.partial or layout.global_shape(tuple(block.shape)) != tuple(shape):
+            return None
+        _, sharded, _ = self._input_plan(layout)
+        if not sharded:
+            return block
+        comm = self.comm
+
+        def fwd(v: Any) -> Any:
+            for dim, axes in sharded:
+                v = comm.all_gather_dim(v, axes, dim, True)
+            return v
+
+        def bwd(ct: Any) -> Any:
+            for dim, axes in reversed(sharded):
+                ct = comm.own_block(ct, axes, dim, True)
+            return ct
+
+        block = self._array(block)
+        if not self.be.needs_grad(block):
+            return self._plain(fwd, block)
+        return self._plain(self._vjp(("whole", layout), fwd, bwd), block)
+
+    def _plain(self, fn: Fn, x: Any) -> Any:
+        """``fn(x)``, run as the engine's own operation (the rule set says how)."""
+        return fn(x)
+
+
+class NoCheckVmaEnv(ProcessAxisEnv):
+    """JAX's ``check_vma=False`` rules: every collective transposes to its adjoint; inputs
+    replicated over some axes sum their gradient over them; a replicated output counts once."""
+
+    check_vma = False
+
+    def __init__(self, be: ProcessBackend, mesh: Mesh, device: int) -> None:
+        super().__init__(be, mesh, device)
+        self._out: dict[Layout, int] = {}
+
+    def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
+        x = self._array(x)
+        if not self.be.needs_grad(x):
+            return fwd(x)
+        return self._vjp(key, fwd, bwd)(x)
+
+    def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
+        fwd = self._reduction(axes, op)
+        if op == "sum":
+            comm, g = self.comm, self.comm.group(axes)
+            back: Fn = lambda ct: comm.all_reduce(ct, g, "sum")  # noqa: E731
+            key = ("psum", axes)
+        else:
+            back, key = self._no_derivative("p" + op, axes), ("p" + op, axes)
+        return lambda x: self._collective(key, x, axes, fwd, back)
+
+    def _all_gather(
+        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
+    ) -> Any:
+        comm = self.comm
+        return self._collective(
+            ("all_gather", axes, dim, tiled),
+            x,
+            axes,
+            lambda v: comm.all_gather_dim(v, axes, dim, tiled),
+            lambda ct: comm.reduce_scatter_dim(ct, axes, dim, tiled),
+        )
+
+    def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
+        comm, be = self.comm, self.be
+        g = comm.group(axes)
+
+        def back(ct: Any) -> Any:
+            total = comm.all_reduce(ct, g, "sum")
+            return total if g.index == source else be.after(be.zeros_like(total), total)
+
+        return self._collective(
+            ("pbroadcast", axes, source), x, axes, lambda v: comm.broadcast(v, g, source), back
+        )
+
+    def _edge(self, arg: Any, layout: Layout) -> Any:
+        replicated, _, _ = self._input_plan(layout)
+        block, distributed = self._block(arg, layout, replicated)
+        if not distributed or not replicated or not self.be.needs_grad(block):
+            return block
+        comm = self.comm
+        # identity; the gradient summed over the axes it is replicated on
+        edge = self._vjp(
+            ("replicated", replicated),
+            _same,
+            lambda ct: comm.all_reduce(ct, comm.group(replicated), "sum"),
+        )
+        return edge(block)
+
+    def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
+        """A result block; replicated over some axes, it counts once in the gradient."""
+        block = self.be.as_array(block)
+        copies = self._out.get(layout)
+        if copies is None:
+            copies = self._out[layout] = math.prod(
+                self.mesh.axis_size(a) for a in _replicated_axes(layout)
+            )
+        if copies == 1 or not self.be.needs_grad(block):
+            return block
+        # identity; the result counts once in the gradient
+        return self._vjp(("leave", copies), _same, lambda ct: ct / copies)(block)
+
+
+class CheckVmaEnv(ProcessAxisEnv):
+    """JAX's ``check_vma=True`` rules: values carry their ``vma`` (the backend tags them,
+    ``vma_mode``), ``pvary`` goes where an invariant value meets a varying one, ``psum``
+    transposes to nothing, and a result must be invariant along the axes its spec omits."""
+
+    check_vma = True
+
+    def pvary(self, x: Any, axes: frozenset[str] | set[str]) -> Any:
+        """``x`` as an operand varying along ``axes`` too (identity forward; the backward sums
+        the cotangent over them). Its callers tag the results they make from it, so over axes
+        of size 1 (nothing to sum) it is ``x`` itself, no graph node."""
+        ordered = self._mesh_order(axes)
+        if self.size(ordered) == 1:
+            return x
+        be, comm = self.be, self.comm
+        x = self._array(x)
+        vma = be.vma_of(x) | frozenset(ordered)
+        g = comm.group(ordered)
+        fn: Fn = _same
+        if be.needs_grad(x):
+            fn = self._vjp(("pvary", ordered), _same, lambda ct: comm.all_reduce(ct, g, "sum"))
+        return be.unwatched(fn, x, vma)
+
+    def _typed(
+        self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn, invariant: bool
+    ) -> Any:
+        """``fwd(x)`` with ``bwd`` as its transpose: the input made varying along ``axes``
+        (pvary where it is not); the result invariant along them (``invariant``) or varying.
+        Four crossings into the backend for a psum: vma_of, needs_grad, unwatched, and the
+        primitive."""
+        be = self.be
+        x = self._array(x)
+        have = be.vma_of(x)
+        grad = be.needs_grad(x)
+        missing = set(axes) - have
+        if missing:
+            if grad:
+                x = self.pvary(x, missing)
+            have = have | missing
+        vma = have - set(axes) if invariant else have
+        return be.unwatched(self._vjp(key, fwd, bwd) if grad else fwd, x, vma)
+
+    def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
+        return self._typed(key, x, axes, fwd, bwd, False)
+
+    def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
+        fwd = self._reduction(axes, op)
+        # the cotangent of an invariant result is whole: nothing to move
+        back = _same if op == "sum" else self._no_derivative("p" + op, axes)
+        key = ("t" + op, axes)
+        return lambda x: self._typed(key, x, axes, fwd, back, True)
+
+    def _all_gather(
+        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
+    ) -> Any:
+        comm = self.comm
+
+        def fwd(v: Any) -> Any:
+            return comm.all_gather_dim(v, axes, dim, tiled)
+
+        if invariant:
+            return self._typed(
+                ("ag_inv", axes, dim, tiled),
+                x,
+                axes,
+                fwd,
+                lambda ct: comm.own_block(ct, axes, dim, tiled),
+                True,
+            )
+        return self._typed(
+            ("all_gather", axes, dim, tiled),
+            x,
+            axes,
+            fwd,
+            lambda ct: comm.reduce_scatter_dim(ct, axes, dim, tiled),
+            False,
+        )
+
+    def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
+        comm, be = self.comm, self.be
+        g = comm.group(axes)
+        # the cotangent is whole on every device: the source keeps it
+        return self._typed(
+            ("pbroadcast", axes, source),
+            x,
+            axes,
+            lambda v: comm.broadcast(v, g, source),
+            lambda ct: ct if g.index == source else be.zeros_like(ct),
+            True,
+        )
+
+    def axis_index(self, axes: tuple[str, ...]) -> Any:
+        """An array tagged as varying along ``axes``."""
+        return self.be.tag(self.be.as_array(super().axis_index(axes)), frozenset(axes))
+
+    def _edge(self, arg: Any, layout: Layout) -> Any:
+        block, _ = self._block(arg, layout, ())
+        return self.be.tag(block, self._input_plan(layout)[2])
+
+    def _plain(self, fn: Fn, x: Any) -> Any:
+        return self.be.unwatched(fn, x)
+
+    def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
+        """A result block; it must not vary along the axes its out_spec omits (JAX's check)."""
+        block = self.be.as_array(block)
+        varies = self.be.vma_of(block) & set(_replicated_axes(layout))
+        if varies:
+            axes = self._mesh_order(varies)
+            raise LayoutError(
+                f"result {index} of the program varies along {axes} (it differs between "
+                f"devices there), but its out_spec {layout.spec!r} says it is the same "
+                f"along them: reduce it over {axes} (psum, pmean, all_gather with "
+                "to='invarying') or name the axes in the out_spec"
+            )
+        # an axis the out_spec names but the value is invariant along: the result holds one
+        # copy per device there, each counted in the gradient (JAX's implicit pvary at the
+        # boundary: its backward sums the copies' cotangents)
+        fans = self._input_plan(layout)[2] - self.be.vma_of(block)
+        if fans and self.be.needs_grad(block):
+            block = self.pvary(block, fans)
+        return block
