@@ -325,12 +325,58 @@ def bench_mlx(repeat: int) -> dict[str, float]:
         return value, grads["w1"].local, grads["w2"].local
 
     same([np.array(a) for a in native_grad()], [np.array(a) for a in our_grad()])
+
+    # compiled: mx.compile of the native steps (functions of their arrays, as an MLX user
+    # writes them) against unimesh.compile of the same unimesh steps
+    def native_step(x: Any, t: Any, w1: Any, w2: Any) -> Any:
+        pre = x @ w1
+        mask = pre > 0
+        h = pre * mask
+        y = mx.distributed.all_sum(h @ w2, group=tp)
+        n = x.shape[0] * dp.size()
+        diff = y - t
+        loss = mx.distributed.all_sum((diff * diff).sum(), group=dp) / n
+        dy = diff * (2.0 / n)
+        dw2 = mx.distributed.all_sum(h.T @ dy, group=dp)
+        dw1 = mx.distributed.all_sum(x.T @ ((dy @ w2.T) * mask), group=dp)
+        return loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2
+
+    def native_loss_of(x: Any, t: Any, w1: Any, w2: Any) -> Any:
+        pre = x @ w1
+        diff = mx.distributed.all_sum((pre * (pre > 0)) @ w2, group=tp) - t
+        loss = mx.distributed.all_sum((diff * diff).sum() / x.shape[0], group=dp)
+        return loss / dp.size()
+
+    native_vg_of = mx.value_and_grad(native_loss_of, argnums=(2, 3))
+
+    def native_grad_step(x: Any, t: Any, w1: Any, w2: Any) -> Any:
+        loss, grads = native_vg_of(x, t, w1, w2)
+        return (loss, *(mx.distributed.all_sum(g, group=dp) for g in grads))
+
+    arrays = [a.local for a in placed]
+    native_c = mx.compile(native_step)
+    native_grad_c = mx.compile(native_grad_step)
+    ours_c = unimesh.compile(ours, backend=backend)
+    our_vg_c = unimesh.compile(
+        unimesh.value_and_grad(our_program, argnums=2, backend=backend), backend=backend
+    )
+
+    def our_grad_c() -> Any:
+        value, grads = our_vg_c(placed[0], placed[1], params)
+        return value, grads["w1"].local, grads["w2"].local
+
+    same([np.array(a) for a in native_c(*arrays)], [np.array(a.local) for a in ours_c(*placed)])
+    same([np.array(a) for a in native_grad_c(*arrays)], [np.array(a) for a in our_grad_c()])
     return timed(
         {
             "native": native,
             "unimesh": lambda: ours(*placed),
             "native_grad": native_grad,
             "unimesh_grad": our_grad,
+            "native_compiled": lambda: native_c(*arrays),
+            "unimesh_compiled": lambda: ours_c(*placed),
+            "native_grad_compiled": lambda: native_grad_c(*arrays),
+            "unimesh_grad_compiled": our_grad_c,
         },
         repeat,
         sync,
@@ -360,10 +406,14 @@ def report(backend: str, scale: int, medians: dict[str, float]) -> str:
     for step, (a, b) in {
         "manual": ("native", "unimesh"),
         "grad": ("native_grad", "unimesh_grad"),
+        "manual/compiled": ("native_compiled", "unimesh_compiled"),
+        "grad/compiled": ("native_grad_compiled", "unimesh_grad_compiled"),
     }.items():
+        if a not in medians:
+            continue
         ratio = medians[b] / medians[a]
         lines.append(
-            f"BENCH {backend:6s} step={step:6s} scale={scale:<3d} "
+            f"BENCH {backend:6s} step={step:15s} scale={scale:<3d} "
             f"native={medians[a] * 1e3:8.3f} ms unimesh={medians[b] * 1e3:8.3f} ms "
             f"ratio={ratio:.3f}"
         )

@@ -160,3 +160,50 @@ def test_the_command_line_and_errors_on_urls(
         unimesh.open_checkpoint("nosuchscheme://x/y")
     got = unimesh.load(url, {"a": np.zeros((2, 3))})  # a numpy target: read whole
     assert got["a"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_hugging_face_safetensors_in_a_bucket_are_read_by_ranges(s3: dict[str, str]) -> None:
+    """A Hugging Face model in object storage, sharded with its index and as one file, opens
+    and loads from the URL: the index and headers first, then each slice's byte runs (read
+    counted at the filesystem layer); DCP and Orbax checkpoints there are refused naming the
+    fix."""
+    import fsspec
+    from safetensors.numpy import save
+
+    rng = np.random.default_rng(3)
+    weights = {
+        "embed.weight": rng.standard_normal((64, 16)).astype(np.float32),
+        "layer.0.w": rng.standard_normal((16, 32)).astype(np.float32),
+        "layer.0.b": np.arange(32, dtype=np.int64),
+    }
+    fs = fsspec.filesystem("s3")
+    shards = {"model-00001-of-00002.safetensors": ["embed.weight"]}
+    shards["model-00002-of-00002.safetensors"] = ["layer.0.w", "layer.0.b"]
+    for file, names in shards.items():
+        fs.pipe_file(f"ckpts/hf/{file}", save({n: weights[n] for n in names}))
+    index = {"weight_map": {n: f for f, names in shards.items() for n in names}}
+    fs.pipe_file("ckpts/hf/model.safetensors.index.json", json.dumps(index).encode())
+    fs.pipe_file("ckpts/single/model.safetensors", save(weights))
+
+    for url in ("s3://ckpts/hf", "s3://ckpts/single", "s3://ckpts/single/model.safetensors"):
+        ck = unimesh.open_checkpoint(url)
+        assert ck.kind == "safetensors" and sorted(ck.names) == sorted(weights), url
+        headers = ck.remote.bytes_read
+        part = ck.read("embed.weight", (slice(8, 12), slice(0, 16)))
+        assert part.tobytes() == weights["embed.weight"][8:12].tobytes(), url
+        assert ck.remote.bytes_read - headers == 4 * 16 * 4, url  # the 4 rows, nothing more
+        for name, value in weights.items():
+            assert ck.read(name).tobytes() == value.tobytes(), (url, name)
+    got = unimesh.load("s3://ckpts/hf", {n: np.zeros_like(v) for n, v in weights.items()})
+    assert all(got[n].tobytes() == v.tobytes() for n, v in weights.items())
+
+    bad = {"weight_map": {"x": "../hf/model-00001-of-00002.safetensors"}}
+    fs.pipe_file("ckpts/badindex/model.safetensors.index.json", json.dumps(bad).encode())
+    with pytest.raises(CheckpointError, match=r"\.\."):
+        unimesh.open_checkpoint("s3://ckpts/badindex")
+    fs.pipe_file("ckpts/missing/model.safetensors.index.json", json.dumps(index).encode())
+    with pytest.raises(CheckpointError, match="which is missing"):
+        unimesh.open_checkpoint("s3://ckpts/missing")
+    fs.pipe_file("ckpts/dcp/.metadata", b"\x80\x04N.")
+    with pytest.raises(CheckpointError, match="copy torch DCP and Orbax checkpoints locally"):
+        unimesh.open_checkpoint("s3://ckpts/dcp")

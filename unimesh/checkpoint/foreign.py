@@ -6,14 +6,14 @@ tensor becomes one box, so loading reads only each block's byte runs."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ..errors import CheckpointError
 from ..messages import short
 from .format import MAX_HEADER, check_file_name, load_json
 
-__all__ = ["INDEX", "SINGLE", "index_files"]
+__all__ = ["INDEX", "SINGLE", "index_files", "parse_index"]
 
 #: Hugging Face's names: the one file of an unsharded model, the index of a sharded one
 SINGLE = "model.safetensors"
@@ -24,12 +24,24 @@ def index_files(root: Path) -> tuple[list[str], dict[str, str]]:
     """The data files ``root/model.safetensors.index.json`` names, in order of first use,
     each a plain name of a regular file in ``root`` (no separators, no ``..``, no symlink),
     and its weight map (tensor -> file)."""
-    where = str(root / INDEX)
     path = root / INDEX
     if path.is_symlink():
-        raise CheckpointError(f"{where} is a symlink: an index must be a file of the directory")
+        raise CheckpointError(f"{path} is a symlink: an index must be a file of the directory")
     with open(path, "rb") as f:
         data = f.read(MAX_HEADER + 1)
+
+    def present(file: str) -> bool:
+        target = root / file
+        return not target.is_symlink() and target.is_file()
+
+    return parse_index(data, str(path), present)
+
+
+def parse_index(
+    data: bytes, where: str, present: Callable[[str], bool]
+) -> tuple[list[str], dict[str, str]]:
+    """An index file's bytes (read from ``where``) as :func:`index_files` gives them;
+    ``present(name)`` says whether the data file ``name`` is a regular file beside it."""
     if len(data) > MAX_HEADER:
         raise CheckpointError(f"{where} is over the {MAX_HEADER}-byte cap")
     doc = load_json(data, where)
@@ -40,8 +52,7 @@ def index_files(root: Path) -> tuple[list[str], dict[str, str]]:
         check_file_name(file, f"{where} (tensor {short(name)})")
         if file in files:
             continue
-        target = root / file
-        if target.is_symlink() or not target.is_file():
+        if not present(file):
             raise CheckpointError(
                 f"{where} names {file!r} for tensor {short(name)}, which is missing, not a file "
                 "or a symlink"

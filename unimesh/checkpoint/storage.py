@@ -78,6 +78,13 @@ class Remote:
         except Exception as exc:  # noqa: BLE001 - a store's own errors (credentials, network)
             raise self._fail("asking for the file", name, exc) from None
 
+    def is_object(self) -> bool:
+        """Whether the URL itself names a file (one ``.safetensors`` file, not a place)."""
+        try:
+            return bool(self.fs.isfile(str(self.root)))
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail("asking for the file", "", exc) from None
+
     def size(self, name: str) -> int:
         try:
             return int(self.fs.size(self._path(name)))

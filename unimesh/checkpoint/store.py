@@ -38,7 +38,7 @@ from .format import (
     safetensors_header,
 )
 from .plan import pieces
-from .storage import Remote, is_url
+from .storage import Remote, Url, is_url
 
 __all__ = ["Checkpoint", "SaveHandle", "async_save", "load", "open_checkpoint", "save"]
 
@@ -467,7 +467,7 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = False) -> None:
         from .dcp import METADATA, read_dcp, read_hf_sharded
-        from .foreign import INDEX, SINGLE, index_files
+        from .foreign import INDEX, SINGLE, index_files, parse_index
         from .orbax import OrbaxArrays, is_orbax
 
         self.verify = bool(verify)
@@ -480,24 +480,42 @@ class Checkpoint:
         self.objects: list[str] = []
         #: the checkpoint's files at an fsspec URL (None: a local directory)
         self.remote = Remote(os.fspath(path)) if is_url(path) else None
+        weights: dict[str, str] = {}
+        #: the checkpoint's place: a Path, or a Url in object storage
+        self.path: Any
         if self.remote is not None:
-            self.path: Any = self.remote.url
-            if not self.remote.is_file(MANIFEST):
+            remote = self.remote
+            if remote.url.suffix == ".safetensors" and remote.is_object():
+                self.remote = remote = Remote(remote.url.parent)  # one file of a directory
+                files = [Url(os.fspath(path)).name]
+            elif remote.is_file(MANIFEST):
+                self.path = remote.url
+                size = remote.size(MANIFEST)
+                if size > MAX_HEADER:
+                    raise CheckpointError(f"{self.path / MANIFEST} is over the {MAX_HEADER} cap")
+                self.kind = "unimesh"
+                data = remote.read(MANIFEST, 0, size)
+                self.mesh, self.tensors = parse_manifest(data, str(self.path / MANIFEST))
+                return
+            elif remote.is_file(INDEX):
+                size = remote.size(INDEX)
+                data = remote.read(INDEX, 0, min(size, MAX_HEADER + 1))
+                files, weights = parse_index(data, str(remote.url / INDEX), remote.is_file)
+            elif remote.is_file(SINGLE):
+                files = [SINGLE]
+            else:
                 raise CheckpointError(
-                    f"{self.path} is not a checkpoint: it has no {MANIFEST} (a save that did not "
-                    "finish leaves none; the previous checkpoint is kept until one does). In "
-                    "object storage unimesh reads its own checkpoints; copy others locally"
+                    f"{remote.url} is not a checkpoint: it has no {MANIFEST} (a save that did not "
+                    "finish leaves none; the previous checkpoint is kept until one does), no "
+                    f"{INDEX} and no {SINGLE}. In object storage unimesh reads its own "
+                    "checkpoints and Hugging Face safetensors; copy torch DCP and Orbax "
+                    "checkpoints locally (or read Orbax's from its store with Orbax)"
                 )
-            size = self.remote.size(MANIFEST)
-            if size > MAX_HEADER:
-                raise CheckpointError(f"{self.path / MANIFEST} is over the {MAX_HEADER} cap")
-            self.kind = "unimesh"
-            data = self.remote.read(MANIFEST, 0, size)
-            self.mesh, self.tensors = parse_manifest(data, str(self.path / MANIFEST))
+            self.path = remote.url
+            self._safetensors(files, weights)
             return
         self.path = Path(path)
         manifest = self.path / MANIFEST
-        weights: dict[str, str] = {}
         if self.path.suffix == ".safetensors" and self.path.is_file():
             self.path, files = self.path.parent, [self.path.name]
         elif manifest.is_file() and not manifest.is_symlink():
@@ -531,6 +549,13 @@ class Checkpoint:
             self.kind = "safetensors"
             self.tensors = read_hf_sharded(self.path, files, self.header, self._metadata)
             return
+        self._safetensors(files, weights)
+
+    def _safetensors(self, files: list[str], weights: dict[str, str]) -> None:
+        """The tensors of safetensors ``files`` (one box each), checked against an index's
+        ``weights`` map (tensor -> file)."""
+        from .foreign import INDEX
+
         self.kind = "safetensors"
         self.tensors = {}
         for file in files:
