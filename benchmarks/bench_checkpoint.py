@@ -10,8 +10,9 @@ and Orbax (StandardCheckpointer on the same jax.Arrays).
 The state: float32 4096-column matrices, two bfloat16 copies, replicated biases and one
 uneven 4097-row matrix, about --mib MiB in all, laid out 4 x 2 over 8 devices. Prints one
 line per measurement (``BENCH system operation seconds GB/s fraction-of-limit``) and writes the
-rows as JSON. The multi-process comparisons (DCP under torchrun 4, mx under mpirun 4) are not
-in this script yet.
+rows as JSON, and the peak memory of a load beyond the arrays it returns (in a fresh process).
+The multi-process comparisons (DCP under torchrun 4, mx under mpirun 4) are in
+``bench_checkpoint_mp.py``.
 """
 
 from __future__ import annotations
@@ -107,13 +108,130 @@ def limits(work: Path, nbytes: int) -> dict[str, float]:
     return out
 
 
+def _status(field: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit(f"no {field} in /proc/self/status")
+
+
+def peak(path: str, backend: str) -> None:
+    """In a fresh process: the peak resident memory of one load of the checkpoint at ``path``
+    (its saved layout, 8 JAX devices; or numpy leaves for ``backend`` numpy) beyond the
+    arrays it returns, printed as JSON with the checkpoint's largest contiguous run."""
+    import unimesh
+    from unimesh import Layout, Mesh, P
+
+    ck = unimesh.open_checkpoint(path)
+    largest = max(b.end - b.start for name in ck.names for b in ck.tensor(name).boxes)
+    if backend == "numpy":
+        from unimesh.checkpoint.format import numpy_dtype
+
+        target: dict[str, Any] = {  # untouched: np.empty's pages are not resident
+            n: np.empty(ck.tensor(n).shape, numpy_dtype(ck.tensor(n).dtype)) for n in ck.names
+        }
+    else:
+        import jax
+
+        jax.devices()  # the runtime's own memory before the baseline
+        mesh = Mesh.from_string("x=4,y=2")
+        target = {}
+        for name in ck.names:
+            t = ck.tensor(name)
+            spec = P("x", "y") if len(t.shape) == 2 and t.shape[0] % 4 == 0 else (
+                P(None, "y") if len(t.shape) == 2 else P())  # fmt: skip
+            target[name] = Layout(mesh, spec)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _status("VmRSS")
+    got = unimesh.load(path, target, backend=None if backend == "numpy" else backend)
+    if backend != "numpy":
+        import jax
+
+        jax.block_until_ready(got)
+        held = sum(s.data.nbytes for a in got.values() for s in a.addressable_shards)
+    else:
+        held = sum(a.nbytes for a in got.values())
+    high = _status("VmHWM")
+    print(json.dumps({"peak beyond destination": high - before - held, "destination": held,
+                      "largest run": largest}))  # fmt: skip
+
+
+def s3_rows(arrays: dict[str, Any], target: dict[str, Any], row: Any) -> None:
+    """The same save and load through fsspec to an S3 endpoint on 127.0.0.1 (moto's server,
+    a process of its own, as the tests use): the figure beside the local-disk one. Needs
+    s3fs and moto[server] (the test extra)."""
+    import importlib.util
+    import socket
+    import subprocess
+    import urllib.request
+
+    import jax
+
+    import unimesh
+
+    if not all(importlib.util.find_spec(m) for m in ("s3fs", "moto")):
+        print("BENCH s3: not run (needs s3fs and moto[server])", flush=True)
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    endpoint = f"http://127.0.0.1:{port}"
+    keys = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    os.environ.update(dict(zip(keys, ("bench", "bench", "us-east-1"))))
+    os.environ["FSSPEC_S3_ENDPOINT_URL"] = endpoint
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                request = urllib.request.Request(endpoint + "/bench", method="PUT")
+                urllib.request.urlopen(request, timeout=5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        url = "s3://bench/ckpt"
+        row("unimesh s3", "save (moto S3 on 127.0.0.1)", timed(lambda: unimesh.save(url, arrays)),
+            "")  # fmt: skip
+        stats: dict[str, int] = {}
+        load = lambda: jax.block_until_ready(  # noqa: E731
+            unimesh.load(url, target, backend="jax", stats=stats)
+        )
+        load()
+        row("unimesh s3", "load, same layout (ranged GETs)", min(timed(load) for _ in range(2)),
+            "", read=stats["bytes_read"], held=stats["bytes_held"])  # fmt: skip
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _peak_row(path: Path, backend: str) -> dict[str, Any]:
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, __file__, "--peak", str(path), "--peak-backend", backend],
+        capture_output=True, text=True, check=True, timeout=1200,
+    ).stdout  # fmt: skip
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write the rows here as JSON")
-    parser.add_argument("--skip", default="", help="systems to leave out: dcp,orbax,safetensors")
+    parser.add_argument("--skip", default="", help="systems to leave out: dcp,orbax,safetensors,s3")
+    parser.add_argument("--peak", help=argparse.SUPPRESS)
+    parser.add_argument("--peak-backend", default="jax", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peak:
+        peak(args.peak, args.peak_backend)
+        return
     import jax
 
     import unimesh
@@ -169,6 +287,14 @@ def main() -> None:
         row("unimesh", "load warm, reshard (rows)", min(timed(lambda: load(rows_target))
                                                         for _ in range(2)), "pread warm",
             read=stats["bytes_read"], held=stats["bytes_held"])  # fmt: skip
+        for kind in ("jax", "numpy"):  # peak memory of a load, in a fresh process
+            found = _peak_row(path, kind)
+            mib = {k: round(v / 2**20, 1) for k, v in found.items()}
+            rows.append({"system": "unimesh", "operation": f"load peak memory ({kind})",
+                         **{f"{k} (MiB)": v for k, v in mib.items()}})  # fmt: skip
+            print(f"BENCH unimesh      load peak memory ({kind}): {mib['peak beyond destination']}"
+                  f" MiB beyond the {mib['destination']} MiB destination (largest contiguous "
+                  f"run {mib['largest run']} MiB)", flush=True)  # fmt: skip
 
         def host_copy() -> None:
             for a in arrays.values():
@@ -183,6 +309,9 @@ def main() -> None:
         row("unimesh", "async_save blocking", blocking, "", **{"x host copy": round(
             blocking / copy, 2)})  # fmt: skip
         shutil.rmtree(work / "async", ignore_errors=True)
+        # -- object storage -----------------------------------------------------------------
+        if "s3" not in skip:
+            s3_rows(arrays, target, row)
         # -- safetensors --------------------------------------------------------------------
         if "safetensors" not in skip:
             from safetensors import safe_open
