@@ -264,9 +264,11 @@ class ProcessBackend(Backend):
         for env in self._axis_envs.values():
             env.comm.last = None
 
-    def axis_env(self, mesh: Mesh) -> ProcessAxisEnv:
-        """The (cached) collectives of this process on ``mesh``."""
-        key = (self.group_cache_key(), mesh)
+    def axis_env(self, mesh: Mesh, check_vma: bool | None = None) -> ProcessAxisEnv:
+        """The (cached) collectives of this process on ``mesh``, with the backend's rule set
+        (``check_vma`` False: JAX's check_vma=False rules, whatever the backend declares)."""
+        check = self.check_vma if check_vma is None else check_vma and self.check_vma
+        key = (self.group_cache_key(), mesh, check)
         envs = self._axis_envs
         env = envs.get(key)
         if env is None:
@@ -276,9 +278,16 @@ class ProcessBackend(Backend):
                     f"process {device} is not a device of {mesh!r}; shard_map runs on the "
                     "mesh's processes: call it there only"
                 )
-            rules = CheckVmaEnv if self.check_vma else NoCheckVmaEnv
+            rules = CheckVmaEnv if check else NoCheckVmaEnv
             env = envs[key] = rules(self, mesh, device)
         return env
+
+    def vma_watched(self) -> bool:
+        """With :attr:`check_vma`: whether :meth:`vma_mode` can watch the operations about to
+        run. Where it cannot (torch while ``torch.compile`` traces: its tracer does not keep
+        the tags), a program runs with JAX's check_vma=False rules, which give the same
+        values and gradients without the tags (and without check_vma's refusals)."""
+        return True
 
 
 class _Program(Program):
@@ -309,6 +318,8 @@ class _Program(Program):
         if env is None:
             env = self.env = self.be.axis_env(self.mesh)
             self.be.prepare_program(self.mesh, self.ins.layouts + self.outs.layouts)
+        if env.check_vma and not self.be.vma_watched():
+            env = self.be.axis_env(self.mesh, check_vma=False)
         env.checked, env.calls = self.body.checked, 0
         env.comm.last = None  # a chain starts with each call (and never reaches into mx.compile)
         blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]

@@ -145,6 +145,10 @@ class TorchPrograms(TorchTranslator):
         through ``env.pvary`` (JAX inserts the same pvary)."""
         return _vma_mode()(env)
 
+    def vma_watched(self) -> bool:
+        """Not while torch.compile traces: dynamo does not keep the tags the mode sets."""
+        return not _torch().compiler.is_compiling()
+
     def vma_of(self, x: Any) -> frozenset[str]:
         return getattr(x, _VMA, _NONE)
 
