@@ -27,7 +27,9 @@ def start(description: str) -> tuple[unimesh.Backend, int, int]:
         default=8,
         help="devices to ask for where one process holds several (JAX)",
     )
+    add_compile_flag(parser)
     args = parser.parse_args()
+    COMPILE[:] = [] if args.compile is None else [args.compile]
     try:
         backend = unimesh.get_backend(args.backend)
     except unimesh.UnimeshError as exc:  # no --backend, or one not installed: say how to run
@@ -43,6 +45,32 @@ def start(description: str) -> tuple[unimesh.Backend, int, int]:
         0,
     )
     return backend, n, rank
+
+
+#: set from ``--compile``: empty when the step runs eagerly, else [torch's compiler backend or ""]
+COMPILE: list[str] = []
+
+
+def add_compile_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="TORCH_BACKEND",
+        help="run the step compiled by unimesh.compile (jax.jit, torch.compile, mx.compile); "
+        "for torch, optionally its compiler backend (aot_eager: no C++ build)",
+    )
+
+
+def value_and_grad(fn: Any, backend: unimesh.Backend) -> Any:
+    """``unimesh.value_and_grad(fn)``, compiled by the framework's compiler with ``--compile``
+    (``unimesh.compile``: the same line on every backend)."""
+    step = unimesh.value_and_grad(fn, backend=backend)
+    if not COMPILE:
+        return step
+    options = {"backend": COMPILE[0]} if COMPILE[0] and backend.name == "torch" else {}
+    return unimesh.compile(step, backend=backend, compiler_options=options)
 
 
 def full_float32_matmuls(backend: unimesh.Backend) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _example import place, report, start, xp
+from _example import place, report, start, value_and_grad, xp
 
 import unimesh
 from unimesh import P
@@ -67,9 +67,7 @@ def main() -> int:
     update = unimesh.shard_map(sgd, mesh, in_specs=(SPECS, SPECS), out_specs=SPECS, backend=backend)
     xs, ts = place(x, P("fsdp"), mesh, backend), place(t, P("fsdp"), mesh, backend)
     params = place({"w1": w1, "w2": w2}, SPECS, mesh, backend)
-    value, grads = unimesh.value_and_grad(lambda p: loss_program(xs, ts, p), backend=backend)(
-        params
-    )
+    value, grads = value_and_grad(lambda p: loss_program(xs, ts, p), backend)(params)
     new = update(params, grads)
 
     want_value, want = reference(x, t, w1, w2)

@@ -22,6 +22,7 @@ import os
 import sys
 
 import numpy as np
+from _example import COMPILE, add_compile_flag, value_and_grad
 
 import unimesh
 from unimesh import P
@@ -81,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         default=8,
         help="devices to ask for where one process holds several (JAX)",
     )
+    add_compile_flag(parser)
     args = parser.parse_args(argv)
+    COMPILE[:] = [] if args.compile is None else [args.compile]
     try:
         backend = unimesh.get_backend(args.backend)
     except unimesh.UnimeshError as exc:  # no --backend, or one not installed: say how to run
@@ -113,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     xs, ts = place(x, P("dp", None)), place(t, P("dp", None))
     params = {"w1": place(w1, SPECS["w1"]), "w2": place(w2, SPECS["w2"])}
-    value, grads = unimesh.value_and_grad(lambda p: loss_program(xs, ts, p), backend=backend)(
-        params
-    )
+    value, grads = value_and_grad(lambda p: loss_program(xs, ts, p), backend)(params)
     params = update(params, grads)
     loss_value, new_w1, new_w2 = value, params["w1"], params["w2"]
 

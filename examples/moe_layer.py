@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _example import arange, place, report, start, xp
+from _example import arange, place, report, start, value_and_grad, xp
 
 import unimesh
 from unimesh import P
@@ -86,7 +86,7 @@ def main() -> int:
     )
     xs, ts = place(x, P("ep"), mesh, backend), place(t, P("ep"), mesh, backend)
     params = place({"router": router, "experts": experts}, SPECS, mesh, backend)
-    value, grads = unimesh.value_and_grad(lambda p: program(xs, ts, p), backend=backend)(params)
+    value, grads = value_and_grad(lambda p: program(xs, ts, p), backend)(params)
     want_value, want = reference(x, t, router, experts)
     return report(rank, backend, mesh, value, grads, want_value, want)
 

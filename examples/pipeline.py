@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _example import place, report, start, xp
+from _example import place, report, start, value_and_grad, xp
 
 import unimesh
 from unimesh import P
@@ -89,7 +89,7 @@ def main() -> int:
     )
     xs, ts = place(x, DATA, mesh, backend), place(t, DATA, mesh, backend)
     ws = place(w, P("pp"), mesh, backend)
-    value, grad = unimesh.value_and_grad(lambda w: program(xs, ts, w), backend=backend)(ws)
+    value, grad = value_and_grad(lambda w: program(xs, ts, w), backend)(ws)
     want_value, want = reference(x, t, w)
     return report(rank, backend, mesh, value, {"w": grad}, want_value, want)
 

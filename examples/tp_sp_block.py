@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _example import place, report, split, start, xp
+from _example import place, report, split, start, value_and_grad, xp
 
 import unimesh
 from unimesh import P
@@ -68,7 +68,7 @@ def main() -> int:
     )
     xs, ts = place(x, ACTS, mesh, backend), place(t, ACTS, mesh, backend)
     params = place({"w1": w1, "w2": w2}, SPECS, mesh, backend)
-    value, grads = unimesh.value_and_grad(lambda p: program(xs, ts, p), backend=backend)(params)
+    value, grads = value_and_grad(lambda p: program(xs, ts, p), backend)(params)
     want_value, want = reference(x, t, w1, w2)
     return report(rank, backend, mesh, value, grads, want_value, want)
 

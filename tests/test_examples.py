@@ -128,6 +128,30 @@ def test_mlx_launch_ring_four_processes(name: str) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("backend", "name"),
+    [("jax", "mlp_step"), ("jax", "pipeline"), ("torch", "tp_sp_block"), ("mlx", "mlp_step")],
+)
+def test_compiled_with_unimesh_compile(backend: str, name: str) -> None:
+    """``--compile``: the same step under ``unimesh.compile`` (``jax.jit``; ``torch.compile``
+    with its aot_eager backend under torchrun 4, no C++ build; ``mx.compile`` under mpirun 4)
+    matches the float64 reference as the eager step does. Every example runs compiled on
+    every backend by hand (issue 38's note); these are the ones CI repeats."""
+    script = [str(EXAMPLES / f"{name}.py"), "--backend", backend, "--compile"]
+    if backend == "jax":
+        pytest.importorskip("jax")
+        run([sys.executable, *script], 1, "jax")
+    elif backend == "torch":
+        pytest.importorskip("torch")
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        run([*launch, "--nproc-per-node", "4", *script, "aot_eager"], 4, "torch")
+    else:
+        pytest.importorskip("mlx.core")
+        mpirun = require_mpirun()
+        launch = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable]
+        run([*launch, *script], 4, "mlx")
+
+
 def test_resume_on_another_framework_and_mesh(tmp_path: Path) -> None:
     """examples/resume.py: 3 steps on JAX (dp=2 x tp=4, 8 devices), saved; 3 more on torch
     under torchrun 4 (dp=4 x tp=1) from that checkpoint, saved again; 3 more on MLX under

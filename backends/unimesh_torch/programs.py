@@ -31,7 +31,12 @@ class TorchPrograms(TorchTranslator):
     def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
         """The DeviceMesh's own group along ``axes`` (``get_group``; for several axes the
         group of the dims flattened with ``_flatten``), so torch makes and names it as for
-        any DeviceMesh."""
+        any DeviceMesh. Made eagerly when torch.compile traces the first call (a new process
+        group is a collective of its own, which dynamo cannot trace)."""
+        made: Any = _torch().compiler.disable(self._split_group)(mesh, axes, rows, row)
+        return made
+
+    def _split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
         device_mesh = self.mesh_to_native(mesh)
         ordered = tuple(sorted(axes, key=mesh.axis_names.index))
         if len(ordered) == 1:
