@@ -96,11 +96,22 @@ def limits(work: Path, nbytes: int) -> dict[str, float]:
         finally:
             os.close(fd)
 
+    def read_new() -> None:  # into new memory, as a load's destination arrays are
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            at = 0
+            while at < nbytes:
+                out = np.empty(min(64 << 20, nbytes - at), dtype=np.uint8)
+                at += os.preadv(fd, [out], at)
+        finally:
+            os.close(fd)
+
     src = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     out = {"pwrite+fsync": timed(write)}
     read()
     out["pread warm"] = min(timed(read) for _ in range(2))
+    out["pread warm, into new memory"] = min(timed(read_new) for _ in range(2))
     _drop_cache([path])
     out["pread cold"] = timed(read)
     out["memcpy"] = min(timed(lambda: np.copyto(dst, src)) for _ in range(3))
@@ -256,11 +267,16 @@ def main() -> None:
         def row(system: str, operation: str, seconds: float, limit: str, **extra: Any) -> None:
             gbs = nbytes / seconds / 1e9
             frac = floor[limit] / seconds if limit else None
+            if limit == "pread warm":  # a load's arrays are new memory: that floor too
+                extra["of pread into new memory"] = round(
+                    floor["pread warm, into new memory"] / seconds, 2)  # fmt: skip
             rows.append({"system": system, "operation": operation,
                          "seconds": round(seconds, 3), "GB/s": round(gbs, 2), "limit": limit,
                          "of limit": None if frac is None else round(frac, 2),
                          **extra})  # fmt: skip
             shown = "" if frac is None else f"{frac:.2f} of {limit}"
+            if "of pread into new memory" in extra:
+                shown += f", {extra['of pread into new memory']:.2f} of pread into new memory"
             print(f"BENCH {system:12s} {operation:28s} {seconds:8.3f} s {gbs:6.2f} GB/s {shown}",
                   flush=True)  # fmt: skip
 

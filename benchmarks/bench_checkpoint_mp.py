@@ -75,9 +75,20 @@ def _limit(work: Path, rank: int, nbytes: int, together: Any) -> dict[str, float
         finally:
             os.close(fd)
 
+    def read_new() -> None:  # into new memory, as a load's destination arrays are
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            at = 0
+            while at < nbytes:
+                fresh = np.empty(min(64 << 20, nbytes - at), dtype=np.uint8)
+                at += os.preadv(fd, [fresh], at)
+        finally:
+            os.close(fd)
+
     out = {"pwrite+fsync": together(write)}
     together(read)
     out["pread warm"] = min(together(read) for _ in range(2))
+    out["pread warm, into new memory"] = min(together(read_new) for _ in range(2))
     _drop([path])
     out["pread cold"] = together(read)
     path.unlink()
@@ -292,9 +303,14 @@ def _rows(engine: str, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = {"launch": launcher, "system": name.split(" ")[0], "operation": name,
                "seconds": round(seconds, 3), "GB/s": round(total / seconds / 1e9, 2),
                "limit": kind, "of limit": round(frac, 2)}  # fmt: skip
+        extra = ""
+        if kind == "pread warm":
+            fresh = limit["pread warm, into new memory"] / seconds
+            row["of pread into new memory"] = round(fresh, 2)
+            extra = f", {fresh:.2f} of pread into new memory"
         out.append(row)
         print(f"BENCH {launcher:10s} {row['system']:10s} {name:42s} {seconds:7.3f} s "
-              f"{row['GB/s']:6.2f} GB/s {frac:.2f} of {kind}")  # fmt: skip
+              f"{row['GB/s']:6.2f} GB/s {frac:.2f} of {kind}{extra}")  # fmt: skip
     for name in reports[0]["read"]:
         worst = max(r["read"][name] / r["held reshard" if "reshard" in name else "held"]
                     for r in reports)  # fmt: skip
