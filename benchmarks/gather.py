@@ -17,7 +17,8 @@ generated from. Every figure is a ratio (or a time) measured in this one run.
    unimesh against the same loss run with the framework's own collectives (bench_programs.py:
    JAX and torch).
 6. checkpoints: save and load against the disk's and memory's limit and against safetensors,
-   torch DCP and Orbax (bench_checkpoint.py).
+   torch DCP and Orbax (bench_checkpoint.py), and with 4 processes against DCP under torchrun
+   and mx under mpirun (bench_checkpoint_mp.py).
 """
 
 from __future__ import annotations
@@ -315,6 +316,35 @@ def checkpoints(mib: int) -> dict[str, Any]:
     }
 
 
+def checkpoints_mp(mib: int) -> dict[str, Any]:
+    """bench_checkpoint_mp.py (torchrun 4 with DCP, mpirun 4 with mx): its rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        subprocess.run(
+            [sys.executable, str(HERE / "bench_checkpoint_mp.py"), "--mib", str(mib), "--json",
+             str(out)],
+            check=True,
+        )  # fmt: skip
+        found = json.loads(out.read_text())
+    return {
+        "title": "Checkpoints, four processes",
+        "note": "bench_checkpoint_mp.py: the state split by rows over 4 processes; unimesh "
+        "beside torch DCP (torchrun 4) and mx.save_safetensors / mx.load (mpirun 4), the slowest "
+        "process's seconds and its fraction of the limit measured in the same launch.",
+        "columns": [
+            "launch",
+            "system",
+            "operation",
+            "seconds",
+            "GB/s",
+            "of limit",
+            "limit",
+            "read / held (worst process)",
+        ],
+        "rows": found["rows"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
@@ -332,6 +362,7 @@ def main() -> None:
         ("step overhead", lambda: steps(20 if q else 300)),
         ("example programs", lambda: programs(10 if q else 200)),
         ("checkpoints", lambda: checkpoints(128 if q else 1024)),
+        ("checkpoints, four processes", lambda: checkpoints_mp(128 if q else 1024)),
     ]
     sections = []
     for label, part in parts:
