@@ -24,7 +24,7 @@ import numpy as np
 
 from .backend import Backend
 from .errors import MeshMismatchError
-from .groups import Group
+from .groups import Group, GroupComm
 from .layout import Layout
 from .mesh import Mesh
 from .program import Body, Program, SpecTree
@@ -272,14 +272,19 @@ class ProcessBackend(Backend):
         envs = self._axis_envs
         env = envs.get(key)
         if env is None:
-            device = self.process_index()
-            if not (mesh.device_ids == device).any():
-                raise MeshMismatchError(
-                    f"process {device} is not a device of {mesh!r}; shard_map runs on the "
-                    "mesh's processes: call it there only"
-                )
+            other = envs.get(key[:2] + (not check,))  # the other rule set's: the same groups
+            if other is not None:
+                comm = other.comm
+            else:
+                device = self.process_index()
+                if not (mesh.device_ids == device).any():
+                    raise MeshMismatchError(
+                        f"process {device} is not a device of {mesh!r}; shard_map runs on the "
+                        "mesh's processes: call it there only"
+                    )
+                comm = GroupComm(self, mesh, device)
             rules = CheckVmaEnv if check else NoCheckVmaEnv
-            env = envs[key] = rules(self, mesh, device)
+            env = envs[key] = rules(self, comm)
         return env
 
     def vma_watched(self) -> bool:

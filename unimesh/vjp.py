@@ -33,7 +33,6 @@ from .checked import agree
 from .errors import LayoutError, UnsupportedError
 from .groups import Group, GroupComm
 from .layout import Layout
-from .mesh import Mesh
 from .program import AxisEnv
 from .spec import PartitionSpec
 
@@ -67,10 +66,11 @@ class ProcessAxisEnv(AxisEnv):
     #: which of JAX's rule sets this class implements
     check_vma: ClassVar[bool] = False
 
-    def __init__(self, be: ProcessBackend, mesh: Mesh, device: int) -> None:
-        super().__init__(mesh, device)
+    def __init__(self, be: ProcessBackend, comm: GroupComm) -> None:
+        super().__init__(comm.mesh, comm.device)
         self.be = be
-        self.comm = GroupComm(be, mesh, device)
+        #: this process's groups on the mesh, shared by both rule sets' envs of that mesh
+        self.comm = comm
         self.checked = False  # set per run by the program (shard_map(checked=...))
         self.calls = 0
         #: a custom vjp per key (made once: a collective of a step runs with no set-up)
@@ -78,7 +78,7 @@ class ProcessAxisEnv(AxisEnv):
         #: a collective's function with its rule, per (axes, op) or (axes, perm)
         self._collectives: dict[tuple[tuple[str, ...], Any], Fn] = {}
         self._in: dict[Layout, Any] = {}
-        self._whole = Layout(mesh, PartitionSpec())  # an array under a None in_spec
+        self._whole = Layout(comm.mesh, PartitionSpec())  # an array under a None in_spec
 
     # -- for backends ---------------------------------------------------------------------------
     def group(self, axes: tuple[str, ...]) -> Group:
@@ -351,8 +351,8 @@ class NoCheckVmaEnv(ProcessAxisEnv):
 
     check_vma = False
 
-    def __init__(self, be: ProcessBackend, mesh: Mesh, device: int) -> None:
-        super().__init__(be, mesh, device)
+    def __init__(self, be: ProcessBackend, comm: GroupComm) -> None:
+        super().__init__(be, comm)
         self._out: dict[Layout, int] = {}
 
     def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
