@@ -66,11 +66,14 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def limits(work: Path, nbytes: int) -> dict[str, float]:
-    """Seconds for this machine's floor on ``nbytes``: pwrite + fsync, pread warm and cold,
-    and memcpy, in 64 MiB pieces."""
+def limits(
+    work: Path, nbytes: int, timer: Any = timed, name: str = "limit.bin", memcpy: bool = True
+) -> dict[str, float]:
+    """Seconds for this machine's floor on ``nbytes``: pwrite + fsync, pread warm (into a
+    reused buffer and into new memory) and cold, and memcpy, in 64 MiB pieces, each timed by
+    ``timer`` (bench_checkpoint_mp's times every process at once, on a file of its own)."""
     piece = np.random.default_rng(1).integers(0, 255, 64 << 20, dtype=np.uint8)
-    path = work / "limit.bin"
+    path = work / name
 
     def write() -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -106,16 +109,17 @@ def limits(work: Path, nbytes: int) -> dict[str, float]:
         finally:
             os.close(fd)
 
-    src = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    out = {"pwrite+fsync": timed(write)}
-    read()
-    out["pread warm"] = min(timed(read) for _ in range(2))
-    out["pread warm, into new memory"] = min(timed(read_new) for _ in range(2))
+    out = {"pwrite+fsync": timer(write)}
+    timer(read)
+    out["pread warm"] = min(timer(read) for _ in range(2))
+    out["pread warm, into new memory"] = min(timer(read_new) for _ in range(2))
     _drop_cache([path])
-    out["pread cold"] = timed(read)
-    out["memcpy"] = min(timed(lambda: np.copyto(dst, src)) for _ in range(3))
+    out["pread cold"] = timer(read)
     path.unlink()
+    if memcpy:
+        src = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8)
+        dst = np.empty_like(src)
+        out["memcpy"] = min(timer(lambda: np.copyto(dst, src)) for _ in range(3))
     return out
 
 

@@ -35,66 +35,6 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 
-def _drop(paths: list[Path]) -> None:
-    os.sync()
-    for root in paths:
-        files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
-        for file in files:
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _limit(work: Path, rank: int, nbytes: int, together: Any) -> dict[str, float]:
-    """This process's share written (pwrite + fsync) and read back warm and cold, every
-    process at once."""
-    piece = np.random.default_rng(rank).integers(0, 255, 64 << 20, dtype=np.uint8)
-    path = work / f"limit-{rank}.bin"
-    buf = np.empty(64 << 20, dtype=np.uint8)
-
-    def write() -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            at = 0
-            while at < nbytes:
-                n = min(len(piece), nbytes - at)
-                os.pwrite(fd, piece[:n].data, at)
-                at += n
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def read() -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            at = 0
-            while at < nbytes:
-                at += os.preadv(fd, [memoryview(buf)[: min(len(buf), nbytes - at)]], at)
-        finally:
-            os.close(fd)
-
-    def read_new() -> None:  # into new memory, as a load's destination arrays are
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            at = 0
-            while at < nbytes:
-                fresh = np.empty(min(64 << 20, nbytes - at), dtype=np.uint8)
-                at += os.preadv(fd, [fresh], at)
-        finally:
-            os.close(fd)
-
-    out = {"pwrite+fsync": together(write)}
-    together(read)
-    out["pread warm"] = min(together(read) for _ in range(2))
-    out["pread warm, into new memory"] = min(together(read_new) for _ in range(2))
-    _drop([path])
-    out["pread cold"] = together(read)
-    path.unlink()
-    return out
-
-
 def worker(engine: str, work: Path, mib: int, out: Path) -> None:
     """One process of the launch: every measurement, its own seconds and bytes to a file."""
     import bench_checkpoint
@@ -138,7 +78,7 @@ def worker(engine: str, work: Path, mib: int, out: Path) -> None:
         return seconds
 
     total = sum(v.nbytes for v in values.values())
-    limit = _limit(work, rank, held, together)
+    limit = bench_checkpoint.limits(work, held, together, f"limit-{rank}.bin", memcpy=False)
     report: dict[str, Any] = {"rank": rank, "bytes": total, "held": held, "limit": limit}
     times: dict[str, float] = {}
     read: dict[str, int] = {}
@@ -155,7 +95,7 @@ def worker(engine: str, work: Path, mib: int, out: Path) -> None:
     load(rows)
     times["unimesh load warm"] = min(together(lambda: load(rows)) for _ in range(2))
     read["unimesh load"] = stats["bytes_read"]
-    _drop([path])
+    bench_checkpoint._drop_cache([path])
     times["unimesh load cold"] = together(lambda: load(rows))
     load(cols)
     times["unimesh load warm, reshard"] = min(together(lambda: load(cols)) for _ in range(2))
@@ -177,7 +117,7 @@ def worker(engine: str, work: Path, mib: int, out: Path) -> None:
 
         dcp_load(into)
         times["DCP load warm"] = min(together(lambda: dcp_load(into)) for _ in range(2))
-        _drop([work / "dcp"])
+        bench_checkpoint._drop_cache([work / "dcp"])
         times["DCP load cold"] = together(lambda: dcp_load(into))
         by_cols = {
             k: unimesh.distribute(torch.zeros(tuple(v.shape), dtype=v.dtype), cols[k], backend=be)
@@ -205,7 +145,7 @@ def worker(engine: str, work: Path, mib: int, out: Path) -> None:
 
         mx_load()
         times["mx.load warm (own blocks)"] = min(together(mx_load) for _ in range(2))
-        _drop([own])
+        bench_checkpoint._drop_cache([own])
         times["mx.load cold (own blocks)"] = together(mx_load)
         whole = work / "mx-whole.safetensors"
         if rank == 0:

@@ -281,53 +281,9 @@ def bench_mlx(repeat: int) -> dict[str, float]:
     if dp is None:
         raise SystemExit("the MLX benchmark needs split groups: run it under mpirun")
 
-    def native() -> Any:
-        x, t, w1, w2 = (a.local for a in placed)
-        pre = x @ w1
-        mask = pre > 0
-        h = pre * mask
-        y = mx.distributed.all_sum(h @ w2, group=tp)
-        n = x.shape[0] * dp.size()
-        diff = y - t
-        loss = mx.distributed.all_sum((diff * diff).sum(), group=dp) / n
-        dy = diff * (2.0 / n)
-        dw2 = mx.distributed.all_sum(h.T @ dy, group=dp)
-        dw1 = mx.distributed.all_sum(x.T @ ((dy @ w2.T) * mask), group=dp)
-        return loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2
-
-    ours = unimesh.shard_map(manual_step, mesh, SPECS_IN, SPECS_OUT, backend=backend)
-
-    def sync(out: Any) -> Any:
-        mx.eval(*[o.local if hasattr(o, "local") else o for o in out])
-
-    x_local, t_local = placed[0].local, placed[1].local
-
-    def native_loss(w1: Any, w2: Any) -> Any:  # mx.distributed.all_sum differentiates to itself
-        pre = x_local @ w1  # only where the cotangent is whole: Megatron's g
-        diff = mx.distributed.all_sum((pre * (pre > 0)) @ w2, group=tp) - t_local
-        loss = mx.distributed.all_sum((diff * diff).sum() / x_local.shape[0], group=dp)
-        return loss / dp.size()
-
-    native_vg = mx.value_and_grad(native_loss, argnums=(0, 1))
-
-    def native_grad() -> Any:
-        loss, grads = native_vg(placed[2].local, placed[3].local)
-        return (loss, *(mx.distributed.all_sum(g, group=dp) for g in grads))  # average_gradients
-
-    our_program = unimesh.shard_map(
-        mlp_step.loss, mesh, (P("dp", None), P("dp", None), mlp_step.SPECS), P(), backend=backend
-    )
-    params = {"w1": placed[2], "w2": placed[3]}
-    our_vg = unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p), backend=backend)
-
-    def our_grad() -> Any:
-        value, grads = our_vg(params)
-        return value, grads["w1"].local, grads["w2"].local
-
-    same([np.array(a) for a in native_grad()], [np.array(a) for a in our_grad()])
-
-    # compiled: mx.compile of the native steps (functions of their arrays, as an MLX user
-    # writes them) against unimesh.compile of the same unimesh steps
+    # the native steps as functions of this process's blocks, as an MLX user writes them
+    # (mx.distributed.all_sum differentiates to itself: the loss sums only where the
+    # cotangent is whole, Megatron's g); timed eager, and under mx.compile below
     def native_step(x: Any, t: Any, w1: Any, w2: Any) -> Any:
         pre = x @ w1
         mask = pre > 0
@@ -354,6 +310,31 @@ def bench_mlx(repeat: int) -> dict[str, float]:
         return (loss, *(mx.distributed.all_sum(g, group=dp) for g in grads))
 
     arrays = [a.local for a in placed]
+
+    def native() -> Any:
+        return native_step(*arrays)
+
+    ours = unimesh.shard_map(manual_step, mesh, SPECS_IN, SPECS_OUT, backend=backend)
+
+    def sync(out: Any) -> Any:
+        mx.eval(*[o.local if hasattr(o, "local") else o for o in out])
+
+    def native_grad() -> Any:  # with average_gradients' all-reduce over dp
+        return native_grad_step(*arrays)
+
+    our_program = unimesh.shard_map(
+        mlp_step.loss, mesh, (P("dp", None), P("dp", None), mlp_step.SPECS), P(), backend=backend
+    )
+    params = {"w1": placed[2], "w2": placed[3]}
+    our_vg = unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p), backend=backend)
+
+    def our_grad() -> Any:
+        value, grads = our_vg(params)
+        return value, grads["w1"].local, grads["w2"].local
+
+    same([np.array(a) for a in native_grad()], [np.array(a) for a in our_grad()])
+
+    # compiled: mx.compile of the native steps against unimesh.compile of the same unimesh steps
     native_c = mx.compile(native_step)
     native_grad_c = mx.compile(native_grad_step)
     ours_c = unimesh.compile(ours, backend=backend)

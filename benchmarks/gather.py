@@ -296,16 +296,21 @@ def programs(repeat: int) -> dict[str, Any]:
     }
 
 
-def checkpoints(mib: int) -> dict[str, Any]:
-    """bench_checkpoint.py in a fresh interpreter (8 JAX CPU devices): its rows."""
+def _script_rows(script: str, mib: int) -> dict[str, Any]:
+    """``script --mib mib --json FILE`` in a fresh interpreter: what it wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         subprocess.run(
-            [sys.executable, str(HERE / "bench_checkpoint.py"), "--mib", str(mib), "--json",
-             str(out)],
+            [sys.executable, str(HERE / script), "--mib", str(mib), "--json", str(out)],
             check=True,
-        )  # fmt: skip
-        found = json.loads(out.read_text())
+        )
+        found: dict[str, Any] = json.loads(out.read_text())
+    return found
+
+
+def checkpoints(mib: int) -> dict[str, Any]:
+    """bench_checkpoint.py (8 JAX CPU devices, one process): its rows."""
+    found = _script_rows("bench_checkpoint.py", mib)
     return {
         "title": "Checkpoints",
         "note": f"bench_checkpoint.py: {found['bytes'] / 2**20:.0f} MiB on 8 JAX CPU devices in "
@@ -318,14 +323,7 @@ def checkpoints(mib: int) -> dict[str, Any]:
 
 def checkpoints_mp(mib: int) -> dict[str, Any]:
     """bench_checkpoint_mp.py (torchrun 4 with DCP, mpirun 4 with mx): its rows."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "rows.json"
-        subprocess.run(
-            [sys.executable, str(HERE / "bench_checkpoint_mp.py"), "--mib", str(mib), "--json",
-             str(out)],
-            check=True,
-        )  # fmt: skip
-        found = json.loads(out.read_text())
+    found = _script_rows("bench_checkpoint_mp.py", mib)
     return {
         "title": "Checkpoints, four processes",
         "note": "bench_checkpoint_mp.py: the state split by rows over 4 processes; unimesh "
