@@ -110,8 +110,7 @@ class MLXMesh:
         names = (axes,) if isinstance(axes, str) else tuple(axes)
         made = self._groups.get(names)
         if made is None:
-            self.mesh.groups_array(names)  # validates the names
-            group = self._backend.axis_env(self.mesh).group(names)
+            group = self._backend.axis_env(self.mesh).group(names)  # checks the names
             split = group.handle.group if group.handle is not None else None
             made = self._groups[names] = AxisGroup(names, group.members, self.world, split)
         return made

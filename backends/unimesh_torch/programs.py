@@ -164,9 +164,7 @@ class TorchPrograms(TorchTranslator):
     def unwatched(self, fn: Any, x: Any, vma: frozenset[str] | None = None) -> Any:
         with _torch()._C.DisableTorchFunction():
             out = fn(x)
-        if vma is not None:
-            setattr(out, _VMA, vma)
-        return out
+        return out if vma is None else self.tag(out, vma)
 
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
         function = _vjp_function()
