@@ -164,7 +164,9 @@ def peak(path: str, backend: str) -> None:
         import jax
 
         jax.block_until_ready(got)
-        held = sum(s.data.nbytes for a in got.values() for s in a.addressable_shards)
+        buffers = {s.data.unsafe_buffer_pointer(): s.data.nbytes
+                   for a in got.values() for s in a.addressable_shards}  # fmt: skip
+        held = sum(buffers.values())  # replicas may share one host buffer on CPU
     else:
         held = sum(a.nbytes for a in got.values())
     high = _status("VmHWM")

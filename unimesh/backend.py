@@ -23,7 +23,7 @@ from the hooks the class implements, and a backend declares only its :attr:`Back
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from .errors import UnsupportedError
@@ -446,7 +446,7 @@ class Backend:
 
     def from_local(
         self,
-        blocks: dict[int, Any],
+        blocks: Mapping[int, Any],
         layout: Layout,
         shape: tuple[int, ...],
         dtype: Any = None,
@@ -455,7 +455,9 @@ class Backend:
         """The native distributed array of global ``shape`` whose block on each of this
         process's devices is ``blocks[device id]`` (``from_local``; the core has checked every
         block's shape against ``layout``). ``dtype`` (None, or the user's) is for a process
-        with no blocks."""
+        with no blocks. ``blocks`` may read each block when it is first asked for (a
+        checkpoint load does): take each once, and do not hold host copies longer than the
+        transfer needs."""
         return self._missing("from_local")
 
     def compile(self, fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:

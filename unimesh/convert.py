@@ -244,6 +244,16 @@ def _local_blocks(
     }
 
 
+def from_blocks(
+    blocks: Mapping[int, Any], layout: Layout, shape: tuple[int, ...], backend: Backend
+) -> Any:
+    """:func:`from_local` for a caller that built ``blocks`` itself, one per device of this
+    process with the shape the layout gives it (a checkpoint load): the backend and layout are
+    checked, the blocks handed over untouched, each taken when the backend asks for it."""
+    be = _placing_backend(backend, "from_local", layout, shape)
+    return be.from_local(blocks, layout, shape, None)
+
+
 def _placing_backend(
     backend: str | Backend | None, capability: str, layout: Layout, shape: tuple[int, ...]
 ) -> Backend:

@@ -5,6 +5,7 @@ device order (sorted by process, then by id within the process), not JAX's id.""
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,9 @@ from unimesh import (
 from unimesh.messages import short
 
 from .runtime import JaxRuntime, _device_array, _jax, global_devices
+
+#: host bytes of blocks in flight to their devices in one from_local, at most (see from_local)
+_STAGED = 32 << 20
 
 _TYPES = {"auto": "Auto", "explicit": "Explicit", "manual": "Manual"}
 
@@ -227,7 +231,7 @@ class JaxTranslator(JaxRuntime):
 
     def from_local(
         self,
-        blocks: dict[int, Any],
+        blocks: Mapping[int, Any],
         layout: Layout,
         shape: tuple[int, ...],
         dtype: Any = None,
@@ -239,7 +243,19 @@ class JaxTranslator(JaxRuntime):
         self._placeable(layout)
         sharding = self.layout_to_native(layout, **options)
         devices = global_devices()
-        arrays = [jax.device_put(blocks[d], devices[d]) for d in sorted(blocks)]
+        arrays: list[Any] = []
+        pending, staged = 0, 0  # copies not yet waited for, and their host bytes
+        for d in sorted(blocks):
+            block = blocks[d]
+            size = int(getattr(block, "nbytes", 0))
+            if staged and staged + size > _STAGED:
+                # a checkpoint load reads blocks on demand: bound the host bytes still being
+                # copied (each block is let go once on its device), keeping the copies async
+                jax.block_until_ready(arrays[pending:])
+                pending, staged = len(arrays), 0
+            arrays.append(jax.device_put(block, devices[d]))
+            staged += size
+            del block
         if arrays:
             dtype = arrays[0].dtype
         elif dtype is None:

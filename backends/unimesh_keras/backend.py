@@ -8,6 +8,7 @@ keras is imported inside the functions, never at module import.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -211,7 +212,7 @@ class KerasBackend(Backend):
 
     def from_local(
         self,
-        blocks: dict[int, Any],
+        blocks: Mapping[int, Any],
         layout: Layout,
         shape: tuple[int, ...],
         dtype: Any = None,

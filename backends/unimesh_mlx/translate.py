@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -243,7 +244,7 @@ class MLXTranslator(MLXRuntime):
 
     def from_local(
         self,
-        blocks: dict[int, Any],
+        blocks: Mapping[int, Any],
         layout: Layout,
         shape: tuple[int, ...],
         dtype: Any = None,

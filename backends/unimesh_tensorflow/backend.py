@@ -10,6 +10,7 @@ functions, never at module import.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -254,7 +255,7 @@ class TensorFlowBackend(Backend):
 
     def from_local(
         self,
-        blocks: dict[int, Any],
+        blocks: Mapping[int, Any],
         layout: Layout,
         shape: tuple[int, ...],
         dtype: Any = None,

@@ -364,7 +364,7 @@ class TorchTranslator(TorchRuntime):
 
     def from_local(
         self,
-        blocks: dict[int, Any],
+        blocks: Mapping[int, Any],
         layout: Layout,
         shape: tuple[int, ...],
         dtype: Any = None,

@@ -1,11 +1,12 @@
 """Who reads which bytes: the intersection of a wanted block with the saved boxes, as runs of
-contiguous bytes in the data files, in the row-major order of the intersection. Pure numpy-free
-integer arithmetic: no I/O, no framework."""
+contiguous bytes in the data files, in the row-major order of the intersection. Integer
+arithmetic (numpy for the many runs of a strided region): no I/O, no framework."""
 
 from __future__ import annotations
 
-import itertools
 import math
+
+import numpy as np
 
 from .format import Box
 
@@ -51,14 +52,12 @@ def runs(
         inner -= 1
     strides = [itemsize * math.prod(box.size[d + 1 :]) for d in range(ndim)]
     length = (hi[inner] - lo[inner]) * strides[inner]
-    out: list[tuple[int, int]] = []
-    for index in itertools.product(*(range(lo[d], hi[d]) for d in range(inner))):
-        at = box.start + sum(i * s for i, s in zip(index, strides)) + lo[inner] * strides[inner]
-        if out and out[-1][0] + out[-1][1] == at:
-            out[-1] = (out[-1][0], out[-1][1] + length)
-        else:
-            out.append((at, length))
-    return out
+    first = box.start + sum(a * s for a, s in zip(lo, strides))
+    if inner == 0:
+        return [(first, length)]
+    # one run per index of the dims before ``inner``; none are adjacent (``inner`` is partial)
+    axes = np.ix_(*(np.arange(hi[d] - lo[d]) * strides[d] for d in range(inner)))
+    return [(at, length) for at in np.asarray(first + sum(axes)).reshape(-1).tolist()]
 
 
 def pieces(

@@ -6,12 +6,13 @@ hands over its blocks (``local_shards``) and takes them back (``from_local``).""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import secrets
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -672,7 +673,7 @@ class Checkpoint:
 
     def _region(self, t: Tensor, start: tuple[int, ...], stop: tuple[int, ...]) -> np.ndarray:
         dtype = numpy_dtype(t.dtype)
-        out = np.empty(tuple(b - a for a, b in zip(start, stop)), dtype=dtype)  # C order
+        out = _empty(tuple(b - a for a, b in zip(start, stop)), dtype)  # C order
         if out.size == 0:
             return out
         if self.kind == "orbax":  # TensorStore reads the (compressed) chunks it touches whole
@@ -701,37 +702,24 @@ class Checkpoint:
                 continue
             where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
             box = piece.box
-            # where the piece is one contiguous stretch of ``out`` (the dims after its first
-            # partial one whole), its runs are read straight into it: no buffer, no copy
-            direct = not box.strides and _contiguous_in(where, out.shape)
-            if direct:
-                first = sum(w.start * st for w, st in zip(where, out.strides))
-                buf: Any = out.reshape(-1).view(np.uint8)[first : first + piece.nbytes].data
-            else:
-                buf = bytearray(piece.nbytes)
-            at = 0
             fd = os.open(self._file(box.file), os.O_RDONLY)
             try:
-                for offset, length in piece.runs:
-                    got = os.preadv(fd, [memoryview(buf)[at : at + length]], offset)
-                    if got != length:
-                        raise CheckpointError(
-                            f"{self.path}: data file {box.file!r} is truncated (tensor "
-                            f"{t.name!r} needs bytes {offset}..{offset + length})"
-                        )
-                    at += length
+                if not box.strides:  # straight into ``out``: no buffer, no copy
+                    _scatter_read(fd, piece.runs, out, where, self.path, box.file, t.name)
+                    self.bytes_read += piece.nbytes
+                    continue
+                buf = bytearray(piece.nbytes)  # a strided box, read whole, then viewed
+                _read_into(fd, [memoryview(buf)], piece.runs[0][0], self.path, box.file, t.name)
             finally:
                 os.close(fd)
             self.bytes_read += piece.nbytes
-            if direct:
-                continue
-            view: np.ndarray = np.frombuffer(buf, dtype=dtype)
-            if box.strides:  # read whole; viewed with its strides, then cut to the piece
-                view = np.lib.stride_tricks.as_strided(
-                    view, box.size, tuple(s * dtype.itemsize for s in box.strides), writeable=False
-                )[tuple(slice(a - o, b - o) for a, b, o in zip(piece.start, piece.stop,
-                                                              box.offset))]  # fmt: skip
-            out[where] = view.reshape(piece.shape)
+            view = np.lib.stride_tricks.as_strided(
+                np.frombuffer(buf, dtype=dtype),
+                box.size,
+                tuple(s * dtype.itemsize for s in box.strides),
+                writeable=False,
+            )[tuple(slice(a - o, b - o) for a, b, o in zip(piece.start, piece.stop, box.offset))]
+            out[where] = view
         return out
 
     def check_box(self, name: str, box: Box) -> None:
@@ -762,12 +750,86 @@ class Checkpoint:
         self._checked.add((box.file, box.start))
 
 
-def _contiguous_in(where: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
-    """Whether the region ``where`` of a C-order array of ``shape`` is one contiguous stretch
-    of its memory: single indices up to some dim, any extent there, whole dims after it."""
-    extents = [w.stop - w.start for w in where]
-    j = next((i for i, e in enumerate(extents) if e != 1), len(extents))
-    return all(e == n for e, n in zip(extents[j + 1 :], shape[j + 1 :]))
+_IOV_MAX = 1024  # iovecs per preadv (Linux's UIO_MAXIOV)
+
+
+def _scatter_read(
+    fd: int,
+    runs: list[tuple[int, int]],
+    out: np.ndarray,
+    where: tuple[slice, ...],
+    root: Path,
+    file: str,
+    name: str,
+) -> None:
+    """Read the file's byte ``runs`` (row-major order of the region) straight into the region
+    ``where`` of the C-order array ``out``: its contiguous stretches become the iovecs of
+    ``preadv`` calls, so nothing is staged in between."""
+    mem = out.reshape(-1).view(np.uint8).data
+    stretches = iter(_stretches(out, where))
+    at, left = next(stretches)
+    for offset, length in runs:
+        if not left:
+            at, left = next(stretches)
+        if length <= left:  # the common case: the run lands in one stretch, one call
+            view = mem[at : at + length]
+            if os.preadv(fd, [view], offset) != length:
+                _read_into(fd, [view], offset, root, file, name)  # the rest, or truncated
+            at, left = at + length, left - length
+            continue
+        iov: list[memoryview] = []
+        size = 0
+        while length:
+            if not left:
+                at, left = next(stretches)
+            take = min(length, left)
+            iov.append(mem[at : at + take])
+            at, left, length, size = at + take, left - take, length - take, size + take
+            if len(iov) == _IOV_MAX or not length:
+                _read_into(fd, iov, offset, root, file, name)
+                offset, iov, size = offset + size, [], 0
+
+
+def _stretches(out: np.ndarray, where: tuple[slice, ...]) -> Iterator[tuple[int, int]]:
+    """(byte offset, length) of each contiguous stretch of ``out[where]`` (``out`` C-order), in
+    row-major order: the last partial dim and the whole dims after it make one stretch."""
+    shape, strides = out.shape, out.strides
+    if not shape:
+        yield 0, out.itemsize
+        return
+    d = len(shape) - 1
+    while d > 0 and where[d].start == 0 and where[d].stop == shape[d]:
+        d -= 1
+    length = (where[d].stop - where[d].start) * strides[d]
+    base = sum(w.start * st for w, st in zip(where, strides))
+    if d == 0:
+        yield base, length
+        return
+    axes = np.ix_(*(np.arange(w.stop - w.start) * st for w, st in zip(where[:d], strides[:d])))
+    for first in (base + sum(axes)).reshape(-1).tolist():
+        yield first, length
+
+
+def _read_into(
+    fd: int, iov: list[memoryview], offset: int, root: Path, file: str, name: str
+) -> None:
+    """``preadv`` until every buffer of ``iov`` is full (a call may return fewer bytes than
+    asked, e.g. past 2 GiB); the file ending first is a truncated checkpoint."""
+    want = sum(len(m) for m in iov)
+    end = offset + want
+    while iov:
+        got = os.preadv(fd, iov, offset)
+        if got <= 0:
+            raise CheckpointError(
+                f"{root}: data file {file!r} is truncated (tensor {name!r} needs bytes "
+                f"{end - want}..{end})"
+            )
+        offset += got
+        while iov and got >= len(iov[0]):
+            got -= len(iov[0])
+            iov = iov[1:]
+        if got:
+            iov[0] = iov[0][got:]
 
 
 def _dcp_safetensors(root: Path) -> list[str]:
@@ -818,6 +880,61 @@ def _region(
     return tuple(start), tuple(stop)
 
 
+class _LazyBlocks(Mapping[int, np.ndarray]):
+    """This process's blocks of one tensor, ``{device: block}``, each read when the backend
+    first asks for it and let go once every device holding it has been given it: a load
+    stages one block at a time in host memory, not the whole tensor."""
+
+    def __init__(
+        self,
+        keys: dict[int, tuple[tuple[int, int], ...]],
+        read: Callable[[tuple[tuple[int, int], ...]], np.ndarray],
+    ) -> None:
+        self._keys, self._read = keys, read
+        self._left: dict[tuple[tuple[int, int], ...], int] = {}
+        for key in keys.values():
+            self._left[key] = self._left.get(key, 0) + 1
+        self._held: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+
+    def __getitem__(self, device: int) -> np.ndarray:
+        key = self._keys[device]
+        block = self._held.get(key)
+        if block is None:
+            block = self._held[key] = self._read(key)
+        self._left[key] -= 1
+        if self._left[key] <= 0:  # every device of this block has it: let go
+            del self._held[key]
+        return block
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _read_block(
+    ckpt: Checkpoint, t: Tensor, key: tuple[tuple[int, int], ...], cast: np.dtype[Any] | None
+) -> np.ndarray:
+    block = ckpt._region(t, tuple(a for a, _ in key), tuple(b for _, b in key))
+    if cast is None:
+        return block
+    out = _empty(block.shape, cast)
+    np.copyto(out, block, casting="unsafe")
+    return out
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """``np.empty`` whose data starts on a 64-byte boundary: a CPU runtime may then adopt a
+    loaded block as its device buffer instead of copying it (XLA's CPU client does)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:
+        return np.empty(shape, dtype)
+    raw = np.empty(nbytes + 64, np.uint8)
+    at = -raw.ctypes.data % 64
+    return raw[at : at + nbytes].view(dtype).reshape(shape)
+
+
 def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> Checkpoint:
     """A checkpoint opened for inspection and reading, with no framework imported: a unimesh
     checkpoint, or Hugging Face safetensors. ``verify=True`` checks each box's checksum before
@@ -855,7 +972,7 @@ def load(
     ``target`` may also be a framework's model (a torch ``nn.Module``, a Keras model, an
     ``mlx.nn.Module``): each of its arrays is loaded in its own layout (no gather) and
     written into the model in place, which is returned."""
-    from ..convert import from_local
+    from ..convert import from_blocks
     from ..registry import get_backend, owner_of
     from ..rules import AxisRules, LayoutMap
 
@@ -926,19 +1043,11 @@ def load(
                 f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target {want_dtype}: pass "
                 "dtype= to cast on purpose"
             )
-        blocks: dict[int, np.ndarray] = {}
-        cache: dict[tuple[tuple[int, int], ...], np.ndarray] = {}
+        keys: dict[int, tuple[tuple[int, int], ...]] = {}
         for device in be.process_devices(layout.mesh):
-            sl = layout.shard_slices(t.shape, device)
-            key = tuple((s.start, s.stop) for s in sl)
-            block = cache.get(key)
-            if block is None:
-                block = ckpt._region(t, tuple(a for a, _ in key), tuple(b for _, b in key))
-                if cast is not None:
-                    block = block.astype(cast)
-                cache[key] = block
-            blocks[device] = block
-        made = from_local(blocks, layout, t.shape, backend=be)
+            keys[device] = tuple((s.start, s.stop) for s in layout.shard_slices(t.shape, device))
+        blocks = _LazyBlocks(keys, functools.partial(_read_block, ckpt, t, cast=cast))
+        made = from_blocks(blocks, layout, t.shape, be)
         wanted = t.dtype if cast is None else dtype_name(cast)
         got = dtype_text(getattr(made, "dtype", wanted))
         if got != wanted:  # the framework changed it (JAX without x64 keeps no int64)
@@ -948,7 +1057,8 @@ def load(
                 "jax.config.update('jax_enable_x64', True)); pass dtype= to cast on purpose"
             )
         out.append(made)
-        held += sum(b.nbytes for b in cache.values())
+        itemsize = t.itemsize if cast is None else cast.itemsize
+        held += sum(math.prod(b - a for a, b in key) * itemsize for key in set(keys.values()))
     if stats is not None:
         stats["bytes_read"] = ckpt.bytes_read
         stats["bytes_held"] = held
