@@ -318,16 +318,19 @@ def main() -> None:
                   f" MiB beyond the {mib['destination']} MiB destination (largest contiguous "
                   f"run {mib['largest run']} MiB)", flush=True)  # fmt: skip
 
-        def host_copy() -> None:
-            for a in arrays.values():
-                for s in a.addressable_shards:
-                    np.array(s.data)
+        def host_copy() -> None:  # kept until all are copied, as a snapshot must keep them
+            kept = [np.array(s.data) for a in arrays.values() for s in a.addressable_shards]
+            del kept
 
         copy = min(timed(host_copy) for _ in range(2))
         row("host copy", "every block to numpy", copy, "memcpy")
         handle: list[Any] = []
-        blocking = timed(lambda: handle.append(unimesh.async_save(work / "async", arrays)))
-        handle[0].wait()
+        tries = []
+        for _ in range(2):  # warm, as the host copy is: the best of two, each written out
+            tries.append(timed(lambda: handle.append(unimesh.async_save(work / "async",
+                                                                            arrays))))  # fmt: skip
+            handle.pop().wait()
+        blocking = min(tries)
         row("unimesh", "async_save blocking", blocking, "", **{"x host copy": round(
             blocking / copy, 2)})  # fmt: skip
         shutil.rmtree(work / "async", ignore_errors=True)

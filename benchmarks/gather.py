@@ -1,7 +1,10 @@
 """Gathers the figures the issues name into one JSON file that the docs' benchmark page is
 generated from. Every figure is a ratio (or a time) measured in this one run.
 
-    python benchmarks/gather.py [--quick] [--json docs/_data/benchmarks.json]
+    python benchmarks/gather.py [--quick] [--json docs/_data/benchmarks.json] [--only LABELS]
+
+``--only "checkpoints,checkpoints 4 processes"`` reruns those sections and keeps the others
+of the JSON file as they were (each section records the date it was measured).
 
 1. import cost: ``import unimesh`` / ``import numpy`` in fresh interpreters (bench_core.py).
 2. to_native overhead per backend: the first conversion of a neutral mesh by a fresh backend
@@ -297,14 +300,18 @@ def programs(repeat: int) -> dict[str, Any]:
 
 
 def _script_rows(script: str, mib: int) -> dict[str, Any]:
-    """``script --mib mib --json FILE`` in a fresh interpreter: what it wrote."""
+    """``script --mib mib --json FILE`` in a fresh interpreter: what it wrote (a full-size run
+    also keeps its raw rows as ``docs/_data/<script>.json``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         subprocess.run(
             [sys.executable, str(HERE / script), "--mib", str(mib), "--json", str(out)],
             check=True,
         )
-        found: dict[str, Any] = json.loads(out.read_text())
+        text = out.read_text()
+    if mib >= 1024:
+        (HERE.parent / "docs" / "_data" / script.replace(".py", ".json")).write_text(text)
+    found: dict[str, Any] = json.loads(text)
     return found
 
 
@@ -351,6 +358,11 @@ def main() -> None:
         default=str(HERE.parent / "docs" / "_data" / "benchmarks.json"),
         help="where to write the results (default: the docs' data file)",
     )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated section labels to rerun, keeping the others of --json as they are",
+    )
     args = parser.parse_args()
     q = args.quick
     parts: list[tuple[str, Callable[[], dict[str, Any]]]] = [
@@ -360,16 +372,30 @@ def main() -> None:
         ("step overhead", lambda: steps(20 if q else 300)),
         ("example programs", lambda: programs(10 if q else 200)),
         ("checkpoints", lambda: checkpoints(128 if q else 1024)),
-        ("checkpoints, four processes", lambda: checkpoints_mp(128 if q else 1024)),
+        ("checkpoints 4 processes", lambda: checkpoints_mp(128 if q else 1024)),
     ]
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = [x for x in only if x not in dict(parts)]
+    if unknown:
+        raise SystemExit(f"--only: no section {unknown}; the sections: {[p for p, _ in parts]}")
+    kept: dict[str, Any] = {}
+    if only:  # the sections not rerun, as the file has them
+        old = json.loads(Path(args.json).read_text())
+        kept = {s["label"]: s for s in old["sections"] if "label" in s}
     sections = []
     for label, part in parts:
+        if only and label not in only:
+            if label in kept:
+                sections.append(kept[label])
+            continue
         t0 = time.perf_counter()
         print(f"== {label}", flush=True)
         section = part()
         for row in section["rows"]:
             print("   " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
         print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
+        section["label"] = label
+        section["date"] = time.strftime("%Y-%m-%d")
         sections.append(section)
     data = {
         "run": {

@@ -106,6 +106,8 @@ def benchmark_table(data: dict) -> str:
         out.append(f"## {section['title']}\n")
         if section.get("note"):
             out.append(section["note"] + "\n")
+        if section.get("date"):
+            out.append(f"Measured {section['date']}.\n")
         cols = section["columns"]
         out.append("| " + " | ".join(cols) + " |")
         out.append("|" + " --- |" * len(cols))
@@ -117,6 +119,66 @@ def benchmark_table(data: dict) -> str:
         f"Run: `{meta.get('command', 'python benchmarks/gather.py')}` on "
         f"{meta.get('machine', '?')}, {meta.get('date', '?')}."
     )
+    return "\n".join(out) + "\n"
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def checkpoint_chart(data: dict) -> str:
+    """An SVG bar chart of the checkpoint sections of ``benchmarks.json``: each system's GB/s
+    per operation (of the whole state), and beside it the fraction of the limit measured in
+    the same run (the limits are bars of their own, in grey)."""
+    bars: list[tuple[str, str, str, float, str]] = []  # group, system, label, GB/s, fraction
+    for section in data["sections"]:
+        if section.get("label") not in ("checkpoints", "checkpoints 4 processes"):
+            continue
+        group = "1 process" if section["label"] == "checkpoints" else "4 processes"
+        for row in section["rows"]:
+            gbs, system = row.get("GB/s"), str(row.get("system", ""))
+            if not isinstance(gbs, (int, float)) or "s3" in system:
+                continue
+            launch = f"{row['launch']}: " if row.get("launch") else ""
+            frac = row.get("of limit")
+            text = f"{frac:.2f} of {row['limit']}" if isinstance(frac, (int, float)) else ""
+            bars.append((group, system, f"{launch}{system} · {row['operation']}", gbs, text))
+    if not bars:
+        return ""
+    colours = {"limit": "#9e9e9e", "unimesh": "#1f77b4"}
+    width, label_w, bar_w, row_h, top = 980, 430, 330, 16, 30
+    scale = bar_w / max(b[3] for b in bars)
+    height = top + row_h * (len(bars) + 2 * len({b[0] for b in bars})) + 30
+    title = (
+        "Checkpoint GB/s per system (bars) and the fraction of the limit measured in the "
+        "same run (right)"
+    )
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        + 'font-family="sans-serif" font-size="11">',
+        f'<text x="4" y="16" font-size="13" font-weight="bold">{title}</text>',
+    ]
+    y, group = top, None
+    for g, system, label, gbs, text in bars:
+        if g != group:
+            y += row_h
+            out.append(f'<text x="4" y="{y}" font-weight="bold">{_escape(g)}</text>')
+            y += 4
+            group = g
+        colour = colours.get(system, "#ff7f0e")
+        end = label_w + gbs * scale
+        out += [
+            f'<text x="{label_w - 6}" y="{y + 11}" text-anchor="end">{_escape(label)}</text>',
+            f'<rect x="{label_w}" y="{y + 2}" width="{max(gbs * scale, 1):.1f}" '
+            + f'height="{row_h - 4}" fill="{colour}"/>',
+            f'<text x="{end + 4:.1f}" y="{y + 11}">{gbs:.2f} GB/s  {_escape(text)}</text>',
+        ]
+        y += row_h
+    out.append(
+        f'<text x="4" y="{height - 8}" fill="#555">blue: unimesh; orange: the incumbents '
+        + "(DCP, Orbax, safetensors, mx); grey: the limit (pwrite+fsync, pread, memcpy)</text>"
+    )
+    out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
@@ -133,6 +195,9 @@ def generate(docs: Path) -> None:
         json.loads((data / "capabilities.json").read_text())
     )
     tables["benchmarks-table.md"] = benchmark_table(
+        json.loads((data / "benchmarks.json").read_text())
+    )
+    tables["checkpoint-chart.svg"] = checkpoint_chart(
         json.loads((data / "benchmarks.json").read_text())
     )
     for name, text in tables.items():

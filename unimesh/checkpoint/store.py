@@ -943,6 +943,80 @@ def open_checkpoint(path: str | os.PathLike[str], *, verify: bool = False) -> Ch
 
 
 # -- load ----------------------------------------------------------------------------------------
+class _Plan:
+    """One leaf of a load's target, checked: where its tensor is, how it is laid out and cast,
+    and this process's block of it per device (``keys``, as (start, stop) per dim)."""
+
+    __slots__ = ("be", "cast", "keys", "layout", "leaf", "name", "tensor")
+
+    def __init__(self, name: str, leaf: Any) -> None:
+        self.name, self.leaf = name, leaf
+        self.tensor: Tensor | None = None
+        self.be: Any = None
+        self.layout: Any = None
+        self.cast: np.dtype[Any] | None = None
+        self.keys: dict[int, tuple[tuple[int, int], ...]] = {}
+
+
+def _plan(ckpt: Checkpoint, name: str, leaf: Any, backend: Any, dtype: Any, strict: bool) -> _Plan:
+    """``leaf``'s plan, every mismatch with the checkpoint refused by name."""
+    from ..registry import get_backend, owner_of
+
+    plan = _Plan(name, leaf)
+    if name not in ckpt.tensors:
+        if strict:
+            ckpt.tensor(name)  # raises, naming the closest names
+        return plan
+    t = plan.tensor = ckpt.tensor(name)
+    if dtype is not None:
+        plan.cast = np.dtype(dtype)
+    if isinstance(leaf, np.ndarray):  # a host array: read whole, as numpy
+        if tuple(leaf.shape) != t.shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target "
+                f"{tuple(leaf.shape)}"
+            )
+        if dtype is None and dtype_text(leaf.dtype) != t.dtype:
+            raise CheckpointError(
+                f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target "
+                f"{dtype_text(leaf.dtype)}: pass dtype= to cast on purpose"
+            )
+        return plan
+    if isinstance(leaf, Layout):
+        layout, be = leaf, get_backend(backend)
+        want_dtype = None
+    else:
+        found = layout_of(leaf)
+        if found is None:
+            raise CheckpointError(
+                f"target {name!r} is {short(leaf)}: give a unimesh.Layout or a backend's "
+                "distributed array"
+            )
+        layout = found
+        be = get_backend(backend) if backend is not None else owner_of(leaf)
+        shape = tuple(int(n) for n in leaf.shape)
+        if shape != t.shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target {shape}"
+            )
+        want_dtype = dtype_text(getattr(leaf, "dtype", ""))
+    if len(layout.spec) > len(t.shape):
+        raise CheckpointError(
+            f"tensor {name!r} has {len(t.shape)} dims, its target layout {layout.spec!r} "
+            f"names {len(layout.spec)}"
+        )
+    be.require("checkpoint", "unimesh.load builds its arrays with from_local")
+    if dtype is None and want_dtype and want_dtype != t.dtype:
+        raise CheckpointError(
+            f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target {want_dtype}: pass "
+            "dtype= to cast on purpose"
+        )
+    plan.be, plan.layout = be, layout
+    for device in be.process_devices(layout.mesh):
+        plan.keys[device] = tuple((s.start, s.stop) for s in layout.shard_slices(t.shape, device))
+    return plan
+
+
 def load(
     path: str | os.PathLike[str],
     target: Any,
@@ -973,7 +1047,6 @@ def load(
     ``mlx.nn.Module``): each of its arrays is loaded in its own layout (no gather) and
     written into the model in place, which is returned."""
     from ..convert import from_blocks
-    from ..registry import get_backend, owner_of
     from ..rules import AxisRules, LayoutMap
 
     as_model = model_state(target, backend)
@@ -987,78 +1060,33 @@ def load(
     if isinstance(target, (LayoutMap, AxisRules)):
         target = _by_rule(ckpt, target, logical_axes, mesh)
     names, leaves, treedef = _flatten(target)
+    # every leaf checked and planned before any byte is read
+    plans = [_plan(ckpt, name, leaf, backend, dtype, strict) for name, leaf in zip(names, leaves)]
     out = []
     held = 0
-    for name, leaf in zip(names, leaves):
-        if name not in ckpt.tensors:
-            if strict:
-                ckpt.tensor(name)  # raises, naming the closest names
-            out.append(leaf)
-            continue
-        t = ckpt.tensor(name)
-        if isinstance(leaf, np.ndarray):  # a host array: read whole, as numpy
-            if tuple(leaf.shape) != t.shape:
-                raise CheckpointError(
-                    f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target "
-                    f"{tuple(leaf.shape)}"
-                )
-            if dtype is None and dtype_text(leaf.dtype) != t.dtype:
-                raise CheckpointError(
-                    f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target "
-                    f"{dtype_text(leaf.dtype)}: pass dtype= to cast on purpose"
-                )
-            whole = ckpt.read(name)
-            out.append(whole if dtype is None else whole.astype(np.dtype(dtype)))
+    for plan in plans:
+        t, cast = plan.tensor, plan.cast
+        if t is None:  # not in the checkpoint (strict=False): left as given
+            out.append(plan.leaf)
+        elif plan.be is None:  # a host array: read whole, as numpy
+            whole = ckpt.read(plan.name)
+            out.append(whole if cast is None else whole.astype(cast))
             held += whole.nbytes
-            continue
-        if isinstance(leaf, Layout):
-            layout, be = leaf, get_backend(backend)
-            want_dtype = None
         else:
-            found = layout_of(leaf)
-            if found is None:
+            be, layout = plan.be, plan.layout
+            blocks = _LazyBlocks(plan.keys, functools.partial(_read_block, ckpt, t, cast=cast))
+            made = from_blocks(blocks, layout, t.shape, be)
+            wanted = t.dtype if cast is None else dtype_name(cast)
+            got = dtype_text(getattr(made, "dtype", wanted))
+            if got != wanted:  # the framework changed it (JAX without x64 keeps no int64)
                 raise CheckpointError(
-                    f"target {name!r} is {short(leaf)}: give a unimesh.Layout or a backend's "
-                    "distributed array"
+                    f"tensor {plan.name!r} is {wanted}, but the {be.name} backend made it {got}: "
+                    f"the framework cannot hold {wanted} as configured (for JAX: "
+                    "jax.config.update('jax_enable_x64', True)); pass dtype= to cast on purpose"
                 )
-            layout = found
-            be = get_backend(backend) if backend is not None else owner_of(leaf)
-            shape = tuple(int(n) for n in leaf.shape)
-            if shape != t.shape:
-                raise CheckpointError(
-                    f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target {shape}"
-                )
-            want_dtype = dtype_text(getattr(leaf, "dtype", ""))
-        if len(layout.spec) > len(t.shape):
-            raise CheckpointError(
-                f"tensor {name!r} has {len(t.shape)} dims, its target layout {layout.spec!r} "
-                f"names {len(layout.spec)}"
-            )
-        be.require("checkpoint", "unimesh.load builds its arrays with from_local")
-        cast = None
-        if dtype is not None:
-            cast = np.dtype(dtype)
-        elif want_dtype and want_dtype != t.dtype:
-            raise CheckpointError(
-                f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target {want_dtype}: pass "
-                "dtype= to cast on purpose"
-            )
-        keys: dict[int, tuple[tuple[int, int], ...]] = {}
-        for device in be.process_devices(layout.mesh):
-            keys[device] = tuple((s.start, s.stop) for s in layout.shard_slices(t.shape, device))
-        blocks = _LazyBlocks(keys, functools.partial(_read_block, ckpt, t, cast=cast))
-        made = from_blocks(blocks, layout, t.shape, be)
-        wanted = t.dtype if cast is None else dtype_name(cast)
-        got = dtype_text(getattr(made, "dtype", wanted))
-        if got != wanted:  # the framework changed it (JAX without x64 keeps no int64)
-            raise CheckpointError(
-                f"tensor {name!r} is {wanted}, but the {be.name} backend made it {got}: the "
-                f"framework cannot hold {wanted} as configured (for JAX: "
-                "jax.config.update('jax_enable_x64', True)); pass dtype= to cast on purpose"
-            )
-        out.append(made)
-        itemsize = t.itemsize if cast is None else cast.itemsize
-        held += sum(math.prod(b - a for a, b in key) * itemsize for key in set(keys.values()))
+            out.append(made)
+            itemsize = t.itemsize if cast is None else cast.itemsize
+            held += sum(math.prod(b - a for a, b in r) * itemsize for r in set(plan.keys.values()))
     if stats is not None:
         stats["bytes_read"] = ckpt.bytes_read
         stats["bytes_held"] = held
