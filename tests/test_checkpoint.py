@@ -610,3 +610,26 @@ def test_a_region_of_more_stretches_than_one_preadv_takes(tmp_path: Path) -> Non
     np.testing.assert_array_equal(got, values[:, 2:5])
     assert ck.bytes_read == 3000 * 3 * 4
     np.testing.assert_array_equal(ck.read("w", (slice(7, 2990), slice(1, 8))), values[7:2990, 1:])
+
+
+def test_data_files_stay_open_for_reads_and_close_after(tmp_path: Path) -> None:
+    """A Checkpoint keeps each data file it read open (one descriptor per file, so the
+    kernel's read-ahead runs on from block to block) until close() or the end of its with
+    block; load() leaves no descriptor behind."""
+    values = {"a": np.arange(64, dtype=np.float32), "b": np.ones((4, 4), np.int32)}
+    unimesh.save(tmp_path / "ck", values)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = fds()
+    with unimesh.open_checkpoint(tmp_path / "ck") as ck:
+        np.testing.assert_array_equal(ck.read("a", (slice(8, 16),)), values["a"][8:16])
+        np.testing.assert_array_equal(ck.read("b"), values["b"])
+        assert fds() == before + 1  # one data file, opened once for both reads
+    assert fds() == before
+    np.testing.assert_array_equal(ck.read("a"), values["a"])  # reopened on demand
+    ck.close()
+    got = unimesh.load(tmp_path / "ck", {"a": np.empty(64, np.float32)}, strict=False)
+    np.testing.assert_array_equal(got["a"], values["a"])
+    assert fds() == before

@@ -130,12 +130,19 @@ def test_mlx_launch_ring_four_processes(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("backend", "name"),
-    [("jax", "mlp_step"), ("jax", "pipeline"), ("torch", "tp_sp_block"), ("mlx", "mlp_step")],
+    [
+        ("jax", "mlp_step"),
+        ("jax", "pipeline"),
+        ("torch", "tp_sp_block"),
+        ("torch", "pipeline"),
+        ("mlx", "mlp_step"),
+    ],
 )
 def test_compiled_with_unimesh_compile(backend: str, name: str) -> None:
     """``--compile``: the same step under ``unimesh.compile`` (``jax.jit``; ``torch.compile``
-    with its aot_eager backend under torchrun 4, no C++ build; ``mx.compile`` under mpirun 4)
-    matches the float64 reference as the eager step does. Every example runs compiled on
+    with its aot_eager backend under torchrun 4, no C++ build, the pipeline's ppermute as
+    ``funcol.permute_tensor``; ``mx.compile`` under mpirun 4) matches the float64 reference
+    as the eager step does. Every example runs compiled on
     every backend by hand (issue 38's note); these are the ones CI repeats."""
     script = [str(EXAMPLES / f"{name}.py"), "--backend", backend, "--compile"]
     if backend == "jax":

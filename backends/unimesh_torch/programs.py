@@ -85,8 +85,12 @@ class TorchPrograms(TorchTranslator):
 
     def group_permute(self, x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
         """Point to point: ``x`` sent to the member that takes it, the source's received
-        (``batch_isend_irecv``; only the pairs of the permutation talk)."""
+        (``batch_isend_irecv``; only the pairs of the permutation talk). While torch.compile
+        traces, ``funcol.permute_tensor`` instead, which dynamo compiles (torch does not
+        compile point-to-point ops)."""
         torch = _torch()
+        if torch.compiler.is_compiling():
+            return _traced_permute(x, group, sources)
         dist = _dist()
         peers = group.peers.get(sources)
         if peers is None:  # (whether it keeps its own, the rank it sends to, receives from)
@@ -363,6 +367,30 @@ def _module(torch: Any, model: Any) -> None:
         raise ConversionError(
             f"the torch backend shards the parameters of an nn.Module, not {short(model)}"
         )
+
+
+def _traced_permute(x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
+    """``group_permute`` as ``funcol.permute_tensor``, which takes a whole permutation (each
+    rank sends to one and receives from one, in the group's ranks): a member that sends
+    nothing is paired with one that receives nothing, and what that one gets is zeros."""
+    from torch.distributed import _functional_collectives as funcol
+
+    n = group.size
+    dest: list[int | None] = [None] * n
+    for i, s in enumerate(sources):
+        if s is not None:
+            dest[s] = i
+    idle = iter([i for i, s in enumerate(sources) if s is None])
+    rank_of = group.ranks.index  # a member's rank within the process group
+    src_dst = [0] * n
+    for i, d in enumerate(dest):
+        src_dst[rank_of(group.members[i])] = rank_of(group.members[next(idle) if d is None else d])
+    # its split sizes are numel() along dim 0, so it permutes flat tensors: flattened here
+    flat = funcol.permute_tensor(x.detach().contiguous().reshape(-1), src_dst, group.pg)
+    out = flat.reshape(x.shape)
+    if sources[group.members.index(group.rank)] is None:
+        return _torch().zeros_like(out)
+    return out
 
 
 class _TorchGroup:

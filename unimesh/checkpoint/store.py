@@ -11,10 +11,11 @@ import json
 import math
 import os
 import secrets
+import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +41,9 @@ from .format import (
 )
 from .plan import pieces
 from .storage import Remote, Url, is_url
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["Checkpoint", "SaveHandle", "async_save", "load", "open_checkpoint", "save"]
 
@@ -458,6 +462,16 @@ def _blocks(
 
 
 # -- reading ---------------------------------------------------------------------------------------
+#: data files a Checkpoint keeps open at once
+_OPEN = 64
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.popitem()[1])
+
+
 class Checkpoint:
     """A checkpoint opened for reading, without any framework: its tensors' names, global
     shapes, dtypes and saved layouts; :meth:`read` gives any slice as numpy, reading only its
@@ -473,6 +487,8 @@ class Checkpoint:
 
         self.verify = bool(verify)
         self._checked: set[tuple[str, int]] = set()
+        self._fds: dict[str, int] = {}
+        self._closer = weakref.finalize(self, _close_all, self._fds)
         self.bytes_read = 0
         self._headers: dict[str, dict[str, Any]] = {}
         self._header_metadata: dict[str, dict[str, Any]] = {}
@@ -646,6 +662,29 @@ class Checkpoint:
         with open(path, "rb") as f:
             yield os.fstat(f.fileno()).st_size, lambda at, n: os.pread(f.fileno(), n, at)
 
+    def _fd(self, name: str) -> int:
+        """A descriptor of data file ``name``, kept open for this checkpoint's later reads
+        (one open per file, not per block: the kernel's read-ahead state carries over from
+        one block to the next). At most :data:`_OPEN` are kept; :meth:`close` (or the end of
+        a load) closes them."""
+        fd = self._fds.get(name)
+        if fd is None:
+            path = self._file(name)
+            if len(self._fds) >= _OPEN:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = self._fds[name] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        """Close the data files this checkpoint keeps open (reading again reopens them)."""
+        _close_all(self._fds)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def header(self, name: str) -> dict[str, Any]:
         """The entries of data file ``name``'s safetensors header, ``{entry: (dtype, shape,
         start, end)}`` (absolute byte offsets), read once (8 bytes, then the JSON) and checked
@@ -702,16 +741,13 @@ class Checkpoint:
                 continue
             where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
             box = piece.box
-            fd = os.open(self._file(box.file), os.O_RDONLY)
-            try:
-                if not box.strides:  # straight into ``out``: no buffer, no copy
-                    _scatter_read(fd, piece.runs, out, where, self.path, box.file, t.name)
-                    self.bytes_read += piece.nbytes
-                    continue
-                buf = bytearray(piece.nbytes)  # a strided box, read whole, then viewed
-                _read_into(fd, [memoryview(buf)], piece.runs[0][0], self.path, box.file, t.name)
-            finally:
-                os.close(fd)
+            fd = self._fd(box.file)
+            if not box.strides:  # straight into ``out``: no buffer, no copy
+                _scatter_read(fd, piece.runs, out, where, self.path, box.file, t.name)
+                self.bytes_read += piece.nbytes
+                continue
+            buf = bytearray(piece.nbytes)  # a strided box, read whole, then viewed
+            _read_into(fd, [memoryview(buf)], piece.runs[0][0], self.path, box.file, t.name)
             self.bytes_read += piece.nbytes
             view = np.lib.stride_tricks.as_strided(
                 np.frombuffer(buf, dtype=dtype),
@@ -1056,40 +1092,45 @@ def load(
                       verify=verify)  # fmt: skip
         be.model_assign(target, {k: v for k, v in values.items() if v is not state[k]})
         return target
-    ckpt = open_checkpoint(path, verify=verify)
-    if isinstance(target, (LayoutMap, AxisRules)):
-        target = _by_rule(ckpt, target, logical_axes, mesh)
-    names, leaves, treedef = _flatten(target)
-    # every leaf checked and planned before any byte is read
-    plans = [_plan(ckpt, name, leaf, backend, dtype, strict) for name, leaf in zip(names, leaves)]
-    out = []
-    held = 0
-    for plan in plans:
-        t, cast = plan.tensor, plan.cast
-        if t is None:  # not in the checkpoint (strict=False): left as given
-            out.append(plan.leaf)
-        elif plan.be is None:  # a host array: read whole, as numpy
-            whole = ckpt.read(plan.name)
-            out.append(whole if cast is None else whole.astype(cast))
-            held += whole.nbytes
-        else:
-            be, layout = plan.be, plan.layout
-            blocks = _LazyBlocks(plan.keys, functools.partial(_read_block, ckpt, t, cast=cast))
-            made = from_blocks(blocks, layout, t.shape, be)
-            wanted = t.dtype if cast is None else dtype_name(cast)
-            got = dtype_text(getattr(made, "dtype", wanted))
-            if got != wanted:  # the framework changed it (JAX without x64 keeps no int64)
-                raise CheckpointError(
-                    f"tensor {plan.name!r} is {wanted}, but the {be.name} backend made it {got}: "
-                    f"the framework cannot hold {wanted} as configured (for JAX: "
-                    "jax.config.update('jax_enable_x64', True)); pass dtype= to cast on purpose"
+    with open_checkpoint(path, verify=verify) as ckpt:  # its data files closed at the end
+        if isinstance(target, (LayoutMap, AxisRules)):
+            target = _by_rule(ckpt, target, logical_axes, mesh)
+        names, leaves, treedef = _flatten(target)
+        # every leaf checked and planned before any byte is read
+        plans = [
+            _plan(ckpt, name, leaf, backend, dtype, strict) for name, leaf in zip(names, leaves)
+        ]
+        out = []
+        held = 0
+        for plan in plans:
+            t, cast = plan.tensor, plan.cast
+            if t is None:  # not in the checkpoint (strict=False): left as given
+                out.append(plan.leaf)
+            elif plan.be is None:  # a host array: read whole, as numpy
+                whole = ckpt.read(plan.name)
+                out.append(whole if cast is None else whole.astype(cast))
+                held += whole.nbytes
+            else:
+                be, layout = plan.be, plan.layout
+                blocks = _LazyBlocks(plan.keys, functools.partial(_read_block, ckpt, t, cast=cast))
+                made = from_blocks(blocks, layout, t.shape, be)
+                wanted = t.dtype if cast is None else dtype_name(cast)
+                got = dtype_text(getattr(made, "dtype", wanted))
+                if got != wanted:  # the framework changed it (JAX without x64 keeps no int64)
+                    raise CheckpointError(
+                        f"tensor {plan.name!r} is {wanted}, but the {be.name} backend made it "
+                        f"{got}: the framework cannot hold {wanted} as configured (for JAX: "
+                        "jax.config.update('jax_enable_x64', True)); pass dtype= to cast on "
+                        "purpose"
+                    )
+                out.append(made)
+                itemsize = t.itemsize if cast is None else cast.itemsize
+                held += sum(
+                    math.prod(b - a for a, b in r) * itemsize for r in set(plan.keys.values())
                 )
-            out.append(made)
-            itemsize = t.itemsize if cast is None else cast.itemsize
-            held += sum(math.prod(b - a for a, b in r) * itemsize for r in set(plan.keys.values()))
-    if stats is not None:
-        stats["bytes_read"] = ckpt.bytes_read
-        stats["bytes_held"] = held
-    import optree
+        if stats is not None:
+            stats["bytes_read"] = ckpt.bytes_read
+            stats["bytes_held"] = held
+        import optree
 
-    return optree.tree_unflatten(treedef, out)
+        return optree.tree_unflatten(treedef, out)
