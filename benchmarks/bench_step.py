@@ -253,12 +253,79 @@ def bench_torch(repeat: int) -> dict[str, float]:
         return [o.to_local() if isinstance(o, DTensor) else o for o in out]
 
     same(local(native_grad()), local(our_grad()))
+
+    # compiled (inductor, or TORCH_COMPILE_BACKEND): torch.compile of the native steps as
+    # functions of this rank's blocks (functional collectives, which dynamo traces) against
+    # unimesh.compile of the same unimesh steps; both return DTensors as the eager ones do
+    how = os.environ.get("TORCH_COMPILE_BACKEND", "inductor")
+
+    def native_local(x: Any, t: Any, w1: Any, w2: Any) -> Any:
+        dp, tp = dm.get_group("dp"), dm.get_group("tp")
+        pre = x @ w1
+        mask = pre > 0
+        h = pre * mask
+        y = funcol.all_reduce(h @ w2, "sum", tp)
+        n = x.shape[0] * dm.size(0)
+        diff = y - t
+        loss = funcol.all_reduce((diff * diff).sum(), "sum", dp) / n
+        dy = diff * (2.0 / n)
+        dw2 = funcol.all_reduce(h.T @ dy, "sum", dp)
+        dw1 = funcol.all_reduce(x.T @ ((dy @ w2.T) * mask), "sum", dp)
+        return loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2
+
+    native_c = torch.compile(native_local, backend=how)
+    blocks = [a.to_local() for a in placed]
+
+    def native_compiled() -> Any:
+        return tuple(
+            DTensor.from_local(r, dm, list(o.placements), run_check=False)
+            for r, o in zip(native_c(*blocks), outs)
+        )
+
+    def native_grad_local(x: Any, t: Any, w1: Any, w2: Any) -> Any:
+        dp, tp = dm.get_group("dp"), dm.get_group("tp")
+        pre = x @ w1
+        diff = Sum.apply((pre * (pre > 0)) @ w2, tp) - t
+        loss = Sum.apply((diff * diff).sum() / x.shape[0], dp) / dm.size(0)
+        grads = torch.autograd.grad(loss, (w1, w2))
+        return loss, *(funcol.all_reduce(g, "sum", dp) for g in grads)
+
+    native_grad_c = torch.compile(native_grad_local, backend=how)
+
+    def native_grad_compiled() -> Any:
+        w1, w2 = (b.detach().requires_grad_(True) for b in blocks[2:])
+        loss, *grads = native_grad_c(blocks[0], blocks[1], w1, w2)
+        return (
+            loss,
+            *(
+                DTensor.from_local(g, dm, list(a.placements), run_check=False)
+                for g, a in zip(grads, placed[2:])
+            ),
+        )
+
+    ours_c = unimesh.compile(ours, backend=backend, compiler_options={"backend": how})
+    our_vg_c = unimesh.compile(
+        unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p), backend=backend),
+        backend=backend,
+        compiler_options={"backend": how},
+    )
+
+    def our_grad_c() -> Any:
+        value, grads = our_vg_c(params)
+        return value, grads["w1"], grads["w2"]
+
+    same(local(native_compiled()), local(ours_c(*placed)))
+    same(local(native_grad_compiled()), local(our_grad_c()))
     return timed(
         {
             "native": native,
             "unimesh": lambda: ours(*placed),
             "native_grad": native_grad,
             "unimesh_grad": our_grad,
+            "native_compiled": native_compiled,
+            "unimesh_compiled": lambda: ours_c(*placed),
+            "native_grad_compiled": native_grad_compiled,
+            "unimesh_grad_compiled": our_grad_c,
         },
         repeat,
         sync_all,
