@@ -5,6 +5,7 @@ groups (DeviceMesh groups), DTensors in and out, JAX's check_vma gradient rules 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -308,24 +309,26 @@ class TorchPrograms(TorchTranslator):
                         f"scalar, got {short(value)}"
                     )
                 found = torch.autograd.grad(scalar.reshape(()), leaves, allow_unused=True)
-            by_id = {id(leaf): g for leaf, g in zip(leaves, found)}
-
-            def grad_of(copy: Any, block: Any) -> Any:
-                if block is False:
-                    return None
-                whole = by_id.get(id(copy))
-                if block is not None and by_id.get(id(block)) is not None:
-                    local = by_id[id(block)]
-                    if local.dtype != copy.dtype:  # pragma: no cover - autograd keeps dtypes
-                        local = local.to(copy.dtype)
-                    part = _dtensor(local, copy._spec, requires_grad=False)
-                    whole = part if whole is None else whole + part
-                return torch.zeros_like(copy) if whole is None else whole
-
-            grads = tuple(
-                optree.tree_unflatten(treedef, [grad_of(c, b) for c, b in fresh])
-                for treedef, fresh in trees
-            )
+            # the gradients in the order their leaves were listed: a copy, then its block where
+            # it has one (positions, not ids: ids are guards torch.compile cannot keep)
+            taken: Iterator[Any] = iter(found)
+            per_tree: list[Any] = []
+            for treedef, fresh in trees:
+                out_leaves: list[Any] = []
+                for copy, block in fresh:
+                    if block is False:
+                        out_leaves.append(None)
+                        continue
+                    whole = next(taken)
+                    local = None if block is None else next(taken)
+                    if local is not None:
+                        if local.dtype != copy.dtype:  # pragma: no cover - autograd keeps dtypes
+                            local = local.to(copy.dtype)
+                        part = _dtensor(local, copy._spec, requires_grad=False)
+                        whole = part if whole is None else whole + part
+                    out_leaves.append(torch.zeros_like(copy) if whole is None else whole)
+                per_tree.append(optree.tree_unflatten(treedef, out_leaves))
+            grads = tuple(per_tree)
             value = value.detach()
             return ((value, aux) if has_aux else value), grads
 
