@@ -107,12 +107,46 @@ def test_benchmark_data_has_every_section():
         "The core at 1,048,576 devices",
         "Program step overhead",
         "Example programs: training step",
+        "Checkpoints",
+        "Checkpoints, four processes",
     ]
-    assert all(s["rows"] for s in data["sections"])
-    programs = {(r["backend"].split()[0], r["program"]) for r in data["sections"][-1]["rows"]}
+    assert all(s["rows"] and s["label"] and s["date"] for s in data["sections"])
+    by_label = {s["label"]: s for s in data["sections"]}
+    programs = {
+        (r["backend"].split()[0], r["program"]) for r in by_label["example programs"]["rows"]
+    }
     assert programs == {
         (b, p) for b in ("jax", "torch") for p in ("fsdp", "tp_sp", "moe", "pipeline")
     }
+    launches = {r["launch"] for r in by_label["checkpoints 4 processes"]["rows"]}
+    assert launches == {"torchrun 4", "mpirun 4"}
+
+
+def test_the_checkpoint_chart_draws_every_system_with_its_fraction_of_the_limit():
+    """docs/_gen.py's SVG: a bar per row with GB/s (object storage aside), its fraction of the
+    limit beside it; well-formed XML."""
+    import xml.etree.ElementTree as ET
+
+    sys.path.insert(0, str(DOCS))
+    try:
+        from _gen import checkpoint_chart
+    finally:
+        sys.path.remove(str(DOCS))
+    data = json.loads((DOCS / "_data" / "benchmarks.json").read_text())
+    svg = checkpoint_chart(data)
+    root = ET.fromstring(svg)
+    bars = [e for e in root.iter() if e.tag.endswith("rect")]
+    rows = [
+        r
+        for s in data["sections"]
+        if s["label"].startswith("checkpoints")
+        for r in s["rows"]
+        if isinstance(r.get("GB/s"), (int, float)) and "s3" not in r["system"]
+    ]
+    assert len(bars) == len(rows) > 20
+    texts = " ".join(e.text or "" for e in root.iter() if e.tag.endswith("text"))
+    assert "torchrun 4: DCP · DCP load warm" in texts
+    assert "of pread warm" in texts and "torch DCP · dcp.save (one process)" in texts
 
 
 def _run_on_jax(code: str, script: Path) -> str:
