@@ -11,7 +11,6 @@ import json
 import math
 import os
 import secrets
-import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -488,7 +487,6 @@ class Checkpoint:
         self.verify = bool(verify)
         self._checked: set[tuple[str, int]] = set()
         self._fds: dict[str, int] = {}
-        self._closer = weakref.finalize(self, _close_all, self._fds)
         self.bytes_read = 0
         self._headers: dict[str, dict[str, Any]] = {}
         self._header_metadata: dict[str, dict[str, Any]] = {}
@@ -681,6 +679,9 @@ class Checkpoint:
 
     def __enter__(self) -> Self:
         return self
+
+    def __del__(self) -> None:
+        _close_all(getattr(self, "_fds", {}))
 
     def __exit__(self, *exc: object) -> None:
         self.close()
