@@ -680,11 +680,11 @@ class Checkpoint:
     def __enter__(self) -> Self:
         return self
 
-    def __del__(self) -> None:
-        _close_all(getattr(self, "_fds", {}))
-
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def __del__(self) -> None:  # not weakref.finalize: its first use imports atexit
+        _close_all(getattr(self, "_fds", {}))
 
     def header(self, name: str) -> dict[str, Any]:
         """The entries of data file ``name``'s safetensors header, ``{entry: (dtype, shape,
