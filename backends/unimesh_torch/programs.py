@@ -216,6 +216,18 @@ class TorchPrograms(TorchTranslator):
         torch = _torch()
 
         native = self._native_layout(layout)  # a new world empties the spec cache too
+        if torch.compiler.is_compiling():  # what dynamo traces (a cached spec is guarded by id)
+            from torch.distributed.tensor import DTensor
+
+            stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+            return DTensor.from_local(
+                block,
+                native.device_mesh,
+                native.placements,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=stride,
+            )
         key = (layout, shape, block.dtype)
         spec = self._specs.get(key)
         if spec is None:
