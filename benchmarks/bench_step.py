@@ -186,8 +186,7 @@ def bench_torch(repeat: int) -> dict[str, float]:
     dm = placed[0].device_mesh
     outs = [unimesh.to_native(Layout(mesh, s), backend) for s in SPECS_OUT]
 
-    def native() -> Any:
-        x, t, w1, w2 = (a.to_local() for a in placed)
+    def native_local(x: Any, t: Any, w1: Any, w2: Any) -> Any:
         dp, tp = dm.get_group("dp"), dm.get_group("tp")
         pre = x @ w1
         mask = pre > 0
@@ -199,7 +198,10 @@ def bench_torch(repeat: int) -> dict[str, float]:
         dy = diff * (2.0 / n)
         dw2 = funcol.all_reduce(h.T @ dy, "sum", dp)
         dw1 = funcol.all_reduce(x.T @ ((dy @ w2.T) * mask), "sum", dp)
-        results = (loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2)
+        return loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2
+
+    def native() -> Any:  # eager: the same step, on this rank's blocks, results as DTensors
+        results = native_local(*(a.to_local() for a in placed))
         return tuple(
             DTensor.from_local(r, dm, list(o.placements), run_check=False)
             for r, o in zip(results, outs)
@@ -258,20 +260,6 @@ def bench_torch(repeat: int) -> dict[str, float]:
     # functions of this rank's blocks (functional collectives, which dynamo traces) against
     # unimesh.compile of the same unimesh steps; both return DTensors as the eager ones do
     how = os.environ.get("TORCH_COMPILE_BACKEND", "inductor")
-
-    def native_local(x: Any, t: Any, w1: Any, w2: Any) -> Any:
-        dp, tp = dm.get_group("dp"), dm.get_group("tp")
-        pre = x @ w1
-        mask = pre > 0
-        h = pre * mask
-        y = funcol.all_reduce(h @ w2, "sum", tp)
-        n = x.shape[0] * dm.size(0)
-        diff = y - t
-        loss = funcol.all_reduce((diff * diff).sum(), "sum", dp) / n
-        dy = diff * (2.0 / n)
-        dw2 = funcol.all_reduce(h.T @ dy, "sum", dp)
-        dw1 = funcol.all_reduce(x.T @ ((dy @ w2.T) * mask), "sum", dp)
-        return loss, w1 - mlp_step.LR * dw1, w2 - mlp_step.LR * dw2
 
     native_c = torch.compile(native_local, backend=how)
     blocks = [a.to_local() for a in placed]
