@@ -291,11 +291,14 @@ def bench_torch(repeat: int) -> dict[str, float]:
             ),
         )
 
-    ours_c = unimesh.compile(ours, backend=backend, compiler_options={"backend": how})
+    ours_c = unimesh.compile(
+        ours, backend=backend, compiler_options={"backend": how}, fullgraph=True
+    )
     our_vg_c = unimesh.compile(
         unimesh.value_and_grad(lambda p: our_program(placed[0], placed[1], p), backend=backend),
         backend=backend,
         compiler_options={"backend": how},
+        fullgraph=True,
     )
 
     def our_grad_c() -> Any:

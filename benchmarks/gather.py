@@ -235,7 +235,7 @@ def steps(repeat: int) -> dict[str, Any]:
     from bench_step import collect
 
     pattern = re.compile(
-        r"BENCH (\w+)\s+step=(\w+)\s+scale=(\d+)\s+native=\s*([\d.]+) ms "
+        r"BENCH (\w+)\s+step=([\w/]+)\s+scale=(\d+)\s+native=\s*([\d.]+) ms "
         r"unimesh=\s*([\d.]+) ms ratio=([\d.]+)"
     )
     rows = _rows(

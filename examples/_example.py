@@ -69,8 +69,11 @@ def value_and_grad(fn: Any, backend: unimesh.Backend) -> Any:
     step = unimesh.value_and_grad(fn, backend=backend)
     if not COMPILE:
         return step
-    options = {"backend": COMPILE[0]} if COMPILE[0] and backend.name == "torch" else {}
-    return unimesh.compile(step, backend=backend, compiler_options=options)
+    if backend.name != "torch":
+        return unimesh.compile(step, backend=backend)
+    # torch: one graph, no graph breaks (fullgraph=True), by the compiler backend asked for
+    options = {"backend": COMPILE[0]} if COMPILE[0] else {}
+    return unimesh.compile(step, backend=backend, compiler_options=options, fullgraph=True)
 
 
 def full_float32_matmuls(backend: unimesh.Backend) -> None:

@@ -353,7 +353,8 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
     DTensor parameter), MLX ``mx.value_and_grad`` of a function of w's local block. Returns
     w's whole gradient, to compare with JAX's ``issue-example:grad2``; on torch also
     ``mixed``: unimesh.value_and_grad of the loss plus ``(w * w).sum()`` in DTensor ops
-    (JAX's gradient + 2w); on MLX also ``compiled``: the same under ``mx.compile``."""
+    (JAX's gradient + 2w); ``compiled``: the same under ``torch.compile(fullgraph=True)``
+    (torch) or ``mx.compile`` (MLX)."""
     case = next(c for c in CASES if c.name == "issue-example")
     program = case.build(mesh, backend)
     x, y, w = case.args
@@ -370,9 +371,19 @@ def native_autodiff(mesh: unimesh.Mesh, backend: str) -> dict[str, np.ndarray]:
             return program(xs, ys, w_d) + (w_d * w_d).sum()
 
         _, g = unimesh.value_and_grad(mixed, backend="torch")(wd.detach())
+        # torch.compile(fullgraph=True) of the loss as torch users write it, straight (not
+        # unimesh.compile), then .backward() outside: the program is one call in the graph
+        import torch
+
+        compiled_loss = torch.compile(
+            lambda a, b, v: program(a, b, v).full_tensor(), backend="aot_eager", fullgraph=True
+        )
+        wc = wd.detach().requires_grad_(True)
+        compiled_loss(xs, ys, wc).backward()
         return {
             "grad2": np.asarray(wd.grad.full_tensor(), np.float64),
             "mixed": np.asarray(g.full_tensor(), np.float64),
+            "compiled": np.asarray(wc.grad.full_tensor(), np.float64),
         }
     import mlx.core as mx
     from unimesh_mlx import MLXArray

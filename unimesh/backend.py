@@ -466,6 +466,14 @@ class Backend:
         missing: Callable[..., Any] = self._missing("compile")
         return missing
 
+    def program_entry(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A :func:`unimesh.shard_map` program as the function a user calls, as the
+        framework's compiler should meet it inside a compiled step; by default ``fn`` itself.
+        torch gives one that ``torch.compile`` traces as a single call
+        (``torch._dynamo.nonstrict_trace``), so that unimesh's own Python never cuts its
+        graph."""
+        return fn
+
     def stop_gradient(self, x: Any) -> Any:
         """``x`` with no gradient through it, in the framework's own autodiff
         (:func:`unimesh.stop_gradient`)."""

@@ -382,16 +382,23 @@ def shard_map(
         layouts = ins.for_leaves(args, treedef)
         for i, (leaf, layout) in enumerate(zip(leaves, layouts)):
             shape = getattr(leaf, "shape", None)  # global shapes; each checked once
-            if layout is not None and shape is not None and (i, tuple(shape)) not in seen:
-                _check_even(layout, tuple(shape), i)
-                seen.add((i, tuple(shape)))
+            if layout is not None and shape is not None:
+                key = (i, tuple(shape))
+                try:
+                    new = key not in seen
+                except TypeError:  # symbolic sizes (torch.compile's dynamic shapes)
+                    _check_even(layout, key[1], i)
+                    continue
+                if new:
+                    _check_even(layout, key[1], i)
+                    seen.add(key)
         if flat is not None:  # the per-process engine: no second flattening
             return flat(leaves, treedef, layouts)
         return run(*args)
 
     call.__name__ = getattr(f, "__name__", "shard_map")
     call.__doc__ = getattr(f, "__doc__", None)
-    return call
+    return be.program_entry(call)
 
 
 def _check_even(layout: Layout, shape: tuple[int, ...], index: int) -> None:
@@ -464,6 +471,12 @@ def value_and_grad(
         return value, grads[0] if single else grads
 
     call.__name__ = getattr(fn, "__name__", "value_and_grad")
+    # for compile(): the same step around a compiled fn (torch compiles the function and
+    # takes its gradient with autograd outside the graph, as torch.compile users do)
+    call.unimesh_grad_of = (  # type: ignore[attr-defined]
+        fn,
+        lambda compiled: value_and_grad(compiled, argnums, has_aux=has_aux, backend=be),
+    )
     return call
 
 
@@ -482,6 +495,10 @@ def grad(
         return (grads, value[1]) if has_aux else grads
 
     call.__name__ = getattr(fn, "__name__", "grad")
+    call.unimesh_grad_of = (  # type: ignore[attr-defined]
+        fn,
+        lambda compiled: grad(compiled, argnums, has_aux=has_aux, backend=backend),
+    )
     return call
 
 

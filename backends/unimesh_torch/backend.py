@@ -139,9 +139,25 @@ class TorchBackend(TorchPrograms):
         return x.detach()
 
     def compile(self, fn: Any, options: dict[str, Any]) -> Any:
-        """``torch.compile(fn, **options)`` (dynamo traces the step's DTensor programs)."""
+        """``torch.compile(fn, **options)``. The step's unimesh programs reach dynamo as single
+        calls (``TorchPrograms.program_entry``), so ``fullgraph=True`` holds. A step made by
+        :func:`unimesh.value_and_grad` (or ``grad``) is that step around the compiled
+        function: torch.compile traces the forward and aot_autograd its backward, and
+        autograd runs them outside the graph, as torch.compile users take gradients (dynamo
+        does not trace ``torch.autograd.grad``). Shapes are static unless ``dynamic`` is
+        given (a program's blocks follow from its arguments' shapes)."""
         import torch
+        import torch._dynamo
 
+        from .programs import mark_entries
+
+        mark_entries()
+        # shapes specialize, as under jax.jit: a program's blocks and groups follow from them
+        options = {"dynamic": False, **options}
+        grad_of = getattr(fn, "unimesh_grad_of", None)
+        if grad_of is not None:
+            inner, around = grad_of
+            return around(torch.compile(inner, **options))
         return torch.compile(fn, **options)
 
     # -- models: unimesh.save(path, module) / unimesh.load(path, module) -----------------------

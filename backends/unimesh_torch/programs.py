@@ -5,7 +5,9 @@ groups (DeviceMesh groups), DTensors in and out, JAX's check_vma gradient rules 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import sys
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,47 @@ from .translate import TorchLayout, TorchTranslator
 class TorchPrograms(TorchTranslator):
     """The program layer, on the primitives of the core's SPMD engine."""
 
+    def program_entry(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as one opaque call to dynamo: inside ``torch.compile`` it runs through its
+        ``torch._dynamo.nonstrict_trace`` twin, whose Python (pytree flattening, the engine,
+        autograd) dynamo does not trace; aot_autograd traces the tensor operations and the
+        functional collectives it calls, so a unimesh step compiles with ``fullgraph=True``.
+        Importing dynamo costs a second or more, so the twin is made once dynamo is loaded:
+        at once if it is, else by :func:`unimesh.compile` (``TorchBackend.compile``) or at
+        the first eager call after dynamo loads. A program never marked is traced by dynamo
+        as before (with graph breaks)."""
+        compiling = _torch().compiler.is_compiling
+        twin: list[Callable[..., Any]] = []
+
+        def mark() -> None:
+            if not twin:
+                from torch._dynamo import nonstrict_trace
+
+                def traced(*args: Any) -> Any:
+                    _INSIDE[0] += 1  # traced by aot_autograd: the check_vma tags hold
+                    try:
+                        return fn(*args)
+                    finally:
+                        _INSIDE[0] -= 1
+
+                traced.__name__ = getattr(fn, "__name__", "traced")
+                twin.append(nonstrict_trace(traced))
+
+        def run(*args: Any) -> Any:
+            if twin and compiling() and _plain(args, 0):
+                return twin[0](*args)
+            if not twin and "torch._dynamo" in sys.modules and not compiling():
+                mark()
+            return fn(*args)
+
+        run.__name__ = getattr(fn, "__name__", "run")
+        run.__doc__ = getattr(fn, "__doc__", None)
+        if "torch._dynamo" in sys.modules:
+            mark()
+        else:
+            _UNMARKED.append(weakref.ref(mark))
+        return run
+
     def process_index(self) -> int:
         return int(_dist().get_rank())
 
@@ -32,9 +75,13 @@ class TorchPrograms(TorchTranslator):
     def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
         """The DeviceMesh's own group along ``axes`` (``get_group``; for several axes the
         group of the dims flattened with ``_flatten``), so torch makes and names it as for
-        any DeviceMesh. Made eagerly when torch.compile traces the first call (a new process
-        group is a collective of its own, which dynamo cannot trace)."""
-        made: Any = _torch().compiler.disable(self._split_group)(mesh, axes, rows, row)
+        any DeviceMesh. Made for real when torch.compile traces the first call (a new process
+        group is a collective of its own, which neither dynamo nor aot_autograd can trace):
+        outside dynamo's frame and outside the fake and functional tensor modes."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            made: Any = _torch().compiler.disable(self._split_group)(mesh, axes, rows, row)
         return made
 
     def _split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
@@ -47,6 +94,8 @@ class TorchPrograms(TorchTranslator):
         return _TorchGroup(pg, tuple(int(m) for m in rows[row]))
 
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
+        if _compiling():
+            return _funcol().all_reduce(x.detach(), op, group.pg)
         dist = _dist()
         out = x.detach().clone(memory_format=_torch().contiguous_format)
         dist.all_reduce(out, op=_OPS[op](), group=group.pg)
@@ -55,6 +104,9 @@ class TorchPrograms(TorchTranslator):
     def group_all_gather(self, x: Any, group: Any) -> Any:
         torch = _torch()
         flat = x.detach().contiguous().reshape(-1)  # gloo gathers into one flat buffer
+        if _compiling():
+            out = _funcol().all_gather_tensor(flat, 0, group.pg).reshape((group.size, *x.shape))
+            return out if group.order is None else out[group.order]
         out = torch.empty(group.size * flat.numel(), dtype=x.dtype, device=x.device)
         dist = _dist()  # all_gather_into_tensor is deprecated from torch 2.13 on
         getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=group.pg)
@@ -67,6 +119,8 @@ class TorchPrograms(TorchTranslator):
         if group.inverse is not None:
             x = x[group.inverse]
         flat = x.contiguous().reshape(-1)
+        if _compiling():
+            return _funcol().reduce_scatter_tensor(flat, "sum", 0, group.pg).reshape(x.shape[1:])
         out = torch.empty(flat.numel() // group.size, dtype=x.dtype, device=x.device)
         dist = _dist()  # reduce_scatter_tensor is deprecated from torch 2.13 on
         getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(
@@ -80,6 +134,9 @@ class TorchPrograms(TorchTranslator):
         if group.inverse is not None:
             x = x[group.inverse]
         x = x.contiguous()
+        if _compiling():
+            out = _funcol().all_to_all_single(x, None, None, group.pg)
+            return out if group.order is None else out[group.order]
         out = torch.empty_like(x)
         _dist().all_to_all_single(out, x, group=group.pg)
         return out if group.order is None else out[group.order]
@@ -90,7 +147,7 @@ class TorchPrograms(TorchTranslator):
         traces, ``funcol.permute_tensor`` instead, which dynamo compiles (torch does not
         compile point-to-point ops)."""
         torch = _torch()
-        if torch.compiler.is_compiling():
+        if _compiling():
             return _traced_permute(x, group, sources)
         dist = _dist()
         peers = group.peers.get(sources)
@@ -119,6 +176,8 @@ class TorchPrograms(TorchTranslator):
         return out
 
     def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
+        if _compiling():
+            return _funcol().broadcast(x.detach().contiguous(), group.members[root], group.pg)
         out = x.detach().clone(memory_format=_torch().contiguous_format)
         _dist().broadcast(out, src=group.members[root], group=group.pg)
         return out
@@ -156,8 +215,10 @@ class TorchPrograms(TorchTranslator):
         return _vma_mode()(env)
 
     def vma_watched(self) -> bool:
-        """Not while torch.compile traces: dynamo does not keep the tags the mode sets."""
-        return not _torch().compiler.is_compiling()
+        """Not while dynamo traces the program's Python (dynamo does not keep the tags the
+        mode sets), but yes where aot_autograd traces it (``program_entry``): there it runs
+        as Python, as in eager."""
+        return _INSIDE[0] > 0 or not _torch().compiler.is_compiling()
 
     def vma_of(self, x: Any) -> frozenset[str]:
         return getattr(x, _VMA, _NONE)
@@ -184,7 +245,8 @@ class TorchPrograms(TorchTranslator):
         if isinstance(arg, DTensor):
             native = self._native_layout(layout)
             if (
-                arg.device_mesh is native.device_mesh and tuple(arg.placements) == native.placements
+                _real(arg.device_mesh) is native.device_mesh
+                and tuple(arg.placements) == native.placements
             ):  # the usual case, no conversions
                 leaf = getattr(arg, _LEAF, None)
                 if leaf is not None:  # a parameter value_and_grad differentiates
@@ -388,8 +450,7 @@ def _traced_permute(x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
     """``group_permute`` as ``funcol.permute_tensor``, which takes a whole permutation (each
     rank sends to one and receives from one, in the group's ranks): a member that sends
     nothing is paired with one that receives nothing, and what that one gets is zeros."""
-    from torch.distributed import _functional_collectives as funcol
-
+    funcol = _funcol()
     n = group.size
     dest: list[int | None] = [None] * n
     for i, s in enumerate(sources):
@@ -604,3 +665,54 @@ def _from_local_function() -> Any:
 
         _FROM_LOCAL.append(FromLocal)
     return _FROM_LOCAL[0]
+
+
+#: how many programs' twins are running (traced by aot_autograd, not by dynamo)
+_INSIDE = [0]
+#: the ``mark`` of every program made before dynamo was loaded (``TorchPrograms.program_entry``)
+_UNMARKED: list[weakref.ref[Callable[[], None]]] = []
+
+
+def mark_entries() -> None:
+    """Give every program made so far its nonstrict_trace twin (dynamo is loaded now)."""
+    while _UNMARKED:
+        mark = _UNMARKED.pop()()
+        if mark is not None:
+            mark()
+
+
+def _plain(x: Any, depth: int) -> bool:
+    """Whether ``x`` is what a nonstrict_trace function takes: tensors, None, numbers and
+    strings in dicts, lists and tuples (not namedtuples or other classes)."""
+    if isinstance(x, (_torch().Tensor, int, float, bool, str)) or x is None:
+        return True
+    if depth > 50:
+        return False
+    if type(x) in (tuple, list):
+        return all(_plain(v, depth + 1) for v in x)
+    if type(x) is dict:
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in x.items())
+    return False
+
+
+def _compiling() -> bool:
+    """Whether dynamo or aot_autograd traces this call: collectives are then torch's
+    functional collectives (graph nodes naming their group by a string), not the c10d
+    ones, which write in place into a tensor and carry the ProcessGroup object."""
+    return bool(_torch().compiler.is_compiling())
+
+
+def _funcol() -> Any:
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives
+
+
+def _real(device_mesh: Any) -> Any:
+    """The DeviceMesh itself: while aot_autograd traces, a DTensor's mesh is a
+    ``FakeScriptObject`` around it (DeviceMesh is an opaque type, so not a copy)."""
+    if not _INSIDE[0]:  # eager, or dynamo tracing (which fakes the mesh its own way)
+        return device_mesh
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    return device_mesh.real_obj if isinstance(device_mesh, FakeScriptObject) else device_mesh
