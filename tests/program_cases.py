@@ -436,3 +436,48 @@ def mlx_rules_only_when_traced(mesh: unimesh.Mesh) -> float | str:
     if forward != 0 or not traced or traced[0] == 0:
         return f"gradient rules: {forward} outside a transform (want 0), {traced} under mx.grad"
     return 0.0
+
+
+def mlx_compiled_forward_without_rules(mesh: unimesh.Mesh) -> float | str:
+    """MLX, ``unimesh.compile`` of the issue's example run forward only (issue 38, item 1): the
+    first call traces with the gradient rules, finds that no gradient went through one and the
+    second call traces again without them (no rule applied: the compiled graph has none);
+    every call's value is the eager one's. ``mx.grad`` of a function calling the same
+    compiled program differentiates its graph afterwards, so those calls keep the rules and
+    give the eager gradient. 0.0, or what went wrong."""
+    import mlx.core as mx
+    from unimesh_mlx import MLXArray
+    from unimesh_mlx.programs import RULES
+
+    case = next(c for c in CASES if c.name == "issue-example")
+    program = case.build(mesh, "mlx")
+    x, y, w = case.args
+    w_layout = Layout(mesh, P("tp", None))
+    wm = unimesh.distribute(w, w_layout, backend="mlx")
+    x, y = (
+        unimesh.distribute(a, Layout(mesh, s), backend="mlx")
+        for a, s in zip((x, y), case.specs[:2])
+    )
+    eager = np.asarray(unimesh.full_array(program(x, y, wm)), np.float64)
+    compiled = unimesh.compile(program, backend="mlx")
+    applied, errors = [], []
+    for _ in range(3):
+        before = RULES.applied
+        got = np.asarray(unimesh.full_array(compiled(x, y, wm)), np.float64)
+        applied.append(RULES.applied - before)
+        errors.append(float(np.max(np.abs(got - eager))))
+    if applied[0] == 0 or applied[1:] != [0, 0] or max(errors) > 1e-6:
+        return f"rules applied per call {applied} (want >0, 0, 0), value errors {errors}"
+
+    def loss(w_local: Any) -> Any:
+        return compiled(x, y, MLXArray(w_local, w_layout, w.shape)).local
+
+    def eager_loss(w_local: Any) -> Any:
+        return program(x, y, MLXArray(w_local, w_layout, w.shape)).local
+
+    want = np.asarray(mx.grad(eager_loss)(wm.local), np.float64)
+    worst = max(
+        float(np.max(np.abs(np.asarray(mx.grad(loss)(wm.local), np.float64) - want)))
+        for _ in range(2)
+    )
+    return worst if worst > 1e-6 else 0.0

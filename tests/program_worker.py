@@ -81,6 +81,12 @@ def main() -> int:
             report["rules-only-when-traced"] = program_cases.mlx_rules_only_when_traced(mesh)
         except Exception:  # noqa: BLE001 - any failure is reported
             report["rules-only-when-traced"] = traceback.format_exc(limit=6)
+        try:
+            report["compiled-forward-without-rules"] = (
+                program_cases.mlx_compiled_forward_without_rules(mesh)
+            )
+        except Exception:  # noqa: BLE001 - any failure is reported
+            report["compiled-forward-without-rules"] = traceback.format_exc(limit=6)
     if getattr(unimesh.get_backend(backend), "check_vma", False):  # JAX's check_vma refusal too
         try:
             unimesh.shard_map(lambda b: b * 2, mesh, P("dp"), P(), backend=backend)(

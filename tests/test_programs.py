@@ -147,7 +147,7 @@ def test_mpirun_four_processes(reference: Path, tmp_path: Path) -> None:
         ],
         4,
         tmp_path,
-        ("rules-only-when-traced",),
+        ("rules-only-when-traced", "compiled-forward-without-rules"),
     )
 
 
@@ -167,7 +167,7 @@ def test_mlx_launch_ring_four_processes(reference: Path, tmp_path: Path) -> None
         str(reference),
         str(tmp_path),
     ]
-    _run(rc_out, 4, tmp_path, ("rules-only-when-traced",))
+    _run(rc_out, 4, tmp_path, ("rules-only-when-traced", "compiled-forward-without-rules"))
 
 
 CHECKED = HERE / "checked_worker.py"

@@ -6,6 +6,15 @@ shape). :func:`compiled` hands each MLXArray to the compiled function as its blo
 layout and shape aside: they are static, like the shapes a jitted function is traced for, so
 they are part of the key that picks the compiled trace (a new layout traces again). Results
 come back as MLXArrays with the layouts the trace produced.
+
+A step that takes no gradient through a collective (a forward step, say) needs none of the
+gradient rules (``mx.custom_function``) a program puts around its collectives whenever MLX may
+trace them: compile traces every input, and nothing in MLX's API tells a compile trace from a
+gradient trace. So the first call traces with the rules and counts how many a gradient went
+through; where none, the next call traces the same function again without them (the one
+compiled graph used from then on). A call made inside an outer transform (``mx.grad`` of a
+function calling the compiled one) always runs the trace with the rules, since that transform
+differentiates the compiled graph afterwards.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from typing import Any
 from unimesh import ConversionError
 from unimesh.messages import short
 
+from .programs import RULES, _probe
 from .translate import MLXArray
 
 
@@ -28,7 +38,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
     import mlx.core as mx
     import optree
 
-    traces: dict[Any, tuple[Callable[..., Any], dict[str, Any]]] = {}
+    traces: dict[Any, Any] = {}
 
     def split(tree: Any, what: str) -> tuple[list[Any], list[Any], Any]:
         """(the arrays handed to mx.compile, what each leaf is, the tree's structure)."""
@@ -66,22 +76,56 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
                 leaves.append(kind[1])
         return optree.tree_unflatten(treedef, leaves)
 
+    probe = _probe()
+
     def call(*args: Any, **kwargs: Any) -> Any:
         arrays, kinds, treedef = split((args, kwargs), "an argument")
         key = (treedef, tuple(kinds))
-        if key not in traces:
-            result_of: dict[str, Any] = {}
+        trace = traces.get(key)
+        if trace is None:
+            trace = traces[key] = _Trace(kinds, treedef)
+        # an outer transform (mx.grad of a function calling this one) differentiates the
+        # compiled graph after it is traced: such calls keep the rules
+        outer = probe is None or any(map(probe, arrays))
+        if outer or trace.lean_ok is not True:
+            if trace.full is None:
+                trace.full = mx.compile(trace.blocks, **options)
+                transposed = RULES.transposed
+                out = trace.full(*arrays)  # the first call traces, with the gradient rules
+                if not outer:  # a gradient inside it went through a rule, or none did
+                    trace.lean_ok = RULES.transposed == transposed
+            else:
+                out = trace.full(*arrays)
+        else:
+            if trace.lean is None:  # the same function traced again, without the rules
+                trace.lean = mx.compile(trace.blocks, **options)
+                RULES.forward_only = True
+                try:
+                    out = trace.lean(*arrays)
+                finally:
+                    RULES.forward_only = False
+            else:
+                out = trace.lean(*arrays)
+        return join(out, trace.out_kinds, trace.out_treedef)
 
-            def blocks(*given: Any) -> list[Any]:
-                a, kw = join(given, kinds, treedef)
-                out, out_kinds, out_def = split(fn(*a, **kw), "the result")
-                result_of["kinds"], result_of["treedef"] = out_kinds, out_def
-                return out
+    class _Trace:
+        """The compiled traces for one set of argument kinds: ``full`` with the gradient
+        rules; ``lean`` without them, made once the first trace (outside any transform) has
+        shown that no gradient goes through a rule (``lean_ok``), e.g. a forward step."""
 
-            traces[key] = (mx.compile(blocks, **options), result_of)
-        run, result_of = traces[key]
-        out = run(*arrays)
-        return join(out, result_of["kinds"], result_of["treedef"])
+        full: Callable[..., Any] | None = None
+        lean: Callable[..., Any] | None = None
+        lean_ok: bool | None = None
+        out_kinds: list[Any]
+        out_treedef: Any
+
+        def __init__(self, kinds: list[Any], treedef: Any) -> None:
+            self.kinds, self.treedef = kinds, treedef
+
+        def blocks(self, *given: Any) -> list[Any]:
+            a, kw = join(given, self.kinds, self.treedef)
+            out, self.out_kinds, self.out_treedef = split(fn(*a, **kw), "the result")
+            return out
 
     call.__name__ = getattr(fn, "__name__", "compiled")
     call.__doc__ = getattr(fn, "__doc__", None)

@@ -78,10 +78,16 @@ class MLXPrograms(MLXTranslator):
         function = _mx().custom_function(fwd)
 
         def transpose(primals: Any, cotangent: Any, output: Any) -> Any:
+            RULES.transposed += 1
             return bwd(cotangent)
 
         function.vjp(transpose)
-        return function
+
+        def apply(x: Any) -> Any:
+            RULES.applied += 1
+            return function(x)
+
+        return apply
 
     def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
         """An :class:`MLXArray`'s local block (gathered and cut again when laid out
@@ -117,6 +123,8 @@ class MLXPrograms(MLXTranslator):
         """Whether an MLX transform may trace ``x`` (:func:`.tracing.make_probe`); where this MLX
         cannot be asked, False only for an array made from host data (an argument's block
         from ``distribute`` or numpy)."""
+        if RULES.forward_only:
+            return False
         probe = _probe()
         return not is_fresh(x) if probe is None else probe(x)
 
@@ -264,6 +272,19 @@ def _mlx_module(model: Any) -> None:
             f"the mlx backend shards the parameters of an mlx.nn.Module, not {short(model)}"
         )
 
+
+class _Rules:
+    """What the gradient rules did, for ``unimesh.compile`` (:mod:`.compiled`): how many were
+    put in a graph (``applied``) and how many MLX differentiated (``transposed``, while a
+    trace takes a gradient through them); while ``forward_only`` is set (a trace that took
+    none), programs put none in."""
+
+    applied = 0
+    transposed = 0
+    forward_only = False
+
+
+RULES = _Rules()
 
 #: the tracer probe, made on first use (None: this MLX cannot be asked)
 _PROBE: list[Any] = []
