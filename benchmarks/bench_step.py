@@ -324,9 +324,10 @@ def bench_torch(repeat: int) -> dict[str, float]:
     )
 
 
-def bench_mlx(repeat: int) -> dict[str, float]:
-    backend = unimesh.get_backend("mlx")
-    n = backend.prepare_devices(4)
+def mlx_steps(backend: Any, n: int) -> Any:
+    """(mesh, placed MLXArrays, their blocks, the native manual step, the native gradient
+    step): the native steps as functions of this process's blocks, as an MLX user writes
+    them."""
     import mlx.core as mx
 
     mesh = unimesh.make_mesh(dp_tp(n))
@@ -368,6 +369,15 @@ def bench_mlx(repeat: int) -> dict[str, float]:
         return (loss, *(mx.distributed.all_sum(g, group=dp) for g in grads))
 
     arrays = [a.local for a in placed]
+    return mesh, placed, arrays, native_step, native_grad_step
+
+
+def bench_mlx(repeat: int) -> dict[str, float]:
+    backend = unimesh.get_backend("mlx")
+    n = backend.prepare_devices(4)
+    import mlx.core as mx
+
+    mesh, placed, arrays, native_step, native_grad_step = mlx_steps(backend, n)
 
     def native() -> Any:
         return native_step(*arrays)
@@ -459,6 +469,10 @@ def report(backend: str, scale: int, medians: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+#: four MPI processes on this machine (mpirun as root, more processes than cores)
+MPIRUN4 = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4"]
+
+
 def collect(repeat: int, scales: list[int]) -> dict[str, list[str] | str]:
     """Run every backend's step benchmark under its launcher; its BENCH lines, or why none."""
     here = str(Path(__file__).resolve())
@@ -477,24 +491,16 @@ def collect(repeat: int, scales: list[int]) -> dict[str, list[str] | str]:
             "torch",
             *extra,
         ],
-        "mlx": [
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            "4",
-            sys.executable,
-            here,
-            "--backend",
-            "mlx",
-            *extra,
-        ],
+        "mlx": [*MPIRUN4, sys.executable, here, "--backend", "mlx", *extra],
     }
     return launched(runs, 600)
 
 
-def launched(runs: dict[str, list[str]], timeout: float) -> dict[str, list[str] | str]:
-    """Each command run with one OpenMP thread per process: its BENCH lines, or why none."""
+def launched(
+    runs: dict[str, list[str]], timeout: float, prefix: str = "BENCH"
+) -> dict[str, list[str] | str]:
+    """Each command run with one OpenMP thread per process: its result lines (starting with
+    ``prefix``), or why none."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     results: dict[str, list[str] | str] = {}
     for name, cmd in runs.items():
@@ -505,7 +511,7 @@ def launched(runs: dict[str, list[str]], timeout: float) -> dict[str, list[str] 
         except (OSError, subprocess.TimeoutExpired) as exc:
             results[name] = f"not run ({exc})"
             continue
-        lines = [ln for ln in out.splitlines() if ln.startswith("BENCH")]
+        lines = [ln for ln in out.splitlines() if ln.startswith(prefix)]
         results[name] = lines or f"no result: {out[-300:]}"
     return results
 

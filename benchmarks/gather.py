@@ -266,6 +266,44 @@ def steps(repeat: int) -> dict[str, Any]:
     }
 
 
+def builds(blocks: int) -> dict[str, Any]:
+    from bench_step import MPIRUN4, launched
+
+    here = str(Path(__file__).with_name("bench_build.py"))
+    extra = ["--blocks", str(blocks)]
+    runs = {
+        "torch": [sys.executable, here, "--backend", "torch", *extra],
+        "mlx": [*MPIRUN4, sys.executable, here, "--backend", "mlx", *extra],
+    }
+    pattern = re.compile(
+        r"BUILD (\w+)\s+step=(\w+)\s+native=\s*([\d.]+) us unimesh=\s*([\d.]+) us "
+        r"(over=\s*(-?[\d.]+) us|ratio=([\d.]+)).*budget=(\S+( us)?)"
+    )
+    rows = _rows(
+        launched(runs, 600, prefix="BUILD"),
+        pattern,
+        lambda m: {
+            "backend": m[1],
+            "step": m[2],
+            "native": f"{m[3]} us",
+            "unimesh": f"{m[4]} us",
+            "over native": f"{m[6]} us" if m[6] is not None else f"{m[7]}x",
+            "budget": m[8],
+        },
+    )
+    return {
+        "title": "Eager build cost",
+        "note": "CPU time of one eager step (bench_build.py): MLX builds its graph lazily "
+        "(mpirun 4, nothing evaluated), torch runs under its fake process group (collectives "
+        "do nothing) against the native step inside an empty TorchFunctionMode; ppermute "
+        "against batch_isend_irecv. Medians of {blocks} blocks. Budgets (issue 38): MLX 5 us "
+        "per collective + 2 us per argument and result (34 us for this step), torch 1 us per "
+        "op, ppermute 1.25x.".replace("{blocks}", str(blocks)),
+        "columns": ["backend", "step", "native", "unimesh", "over native", "budget", "note"],
+        "rows": rows,
+    }
+
+
 def programs(repeat: int) -> dict[str, Any]:
     from bench_programs import collect as collect_programs
 
@@ -370,6 +408,7 @@ def main() -> None:
         ("to_native", lambda: to_native(20 if q else 300)),
         ("core scale", lambda: scale(2 if q else 7)),
         ("step overhead", lambda: steps(20 if q else 300)),
+        ("build cost", lambda: builds(3 if q else 15)),
         ("example programs", lambda: programs(10 if q else 200)),
         ("checkpoints", lambda: checkpoints(128 if q else 1024)),
         ("checkpoints 4 processes", lambda: checkpoints_mp(128 if q else 1024)),

@@ -106,6 +106,7 @@ def test_benchmark_data_has_every_section():
         "to_native overhead",
         "The core at 1,048,576 devices",
         "Program step overhead",
+        "Eager build cost",
         "Example programs: training step",
         "Checkpoints",
         "Checkpoints, four processes",
@@ -120,6 +121,15 @@ def test_benchmark_data_has_every_section():
     }
     launches = {r["launch"] for r in by_label["checkpoints 4 processes"]["rows"]}
     assert launches == {"torchrun 4", "mpirun 4"}
+    steps = {(r["backend"].split()[0], r["step"]) for r in by_label["step overhead"]["rows"]}
+    assert {("torch", "grad/compiled"), ("mlx", "manual/compiled")} <= steps
+    builds = {(r["backend"], r["step"]) for r in by_label["build cost"]["rows"]}
+    assert builds == {
+        ("torch", "manual"),
+        ("torch", "ppermute"),
+        ("mlx", "manual"),
+        ("mlx", "grad"),
+    }
 
 
 def test_the_checkpoint_chart_draws_every_system_with_its_fraction_of_the_limit():
