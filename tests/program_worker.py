@@ -96,6 +96,19 @@ def main() -> int:
         except unimesh.LayoutError as exc:
             ok = "varies along ('dp',)" in str(exc) and "out_spec P()" in str(exc)
             report["typed-refusal"] = 0.0 if ok else f"unexpected message: {exc}"
+        try:  # the same under unimesh.compile (torch.compile, fullgraph): the same error
+            bad = unimesh.shard_map(lambda b: b * 2, mesh, P("dp"), P(), backend=backend)
+            x = unimesh.distribute(
+                np.ones((4, 2), np.float32), unimesh.Layout(mesh, P("dp")), backend=backend
+            )
+            options = program_cases.COMPILE_OPTIONS.get(backend, {})
+            unimesh.compile(bad, backend=backend, compiler_options=options, fullgraph=True)(x)
+            report["typed-refusal-compiled"] = "accepted under compile"
+        except unimesh.LayoutError as exc:
+            ok = "varies along ('dp',)" in str(exc) and "out_spec P()" in str(exc)
+            report["typed-refusal-compiled"] = 0.0 if ok else f"unexpected message: {exc}"
+        except Exception:  # noqa: BLE001 - any other failure is reported
+            report["typed-refusal-compiled"] = traceback.format_exc(limit=6)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
     print(f"RANK {rank} done {len(report)} cases", flush=True)
     return 0

@@ -125,8 +125,8 @@ def test_torchrun_four_processes(reference: Path, tmp_path: Path) -> None:
         ],
         4,
         tmp_path,
-        ("typed-refusal",),
-    )  # torch follows JAX's check_vma rules, refusal included (eager; compiled: check_vma=False)
+        ("typed-refusal", "typed-refusal-compiled"),
+    )  # torch follows JAX's check_vma rules, refusal included, eager and under torch.compile
 
 
 def test_mpirun_four_processes(reference: Path, tmp_path: Path) -> None:

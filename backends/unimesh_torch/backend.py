@@ -149,7 +149,7 @@ class TorchBackend(TorchPrograms):
         import torch
         import torch._dynamo
 
-        from .programs import mark_entries
+        from .programs import mark_entries, surfacing
 
         mark_entries()
         # shapes specialize, as under jax.jit: a program's blocks and groups follow from them
@@ -157,8 +157,8 @@ class TorchBackend(TorchPrograms):
         grad_of = getattr(fn, "unimesh_grad_of", None)
         if grad_of is not None:
             inner, around = grad_of
-            return around(torch.compile(inner, **options))
-        return torch.compile(fn, **options)
+            return around(surfacing(torch.compile(inner, **options)))
+        return surfacing(torch.compile(fn, **options))
 
     # -- models: unimesh.save(path, module) / unimesh.load(path, module) -----------------------
     def model_state(self, model: Any) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from unimesh import ConversionError, Layout, Mesh, MeshMismatchError
+from unimesh import ConversionError, Layout, Mesh, MeshMismatchError, UnimeshError
 from unimesh.messages import short
 
 from .runtime import _dist, _torch
@@ -29,8 +29,9 @@ class TorchPrograms(TorchTranslator):
         functional collectives it calls, so a unimesh step compiles with ``fullgraph=True``.
         Importing dynamo costs a second or more, so the twin is made once dynamo is loaded:
         at once if it is, else by :func:`unimesh.compile` (``TorchBackend.compile``) or at
-        the first eager call after dynamo loads. A program never marked is traced by dynamo
-        as before (with graph breaks)."""
+        the first eager call after dynamo loads. Arguments nonstrict_trace refuses (a
+        namedtuple) run the program eagerly (a graph break). A program never marked is traced
+        by dynamo as before (with graph breaks)."""
         compiling = _torch().compiler.is_compiling
         twin: list[Callable[..., Any]] = []
 
@@ -42,15 +43,21 @@ class TorchPrograms(TorchTranslator):
                     _INSIDE[0] += 1  # traced by aot_autograd: the check_vma tags hold
                     try:
                         return fn(*args)
+                    except UnimeshError as exc:  # dynamo reports it as its own Unsupported
+                        REFUSED[:] = [exc]
+                        raise
                     finally:
                         _INSIDE[0] -= 1
 
                 traced.__name__ = getattr(fn, "__name__", "traced")
                 twin.append(nonstrict_trace(traced))
+                # arguments nonstrict_trace does not take: run eagerly, a clean graph break
+                # (dynamo tracing the program's own Python fails and then skips its code)
+                twin.append(_torch().compiler.disable(fn))
 
         def run(*args: Any) -> Any:
-            if twin and compiling() and _plain(args, 0):
-                return twin[0](*args)
+            if twin and compiling():
+                return twin[0](*args) if _plain(args, 0) else twin[1](*args)
             if not twin and "torch._dynamo" in sys.modules and not compiling():
                 mark()
             return fn(*args)
@@ -667,10 +674,31 @@ def _from_local_function() -> Any:
     return _FROM_LOCAL[0]
 
 
+#: the UnimeshError a program's twin raised while torch.compile traced it (see ``surfacing``)
+REFUSED: list[BaseException] = []
 #: how many programs' twins are running (traced by aot_autograd, not by dynamo)
 _INSIDE = [0]
 #: the ``mark`` of every program made before dynamo was loaded (``TorchPrograms.program_entry``)
 _UNMARKED: list[weakref.ref[Callable[[], None]]] = []
+
+
+def surfacing(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` (a torch.compile'd function) raising the UnimeshError a program refused
+    with while dynamo traced it, instead of dynamo's report of that error (which names
+    neither the value nor the fix)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        REFUSED.clear()
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as exc:
+            if REFUSED and not isinstance(exc, UnimeshError):
+                raise REFUSED.pop() from exc
+            raise
+
+    call.__name__ = getattr(compiled, "__name__", "compiled")
+    call.__wrapped__ = compiled  # type: ignore[attr-defined]
+    return call
 
 
 def mark_entries() -> None:
