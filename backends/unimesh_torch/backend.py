@@ -147,7 +147,6 @@ class TorchBackend(TorchPrograms):
         does not trace ``torch.autograd.grad``). Shapes are static unless ``dynamic`` is
         given (a program's blocks follow from its arguments' shapes)."""
         import torch
-        import torch._dynamo
 
         from .programs import mark_entries, surfacing
 
