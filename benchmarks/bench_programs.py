@@ -46,6 +46,24 @@ import unimesh
 from unimesh import Layout, P
 
 EXAMPLES = ("fsdp", "tp_sp", "moe", "pipeline")
+#: each example's size constants, as the example sets them (``scaled`` multiplies them)
+SIZES = {
+    "fsdp": (fsdp_step, ("BATCH", "D_IN", "HIDDEN", "D_OUT")),
+    "tp_sp": (tp_sp_block, ("SEQ", "D_MODEL", "D_FF")),
+    "moe": (moe_layer, ("TOKENS_PER_DEVICE", "D_MODEL")),
+    "pipeline": (pipeline, ("MICROBATCH", "D_MODEL")),
+}
+_BASE = {name: tuple(getattr(m, c) for c in cs) for name, (m, cs) in SIZES.items()}
+
+
+def scaled(name: str, scale: int) -> None:
+    """The example's sizes times ``scale`` (1: as the example has them). The mesh, the
+    layouts, the number of microbatches and of experts per device stay; the matrices grow,
+    so that at a large enough scale the step's arithmetic, not its collectives' latency,
+    sets its time (realistic steps)."""
+    module, constants = SIZES[name]
+    for c, base in zip(constants, _BASE[name]):
+        setattr(module, c, base * scale)
 
 
 def problem(
@@ -310,19 +328,20 @@ def bench_torch(name: str, n: int, repeat: int) -> dict[str, float]:
     )
 
 
-def line(backend: str, name: str, medians: dict[str, float]) -> str:
+def line(backend: str, name: str, medians: dict[str, float], scale: int = 1) -> str:
     a, b = medians["native_grad"], medians["unimesh_grad"]
     return (
-        f"BENCH {backend:6s} program={name:9s} native={a * 1e3:8.3f} ms "
+        f"BENCH {backend:6s} program={name:9s} scale={scale:<3d} native={a * 1e3:8.3f} ms "
         f"unimesh={b * 1e3:8.3f} ms ratio={b / a:.3f}"
     )
 
 
-def collect(repeat: int) -> dict[str, list[str] | str]:
+def collect(repeat: int, scales: str = "1") -> dict[str, list[str] | str]:
     """Every backend's program benchmarks under its launcher: BENCH lines, or why none."""
     here = str(Path(__file__).resolve())
+    extra = ["--repeat", str(repeat), "--scales", scales]
     runs = {
-        "jax": [sys.executable, here, "--backend", "jax", "--repeat", str(repeat)],
+        "jax": [sys.executable, here, "--backend", "jax", *extra],
         "torch": [
             sys.executable,
             "-m",
@@ -333,8 +352,7 @@ def collect(repeat: int) -> dict[str, list[str] | str]:
             here,
             "--backend",
             "torch",
-            "--repeat",
-            str(repeat),
+            *extra,
         ],
     }
     return bench_step.launched(runs, 900)
@@ -345,21 +363,28 @@ def main() -> None:
     parser.add_argument("--backend", choices=["jax", "torch"])
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--programs", default=",".join(EXAMPLES))
+    parser.add_argument(
+        "--scales",
+        default="1",
+        help="sizes: 1 = the example's, k = its matrices k times larger in each dimension",
+    )
     args = parser.parse_args()
     if args.backend is None:
         print(
             "step time (loss and gradients), median of alternating runs; ratio = unimesh / native"
         )
-        for name, lines in collect(args.repeat).items():
+        for name, lines in collect(args.repeat, args.scales).items():
             print("\n".join(lines) if isinstance(lines, list) else f"{name}: {lines}")
         return
     run = {"jax": bench_jax, "torch": bench_torch}[args.backend]
     n = unimesh.get_backend(args.backend).prepare_devices(8 if args.backend == "jax" else 4)
     rank = int(os.environ.get("RANK", "0"))
-    for name in args.programs.split(","):
-        medians = run(name, n, args.repeat)
-        if rank == 0:
-            print(line(args.backend, name, medians), flush=True)
+    for scale in (int(k) for k in args.scales.split(",")):
+        for name in args.programs.split(","):
+            scaled(name, scale)
+            medians = run(name, n, args.repeat)
+            if rank == 0:
+                print(line(args.backend, name, medians, scale), flush=True)
 
 
 if __name__ == "__main__":

@@ -304,23 +304,28 @@ def builds(blocks: int) -> dict[str, Any]:
     }
 
 
+#: the example programs' sizes: the examples' own, and realistic (bench_programs.py --scales)
+PROGRAM_SCALES = "1,32"
+
+
 def programs(repeat: int) -> dict[str, Any]:
     from bench_programs import collect as collect_programs
 
     pattern = re.compile(
-        r"BENCH (\w+)\s+program=(\w+)\s+native=\s*([\d.]+) ms "
+        r"BENCH (\w+)\s+program=(\w+)\s+scale=(\d+)\s+native=\s*([\d.]+) ms "
         r"unimesh=\s*([\d.]+) ms ratio=([\d.]+)"
     )
     how = {"jax": "jit, 8 CPU devices", "torch": "torchrun 4, gloo"}
     rows = _rows(
-        collect_programs(repeat),
+        collect_programs(repeat, PROGRAM_SCALES),
         pattern,
         lambda m: {
             "backend": f"{m[1]} ({how.get(m[1], '')})",
             "program": m[2],
-            "native": f"{m[3]} ms",
-            "unimesh": f"{m[4]} ms",
-            "ratio": m[5],
+            "scale": m[3],
+            "native": f"{m[4]} ms",
+            "unimesh": f"{m[5]} ms",
+            "ratio": m[6],
         },
     )
     return {
@@ -329,10 +334,12 @@ def programs(repeat: int) -> dict[str, Any]:
         "and gradients by unimesh.value_and_grad against the same loss function "
         "run with the framework's own collectives and autodiff (bench_programs.py), "
         "{repeat} steps alternating in blocks of 10, each block started after a barrier "
-        "(medians). MLX has no native all-to-all, "
+        "(medians); scale 1 is the example's size, scale 32 its matrices 32 times larger in "
+        "each dimension (a step whose arithmetic, not its collectives' latency, sets its "
+        "time). MLX has no native all-to-all, "
         "reduce-scatter or differentiable all-gather to compare with. Goal: 1.02 "
         "(JAX), 1.05 (torch).".replace("{repeat}", str(repeat)),
-        "columns": ["backend", "program", "native", "unimesh", "ratio", "note"],
+        "columns": ["backend", "program", "scale", "native", "unimesh", "ratio", "note"],
         "rows": rows,
     }
 

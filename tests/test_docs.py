@@ -114,10 +114,14 @@ def test_benchmark_data_has_every_section():
     assert all(s["rows"] and s["label"] and s["date"] for s in data["sections"])
     by_label = {s["label"]: s for s in data["sections"]}
     programs = {
-        (r["backend"].split()[0], r["program"]) for r in by_label["example programs"]["rows"]
+        (r["backend"].split()[0], r["program"], r["scale"])
+        for r in by_label["example programs"]["rows"]
     }
     assert programs == {
-        (b, p) for b in ("jax", "torch") for p in ("fsdp", "tp_sp", "moe", "pipeline")
+        (b, p, k)
+        for b in ("jax", "torch")
+        for p in ("fsdp", "tp_sp", "moe", "pipeline")
+        for k in ("1", "32")
     }
     launches = {r["launch"] for r in by_label["checkpoints 4 processes"]["rows"]}
     assert launches == {"torchrun 4", "mpirun 4"}
