@@ -3,6 +3,7 @@
     python benchmarks/bench_programs.py                  # jax, then torch under torchrun 4
     python benchmarks/bench_programs.py --backend jax    # 8 CPU devices, jitted, in process
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_programs.py --backend torch
+    python benchmarks/bench_programs.py --scales 1,32    # also 32x larger matrices (gather.py)
 
 For ``examples/fsdp_step.py``, ``tp_sp_block.py``, ``moe_layer.py`` and ``pipeline.py``: one
 step is the loss and its gradient with respect to the parameters. The unimesh step is the
