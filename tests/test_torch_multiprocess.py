@@ -59,3 +59,15 @@ def test_ranks_building_different_meshes_all_raise() -> None:
     assert rc == 0, out[-4000:]
     assert len(re.findall(r"ok   disagreement raised: ranks disagree", out)) == 4, out[-4000:]
     assert sorted(int(r) for r in re.findall(r"RANK (\d+) OK 1", out)) == [0, 1, 2, 3]
+
+
+def test_torch_compile_called_directly_compiles_a_program_made_before_dynamo_loaded() -> None:
+    """torch.compile (not unimesh.compile) with fullgraph=True on a program made before
+    torch._dynamo was imported: the program still reaches dynamo as one call."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    worker = Path(__file__).with_name("torch_compile_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    rc, out = run_bounded([*cmd, str(worker)], env, 2 * LIMIT)
+    assert rc == 0, out[-6000:]
+    assert sorted(int(r) for r in re.findall(r"RANK (\d+) OK", out)) == [0, 1, 2, 3], out[-6000:]

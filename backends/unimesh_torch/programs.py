@@ -4,6 +4,8 @@ groups (DeviceMesh groups), DTensors in and out, JAX's check_vma gradient rules 
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import math
 import sys
 import weakref
@@ -28,10 +30,9 @@ class TorchPrograms(TorchTranslator):
         autograd) dynamo does not trace; aot_autograd traces the tensor operations and the
         functional collectives it calls, so a unimesh step compiles with ``fullgraph=True``.
         Importing dynamo costs a second or more, so the twin is made once dynamo is loaded:
-        at once if it is, else by :func:`unimesh.compile` (``TorchBackend.compile``) or at
-        the first eager call after dynamo loads. Arguments nonstrict_trace refuses (a
-        namedtuple) run the program eagerly (a graph break). A program never marked is traced
-        by dynamo as before (with graph breaks)."""
+        at once if it is, else when ``torch._dynamo`` is imported (``_DynamoWatch``), by
+        :func:`unimesh.compile` or at the first eager call after dynamo loads. Arguments
+        nonstrict_trace refuses (a namedtuple) run the program eagerly (a graph break)."""
         compiling = _torch().compiler.is_compiling
         twin: list[Callable[..., Any]] = []
 
@@ -67,7 +68,7 @@ class TorchPrograms(TorchTranslator):
         if "torch._dynamo" in sys.modules:
             mark()
         else:
-            _UNMARKED.append(weakref.ref(mark))
+            _unmarked(mark)
         return run
 
     def process_index(self) -> int:
@@ -707,6 +708,60 @@ def mark_entries() -> None:
         mark = _UNMARKED.pop()()
         if mark is not None:
             mark()
+
+
+def _unmarked(mark: Callable[[], None]) -> None:
+    """Keep ``mark`` until dynamo loads. The first time, watch for ``import torch._dynamo``
+    (``torch.compile`` imports it on its first call), so that a program made before it gets
+    its twin before dynamo traces it, whoever calls ``torch.compile``; dead references are
+    dropped as the list grows."""
+    if not _UNMARKED and not any(isinstance(f, _DynamoWatch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DynamoWatch())
+    if len(_UNMARKED) >= 64 and len(_UNMARKED) & (len(_UNMARKED) - 1) == 0:
+        _UNMARKED[:] = [ref for ref in _UNMARKED if ref() is not None]
+    _UNMARKED.append(weakref.ref(mark))
+
+
+class _DynamoWatch:
+    """A finder on ``sys.meta_path`` that finds nothing itself: when ``torch._dynamo`` is
+    imported it takes itself off the path, has the import system find the module as before,
+    and runs :func:`mark_entries` once the module has run."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch._dynamo":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+
+        class Marking(importlib.abc.Loader):
+            def __getattr__(self, attr: str) -> Any:  # get_source and the rest: the loader's
+                return getattr(loader, attr)
+
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                try:
+                    mark_entries()
+                except Exception as exc:  # noqa: BLE001 - never break the import of dynamo
+                    import warnings
+
+                    warnings.warn(
+                        f"unimesh could not prepare its programs for torch.compile ({exc!r}); "
+                        "programs made before torch._dynamo was imported are traced by "
+                        "dynamo (with graph breaks). Call unimesh.compile, or import "
+                        "torch._dynamo before making them",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+
+        spec.loader = Marking()
+        return spec
 
 
 def _plain(x: Any, depth: int) -> bool:
