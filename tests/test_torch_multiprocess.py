@@ -21,7 +21,9 @@ WORKER = Path(__file__).with_name("torch_worker.py")
 LIMIT = 120
 
 
-def torchrun(nproc: int, *args: str) -> tuple[int, str]:
+def torchrun(
+    nproc: int, *args: str, worker: Path = WORKER, limit: float = LIMIT
+) -> tuple[int, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.pop("UNIMESH_BACKEND", None)
@@ -31,10 +33,10 @@ def torchrun(nproc: int, *args: str) -> tuple[int, str]:
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        str(WORKER),
+        str(worker),
         *args,
     ]
-    return run_bounded(cmd, env, LIMIT)
+    return run_bounded(cmd, env, limit)
 
 
 @pytest.mark.parametrize(
@@ -64,10 +66,7 @@ def test_ranks_building_different_meshes_all_raise() -> None:
 def test_torch_compile_called_directly_compiles_a_program_made_before_dynamo_loaded() -> None:
     """torch.compile (not unimesh.compile) with fullgraph=True on a program made before
     torch._dynamo was imported: the program still reaches dynamo as one call."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     worker = Path(__file__).with_name("torch_compile_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    rc, out = run_bounded([*cmd, str(worker)], env, 2 * LIMIT)
+    rc, out = torchrun(4, worker=worker, limit=2 * LIMIT)  # compiling takes longer
     assert rc == 0, out[-6000:]
     assert sorted(int(r) for r in re.findall(r"RANK (\d+) OK", out)) == [0, 1, 2, 3], out[-6000:]
