@@ -276,6 +276,77 @@ CASES.append(
 )
 
 
+# Partial-manual programs (``axis_names``), ported from JAX's tests/shard_map_test.py at
+# jax-ml/jax commit cec06d116c05f0d52adfceee3d3b730fdbcb0ce5 (its 4x2 / 2x2 meshes are this
+# file's dp=2, tp=2 with dp manual): the body, specs and check_vma of each test; the value and
+# gradient compared with jax.shard_map's own, as every case here.
+_DP_TP = P("dp", "tp")
+
+
+def _manual_dp(
+    body: Callable[[Any], Any], spec: P, check_vma: bool, then: P = _DP_TP
+) -> Callable[[unimesh.Mesh, str], Callable[..., Any]]:
+    """A program manual over dp only, its result fed to a full-manual weighted sum (laid out
+    as ``then``, so its gradient crosses a relayout too)."""
+
+    def build(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
+        partial = unimesh.shard_map(
+            body,
+            mesh,
+            in_specs=spec,
+            out_specs=spec,
+            backend=backend,
+            axis_names={"dp"},
+            check_vma=check_vma,
+        )
+        total = unimesh.shard_map(lambda y: _total(_weighted(y)), mesh, then, P(), backend=backend)
+        return lambda x: total(partial(x))
+
+    return build
+
+
+CASES += [
+    # test_partial_auto: in/out P('i', None), manual {'i'}, x * x, check_vma on
+    Case(
+        "partial-auto",
+        _manual_dp(lambda x: x * x, P("dp", None), True),
+        _data(50, (4, 8)),
+        [P("dp", "tp")],
+        (0,),
+    ),
+    # test_partial_auto_ppermute: in/out P('i'), ppermute over the manual axis, check_vma off
+    Case(
+        "partial-auto-ppermute",
+        _manual_dp(lambda x: unimesh.ppermute(x * 3.0, "dp", [(0, 1), (1, 0)]), P("dp"), False),
+        _data(51, (4, 2)),
+        [P("dp")],
+        (0,),
+    ),
+    # test_partially_sharded_dim_with_auto: jnp.sum(x)[None] on each dp block, check_vma off
+    Case(
+        "partial-auto-sum",
+        _manual_dp(
+            lambda x: (x * x).sum()[None] * (1.0 + unimesh.axis_index("dp")),
+            P("dp"),
+            False,
+            P("dp"),
+        ),
+        _data(52, (8,)),
+        [P("dp")],
+        (0,),
+    ),
+    # test_shmap_partial_manual_auto: in/out P('x'), manual {'x'}, x * 2, with a psum over the
+    # manual axis as the tests of the full-manual programs use (check_vma on)
+    Case(
+        "partial-auto-psum",
+        _manual_dp(lambda x: unimesh.psum(x * 2.0, "dp") + x, P("dp", None), True),
+        _data(53, (4, 2)),
+        [P("dp", "tp")],
+        (0,),
+    ),
+]
+
+
 def _layout(mesh: unimesh.Mesh, spec: P) -> Layout:
     return Layout(mesh, spec)
 

@@ -199,3 +199,111 @@ def test_a_jitted_unimesh_step_is_the_jitted_jax_shard_map_step() -> None:
     ours_text, native_text = hlo(ours), hlo(native)
     assert "stablehlo.dot_general" in native_text and "all_reduce" in native_text
     assert ours_text == native_text
+
+
+# -- partial-manual programs (shard_map's axis_names) and the rest of its signature -------------
+# Ported from JAX's tests/shard_map_test.py at jax-ml/jax commit
+# cec06d116c05f0d52adfceee3d3b730fdbcb0ce5: the tests' meshes, specs, bodies and expected values,
+# written with unimesh.shard_map (the JAX backend hands axis_names and check_vma to
+# jax.shard_map); torch and MLX run the same programs in program_cases.py.
+
+
+def test_partial_auto_squares() -> None:
+    """test_partial_auto: mesh (2, 2), manual {'i'}, in/out P('i', None), x * x."""
+    mesh = Mesh((2, 2), ("i", "j"))
+    v = np.arange(32.0).reshape(4, 8)
+    f = unimesh.shard_map(
+        lambda x: x * x, mesh, P("i", None), P("i", None), backend="jax", axis_names={"i"}
+    )
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(v)), v * v)
+    np.testing.assert_allclose(np.asarray(f(v)), v * v)
+    # the gradient of sum(f(x)) (test_partial_auto_explicit takes it): 2v
+    np.testing.assert_allclose(np.asarray(jax.grad(lambda x: f(x).sum())(v)), 2 * v)
+
+
+def test_partial_auto_axis_index() -> None:
+    """test_partial_auto_axis_index: mesh (4, 2), manual {'i'}, check_vma off."""
+    mesh = Mesh((4, 2), ("i", "j"))
+    f = unimesh.shard_map(
+        lambda x: unimesh.axis_index("i").reshape(1, 1),
+        mesh,
+        P("i", None),
+        P("i", None),
+        backend="jax",
+        axis_names={"i"},
+        check_vma=False,
+    )
+    got = jax.jit(f)(np.zeros((4, 1), np.float32))
+    np.testing.assert_array_equal(np.asarray(got), np.arange(4, dtype=np.int32).reshape(-1, 1))
+
+
+def test_partial_auto_ppermute() -> None:
+    """test_partial_auto_ppermute: mesh (4, 2), manual {'i'}, a ring over i."""
+    mesh = Mesh((4, 2), ("i", "j"))
+    f = unimesh.shard_map(
+        lambda x: unimesh.ppermute(x, "i", [(0, 1), (1, 2), (2, 3), (3, 0)]),
+        mesh,
+        P("i"),
+        P("i"),
+        backend="jax",
+        axis_names={"i"},
+        check_vma=False,
+    )
+    got = jax.jit(f)(np.arange(8.0))
+    np.testing.assert_array_equal(np.asarray(got), [6.0, 7.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+
+
+def test_partially_sharded_dim_with_auto() -> None:
+    """test_partially_sharded_dim_with_auto: mesh (4, 2), manual {'i'}, sum of each block."""
+    mesh = Mesh((4, 2), ("i", "j"))
+    f = unimesh.shard_map(
+        lambda x: x.sum()[None],
+        mesh,
+        P("i"),
+        P("i"),
+        backend="jax",
+        axis_names={"i"},
+        check_vma=False,
+    )
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(np.arange(8.0))), [1.0, 5.0, 9.0, 13.0])
+
+
+def test_partial_auto_refusals_are_layout_and_axis_errors() -> None:
+    """JAX refuses a spec naming an automatic axis (test_partial_auto_error_wrong_in_specs) and a
+    collective over one ('unbound axis name'); unimesh refuses both before tracing, on every
+    backend, with its own classes."""
+    mesh = Mesh((2, 2), ("i", "j"))
+    with pytest.raises(unimesh.LayoutError, match="in_specs P\\('i', 'j'\\) names axis 'j'"):
+        unimesh.shard_map(lambda x: x, mesh, P("i", "j"), P("i"), backend="jax", axis_names={"i"})
+    f = unimesh.shard_map(
+        lambda x: unimesh.psum(x, "j"), mesh, P("i"), P("i"), backend="jax", axis_names={"i"}
+    )
+    with pytest.raises(unimesh.AxisContextError, match="names axis 'j', over which the function"):
+        f(np.arange(4.0))
+    with pytest.raises(unimesh.MeshSpecError, match="'k'"):
+        unimesh.shard_map(lambda x: x, mesh, P("i"), P("i"), backend="jax", axis_names={"k"})
+    with pytest.raises(unimesh.LayoutError, match="axis_names must be a set"):
+        unimesh.shard_map(lambda x: x, mesh, P("i"), P("i"), backend="jax", axis_names="i")
+
+
+def test_shard_map_mesh_from_context_and_check_vma() -> None:
+    """mesh=None takes ``with mesh:`` or ``jax.set_mesh``'s; check_vma=False is JAX's flag:
+    the out_spec P() over a varying value JAX refuses with it on passes with it off; JAX's
+    refusal is a LayoutError carrying JAX's words."""
+    mesh = Mesh((8,), ("x",))
+    v = np.arange(8.0)
+    with mesh:
+        f = unimesh.shard_map(lambda b: unimesh.psum(b, "x"), in_specs=P("x"), out_specs=P())
+    np.testing.assert_allclose(np.asarray(f(v)), [28.0])
+    with jax.set_mesh(unimesh.to_native(Mesh((4, 2), ("a", "b")), "jax")):
+        g = unimesh.shard_map(lambda b: b * 2, in_specs=P("a"), out_specs=P("a"), backend="jax")
+        np.testing.assert_allclose(np.asarray(g(v)), v * 2)
+    bad = unimesh.shard_map(lambda b: b, mesh, P("x"), P(), backend="jax")
+    with pytest.raises(unimesh.LayoutError, match="out_specs is P\\(\\) which implies"):
+        bad(v)
+    loose = unimesh.shard_map(lambda b: b, mesh, P("x"), P(), backend="jax", check_vma=False)
+    np.testing.assert_allclose(np.asarray(loose(v)), [0.0])  # device 0's block, as JAX gives
+    with pytest.raises(unimesh.LayoutError, match="needs out_specs"):
+        unimesh.shard_map(lambda b: b, mesh, P("x"), backend="jax")
+    with pytest.raises(unimesh.LayoutError, match="no mesh is current"):
+        unimesh.shard_map(lambda b: b, in_specs=P(), out_specs=P(), backend="jax")

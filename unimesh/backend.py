@@ -105,6 +105,7 @@ LAYERS: tuple[Layer, ...] = (
             "gradient)",
             "shard_params": "unimesh.shard_params lays out a model's parameters by rule",
         },
+        ("context_mesh",),
     ),
 )
 
@@ -549,6 +550,11 @@ class Backend:
         prefixes of Layouts. Backends that run one device per process derive from
         :class:`unimesh.spmd.ProcessBackend`, which implements this."""
         return self._missing("shard_map")
+
+    def context_mesh(self) -> Mesh | None:
+        """The mesh the framework's own context sets (``jax.set_mesh``), for ``shard_map``
+        with ``mesh=None`` outside ``with mesh:``; None where there is none."""
+        return None
 
     def full_array(self, array: Any) -> Any:
         """The whole global value of a native distributed array, as numpy, on every process."""

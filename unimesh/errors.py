@@ -66,7 +66,8 @@ class BackendRegistrationError(UnimeshError, ValueError):
 
 
 class AxisContextError(UnimeshError, RuntimeError):
-    """An axis collective (``unimesh.psum``, ...) was called outside ``unimesh.shard_map``."""
+    """An axis collective (``unimesh.psum``, ...) was called outside ``unimesh.shard_map``, or
+    over an axis the function is not manual over (``axis_names``)."""
 
 
 class ConfigError(UnimeshError, ValueError):

@@ -313,13 +313,18 @@ def axis_size(axis_name: str | Sequence[str]) -> int:
     return env.size(axes)
 
 
+_MISSING: Any = object()
+
+
 def shard_map(
     f: Callable[..., Any],
-    mesh: Mesh,
-    in_specs: Any,
-    out_specs: Any,
+    mesh: Mesh | None = None,
+    in_specs: Any = _MISSING,
+    out_specs: Any = _MISSING,
     backend: str | Backend | None = None,
     *,
+    axis_names: Any = None,
+    check_vma: bool = True,
     checked: bool | None = None,
 ) -> Callable[..., Any]:
     """``f`` run on every device's blocks (``jax.shard_map``'s meaning), on any backend.
@@ -327,7 +332,8 @@ def shard_map(
     Args:
         f: takes one block per array leaf of the arguments and returns a pytree of blocks; it
             may call :func:`psum` and the other axis collectives.
-        mesh: the neutral mesh.
+        mesh: the neutral mesh; None takes the context's (``with mesh:``, or on JAX
+            ``jax.set_mesh``).
         in_specs: a pytree prefix of the argument tuple with ``P(...)`` leaves (None means
             ``P()``): one ``P`` for all arguments, a tuple with one per argument, or deeper
             (a dict of specs for a dict of parameters). Arguments are global arrays, or the
@@ -335,6 +341,14 @@ def shard_map(
         out_specs: a pytree prefix of the result with ``P`` leaves; a mesh axis an output spec
             leaves out promises that the blocks along it are equal.
         backend: a name or Backend; None detects it (see :func:`unimesh.get_backend`).
+        axis_names: the mesh axes ``f`` is manual over (a set of names; None: all of them).
+            Over the others ``f`` is automatic: specs and collectives may name only manual
+            axes, and the value along the automatic axes is the global one (JAX lets its
+            compiler shard it; per-process backends compute it replicated there).
+        check_vma: JAX's flag: True tracks which axes each value varies along (an out_spec
+            leaving out an axis the value varies along is refused, a ``psum`` of an
+            invariant value is transposed to nothing); False uses JAX's unchecked rules,
+            which give the same values and gradients for programs both accept.
         checked: on backends with one device per process, check before every collective that
             all processes of the mesh call the same one (operation, axes, dtype, shape), and
             raise :class:`~unimesh.MeshMismatchError` on every process naming what differs
@@ -350,12 +364,34 @@ def shard_map(
 
     if not callable(f):
         raise LayoutError(f"shard_map() needs a function, got {short(f)}")
-    if not isinstance(mesh, Mesh):
-        raise LayoutError(f"shard_map() needs a unimesh.Mesh, got {short(mesh)}")
-    ins = SpecTree(mesh, in_specs, "in_specs")
-    outs = SpecTree(mesh, out_specs, "out_specs")
+    for name, given in (("in_specs", in_specs), ("out_specs", out_specs)):
+        if given is _MISSING:
+            raise LayoutError(
+                f"shard_map() needs {name}: a P(...) or a pytree prefix of P's, e.g. "
+                f"shard_map(f, mesh, in_specs=P('dp'), out_specs=P('dp'))"
+            )
+    if not isinstance(check_vma, bool):
+        raise LayoutError(f"shard_map() check_vma must be True or False, got {short(check_vma)}")
     be = get_backend(backend)
     be.require("shard_map")
+    if mesh is None:
+        mesh = _context_mesh(be)
+    if not isinstance(mesh, Mesh):
+        raise LayoutError(f"shard_map() needs a unimesh.Mesh, got {short(mesh)}")
+    manual = _manual_axes(mesh, axis_names)
+    ins = SpecTree(mesh, in_specs, "in_specs")
+    outs = SpecTree(mesh, out_specs, "out_specs")
+    if manual is not None:
+        for tree in (ins, outs):
+            for layout in tree.layouts:
+                auto = [a for a in (*layout.spec.axes(), *layout.spec.partial) if a not in manual]
+                if auto:
+                    raise LayoutError(
+                        f"{tree.what} {layout.spec!r} names axis {auto[0]!r}, which is not in "
+                        f"axis_names {sorted(manual)}: a spec may name only the axes the "
+                        f"function is manual over; add {auto[0]!r} to axis_names or drop it "
+                        "from the spec"
+                    )
     require_mesh(be, mesh)
     for layout in set(ins.layouts + outs.layouts):
         require_layout(be, layout)
@@ -365,6 +401,8 @@ def shard_map(
         checked = os.environ.get("UNIMESH_CHECKED", "") not in ("", "0")
     body = Body(f, outs)
     body.checked = bool(checked)
+    body.manual = manual
+    body.check_vma = check_vma
     run = be.shard_map(body, mesh, ins, outs)
     flat = run.run_flat if isinstance(run, Program) else None
     n_in = len(in_specs) if isinstance(in_specs, (tuple, list)) else None
@@ -399,6 +437,34 @@ def shard_map(
     call.__name__ = getattr(f, "__name__", "shard_map")
     call.__doc__ = getattr(f, "__doc__", None)
     return be.program_entry(call)
+
+
+def _context_mesh(be: Backend) -> Mesh:
+    """The mesh of the context: ``with mesh:``, else the backend's own (``jax.set_mesh``)."""
+    from .mesh import current_mesh
+
+    mesh = current_mesh()
+    if mesh is None:
+        mesh = be.context_mesh()
+    if mesh is None:
+        raise LayoutError(
+            "shard_map() got mesh=None and no mesh is current: pass the mesh, or call it "
+            "inside `with mesh:`"
+        )
+    return mesh
+
+
+def _manual_axes(mesh: Mesh, axis_names: Any) -> frozenset[str] | None:
+    """``axis_names`` checked against the mesh (None: manual over every axis)."""
+    if axis_names is None:
+        return None
+    if isinstance(axis_names, str) or not isinstance(axis_names, (set, frozenset, tuple, list)):
+        raise LayoutError(
+            f"shard_map() axis_names must be a set of mesh axis names, got {short(axis_names)}; "
+            f"e.g. axis_names={{{mesh.axis_names[0]!r}}}"
+        )
+    names = frozenset(mesh._axes(tuple(axis_names), "shard_map() axis_names"))
+    return None if names == frozenset(mesh.axis_names) else names
 
 
 def _check_even(layout: Layout, shape: tuple[int, ...], index: int) -> None:

@@ -40,6 +40,8 @@ class AxisEnv:
         self.device = device
         self._checked: dict[Any, tuple[str, ...]] = {}
         self._sizes: dict[tuple[str, ...], int] = {}
+        #: the axes the running function is manual over (None: every axis)
+        self.manual: frozenset[str] | None = None
 
     def axes(self, axis: Any, call: str) -> tuple[str, ...]:
         """``axis`` (a name or a sequence of names) checked against the mesh, as a tuple."""
@@ -114,7 +116,16 @@ def current_env(call: str, axis: object) -> tuple[AxisEnv, tuple[str, ...]]:
             f"unimesh.{call}({short(axis)}) was called outside unimesh.shard_map; call it inside "
             "the function given to unimesh.shard_map(f, mesh, in_specs, out_specs)"
         )
-    return env, env.axes(axis, call)
+    axes = env.axes(axis, call)
+    manual = env.manual
+    if manual is not None and not manual.issuperset(axes):
+        auto = next(a for a in axes if a not in manual)
+        raise AxisContextError(
+            f"unimesh.{call}({short(axis)}) names axis {auto!r}, over which the function is "
+            f"automatic: shard_map's axis_names is {sorted(manual)}; a collective may use only "
+            f"manual axes (add {auto!r} to axis_names)"
+        )
+    return env, axes
 
 
 def _is_spec(x: object) -> bool:
@@ -218,6 +229,10 @@ class Body:
         self.outs = outs
         #: per-process engines check that processes agree on every collective (shard_map)
         self.checked = False
+        #: the axes the function is manual over (``axis_names``); None: every axis
+        self.manual: frozenset[str] | None = None
+        #: JAX's check_vma flag: False runs JAX's unchecked rules
+        self.check_vma = True
 
     def __call__(self, env: AxisEnv, *blocks: Any) -> Any:
         return self.flat(env, *blocks)[0]
@@ -226,6 +241,7 @@ class Body:
         """The result, its leaves, its treedef and the out layout of every leaf."""
         import optree
 
+        env.manual = self.manual
         token = _CURRENT.set(env)
         try:
             result = self.f(*blocks)

@@ -323,7 +323,7 @@ class _Program(Program):
         if env is None:
             env = self.env = self.be.axis_env(self.mesh)
             self.be.prepare_program(self.mesh, self.ins.layouts + self.outs.layouts)
-        if env.check_vma and not self.be.vma_watched():
+        if env.check_vma and not (self.body.check_vma and self.be.vma_watched()):
             env = self.be.axis_env(self.mesh, check_vma=False)
         env.checked, env.calls = self.body.checked, 0
         env.comm.last = None  # a chain starts with each call (and never reaches into mx.compile)

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from unimesh import ConversionError, Mesh
+from unimesh import ConversionError, LayoutError, Mesh
 from unimesh.messages import short
 from unimesh.program import AxisEnv
 
@@ -139,16 +139,49 @@ class JaxPrograms(JaxTranslator):
 
     # -- programs --------------------------------------------------------------------------------
     def shard_map(self, body: Any, mesh: Mesh, ins: Any, outs: Any) -> Any:
-        """``jax.shard_map`` over the converted mesh (``check_vma`` on: JAX checks that an
-        output is equal along the axes its spec leaves out). Jit the result as usual."""
+        """``jax.shard_map`` over the converted mesh, with the body's ``axis_names`` and
+        ``check_vma`` (on: JAX checks that an output is equal along the axes its spec leaves
+        out; its refusal is raised as :class:`~unimesh.LayoutError`, JAX's words kept). Jit
+        the result as usual."""
         jax = _jax()
         env = JaxAxisEnv(mesh)
-        return jax.shard_map(
+        options: dict[str, Any] = {"check_vma": body.check_vma}
+        if body.manual is not None:
+            options["axis_names"] = set(body.manual)
+        program = jax.shard_map(
             lambda *blocks: body(env, *blocks),
             mesh=self.mesh_to_native(mesh),
             in_specs=ins.map(self._spec),
             out_specs=outs.map(self._spec),
+            **options,
         )
+        if body.manual is not None:
+            # a partial-manual program runs jitted, as JAX's own tests run them: JAX 0.10.2's
+            # eager path of one under a gradient builds an inner shard_map whose out_specs
+            # name the automatic axes, and refuses it (seen with check_vma=False)
+            program = jax.jit(program)
+
+        def run(*args: Any) -> Any:
+            try:
+                return program(*args)
+            except ValueError as exc:
+                if "out_specs" not in str(exc) or isinstance(exc, LayoutError):
+                    raise
+                raise LayoutError(str(exc)) from exc
+
+        return run
+
+    def context_mesh(self) -> Mesh | None:
+        """The mesh ``jax.set_mesh`` made current, as a neutral mesh (None outside one)."""
+        import sys
+
+        if "jax" not in sys.modules:
+            return None
+        mesh = _jax().sharding.get_mesh()
+        if mesh is None or getattr(mesh, "empty", True):
+            return None
+        found = self.from_native(mesh)
+        return found if isinstance(found, Mesh) else None
 
     def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
         """``jax.value_and_grad``; each gradient is placed like its argument."""
