@@ -552,3 +552,33 @@ def mlx_compiled_forward_without_rules(mesh: unimesh.Mesh) -> float | str:
         for _ in range(2)
     )
     return worst if worst > 1e-6 else 0.0
+
+
+def unused_collective(mesh: unimesh.Mesh, backend: str) -> float | str:
+    """Issue 50, item 1: a program whose sender leaves a ppermute's result unused (MLX runs only
+    what a result depends on, so the send never ran and the receiver waited forever). Every
+    process must run it, eager and compiled; the value is x's dp-0 block kept on dp 0 and
+    doubled on dp 1. 0.0, or what went wrong. (Not under a gradient: there the transpose of
+    the unused result runs only where it reached the loss; see the issue note.)"""
+
+    def body(x: Any) -> Any:
+        got = unimesh.ppermute(2 * x, "dp", [(0, 1)])
+        return got if unimesh.axis_index("dp") == 1 else x
+
+    x = np.arange(8.0, dtype=np.float32).reshape(4, 2)
+    want = np.concatenate([x[:2], 2 * x[:2]])
+    program = unimesh.shard_map(body, mesh, P("dp"), P("dp"), backend=backend)
+    xd = unimesh.distribute(x, Layout(mesh, P("dp")), backend=backend)
+    errors = []
+    for run in (
+        program,
+        unimesh.compile(
+            program, backend=backend, compiler_options=COMPILE_OPTIONS.get(backend, {})
+        ),
+    ):
+        for _ in range(2):
+            got = np.asarray(unimesh.full_array(run(xd), backend=backend), np.float64)
+            errors.append(float(np.max(np.abs(got - want))))
+
+    worst = max(errors)
+    return 0.0 if worst < 1e-6 else f"errors (eager, eager, compiled, compiled): {errors}"

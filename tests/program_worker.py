@@ -109,6 +109,17 @@ def main() -> int:
             report["typed-refusal-compiled"] = 0.0 if ok else f"unexpected message: {exc}"
         except Exception:  # noqa: BLE001 - any other failure is reported
             report["typed-refusal-compiled"] = traceback.format_exc(limit=6)
+    # last, since a hang here ends the launch: the cases above are written first
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
+    print(
+        f"rank {rank}: unused-collective (a hang here: a collective's result that one process "
+        "leaves unused never ran there)",
+        flush=True,
+    )
+    try:
+        report["unused-collective"] = program_cases.unused_collective(mesh, backend)
+    except Exception:  # noqa: BLE001 - any failure is reported
+        report["unused-collective"] = traceback.format_exc(limit=6)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
     print(f"RANK {rank} done {len(report)} cases", flush=True)
     return 0

@@ -85,7 +85,8 @@ def _check(
     for rank, report in reports.items():
         compiled = [f"compiled:{name}" for name in program_cases.COMPILED]
         assert sorted(report) == sorted(
-            [c.name for c in program_cases.CASES] + ["native-autodiff", *compiled, *extra]
+            [c.name for c in program_cases.CASES]
+            + ["native-autodiff", "unused-collective", *compiled, *extra]
         )
         bad = {k: v for k, v in report.items() if not isinstance(v, float) or v > 1e-5}
         assert not bad, f"rank {rank}: {json.dumps(bad, indent=1)[:6000]}"

@@ -334,8 +334,13 @@ class _Program(Program):
                 _, out_leaves, out_def, out_layouts = self.body.flat(env, *args)
         else:
             _, out_leaves, out_def, out_layouts = self.body.flat(env, *args)
+        last = env.comm.last
         wrapped = []
         for i, (block, layout) in enumerate(zip(out_leaves, out_layouts)):
+            if last is not None:
+                # every collective the program issued runs, used or not: a lazy framework
+                # runs only what a result depends on, and a peer waits on the one left out
+                block = self.be.after(self.be.as_array(block), last)
             block = env.leave(block, layout, i)
             key = (layout, tuple(block.shape))
             shape = self._shapes.get(key)
