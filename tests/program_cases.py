@@ -582,3 +582,59 @@ def unused_collective(mesh: unimesh.Mesh, backend: str) -> float | str:
 
     worst = max(errors)
     return 0.0 if worst < 1e-6 else f"errors (eager, eager, compiled, compiled): {errors}"
+
+
+def psum_small_ints(mesh: unimesh.Mesh, backend: str) -> float | str:
+    """Issue 50, item 2: ``psum`` keeps int8, uint8, int16 and uint16 (JAX's psum does; MLX's
+    ring backend, whose groups unimesh emulates by gathering, widened them to 32 bits), over
+    one axis and over the world, with the framework's own all-reduce of the world as the
+    answer (MLX ``all_sum``, torch ``all_reduce``). 0.0, or what went wrong."""
+    problems = []
+    # gloo carries no 16-bit ints ("Invalid scalar type" in torch's own distribute_tensor)
+    names = ("int8", "uint8") if backend == "torch" else ("int8", "uint8", "int16", "uint16")
+    for name in names:
+        x = (np.arange(16) % 7).astype(name).reshape(4, 4)
+        for axes in ("tp", ("dp", "tp")):
+            program = unimesh.shard_map(
+                lambda b, axes=axes: unimesh.psum(b, axes),
+                mesh,
+                P("dp", "tp"),
+                P("dp", "tp"),
+                backend=backend,
+            )
+            got = program(unimesh.distribute(x, Layout(mesh, P("dp", "tp")), backend=backend))
+            block = unimesh.local_shards(got)
+            block = next(iter(block.values()))
+            native = _native_world_sum(backend, x, mesh) if axes != "tp" else None
+            dtype = str(getattr(block, "dtype", "")).replace("torch.", "").replace("mlx.core.", "")
+            if dtype != name:
+                problems.append(f"psum over {axes} of {name} gave {dtype}")
+            elif native is not None and not np.array_equal(np.asarray(block), native):
+                problems.append(f"psum over {axes} of {name}: {np.asarray(block)} vs {native}")
+    return "; ".join(problems) or 0.0
+
+
+def _native_world_sum(backend: str, x: np.ndarray, mesh: unimesh.Mesh) -> np.ndarray:
+    """The framework's own all-reduce over every process of this process's (2, 2) block of
+    ``x`` under P('dp', 'tp'): the answer a psum over both axes must equal."""
+    block = x[Layout(mesh, P("dp", "tp")).shard_slices(x.shape, _rank(backend))]
+    if backend == "torch":
+        import torch
+        import torch.distributed as dist
+
+        t = torch.as_tensor(block.copy())
+        dist.all_reduce(t)
+        return t.numpy()
+    import mlx.core as mx
+
+    return np.asarray(mx.distributed.all_sum(mx.array(block)))
+
+
+def _rank(backend: str) -> int:
+    if backend == "torch":
+        import torch.distributed as dist
+
+        return int(dist.get_rank())
+    import mlx.core as mx
+
+    return int(mx.distributed.init().rank())

@@ -109,6 +109,10 @@ def main() -> int:
             report["typed-refusal-compiled"] = 0.0 if ok else f"unexpected message: {exc}"
         except Exception:  # noqa: BLE001 - any other failure is reported
             report["typed-refusal-compiled"] = traceback.format_exc(limit=6)
+    try:
+        report["psum-small-ints"] = program_cases.psum_small_ints(mesh, backend)
+    except Exception:  # noqa: BLE001 - any failure is reported
+        report["psum-small-ints"] = traceback.format_exc(limit=6)
     # last, since a hang here ends the launch: the cases above are written first
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
     print(

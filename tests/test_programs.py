@@ -86,7 +86,7 @@ def _check(
         compiled = [f"compiled:{name}" for name in program_cases.COMPILED]
         assert sorted(report) == sorted(
             [c.name for c in program_cases.CASES]
-            + ["native-autodiff", "unused-collective", *compiled, *extra]
+            + ["native-autodiff", "unused-collective", "psum-small-ints", *compiled, *extra]
         )
         bad = {k: v for k, v in report.items() if not isinstance(v, float) or v > 1e-5}
         assert not bad, f"rank {rank}: {json.dumps(bad, indent=1)[:6000]}"

@@ -63,7 +63,10 @@ class MLXPrograms(MLXTranslator):
         return x[mx.array(index)] if len(index) > 1 else x[index[0] : index[0] + 1]
 
     def reduce_stack(self, x: Any, op: str) -> Any:
-        return getattr(_mx(), op)(x, axis=0)
+        """``op`` over dim 0 in ``x``'s dtype (``mx.sum`` widens small ints: int8 -> int32;
+        MLX's ``all_sum`` and JAX's ``psum`` keep the dtype, wrapping as they do)."""
+        out = getattr(_mx(), op)(x, axis=0)
+        return out if out.dtype == x.dtype else out.astype(x.dtype)
 
     def zeros_like(self, x: Any) -> Any:
         return _mx().zeros_like(x)

@@ -205,7 +205,10 @@ class TorchPrograms(TorchTranslator):
         return x[index]
 
     def reduce_stack(self, x: Any, op: str) -> Any:
-        return x.sum(0) if op == "sum" else x.amax(0) if op == "max" else x.amin(0)
+        """``op`` over dim 0 in ``x``'s dtype (``sum`` widens integers to int64)."""
+        if op != "sum":
+            return x.amax(0) if op == "max" else x.amin(0)
+        return x.sum(0, dtype=x.dtype)
 
     def zeros_like(self, x: Any) -> Any:
         return _torch().zeros_like(x)
