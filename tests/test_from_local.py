@@ -121,6 +121,28 @@ def test_torch_dtensor_from_local_under_the_fake_group() -> None:
             unimesh.from_local(torch.zeros(4, 4), lay, (10, 4), backend="torch")
 
 
+def test_torch_non_contiguous_block_gets_the_stride_dtensor_from_local_gives() -> None:
+    """torch's test/distributed/tensor/test_dtensor.py (test_from_local_uneven_sharding's
+    neighbour, pytorch/pytorch v2.13.0): a permuted local tensor under Shard(1) on 4 ranks gets
+    the stride DTensor.from_local derives, (32, 1, 128), not the row-major (256, 8, 1); a
+    contiguous one stays row-major. Compared with DTensor.from_local in the same run."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.tensor import DTensor
+
+    with fake_torch_world(1, 4):
+        lay = Layout(Mesh((4,), ("x",)), P(None, "x"))
+        native = unimesh.to_native(lay, "torch")
+        local = torch.randn(8, 4, 8).permute(1, 2, 0)  # (4, 8, 8), stride (8, 1, 32)
+        ours = unimesh.from_local(local, lay, (4, 32, 8), backend="torch")
+        theirs = DTensor.from_local(local, native.device_mesh, native.placements)
+        assert ours.stride() == theirs.stride() == (32, 1, 128)
+        assert ours.shape == theirs.shape and torch.equal(ours.to_local(), local)
+        dense = local.contiguous()
+        assert unimesh.from_local(dense, lay, (4, 32, 8), backend="torch").stride() == (
+            DTensor.from_local(dense, native.device_mesh, native.placements).stride()
+        )
+
+
 def test_torch_rank_outside_the_mesh_takes_the_dtype_in_either_spelling() -> None:
     torch = pytest.importorskip("torch")
     with fake_torch_world(6, 8):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import math
 import sys
 import weakref
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ from unimesh import ConversionError, Layout, Mesh, MeshMismatchError, UnimeshErr
 from unimesh.messages import short
 
 from .runtime import _dist, _torch
-from .translate import TorchLayout, TorchTranslator
+from .translate import TorchLayout, TorchTranslator, global_stride
 
 
 class TorchPrograms(TorchTranslator):
@@ -292,21 +291,23 @@ class TorchPrograms(TorchTranslator):
         if torch.compiler.is_compiling():  # what dynamo traces (a cached spec is guarded by id)
             from torch.distributed.tensor import DTensor
 
-            stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
             return DTensor.from_local(
                 block,
                 native.device_mesh,
                 native.placements,
                 run_check=False,
                 shape=torch.Size(shape),
-                stride=stride,
+                stride=global_stride(block, shape, native.device_mesh, native.placements),
             )
-        key = (layout, shape, block.dtype)
+        dense = block.is_contiguous()
+        key = (
+            (layout, shape, block.dtype) if dense else (layout, shape, block.dtype, block.stride())
+        )
         spec = self._specs.get(key)
         if spec is None:
             from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-            stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+            stride = global_stride(block, shape, native.device_mesh, native.placements)
             spec = self._specs[key] = DTensorSpec(
                 native.device_mesh,
                 tuple(native.placements),

@@ -389,16 +389,13 @@ class TorchTranslator(TorchRuntime):
             local = block
         else:
             local = _from_host(np.asarray(block))
-        stride = [1] * len(shape)
-        for d in range(len(shape) - 2, -1, -1):
-            stride[d] = stride[d + 1] * max(shape[d + 1], 1)
         return DTensor.from_local(
             local,
             native.device_mesh,
             native.placements,
             run_check=False,
             shape=torch.Size(shape),
-            stride=tuple(stride),
+            stride=global_stride(local, shape, native.device_mesh, native.placements),
         )
 
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
@@ -414,6 +411,26 @@ class TorchTranslator(TorchRuntime):
         if array.device_mesh.get_coordinate() is None:
             return {}
         return {_dist().get_rank(): _to_host(array.to_local().detach().cpu())}
+
+
+def global_stride(
+    local: Any, shape: tuple[int, ...], mesh: Any, placements: Any
+) -> tuple[int, ...]:
+    """The DTensor's stride for this rank's ``local`` block: row-major for a contiguous block;
+    for another (a permuted view), what ``DTensor.from_local`` derives from the local stride
+    (torch's ``compute_global_tensor_info``: along each sharded mesh dim, every stride at
+    least the sharded dim's grows by the mesh dim's size), so the two agree."""
+    if local.is_contiguous() or local.dim() != len(shape) or local.numel() == 0:
+        return tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+    stride = list(local.stride())
+    for index, placement in enumerate(placements):
+        if placement.is_shard() or type(placement).__name__ == "_StridedShard":
+            dim = placement.dim
+            size = mesh.size(index)
+            stride = [
+                s * size if i != dim and s >= stride[dim] else s for i, s in enumerate(stride)
+            ]
+    return tuple(stride)
 
 
 #: torch dtypes numpy lacks; ml_dtypes has them under the same names (JAX's spelling)
