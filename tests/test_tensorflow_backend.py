@@ -89,6 +89,20 @@ def test_refusals() -> None:
     configure_cpu_devices(8)  # asking again for what it has is fine
 
 
+def test_single_device_mesh_is_refused_by_name() -> None:
+    """``dtensor.Mesh.from_device`` (TF's mesh_util_test / layout_test build one) has no axes:
+    TF's own ``global_device_ids()`` fails on it with a numpy reshape error, unimesh names it
+    and says what to write instead."""
+    single = dtensor.Mesh.from_device("/job:localhost/replica:0/task:0/device:CPU:0")
+    assert single.is_single_device() and single.dim_names == []
+    with pytest.raises(ValueError, match="cannot reshape"):  # what leaked before
+        single.global_device_ids()
+    with pytest.raises(UnsupportedError, match=r"single-device DTensor mesh.*Mesh\(\(1,\)"):
+        unimesh.from_native(single)
+    one = dtensor.create_mesh([("x", 1)], devices=["CPU:0"])  # the one-axis spelling converts
+    assert unimesh.from_native(one) == Mesh((1,), ("x",))
+
+
 def test_a_permuted_mesh_by_hand() -> None:
     mesh = Mesh((2, 2), ("dp", "tp"), [[3, 2], [1, 0]])
     native = unimesh.to_native(mesh, "tensorflow")

@@ -152,6 +152,14 @@ class TensorFlowBackend(Backend):
         )
 
     def _mesh_from_native(self, native: Any) -> Mesh:
+        if native.is_single_device():  # Mesh.from_device: no axes, no device ids to read
+            raise UnsupportedError(
+                f"{native.to_string()!r} is a single-device DTensor mesh "
+                "(dtensor.Mesh.from_device), which has no axes; a unimesh Mesh has at least one: "
+                "describe it as unimesh.Mesh((1,), ('x',)) (dtensor.create_mesh([('x', 1)]))",
+                backend=self.name,
+                capability="mesh",
+            )
         names = list(native.dim_names)
         shape = tuple(int(s) for s in native.shape())
         global_ids = np.asarray(native.global_device_ids())
