@@ -154,7 +154,8 @@ BAD = [
     ("[mesh]\naxes = {a = 2}\nshape = [2]", ConfigError, "not both"),
     ("[mesh]\naxes = {a = -2}", unimesh.MeshSpecError, "-2"),
     ("[mesh]\naxes = {a = 1000000, b = 1000000}", unimesh.MeshSpecError, "1000000"),
-    ("[mesh]\naxes = {'a b' = 2}", unimesh.MeshSpecError, "'a b'"),
+    # any printable name is an axis name (issue 50); a control character is not
+    ('[mesh]\naxes = {"a\\tb" = 2}', unimesh.MeshSpecError, "'a\\tb'"),
     ("[mesh]\naxes = {a = 2}\ncolour = 'red'", unimesh.MeshSpecError, "'colour'"),
     ("mesh = ", ConfigError, "not valid TOML"),
     ("mesh = 'dp=2'\nmesh = 'dp=4'", ConfigError, "not valid TOML"),

@@ -317,3 +317,48 @@ def test_failed_constructor_leaves_no_state():
     with pytest.raises(MeshSpecError):
         Mesh((2, 2), ("a", "b"), [[0, 1], [1, 2]])
     assert unimesh.current_mesh() is None
+
+
+# -- axis names: every name the frameworks take (issue 50, item 5) -----------------------------
+from hypothesis import given
+from hypothesis import strategies as st
+
+from unimesh._text import parse_spec_text, spec_text
+
+_printable = st.text(
+    st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp", "Cf", "Co", "Cn")),
+    min_size=1,
+    max_size=12,
+).filter(str.isprintable)
+
+
+@given(st.lists(_printable, min_size=1, max_size=4, unique=True), st.data())
+def test_any_printable_axis_names_round_trip_through_every_text_form(names, data) -> None:
+    shape = tuple(data.draw(st.integers(1, 3)) for _ in names)
+    ids = np.random.default_rng(len(names)).permutation(int(np.prod(shape))).reshape(shape)
+    mesh = Mesh(shape, tuple(names), ids)
+    assert Mesh.from_string(mesh.to_string()) == mesh
+    assert Mesh.from_json(mesh.to_json()) == mesh
+    assert Mesh.from_dict(mesh.to_dict()) == mesh
+    entries = [names[0], None, *([tuple(names[1:])] if len(names) > 2 else names[1:])]
+    assert parse_spec_text(spec_text(entries)) == entries
+    assert unimesh.PartitionSpec.from_string(spec_text(entries)) == unimesh.P(*entries)
+
+
+def test_axis_names_torch_tests_use_are_taken() -> None:
+    """torch's own tests name mesh dims "mesh-0", "mesh-1" (test/distributed/test_device_mesh.py);
+    plain words like those are written bare, others quoted as JSON strings."""
+    mesh = Mesh((2, 4), ("mesh-0", "mesh-1"))
+    assert mesh.to_string() == "mesh-0=2,mesh-1=4"
+    assert Mesh.from_string("mesh-0=2, mesh-1=4") == mesh
+    odd = Mesh((2, 2), ("data parallel", 'a,b;c="d"|e'))
+    assert odd.to_string() == '"data parallel"=2,"a,b;c=\\"d\\"|e"=2'
+    assert Mesh.from_string(odd.to_string()) == odd
+    assert repr(odd) == "Mesh('data parallel'=2, 'a,b;c=\"d\"|e'=2)"
+    assert unimesh.P.from_string('"None",_,"data parallel"+tp') == unimesh.P(
+        "None", None, ("data parallel", "tp")
+    )
+    with pytest.raises(MeshSpecError, match="cannot read axis"):
+        Mesh.from_string('"dp=2')
+    with pytest.raises(unimesh.LayoutError, match="cannot read the spec"):
+        unimesh.P.from_string('"dp"x,tp')

@@ -295,3 +295,17 @@ def test_more_axes_than_device_mesh_holds_is_refused_by_name() -> None:
     for obj in (mesh, Layout(mesh, P("a0"))):
         with pytest.raises(UnsupportedError, match=r"33 axes is more than a torch mesh holds"):
             unimesh.to_native(obj, "torch")
+
+
+def test_from_native_takes_the_dim_names_torchs_own_tests_use() -> None:
+    """test/distributed/test_device_mesh.py (pytorch/pytorch v2.13.0) names mesh dims
+    "mesh-0", "mesh-1": from_native took them as MeshSpecError before (issue 50, item 5); now
+    the neutral mesh round-trips them, and to_native gives torch the same names back."""
+    fake_world(0, 8)
+    native = DeviceMesh("cpu", torch.arange(8).reshape(2, 4), mesh_dim_names=("mesh-0", "mesh-1"))
+    mesh = unimesh.from_native(native)
+    assert mesh == Mesh((2, 4), ("mesh-0", "mesh-1"))
+    back = unimesh.to_native(mesh, "torch")
+    assert back.mesh_dim_names == ("mesh-0", "mesh-1")
+    assert torch.equal(back.mesh, native.mesh)
+    assert Mesh.from_string(mesh.to_string()) == mesh

@@ -6,29 +6,70 @@ import re
 from typing import Any
 
 from ._validate import check_ndim, check_size, fail
+from .errors import LayoutError
 from .messages import short
 
 # ASCII only: "dp=\u0662" (an Arabic-Indic two) or a full-width digit is refused, not read as 2,
 # so that every accepted text is what to_string writes back.
-_AXIS_RE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\d{1,12})\s*\Z", re.ASCII)
+#: a name written as it is; any other name is written as a JSON string ("mesh 0")
+_BARE = r"[A-Za-z_][A-Za-z0-9_.\-]*"
+_BARE_RE = re.compile(_BARE + r"\Z", re.ASCII)
+_QUOTED = r'"(?:[^"\\]|\\.)*"'  # linear: each character is read by exactly one branch
+_NAME = rf"(?:{_QUOTED}|{_BARE})"
+_AXIS_RE = re.compile(rf"\s*({_NAME})\s*=\s*(\d{{1,12}})\s*\Z", re.ASCII)
+#: one axis of the head, then what ends it (a comma, a semicolon or the end)
+_HEAD_ITEM_RE = re.compile(rf"\s*({_NAME})\s*=\s*(\d{{1,12}})\s*(,|;|\Z)", re.ASCII)
 _INT_RE = re.compile(r"\s*0*(\d{1,19})\s*\Z", re.ASCII)
 _INT64_MAX = (1 << 63) - 1
 _SECTIONS = ("ids", "types", "per_process")
 _FORM = "'dp=2,tp=4' (optionally followed by ';ids=...', ';types=...', ';per_process=k')"
 
 
+def quote_name(name: str, reserved: tuple[str, ...] = ()) -> str:
+    """``name`` as the text forms write it: as it is when a plain word (``dp``, ``mesh-0``),
+    else (and when ``reserved``) as a JSON string (``"data parallel"``)."""
+    if _BARE_RE.match(name) and name not in reserved:
+        return name
+    import json
+
+    return json.dumps(name, ensure_ascii=False)
+
+
+def _name(token: str, s: str) -> str:
+    """A name token of the text forms: a plain word, or a JSON string read back."""
+    if not token.startswith('"'):
+        return token
+    import json
+
+    try:
+        out = json.loads(token)
+    except ValueError:
+        fail(f"cannot read the quoted axis name {short(token)} in {short(s)}: {token[:40]}")
+    return str(out)
+
+
+def _is_dtensor_form(s: str) -> bool:
+    """TF DTensor's form starts with ``name|``; a quoted unimesh name may hold a ``|``."""
+    head = s.partition("|")[0]
+    return "|" in s and "=" not in head and '"' not in head
+
+
 def parse_mesh_string(s: object) -> dict[str, Any]:
     """Split ``"dp=2,tp=4;ids=...;types=...;per_process=k"`` into Mesh keyword arguments."""
     if not isinstance(s, str):
         fail(f"Mesh.from_string() takes a str, got {short(s)} ({type(s).__name__})")
-    if "|" in s:
+    if _is_dtensor_form(s):
         return parse_dtensor_string(s)
-    head, *sections = s.split(";")
-    if not head.strip():
-        fail(f"mesh string {short(s)} names no axis; write it like {_FORM}")
     names: list[str] = []
     shape: list[int] = []
-    _parse_axes(head, s, names, shape)
+    if '"' in s:  # quoted names may hold ',', ';' and '=': read the head item by item
+        at = _read_head(s, names, shape)
+        sections = s[at:].split(";") if at < len(s) else []
+    else:
+        head, *sections = s.split(";")
+        if not head.strip():
+            fail(f"mesh string {short(s)} names no axis; write it like {_FORM}")
+        _parse_axes(head, s, names, shape)
     check_ndim(len(shape))  # before any ids are shaped into an array of that many dims
     out: dict[str, Any] = {"shape": tuple(shape), "axis_names": tuple(names)}
     seen: set[str] = set()
@@ -170,10 +211,31 @@ def _parse_axes(head: str, s: str, names: list[str], shape: list[int]) -> None:
         if not m:
             fail(
                 f"cannot read axis {short(part.strip())} in mesh string {short(s)}; each axis is "
-                f"name=size, like {_FORM}"
+                f"name=size, like {_FORM} (a name other than a plain word in double quotes: "
+                '"mesh 0"=2)'
             )
-        names.append(m.group(1))
+        names.append(_name(m.group(1), s))
         shape.append(int(m.group(2)))
+
+
+def _read_head(s: str, names: list[str], shape: list[int]) -> int:
+    """The axes of ``s`` up to its first section, one ``name=size`` at a time (names may be
+    quoted); returns where the sections start."""
+    at = 0
+    while True:
+        m = _HEAD_ITEM_RE.match(s, at)
+        if not m:
+            rest = s[at:].split(",", 1)[0]
+            fail(
+                f"cannot read axis {short(rest.strip())} in mesh string {short(s)}; each axis is "
+                f"name=size, like {_FORM} (a name other than a plain word in double quotes: "
+                '"mesh 0"=2)'
+            )
+        names.append(_name(m.group(1), s))
+        shape.append(int(m.group(2)))
+        at = m.end()
+        if m.group(3) != ",":
+            return at
 
 
 def _ints(text: str, what: str, s: str) -> list[int]:
@@ -247,10 +309,16 @@ def parse_dtensor_string(s: str) -> dict[str, Any]:
 REPLICATED = ("", "_", "None", "none")
 
 
+_SPEC_TOKEN_RE = re.compile(rf'\s*({_QUOTED})\s*(,|\+|\Z)|([^,+"]*)(,|\+|\Z)')
+
+
 def parse_spec_text(text: str) -> list[Any]:
     """Spec entries from text: split by ``,``; an entry is an axis name, ``a+b`` for several
     axes on one dim, or ``None`` / ``_`` / nothing for a replicated dim (names are checked
-    later, against the mesh)."""
+    later, against the mesh). A name in double quotes is read as a JSON string (``"mesh 0"``,
+    ``"None"``: an axis of that name)."""
+    if '"' in text:
+        return _parse_quoted_spec(text)
     entries: list[Any] = []
     for raw in text.split(","):
         item = raw.strip()
@@ -261,3 +329,48 @@ def parse_spec_text(text: str) -> list[Any]:
         else:
             entries.append(item)
     return entries
+
+
+def spec_text(entries: Any) -> str:
+    """The text form of spec entries, read back by :func:`parse_spec_text`."""
+    out = []
+    for entry in entries:
+        if entry is None:
+            out.append("_")
+        elif isinstance(entry, str):
+            out.append(quote_name(entry, REPLICATED))
+        else:
+            out.append("+".join(quote_name(a, REPLICATED) for a in entry))
+    return ",".join(out)
+
+
+def _parse_quoted_spec(text: str) -> list[Any]:
+    """:func:`parse_spec_text` for text holding quoted names, one token at a time."""
+    entries: list[Any] = []
+    parts: list[tuple[str, bool]] = []  # the names of one entry, each with: was it quoted
+    at = 0
+    while True:
+        m = _SPEC_TOKEN_RE.match(text, at)
+        if m is None:
+            fail(
+                f"cannot read the spec {short(text)} at {short(text[at:])}: a quoted name is a "
+                'JSON string standing alone between commas or pluses, like "mesh 0",tp',
+                LayoutError,
+            )
+        if m.group(1) is not None:
+            parts.append((_name(m.group(1), text), True))
+            sep = m.group(2)
+        else:
+            parts.append((m.group(3).strip(), False))
+            sep = m.group(4)
+        at = m.end()
+        if sep != "+":
+            if len(parts) > 1:
+                entries.append(tuple(name for name, _ in parts))
+            elif not parts[0][1] and parts[0][0] in REPLICATED:
+                entries.append(None)
+            else:
+                entries.append(parts[0][0])
+            parts = []
+        if not sep:
+            return entries

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import re
 from collections.abc import Iterable
 from typing import NoReturn
 
@@ -20,7 +19,8 @@ _MOST_ENTRIES = 1 << 20  # longest per-axis sequence read before the axis-count 
 
 AXIS_TYPES = ("auto", "explicit", "manual")
 
-_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: The longest axis name: far above any in use, short enough to print in every message.
+MAX_NAME = 256
 
 
 def fail(message: str, cls: type[Exception] = MeshSpecError) -> NoReturn:
@@ -49,14 +49,21 @@ def check_int(
 def check_axis_name(
     name: object, what: str = "axis name", cls: type[Exception] = MeshSpecError
 ) -> str:
-    """Axis names are ASCII identifiers (``dp``, ``tp``, ``dp_shard``) so every serial form is
-    exact."""
+    """An axis name is any non-empty str of printable characters up to :data:`MAX_NAME` long:
+    every name torch, JAX, Keras and TF DTensor take (``dp``, ``mesh-0``, ``data parallel``).
+    The text forms quote a name that is not a plain word (``"mesh 0"=2``), so every serial
+    form reads back exactly."""
     if not isinstance(name, str):
         fail(f"{what} must be a str, got {short(name)} ({type(name).__name__})", cls)
-    if not _NAME_RE.match(name):
+    if not name:
+        fail(f"{what} must not be empty; name the axis, e.g. 'dp'", cls)
+    if len(name) > MAX_NAME:
+        fail(f"{what} {short(name)} is {len(name)} characters long; the limit is {MAX_NAME}", cls)
+    if not name.isprintable():
+        bad = next(c for c in name if not c.isprintable())
         fail(
-            f"{what} {name!r} is not valid: use letters, digits and '_', not starting with a digit "
-            "(for example 'dp', 'tp', 'dp_shard')",
+            f"{what} {name!r} holds the unprintable character {bad!r}; an axis name is printable "
+            "text (letters, digits, punctuation and spaces)",
             cls,
         )
     return name

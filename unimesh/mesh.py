@@ -316,7 +316,10 @@ class Mesh:
         return html(self)
 
     def __repr__(self) -> str:
-        parts = [f"{n}={s}" for n, s in zip(self._names, self._shape)]
+        parts = [
+            f"{n}={s}" if n.isidentifier() else f"{n!r}={s}"
+            for n, s in zip(self._names, self._shape)
+        ]
         if self._ids is not None:
             text = np.array2string(self._ids, separator=", ", threshold=64, max_line_width=10**6)
             parts.append(f"device_ids={' '.join(text.split())}")
@@ -786,8 +789,12 @@ class Mesh:
 
     def to_string(self) -> str:
         """The short text form, e.g. ``dp=2,tp=4`` (plus ``;ids=...``, ``;types=...``,
-        ``;per_process=k`` where not default). :meth:`from_string` reads it back exactly."""
-        text = ",".join(f"{n}={s}" for n, s in zip(self._names, self._shape))
+        ``;per_process=k`` where not default); a name other than a plain word (letters,
+        digits, ``_``, ``.``, ``-``) is written as a JSON string: ``"mesh 0"=2``.
+        :meth:`from_string` reads it back exactly."""
+        from ._text import quote_name
+
+        text = ",".join(f"{quote_name(n)}={s}" for n, s in zip(self._names, self._shape))
         if self._ids is not None:
             text += ";ids=" + ",".join(map(str, self._ids.ravel().tolist()))
         if self._types is not None:
