@@ -299,10 +299,9 @@ class TorchPrograms(TorchTranslator):
                 shape=torch.Size(shape),
                 stride=global_stride(block, shape, native.device_mesh, native.placements),
             )
-        dense = block.is_contiguous()
-        key = (
-            (layout, shape, block.dtype) if dense else (layout, shape, block.dtype, block.stride())
-        )
+        key: tuple[Any, ...] = (layout, shape, block.dtype)
+        if not block.is_contiguous():
+            key += (block.stride(),)
         spec = self._specs.get(key)
         if spec is None:
             from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta

@@ -171,7 +171,7 @@ class TorchRuntime(ProcessBackend):
     # the backend's state, set up in TorchBackend.__init__ (the layers hold none of their own)
     _meshes: dict[tuple[Any, ...], Any]
     _world_group: Any
-    _specs: dict[tuple[Layout, tuple[int, ...], Any], Any]
+    _specs: dict[tuple[Any, ...], Any]
     _native_layouts: dict[Layout, Any]
 
     def _world(self) -> tuple[int, int]:
