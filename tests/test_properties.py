@@ -114,7 +114,7 @@ def ref_block(mesh: Mesh, spec, shape, d) -> list[tuple[int, int]]:
             parts = mesh.axis_size(ax)
             step = math.ceil((hi - lo) / parts) if hi > lo else 0
             lo, hi = min(lo + c[ax] * step, hi), min(lo + (c[ax] + 1) * step, hi)
-        out.append((lo, hi))
+        out.append((n, n) if lo == hi else (lo, hi))  # torch's offset for an empty shard
     return out
 
 

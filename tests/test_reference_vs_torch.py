@@ -47,8 +47,27 @@ def test_blocks_match_dtensor(data: st.DataObject) -> None:
         t_shape, t_offset = local_shape_and_offset(shape, mesh.shape, coord, placements)
         sl = lay.shard_slices(shape, d)
         assert tuple(t_shape) == tuple(s.stop - s.start for s in sl), (spec, shape, coord)
-        if all(t_shape):  # torch reports the global size as the offset of an empty shard
-            assert tuple(t_offset) == tuple(s.start for s in sl), (spec, shape, coord)
+        # empty shards included: both start them at the dim's size (issue 50, item 6)
+        assert tuple(t_offset) == tuple(s.start for s in sl), (spec, shape, coord)
+
+
+def test_empty_blocks_start_where_torch_says() -> None:
+    """The issue's case: 4096 rows on a 30 x 8 mesh under [_StridedShard(0, sf=8), Shard(0)];
+    ranks whose block is empty start at 4096 in torch (DCP deduplicates shards by offset),
+    and now in the reference too; the non-empty ones agree as before."""
+    mesh = Mesh((30, 8), ("dp", "tp"))
+    placements = [StridedShard(0, 8), Shard(0)]
+    lay = Layout.from_placements(mesh, placements, 2)
+    native = [to_torch(p) for p in placements]
+    empty = 0
+    for d in range(mesh.size):
+        coord = [int(c) for c in np.unravel_index(d, mesh.shape)]
+        t_shape, t_offset = local_shape_and_offset((4096, 4096), mesh.shape, coord, native)
+        sl = lay.shard_slices((4096, 4096), d)
+        assert tuple(t_shape) == tuple(s.stop - s.start for s in sl), coord
+        assert tuple(t_offset) == tuple(s.start for s in sl), coord
+        empty += t_shape[0] == 0
+    assert empty > 0  # the case has empty blocks
 
 
 def test_uneven_strided_shard_is_not_the_reference() -> None:

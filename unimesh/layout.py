@@ -140,7 +140,9 @@ class Layout:
 
         Rows follow ``mesh.device_ids.ravel()`` (or the given ids). The vectorised form of
         :meth:`shard_slices`: dim d over axes (x1..xk) is chunked by x1 first (``torch.chunk``:
-        ceil division, trailing chunks short or empty), then each chunk by x2, and so on.
+        ceil division, trailing chunks short or empty), then each chunk by x2, and so on. A
+        block empty along a dim starts (and stops) at that dim's size, as torch places an
+        empty shard.
         """
         shape = self._shape(global_shape)
         mesh = self._mesh
@@ -161,6 +163,12 @@ class Layout:
                     coord = (part // math.prod(mesh.shape[i + 1 :])) % mesh.shape[i]
                     lo, hi = _chunk(lo, hi, mesh.shape[i], coord)
                 starts[at : at + _ROWS, d], stops[at : at + _ROWS, d] = lo, hi
+        # an empty block starts at the dim's end: torch's offset for an empty shard, which
+        # DCP deduplicates shards by (compute_local_shape_and_global_offset)
+        empty = starts == stops
+        if empty.any():
+            ends = np.broadcast_to(np.asarray(shape, dtype=np.int64), starts.shape)
+            starts[empty] = stops[empty] = ends[empty]
         return starts, stops
 
     def shard_slices(self, global_shape: Sequence[int], device_id: int) -> tuple[slice, ...]:
