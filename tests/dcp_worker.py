@@ -234,7 +234,7 @@ def dcp_load(out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
-    from unimesh_torch.translate import _to_host
+    from unimesh_torch.translate import to_host
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -264,7 +264,7 @@ def dcp_load(out: Path) -> None:
         for name, value in want.items():
             dt = state["model"][name]
             held += dt.to_local().numel() * dt.to_local().element_size()
-            whole = _to_host(dt.full_tensor())
+            whole = to_host(dt.full_tensor())
             if whole.dtype != value.dtype or whole.tobytes() != value.tobytes():
                 errors.append(f"{name}: {whole.dtype} differs from what JAX saved")
     except Exception:  # noqa: BLE001 - the failure is the result

@@ -7,7 +7,9 @@ Started by tests/test_mlx_multiprocess.py:
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 
 import mlx.core as mx
 import numpy as np
@@ -91,6 +93,52 @@ if backend_name == "mpi":  # MLX's own tensor-parallel layers on the tp group
     row = shard_linear(full, Layout(mesh, P(None, "tp")), native)
     got = np.array(row(x[:, 2 * tp : 2 * tp + 2]))
     check(np.allclose(got, want, atol=1e-5), "shard_linear P(None, 'tp'): the full output")
+
+# a fused layer sharded by segments (mlx-lm's QKV): MLX's own shard_linear on the same group is
+# the answer (mlx/nn/layers/distributed.py, mlx 0.32), on MPI's tp group and ring's world
+from mlx import nn
+from mlx.nn.layers.distributed import shard_linear as mlx_shard_linear
+from unimesh_mlx import shard_linear
+
+seg_mesh = Mesh((2, 2), ("dp", "tp")) if backend_name == "mpi" else Mesh((4,), ("tp",))
+seg_native = unimesh.to_native(seg_mesh, be)
+tp_size = seg_mesh.axis_size("tp")
+tp = seg_native.coords["tp"]
+mx.random.seed(2)
+fused = nn.Linear(4, 24)  # q, k, v of 8 outputs each
+xs = mx.arange(8, dtype=mx.float32).reshape(2, 4)
+whole = np.array(fused(xs))
+group = seg_native.axis_group("tp")
+theirs = mlx_shard_linear(
+    fused, "all-to-sharded", segments=3, group=group.group or seg_native.world
+)
+ours = shard_linear(fused, Layout(seg_mesh, P("tp", None)), seg_native, segments=3)
+per = 8 // tp_size
+want_cols = np.concatenate(
+    [whole[:, s * 8 + tp * per : s * 8 + (tp + 1) * per] for s in range(3)], axis=1
+)
+check(
+    np.allclose(np.array(ours(xs)), np.array(theirs(xs)), atol=1e-6)
+    and np.allclose(np.array(ours(xs)), want_cols, atol=1e-5),
+    "shard_linear segments=3: MLX's own fused sharding, this rank's slice of q, k and v",
+)
+ours_split = shard_linear(fused, Layout(seg_mesh, P("tp", None)), seg_native, segments=[8, 16])
+check(
+    np.allclose(np.array(ours_split(xs)), want_cols, atol=1e-5),
+    "shard_linear segments=[8, 16]: the same split given as points",
+)
+with tempfile.TemporaryDirectory() as scratch:
+    try:
+        unimesh.save(os.path.join(scratch, "fused"), nn.Sequential(ours))
+        check(False, "save of a segmented layer is refused")
+    except unimesh.UnsupportedError as exc:
+        check("fused layer sharded by segments" in str(exc), f"save refuses a fused layer: {exc}")
+try:
+    shard_linear(fused, Layout(seg_mesh, P("tp", None)), seg_native, segments=5)
+    check(False, "segments=5 of 24 outputs is refused")
+except unimesh.LayoutError as exc:
+    check("segments=5 must be a positive int dividing" in str(exc), f"segments=5: {exc}")
+del theirs, ours, ours_split, group  # they hold split groups (MPI aborts on a late free)
 
 # parameter sharding by rule: every parameter becomes this rank's reference block
 from mlx import nn

@@ -40,7 +40,7 @@ def torch_mode(out: Path) -> None:
         RowwiseParallel,
         parallelize_module,
     )
-    from unimesh_torch.translate import _to_host
+    from unimesh_torch.translate import to_host
 
     import unimesh
 
@@ -66,7 +66,7 @@ def torch_mode(out: Path) -> None:
         assert unimesh.load(out / "model", m2, stats=stats) is m2
         for name, value in m2.state_dict().items():
             whole = value.full_tensor() if hasattr(value, "full_tensor") else value
-            if _to_host(whole).tobytes() != _to_host(full[name].detach()).tobytes():
+            if to_host(whole).tobytes() != to_host(full[name].detach()).tobytes():
                 report["errors"].append(f"{name}: differs after the load")
             if type(value).__name__ != before[name]:
                 report["errors"].append(f"{name}: became a {type(value).__name__}")

@@ -638,3 +638,22 @@ def _rank(backend: str) -> int:
     import mlx.core as mx
 
     return int(mx.distributed.init().rank())
+
+
+def full_array_bfloat16(mesh: unimesh.Mesh, backend: str) -> float | str:
+    """Issue 50, item 8: ``unimesh.full_array`` of a bfloat16 DTensor gave torch's raw
+    ``TypeError: Got unsupported ScalarType BFloat16``; now it is the bytes of
+    ``full_tensor()``, as an ml_dtypes bfloat16 array (what ``local_shards`` gives). 0.0, or
+    what went wrong."""
+    import ml_dtypes
+    import torch
+
+    x = np.arange(24, dtype=np.float32).reshape(4, 6) / 7
+    dt = unimesh.distribute(
+        torch.as_tensor(x).to(torch.bfloat16), Layout(mesh, P("dp", "tp")), backend=backend
+    )
+    got = unimesh.full_array(dt, backend=backend)
+    want = dt.full_tensor().view(torch.int16).numpy()
+    if got.dtype != ml_dtypes.bfloat16 or got.view(np.int16).tobytes() != want.tobytes():
+        return f"full_array gave {got.dtype} {got!r}"
+    return 0.0

@@ -109,6 +109,11 @@ def main() -> int:
             report["typed-refusal-compiled"] = 0.0 if ok else f"unexpected message: {exc}"
         except Exception:  # noqa: BLE001 - any other failure is reported
             report["typed-refusal-compiled"] = traceback.format_exc(limit=6)
+    if backend == "torch":
+        try:
+            report["full-array-bfloat16"] = program_cases.full_array_bfloat16(mesh, backend)
+        except Exception:  # noqa: BLE001 - any failure is reported
+            report["full-array-bfloat16"] = traceback.format_exc(limit=6)
     try:
         report["psum-small-ints"] = program_cases.psum_small_ints(mesh, backend)
     except Exception:  # noqa: BLE001 - any failure is reported

@@ -137,6 +137,9 @@ def _box(**changes: Any) -> dict[str, Any]:
         (json.dumps(_manifest(version=2)).encode(), "format version 2"),
         (json.dumps(_box(offset=[1, 0])).encode(), "overlap"),
         (json.dumps(_box(offset=[3, 0])).encode(), "reaches past dim 0"),
+        # the second box pointed at the first box's bytes (issue 50): loaded as two copies
+        (json.dumps(_box(start=8, end=24)).encode(), "share bytes 8..24 of d.safetensors"),
+        (json.dumps(_box(start=16, end=32)).encode(), "share bytes 16..24 of d.safetensors"),
         (json.dumps(_box(end=39)).encode(), "is 15 bytes, but"),
         (json.dumps(_box(file="../x")).encode(), "plain names inside the checkpoint"),
         (json.dumps(_box(file="/etc/passwd")).encode(), "plain names inside the checkpoint"),
@@ -152,6 +155,50 @@ def test_a_bad_manifest_is_refused_naming_what(text: bytes, message: str) -> Non
     with pytest.raises(CheckpointError) as info:
         parse_manifest(text, "m.json")
     assert message in str(info.value)
+
+
+def test_a_manifest_over_the_cap_is_refused_before_a_byte_is_read(tmp_path, monkeypatch) -> None:
+    """A 2 GiB manifest (a sparse file) was read 256 MiB deep before being refused; now its
+    size is checked first, as safetensors caps its header, by load and open_checkpoint."""
+    import builtins
+
+    import unimesh
+    from unimesh.checkpoint.format import MAX_HEADER
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    with open(root / "manifest.json", "wb") as f:
+        f.truncate(2 << 30)
+    reads: list[int] = []
+    real_open = builtins.open
+
+    class Counting:
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def read(self, n: int = -1) -> bytes:
+            data = self.f.read(n)
+            reads.append(len(data))
+            return data
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.f, name)
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+    def counting_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+        f = real_open(file, *args, **kwargs)
+        return Counting(f) if str(file).endswith("manifest.json") else f
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    for call in (lambda: unimesh.open_checkpoint(root), lambda: unimesh.load(root, {})):
+        with pytest.raises(CheckpointError, match=f"is {2 << 30} bytes, over the {MAX_HEADER}"):
+            call()
+    assert sum(reads) == 0
 
 
 def test_a_hole_is_refused() -> None:

@@ -118,7 +118,7 @@ def _dcp_save(path: Path, state: dict[str, Any]) -> None:
 def test_every_dtype_and_a_transposed_tensor_read_as_torch_wrote_them(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     pytest.importorskip("ml_dtypes")
-    from unimesh_torch.translate import _to_host
+    from unimesh_torch.translate import to_host
 
     g = torch.Generator().manual_seed(1)
     state = {
@@ -143,7 +143,7 @@ def test_every_dtype_and_a_transposed_tensor_read_as_torch_wrote_them(tmp_path: 
     for name, value in state.items():
         if name in ("step", "nested"):
             continue
-        want = _to_host(value.contiguous())
+        want = to_host(value.contiguous())
         got = ck.read(name)
         assert got.dtype == want.dtype, name
         assert got.tobytes() == want.tobytes(), name

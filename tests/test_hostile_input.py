@@ -193,8 +193,11 @@ def test_distribute_refuses_arrays_of_non_numbers(backend: str, dtype: str) -> N
 def test_jax_shard_params_refuses_a_tree_of_non_arrays() -> None:
     pytest.importorskip("jax")
     one = Mesh((1,), ("a",))
-    with pytest.raises(ConversionError, match=r"leaf '\(the root\)' is <object object"):
+    with pytest.raises(ConversionError, match=r"got <object object .* neither a model nor a"):
         unimesh.shard_params(object(), LayoutMap(one, {}), backend="jax")
+    # with a rule that matches nothing it said "paths look like ['']" (issue 50)
+    with pytest.raises(ConversionError, match=r"neither a model nor a pytree of parameters"):
+        unimesh.shard_params(object(), LayoutMap(one, {"w": P("a")}), backend="jax")
     with pytest.raises(ConversionError, match=r"leaf 'w/0' is 'x' \(str\)"):
         unimesh.shard_params({"w": ["x"]}, LayoutMap(one, {}), backend="jax")
     placed = unimesh.shard_params({"w": np.ones(2, np.float32)}, LayoutMap(one, {}), backend="jax")

@@ -297,7 +297,7 @@ def test_initialize_and_process_count_validation(tmp_path: Path, mode: str) -> N
 
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    addresses = f"127.0.0.1:{_free_port()},127.0.0.1:{_free_port()}"
+    addresses = ",".join(f"127.0.0.1:{_free_port()}" for _ in range(4))  # one per process
     procs = []
     for pid in range(4):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
@@ -336,6 +336,31 @@ def test_initialize_and_process_count_validation(tmp_path: Path, mode: str) -> N
         assert "must be divisible by `num_model_replicas`" in report["keras"]
         assert "4 processes do not divide into its 3 batch replicas" in report["unimesh"]
         assert report["replicas"] == 4
+
+
+def test_job_list_and_process_count_that_disagree_are_refused_at_once(monkeypatch) -> None:
+    """Two job addresses and num_processes=3: keras.distribution.initialize refuses at once
+    (its own words, checked here in the same run); unimesh.initialize did wait for a third
+    process until its timeout, and now refuses with Keras's words, before starting anything."""
+    import time
+
+    two = "127.0.0.1:1,127.0.0.1:2"
+    with pytest.raises(ValueError, match="has 2 jobs, but num_processes is 3") as keras_says:
+        kd.initialize(job_addresses=two, num_processes=3, process_id=0)
+    for how in ("args", "env"):
+        kwargs = {}
+        if how == "args":
+            kwargs = {"job_addresses": two, "num_processes": 3, "process_id": 0}
+        else:
+            monkeypatch.setenv("KERAS_DISTRIBUTION_JOB_ADDRESSES", two)
+            monkeypatch.setenv("KERAS_DISTRIBUTION_NUM_PROCESSES", "3")
+            monkeypatch.setenv("KERAS_DISTRIBUTION_PROCESS_ID", "0")
+        start = time.perf_counter()
+        with pytest.raises(unimesh.LaunchError) as ours:
+            unimesh.initialize("jax", timeout=600, **kwargs)
+        assert time.perf_counter() - start < 60  # at once, not at the timeout
+        assert "has 2 jobs, but num_processes is 3" in str(ours.value)
+        assert str(keras_says.value).split(":")[0] in str(ours.value) or "2 jobs" in str(ours.value)
 
 
 def test_initialize_with_nothing_is_one_process() -> None:

@@ -126,7 +126,7 @@ def test_torchrun_four_processes(reference: Path, tmp_path: Path) -> None:
         ],
         4,
         tmp_path,
-        ("typed-refusal", "typed-refusal-compiled"),
+        ("typed-refusal", "typed-refusal-compiled", "full-array-bfloat16"),
     )  # torch follows JAX's check_vma rules, refusal included, eager and under torch.compile
 
 

@@ -673,6 +673,13 @@ def shard_params(
         _unmatched(rules, logical_axes, list(layouts), strict)
         return _rebuilt(model, "", lambda path: be.distribute(hosts[path], layouts[path]))
     params = be.param_paths(model)
+    if params is not None and [p for p, _ in params] == [""] and not hasattr(model, "shape"):
+        # the whole "model" is one leaf that is no array: not a model or a pytree at all
+        raise ConversionError(
+            f"shard_params() got {short(model)} ({type(model).__name__}), which is neither a "
+            f"model nor a pytree of parameters for the {be.name} backend; pass the model "
+            "(or its parameters' pytree)"
+        )
     if params is None:  # a backend that cannot list them first: checked after placing
         seen: list[str] = []
 

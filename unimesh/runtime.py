@@ -121,18 +121,29 @@ def _launch(
     address = coordinator_address if coordinator_address is not None else job_addresses
     if address is None:
         address = env.get(KERAS_VARS[0]) or None
+    jobs: list[str] | None = None
     if address is not None:
         if not isinstance(address, str) or not address.strip(" ,"):
             raise LaunchError(
                 f"coordinator_address/job_addresses must be 'host:port' (job addresses: "
                 f"comma-separated, the first one the coordinator), got {short(address)}"
             )
+        if "," in address and coordinator_address is None:  # Keras's list of jobs
+            jobs = [a.strip() for a in address.split(",")]
         address = address.split(",")[0].strip()
     procs = _count(
         num_processes if num_processes is not None else env.get(KERAS_VARS[1]) or None,
         "num_processes (KERAS_DISTRIBUTION_NUM_PROCESSES)",
         1,
     )
+    if jobs is not None and procs is not None and procs != len(jobs):
+        # keras.distribution.initialize refuses this at once; waiting for a process that
+        # the job list does not have would only end at the timeout
+        raise LaunchError(
+            f"The provided job_addresses {jobs} has {len(jobs)} jobs, but num_processes is "
+            f"{procs}: list one address per process (KERAS_DISTRIBUTION_JOB_ADDRESSES) or set "
+            f"num_processes (KERAS_DISTRIBUTION_NUM_PROCESSES) to {len(jobs)}"
+        )
     pid = _count(
         process_id if process_id is not None else env.get(KERAS_VARS[2]) or None,
         "process_id (KERAS_DISTRIBUTION_PROCESS_ID)",

@@ -230,6 +230,14 @@ def _sharded_layouts(model: Any, world: int) -> dict[str, tuple[Layout, int]]:
             continue
         size = int(module.group.size()) if hasattr(module, "group") else world
         recorded = getattr(module, "_unimesh_layout", None)
+        if getattr(module, "_unimesh_segments", 1) != 1:
+            raise UnsupportedError(
+                f"{path or 'the model'} is a fused layer sharded by segments "
+                f"({module._unimesh_segments}): each process holds a slice of every segment, "
+                "not one block of the weight; save the unfused layers (or the model before "
+                "shard_linear)",
+                backend="mlx",
+            )
         if recorded is None and size != world:
             raise UnsupportedError(
                 f"{path or 'the model'} is sharded over a group of {size} of the {world} "

@@ -325,10 +325,17 @@ def _with_aux(mx: Any, inner: Any, positions: tuple[int, ...], locals_: list[Any
     return (value, box[-1]), grads
 
 
-def shard_linear(linear: Any, layout: Layout, native_mesh: MLXMesh) -> Any:
+def shard_linear(
+    linear: Any, layout: Layout, native_mesh: MLXMesh, *, segments: int | list[int] = 1
+) -> Any:
     """MLX's own tensor-parallel layer for a Linear whose weight (MLX's ``(out, in)``) is laid
     out as ``layout``: ``P(axis, None)`` shards the outputs (``"all-to-sharded"``),
-    ``P(None, axis)`` the inputs (``"sharded-to-all"``), over ``axis``'s group."""
+    ``P(None, axis)`` the inputs (``"sharded-to-all"``), over ``axis``'s group.
+
+    ``segments`` is MLX's: a fused layer (QKV, as mlx-lm builds them) whose sharded dim is
+    cut into that many equal segments (or at those split points), each sharded on its own,
+    so every rank holds its slice of every segment. Such a weight's block is not one
+    PartitionSpec block of the global weight, so ``unimesh.save`` of the model refuses it."""
     from mlx.nn.layers.distributed import shard_linear as mlx_shard_linear
 
     spec = tuple(layout.spec) + (None,) * (2 - len(layout.spec))
@@ -352,10 +359,37 @@ def shard_linear(linear: Any, layout: Layout, native_mesh: MLXMesh) -> Any:
             capability="axis_groups",
         )
     sharding = "all-to-sharded" if spec[0] is not None else "sharded-to-all"
+    _check_segments(segments, linear.weight.shape[0 if spec[0] is not None else 1])
     layer = mlx_shard_linear(
-        linear, sharding, group=group.group if group.group is not None else native_mesh.world
+        linear,
+        sharding,
+        segments=segments,
+        group=group.group if group.group is not None else native_mesh.world,
     )
     _LAYERS.append(weakref.ref(layer))  # it holds the split group: released at exit too
     # the weight's global layout, which the layer itself does not record (for unimesh.save)
     layer._unimesh_layout = Layout(layout.mesh, PartitionSpec(*spec))
+    layer._unimesh_segments = segments
     return layer
+
+
+def _check_segments(segments: object, size: int) -> None:
+    """``segments`` as MLX takes it: a positive int dividing the sharded dim, or a list of
+    increasing split points inside it."""
+    if isinstance(segments, bool) or not isinstance(segments, (int, list)):
+        raise LayoutError(
+            f"shard_linear segments must be an int or a list of split points, got {short(segments)}"
+        )
+    if isinstance(segments, int):
+        if segments < 1 or size % segments:
+            raise LayoutError(
+                f"shard_linear segments={segments} must be a positive int dividing the sharded "
+                f"dim ({size})"
+            )
+    elif not all(isinstance(p, int) and not isinstance(p, bool) for p in segments) or not (
+        all(0 < a < b < size for a, b in zip(segments, [*segments[1:], size]))
+    ):
+        raise LayoutError(
+            f"shard_linear segments {short(segments)} must be increasing split points "
+            f"between 0 and the sharded dim ({size})"
+        )

@@ -168,10 +168,10 @@ class TorchBackend(TorchPrograms):
             return None
         from torch.distributed.tensor import DTensor
 
-        from .translate import _to_host
+        from .translate import to_host
 
         return {
-            name: t if isinstance(t, DTensor) else _to_host(t.detach().cpu())
+            name: t if isinstance(t, DTensor) else to_host(t.detach().cpu())
             for name, t in model.state_dict().items()
         }
 

@@ -17,7 +17,7 @@ from unimesh import ConversionError, Layout, Mesh, MeshMismatchError, UnimeshErr
 from unimesh.messages import short
 
 from .runtime import _dist, _torch
-from .translate import TorchLayout, TorchTranslator, global_stride
+from .translate import TorchLayout, TorchTranslator, global_stride, to_host
 
 
 class TorchPrograms(TorchTranslator):
@@ -425,7 +425,7 @@ class TorchPrograms(TorchTranslator):
 
         if isinstance(array, DTensor):
             array = array.full_tensor()
-        return array.detach().cpu().numpy()
+        return to_host(array.detach().cpu())  # bfloat16 and float8 as ml_dtypes
 
     def param_paths(self, model: Any) -> list[tuple[str, tuple[int, ...]]]:
         """``named_parameters``' names and shapes."""

@@ -410,7 +410,7 @@ class TorchTranslator(TorchRuntime):
         is outside its mesh)."""
         if array.device_mesh.get_coordinate() is None:
             return {}
-        return {_dist().get_rank(): _to_host(array.to_local().detach().cpu())}
+        return {_dist().get_rank(): to_host(array.to_local().detach().cpu())}
 
 
 def global_stride(
@@ -437,7 +437,7 @@ def global_stride(
 _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
-def _to_host(t: Any) -> np.ndarray:
+def to_host(t: Any) -> np.ndarray:
     """A CPU tensor as numpy; bfloat16 and float8 as ml_dtypes arrays over the same bytes."""
     name = str(t.dtype).rsplit(".", 1)[-1]
     if name not in _ML_DTYPES:

@@ -5,6 +5,7 @@ naming the file and what is wrong."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -291,10 +292,30 @@ def parse_manifest(data: bytes, where: str) -> tuple[dict[str, Any] | None, dict
             boxes.append(Box(offset, size, check_file_name(b["file"], bw), start, end, crc))
         _check_tiling(at, shape, boxes)
         tensors[name] = Tensor(name, shape, dtype, layout, boxes)
+    _check_bytes_once(where, tensors)
     mesh = doc.get("mesh")
     if mesh is not None and not isinstance(mesh, dict):
         raise CheckpointError(f"{where}: mesh must be an object or null")
     return mesh, tensors
+
+
+def _check_bytes_once(where: str, tensors: dict[str, Tensor]) -> None:
+    """No two boxes share bytes of a file: each box's bytes are its own (a save writes every
+    block once), so a manifest pointing two boxes at one byte range is refused, not read as
+    two copies of one block."""
+    runs = sorted(
+        (b.file, b.start, b.end, name, list(b.offset))
+        for name, t in tensors.items()
+        for b in t.boxes
+        if b.end > b.start
+    )
+    for (f0, _, e0, n0, o0), (f1, s1, e1, n1, o1) in itertools.pairwise(runs):
+        if f0 == f1 and s1 < e0:
+            raise CheckpointError(
+                f"{where}: the box of tensor {short(n0)} at {o0} and the box of tensor "
+                f"{short(n1)} at {o1} share bytes {s1}..{min(e0, e1)} of {f0}: each box must "
+                "have bytes of its own"
+            )
 
 
 def _check_tiling(where: str, shape: tuple[int, ...], boxes: list[Box]) -> None:

@@ -507,14 +507,21 @@ class Checkpoint:
                 self.path = remote.url
                 size = remote.size(MANIFEST)
                 if size > MAX_HEADER:
-                    raise CheckpointError(f"{self.path / MANIFEST} is over the {MAX_HEADER} cap")
+                    raise CheckpointError(
+                        f"{self.path / MANIFEST} is {size} bytes, over the {MAX_HEADER} cap on a "
+                        "manifest"
+                    )
                 self.kind = "unimesh"
                 data = remote.read(MANIFEST, 0, size)
                 self.mesh, self.tensors = parse_manifest(data, str(self.path / MANIFEST))
                 return
             elif remote.is_file(INDEX):
                 size = remote.size(INDEX)
-                data = remote.read(INDEX, 0, min(size, MAX_HEADER + 1))
+                if size > MAX_HEADER:
+                    raise CheckpointError(
+                        f"{remote.url / INDEX} is {size} bytes, over the {MAX_HEADER} cap"
+                    )
+                data = remote.read(INDEX, 0, size)
                 files, weights = parse_index(data, str(remote.url / INDEX), remote.is_file)
             elif remote.is_file(SINGLE):
                 files = [SINGLE]
@@ -535,6 +542,11 @@ class Checkpoint:
             self.path, files = self.path.parent, [self.path.name]
         elif manifest.is_file() and not manifest.is_symlink():
             with open(manifest, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > MAX_HEADER:  # refused by its size, before a byte is read
+                    raise CheckpointError(
+                        f"{manifest} is {size} bytes, over the {MAX_HEADER} cap on a manifest"
+                    )
                 data = f.read(MAX_HEADER + 1)
             self.kind = "unimesh"
             self.mesh, self.tensors = parse_manifest(data, str(manifest))
