@@ -9,6 +9,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -109,3 +110,30 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if rc != 0:
         pytest.fail(f"in its child process (exit {rc}):\n{log[-6000:]}", pytrace=False)
     return True
+
+
+def _log_launches(path: str) -> None:
+    """With ``UNIMESH_LAUNCH_LOG`` set: every process the suite starts (launchers, workers,
+    child interpreters) appended to that file with its start time and running test, to count
+    launcher starts per run (issue 51: the time spent launching against checking)."""
+    import json
+    import time
+
+    real = subprocess.Popen.__init__
+
+    def logged(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
+        entry = {
+            "t": time.time(),
+            "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+            "argv": [Path(a).name if i == 0 else a for i, a in enumerate(argv[:6])],
+        }
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        real(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = logged  # type: ignore[method-assign]
+
+
+if os.environ.get("UNIMESH_LAUNCH_LOG"):
+    _log_launches(os.environ["UNIMESH_LAUNCH_LOG"])
