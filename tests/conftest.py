@@ -78,6 +78,11 @@ CHILD = "UNIMESH_TEST_CHILD"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
+        "quick: the quick tier (python -m pytest -m quick): every public call once on every "
+        "installed backend, in minutes",
+    )
+    config.addinivalue_line(
+        "markers",
         "isolated: the test runs in a child pytest process, so that libraries which leave "
         "threads and native state behind (fsspec's IO loop, TensorStore, Orbax) never load in "
         "the process that runs the rest of the suite",

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from unimesh import AxisRules, LayoutError, Mesh, P
 
+pytestmark = pytest.mark.quick  # framework-free and fast: in the quick tier
+
 MESH_AXES = ("data", "fsdp", "tp", "ep")
 LOGICAL = ("batch", "embed", "mlp", "heads", "kv", "vocab")
 

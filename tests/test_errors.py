@@ -25,6 +25,8 @@ from unimesh import (
     make_mesh,
 )
 
+pytestmark = pytest.mark.quick  # framework-free and fast: in the quick tier
+
 M = Mesh((2, 4), ("dp", "tp"))
 PERM = Mesh((2, 2), ("dp", "tp"), [[1, 0], [3, 2]])
 

@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.quick  # framework-free and fast: in the quick tier
+
 FRAMEWORKS = ("torch", "jax", "jaxlib", "keras", "tensorflow", "mlx")
 
 

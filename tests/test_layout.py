@@ -20,6 +20,8 @@ from unimesh import (
     StridedShard,
 )
 
+pytestmark = pytest.mark.quick  # framework-free and fast: in the quick tier
+
 M24 = Mesh((2, 4), ("dp", "tp"))
 PERM = Mesh((2, 2), ("dp", "tp"), [[1, 0], [3, 2]])
 

@@ -12,6 +12,8 @@ import pytest
 import unimesh
 from unimesh import Mesh, MeshSpecError, make_mesh
 
+pytestmark = pytest.mark.quick  # framework-free and fast: in the quick tier
+
 # torch's measured example: rank 0 sits at coordinate (0, 1)
 PERM = Mesh((2, 2), ("dp", "tp"), [[1, 0], [3, 2]])
 
