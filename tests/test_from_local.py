@@ -122,10 +122,10 @@ def test_torch_dtensor_from_local_under_the_fake_group() -> None:
 
 
 def test_torch_non_contiguous_block_gets_the_stride_dtensor_from_local_gives() -> None:
-    """torch's test/distributed/tensor/test_dtensor.py (test_from_local_uneven_sharding's
-    neighbour, pytorch/pytorch v2.13.0): a permuted local tensor under Shard(1) on 4 ranks gets
-    the stride DTensor.from_local derives, (32, 1, 128), not the row-major (256, 8, 1); a
-    contiguous one stays row-major. Compared with DTensor.from_local in the same run."""
+    """Issue 50, item 3: a permuted local tensor under Shard(1) on 4 ranks gets the stride
+    DTensor.from_local derives, (32, 1, 128) (what torch's test/distributed/tensor/
+    test_dtensor.py expects of from_local), not the row-major (256, 8, 1); a contiguous one
+    stays row-major. Compared with DTensor.from_local itself in the same run."""
     torch = pytest.importorskip("torch")
     from torch.distributed.tensor import DTensor
 
