@@ -293,7 +293,9 @@ def test_shard_map_mesh_from_context_and_check_vma() -> None:
     mesh = Mesh((8,), ("x",))
     v = np.arange(8.0)
     with mesh:
-        f = unimesh.shard_map(lambda b: unimesh.psum(b, "x"), in_specs=P("x"), out_specs=P())
+        f = unimesh.shard_map(
+            lambda b: unimesh.psum(b, "x"), in_specs=P("x"), out_specs=P(), backend="jax"
+        )
     np.testing.assert_allclose(np.asarray(f(v)), [28.0])
     with jax.set_mesh(unimesh.to_native(Mesh((4, 2), ("a", "b")), "jax")):
         g = unimesh.shard_map(lambda b: b * 2, in_specs=P("a"), out_specs=P("a"), backend="jax")

@@ -386,8 +386,10 @@ def _check_segments(segments: object, size: int) -> None:
                 f"shard_linear segments={segments} must be a positive int dividing the sharded "
                 f"dim ({size})"
             )
-    elif not all(isinstance(p, int) and not isinstance(p, bool) for p in segments) or not (
-        all(0 < a < b < size for a, b in zip(segments, [*segments[1:], size]))
+    elif (
+        not segments
+        or not all(isinstance(p, int) and not isinstance(p, bool) for p in segments)
+        or not all(a < b for a, b in zip([0, *segments], [*segments, size]))
     ):
         raise LayoutError(
             f"shard_linear segments {short(segments)} must be increasing split points "
