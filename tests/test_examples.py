@@ -15,15 +15,22 @@ import pytest
 from .launch import require_mpirun, run_bounded
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
+WORKER = Path(__file__).with_name("examples_worker.py")
 NAMES = ["mlp_step", "fsdp_step", "tp_sp_block", "moe_layer", "pipeline"]
 LIMIT = 180
+#: one launch runs every example of a launcher (examples_worker.py), each example its own test
+ALL_LIMIT = 450
+_RUNS: dict[str, tuple[str, list[str]]] = {}
 
 
-def run(cmd: list[str], ranks: int, backend: str) -> str:
+def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)  # the example asks for its own devices
-    rc, out = run_bounded(cmd, env, LIMIT)
-    assert rc == 0, out[-6000:]
+    return env
+
+
+def check(out: str, ranks: int, backend: str) -> str:
+    """Every rank's OK line, on ``backend``, its loss within 1e-5 of float64 numpy's."""
     lines = re.findall(
         r"RANK (\d+) OK backend=(\w+) mesh=(\S+) loss=([\d.]+) reference=([\d.]+)", out
     )
@@ -34,26 +41,67 @@ def run(cmd: list[str], ranks: int, backend: str) -> str:
     return out
 
 
+def run(cmd: list[str], ranks: int, backend: str) -> str:
+    rc, out = run_bounded(cmd, _env(), LIMIT)
+    assert rc == 0, out[-6000:]
+    return check(out, ranks, backend)
+
+
+def shared(
+    key: str, launch: list[str], names: list[str], args: list[str], name: str, ranks: int
+) -> tuple[str, int]:
+    """What example ``name`` printed (every rank's lines, without the ``[name] `` tag) in the
+    one launch that runs all of ``names`` under ``launch`` (made by the first test that asks),
+    and its exit code (every rank's must agree)."""
+    if key not in _RUNS:
+        command = [*launch, str(WORKER), ",".join(names), "--", *args]
+        rc, out = run_bounded(command, _env(), ALL_LIMIT)
+        assert rc == 0, out[-6000:]
+        _RUNS[key] = (out, names)
+    out, _ = _RUNS[key]
+    mine = re.findall(rf"^\[{name}\] (.*)$", out, re.MULTILINE)
+    exits = {int(code) for code in re.findall(rf"^\[{name}\] EXIT (-?\d+)$", out, re.MULTILINE)}
+    assert len(re.findall(rf"^\[{name}\] EXIT", out, re.MULTILINE)) == ranks, out[-6000:]
+    assert len(exits) == 1, (name, exits, out[-6000:])
+    return "\n".join(mine), exits.pop()
+
+
+def torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+
+
+def mpirun() -> list[str]:
+    return [require_mpirun(), "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable]
+
+
+def ring() -> list[str]:
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    return [str(launcher), "-n", "4", "--backend", "ring", "--", sys.executable]
+
+
+@pytest.mark.timeout(ALL_LIMIT + 60)
 @pytest.mark.parametrize("name", NAMES)
 def test_jax_eight_devices(name: str) -> None:
     pytest.importorskip("jax")
-    run([sys.executable, str(EXAMPLES / f"{name}.py"), "--backend", "jax"], 1, "jax")
+    out, code = shared("jax8", [sys.executable], NAMES, ["--backend", "jax"], name, 1)
+    assert code == 0, out[-6000:]
+    check(out, 1, "jax")
 
 
+@pytest.mark.timeout(ALL_LIMIT + 60)
 @pytest.mark.parametrize("name", NAMES)
 def test_jax_one_device(name: str) -> None:
     """What one GPU gives: every two-axis example falls back to size-1 axes; the pipeline, which
     needs a device per stage, says so and how to run it, and exits 2."""
     pytest.importorskip("jax")
-    cmd = [sys.executable, str(EXAMPLES / f"{name}.py"), "--backend", "jax", "--devices", "1"]
+    args = ["--backend", "jax", "--devices", "1"]
+    out, code = shared("jax1", [sys.executable], NAMES, args, name, 1)
     if name != "pipeline":
-        out = run(cmd, 1, "jax")
+        assert code == 0, out[-6000:]
+        check(out, 1, "jax")
         assert re.search(r"mesh=(\w+=1,?)+ ", out), out[-2000:]
         return
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
-    rc, out = run_bounded(cmd, env, LIMIT)
-    assert rc == 2, out[-3000:]
+    assert code == 2, out[-3000:]
     assert "needs a multiple of 4 devices" in out and "this run has 1" in out, out[-3000:]
     assert "Traceback" not in out
 
@@ -64,79 +112,42 @@ def test_keras_on_jax() -> None:
     assert "mesh=dp=2,tp=4" in out
 
 
+@pytest.mark.timeout(ALL_LIMIT + 60)
 @pytest.mark.parametrize("name", NAMES)
 def test_torchrun_four_processes(name: str) -> None:
     pytest.importorskip("torch")
-    run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            str(EXAMPLES / f"{name}.py"),
-            "--backend",
-            "torch",
-        ],
-        4,
-        "torch",
-    )
+    out, code = shared("torchrun", torchrun(), NAMES, ["--backend", "torch"], name, 4)
+    assert code == 0, out[-6000:]
+    check(out, 4, "torch")
 
 
+@pytest.mark.timeout(ALL_LIMIT + 60)
 @pytest.mark.parametrize("name", NAMES)
 def test_mpirun_four_processes(name: str) -> None:
     pytest.importorskip("mlx.core")
-    mpirun = require_mpirun()
-    out = run(
-        [
-            mpirun,
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            "4",
-            sys.executable,
-            str(EXAMPLES / f"{name}.py"),
-            "--backend",
-            "mlx",
-        ],
-        4,
-        "mlx",
-    )
-    assert "MPI_FINALIZE" not in out
+    out, code = shared("mpirun", mpirun(), NAMES, ["--backend", "mlx"], name, 4)
+    assert code == 0, out[-6000:]
+    check(out, 4, "mlx")
+    assert "MPI_FINALIZE" not in _RUNS["mpirun"][0]
 
 
+@pytest.mark.timeout(ALL_LIMIT + 60)
 @pytest.mark.parametrize("name", NAMES)
 def test_mlx_launch_ring_four_processes(name: str) -> None:
     pytest.importorskip("mlx.core")
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    run(
-        [
-            str(launcher),
-            "-n",
-            "4",
-            "--backend",
-            "ring",
-            "--",
-            sys.executable,
-            str(EXAMPLES / f"{name}.py"),
-            "--backend",
-            "mlx",
-        ],
-        4,
-        "mlx",
-    )
+    out, code = shared("ring", ring(), NAMES, ["--backend", "mlx"], name, 4)
+    assert code == 0, out[-6000:]
+    check(out, 4, "mlx")
 
 
+#: the compiled runs CI repeats, by backend (one launch each)
+COMPILED = {"jax": ["mlp_step", "pipeline"], "torch": ["tp_sp_block", "pipeline"],
+            "mlx": ["mlp_step"]}  # fmt: skip
+
+
+@pytest.mark.timeout(ALL_LIMIT + 60)
 @pytest.mark.parametrize(
-    ("backend", "name"),
-    [
-        ("jax", "mlp_step"),
-        ("jax", "pipeline"),
-        ("torch", "tp_sp_block"),
-        ("torch", "pipeline"),
-        ("mlx", "mlp_step"),
-    ],
+    ("backend", "name"), [(b, n) for b, names in COMPILED.items() for n in names]
 )
 def test_compiled_with_unimesh_compile(backend: str, name: str) -> None:
     """``--compile``: the same step under ``unimesh.compile`` (``jax.jit``; ``torch.compile``
@@ -144,19 +155,19 @@ def test_compiled_with_unimesh_compile(backend: str, name: str) -> None:
     ``funcol.permute_tensor``; ``mx.compile`` under mpirun 4) matches the float64 reference
     as the eager step does. Every example runs compiled on
     every backend by hand (issue 38's note); these are the ones CI repeats."""
-    script = [str(EXAMPLES / f"{name}.py"), "--backend", backend, "--compile"]
+    args = ["--backend", backend, "--compile"]
     if backend == "jax":
         pytest.importorskip("jax")
-        run([sys.executable, *script], 1, "jax")
+        launch, ranks = [sys.executable], 1
     elif backend == "torch":
         pytest.importorskip("torch")
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        run([*launch, "--nproc-per-node", "4", *script, "aot_eager"], 4, "torch")
+        launch, ranks, args = torchrun(), 4, [*args, "aot_eager"]
     else:
         pytest.importorskip("mlx.core")
-        mpirun = require_mpirun()
-        launch = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable]
-        run([*launch, *script], 4, "mlx")
+        launch, ranks = mpirun(), 4
+    out, code = shared(f"compiled-{backend}", launch, COMPILED[backend], args, name, ranks)
+    assert code == 0, out[-6000:]
+    check(out, ranks, backend)
 
 
 def test_resume_on_another_framework_and_mesh(tmp_path: Path) -> None:
