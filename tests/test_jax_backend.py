@@ -221,50 +221,31 @@ def test_partial_auto_squares() -> None:
     np.testing.assert_allclose(np.asarray(jax.grad(lambda x: f(x).sum())(v)), 2 * v)
 
 
+def _manual_over_i(body, spec: P = P("i")):  # noqa: B008 - a spec is immutable
+    """The tests' (4, 2) mesh ("i", "j"), manual over i, check_vma off, in/out ``spec``."""
+    mesh = Mesh((4, 2), ("i", "j"))
+    return unimesh.shard_map(
+        body, mesh, spec, spec, backend="jax", axis_names={"i"}, check_vma=False
+    )
+
+
 def test_partial_auto_axis_index() -> None:
     """test_partial_auto_axis_index: mesh (4, 2), manual {'i'}, check_vma off."""
-    mesh = Mesh((4, 2), ("i", "j"))
-    f = unimesh.shard_map(
-        lambda x: unimesh.axis_index("i").reshape(1, 1),
-        mesh,
-        P("i", None),
-        P("i", None),
-        backend="jax",
-        axis_names={"i"},
-        check_vma=False,
-    )
+    f = _manual_over_i(lambda x: unimesh.axis_index("i").reshape(1, 1), P("i", None))
     got = jax.jit(f)(np.zeros((4, 1), np.float32))
     np.testing.assert_array_equal(np.asarray(got), np.arange(4, dtype=np.int32).reshape(-1, 1))
 
 
 def test_partial_auto_ppermute() -> None:
     """test_partial_auto_ppermute: mesh (4, 2), manual {'i'}, a ring over i."""
-    mesh = Mesh((4, 2), ("i", "j"))
-    f = unimesh.shard_map(
-        lambda x: unimesh.ppermute(x, "i", [(0, 1), (1, 2), (2, 3), (3, 0)]),
-        mesh,
-        P("i"),
-        P("i"),
-        backend="jax",
-        axis_names={"i"},
-        check_vma=False,
-    )
+    f = _manual_over_i(lambda x: unimesh.ppermute(x, "i", [(0, 1), (1, 2), (2, 3), (3, 0)]))
     got = jax.jit(f)(np.arange(8.0))
     np.testing.assert_array_equal(np.asarray(got), [6.0, 7.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
 
 
 def test_partially_sharded_dim_with_auto() -> None:
     """test_partially_sharded_dim_with_auto: mesh (4, 2), manual {'i'}, sum of each block."""
-    mesh = Mesh((4, 2), ("i", "j"))
-    f = unimesh.shard_map(
-        lambda x: x.sum()[None],
-        mesh,
-        P("i"),
-        P("i"),
-        backend="jax",
-        axis_names={"i"},
-        check_vma=False,
-    )
+    f = _manual_over_i(lambda x: x.sum()[None])
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(np.arange(8.0))), [1.0, 5.0, 9.0, 13.0])
 
 
