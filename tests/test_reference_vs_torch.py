@@ -52,22 +52,26 @@ def test_blocks_match_dtensor(data: st.DataObject) -> None:
 
 
 def test_empty_blocks_start_where_torch_says() -> None:
-    """The issue's case: 4096 rows on a 30 x 8 mesh under [_StridedShard(0, sf=8), Shard(0)];
-    ranks whose block is empty start at 4096 in torch (DCP deduplicates shards by offset),
-    and now in the reference too; the non-empty ones agree as before."""
+    """torch's test/distributed/tensor/test_utils.py (pytorch/pytorch
+    4810e4611c779b8c7b1b90379c0f667bdbecafa8), test_compute_local_shape_and_global_offset_uneven:
+    4096 rows on a 30 x 8 mesh under [_StridedShard(0, sf=8), Shard(0)]; its expected values
+    (18 rows at tp * 512 + 18 * dp, 8 rows at dp 28, an empty block at dp 29 whose offset is
+    the dim's size, "because DCP uses offset to deduplicate shards") are the reference's now,
+    and torch's own function agrees in the same run."""
     mesh = Mesh((30, 8), ("dp", "tp"))
     placements = [StridedShard(0, 8), Shard(0)]
     lay = Layout.from_placements(mesh, placements, 2)
     native = [to_torch(p) for p in placements]
-    empty = 0
     for d in range(mesh.size):
-        coord = [int(c) for c in np.unravel_index(d, mesh.shape)]
-        t_shape, t_offset = local_shape_and_offset((4096, 4096), mesh.shape, coord, native)
+        dp, tp = (int(c) for c in np.unravel_index(d, mesh.shape))
+        size, offset = {28: (8, tp * 512 + 18 * 28), 29: (0, 4096)}.get(
+            dp, (18, tp * 512 + 18 * dp)
+        )
         sl = lay.shard_slices((4096, 4096), d)
-        assert tuple(t_shape) == tuple(s.stop - s.start for s in sl), coord
-        assert tuple(t_offset) == tuple(s.start for s in sl), coord
-        empty += t_shape[0] == 0
-    assert empty > 0  # the case has empty blocks
+        assert (sl[0].stop - sl[0].start, sl[0].start) == (size, offset), (dp, tp)
+        assert sl[1] == slice(0, 4096)
+        t_shape, t_offset = local_shape_and_offset((4096, 4096), mesh.shape, [dp, tp], native)
+        assert tuple(t_shape) == (size, 4096) and tuple(t_offset) == (offset, 0), (dp, tp)
 
 
 def test_uneven_strided_shard_is_not_the_reference() -> None:

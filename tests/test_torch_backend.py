@@ -298,9 +298,11 @@ def test_more_axes_than_device_mesh_holds_is_refused_by_name() -> None:
 
 
 def test_from_native_takes_the_dim_names_torchs_own_tests_use() -> None:
-    """test/distributed/test_device_mesh.py (pytorch/pytorch v2.13.0) names mesh dims
-    "mesh-0", "mesh-1": from_native took them as MeshSpecError before (issue 50, item 5); now
-    the neutral mesh round-trips them, and to_native gives torch the same names back."""
+    """torch's test/distributed/tensor/test_utils.py (pytorch/pytorch
+    4810e4611c779b8c7b1b90379c0f667bdbecafa8, test_strided_sharding_assumption_in_meta_compute)
+    names mesh dims "mesh-0", "mesh-1": from_native refused them with MeshSpecError before
+    (issue 50, item 5); now the neutral mesh round-trips them, and to_native gives torch the
+    same names back."""
     fake_world(0, 8)
     native = DeviceMesh("cpu", torch.arange(8).reshape(2, 4), mesh_dim_names=("mesh-0", "mesh-1"))
     mesh = unimesh.from_native(native)
