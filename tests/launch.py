@@ -16,22 +16,34 @@ def run_bounded(
     cmd: list[str], env: dict[str, str], limit: float, cwd: Path | None = None
 ) -> tuple[int, str]:
     """Run ``cmd`` in its own session; return (exit code, stdout+stderr). If it outlives
-    ``limit`` seconds, kill its whole process group and fail the test with the output so far."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=cwd,
-        start_new_session=True,
-    )
+    ``limit`` seconds, kill its whole process group and fail the test with the output so far.
+    mlx.launch gets a TMPDIR of its own, removed afterwards: it leaves two ``mktemp`` files
+    per rank (a pid file and its hostfile) behind in the temporary directory."""
+    scratch = None
+    if Path(cmd[0]).name == "mlx.launch":
+        import tempfile
+
+        scratch = tempfile.mkdtemp(prefix="unimesh-mlx-launch-")
+        env = dict(env, TMPDIR=scratch)
     try:
-        out, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd} did not finish within {limit} s; output:\n{out[-4000:]}")
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        try:
+            out, _ = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            out, _ = proc.communicate()
+            pytest.fail(f"{cmd} did not finish within {limit} s; output:\n{out[-4000:]}")
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return proc.returncode, out
 
 
