@@ -241,12 +241,13 @@ class Body:
         """The result, its leaves, its treedef and the out layout of every leaf."""
         import optree
 
-        env.manual = self.manual
+        outer, env.manual = env.manual, self.manual  # a program inside a program's body
         token = _CURRENT.set(env)
         try:
             result = self.f(*blocks)
         finally:
             _CURRENT.reset(token)
+            env.manual = outer
         leaves, treedef = optree.tree_flatten(result)
         outs = self.outs.for_leaves(result, treedef)  # out_specs have no static leaves
         return result, leaves, treedef, cast("tuple[Layout, ...]", outs)
