@@ -17,15 +17,23 @@ def run_bounded(
 ) -> tuple[int, str]:
     """Run ``cmd`` in its own session; return (exit code, stdout+stderr). If it outlives
     ``limit`` seconds, kill its whole process group and fail the test with the output so far.
-    mlx.launch gets a TMPDIR of its own, removed afterwards: it leaves two ``mktemp`` files
-    per rank (a pid file and its hostfile) behind in the temporary directory."""
-    scratch = None
-    if Path(cmd[0]).name == "mlx.launch":
-        import tempfile
 
-        scratch = tempfile.mkdtemp(prefix="unimesh-mlx-launch-")
-        env = dict(env, TMPDIR=scratch)
-    try:
+    Under a launcher (torchrun, mpirun, mlx.launch) each rank writes to a file of its own
+    (tests/rank_log/sitecustomize.py): the output is the launcher's, then every rank's whole in
+    rank order, so no two ranks' lines run together. mlx.launch gets a TMPDIR of its own,
+    removed afterwards: it leaves two ``mktemp`` files per rank (a pid file and its hostfile)
+    behind in the temporary directory."""
+    import tempfile
+
+    with contextlib.ExitStack() as stack:
+        logs = None
+        if is_launcher(cmd):
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="unimesh-ranks-")))
+            path = [str(RANK_LOG), *filter(None, [env.get("PYTHONPATH")])]
+            env = dict(env, UNIMESH_TEST_RANK_LOG=str(logs), PYTHONPATH=os.pathsep.join(path))
+        if Path(cmd[0]).name == "mlx.launch":
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="unimesh-mlx-"))
+            env = dict(env, TMPDIR=scratch)
         proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -40,11 +48,28 @@ def run_bounded(
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
             out, _ = proc.communicate()
+            out += rank_logs(logs)
             pytest.fail(f"{cmd} did not finish within {limit} s; output:\n{out[-4000:]}")
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        out += rank_logs(logs)
     return proc.returncode, out
+
+
+RANK_LOG = Path(__file__).with_name("rank_log")
+
+
+def is_launcher(cmd: list[str]) -> bool:
+    """Whether ``cmd`` starts ranks: torchrun, mpirun or mlx.launch."""
+    names = ("mpirun", "mlx.launch", "torchrun")
+    return Path(cmd[0]).name in names or "torch.distributed.run" in cmd
+
+
+def rank_logs(folder: Path | None) -> str:
+    """Every rank's log in ``folder``, in rank order (empty without one)."""
+    if folder is None:
+        return ""
+    files = sorted(folder.glob("rank-*.log"), key=lambda f: int(f.stem.split("-")[1]))
+    texts = (f.read_text(errors="replace") for f in files)
+    return "".join(t if t.endswith("\n") else t + "\n" for t in texts if t)
 
 
 def require_mpirun() -> str:
