@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import program_cases
+import reshard_cases
 
 import unimesh
 from unimesh import P
@@ -118,6 +119,9 @@ def main() -> int:
         report["psum-small-ints"] = program_cases.psum_small_ints(mesh, backend)
     except Exception:  # noqa: BLE001 - any failure is reported
         report["psum-small-ints"] = traceback.format_exc(limit=6)
+    # unimesh.reshard on this launch's 4 processes (sub-meshes: torch only, an MLX mesh spans
+    # the world)
+    report.update(reshard_cases.run_all(backend, 4, {rank}, subsets=backend == "torch"))
     # last, since a hang here ends the launch: the cases above are written first
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
     print(

@@ -77,7 +77,15 @@ def _check(
     extra: tuple[str, ...] = (),
 ) -> None:
     import program_cases
+    import reshard_cases
 
+    import unimesh
+
+    backend = "torch" if "full-array-bfloat16" in extra else "mlx"
+    uneven = unimesh.get_backend(backend).supports("uneven_shards")
+    extra += tuple(
+        f"reshard:{name}" for name, *_ in reshard_cases.cases(4, backend == "torch", uneven)
+    )
     reports = {
         int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out_dir.glob("rank-*.json")
     }

@@ -49,6 +49,7 @@ from .parallel import (
 )
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
 from .registry import backends, get_backend, refresh_backends, register_backend, unregister_backend
+from .reshard import reshard
 from .rules import AxisRules, LayoutMap
 from .runtime import Launcher, detect_launcher, initialize, verify
 from .spec import P, PartitionSpec
@@ -120,6 +121,7 @@ __all__ = [
     "psum_scatter",
     "refresh_backends",
     "register_backend",
+    "reshard",
     "save",
     "shard_map",
     "shard_params",

@@ -23,7 +23,7 @@ from the hooks the class implements, and a backend declares only its :attr:`Back
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from .errors import UnsupportedError
@@ -88,7 +88,21 @@ LAYERS: tuple[Layer, ...] = (
         {
             "axis_groups": "a communication group per mesh axis",
         },
-        ("prepare_devices", "initialize", "exchange", "launcher", "process_devices"),
+        (
+            "prepare_devices",
+            "initialize",
+            "exchange",
+            "launcher",
+            "process_devices",
+            "process_index",
+            "device_processes",
+            "native_blocks",
+            "exchange_pieces",
+            "place",
+            "concatenate",
+            "empty_block",
+            "native_reshard",
+        ),
     ),
     Layer(
         "programs",
@@ -534,6 +548,61 @@ class Backend:
         a command prefix that ``-m module args...`` completes, and environment additions. None
         (the default) when the backend runs in one process. Used by ``unimesh check`` and the
         demo."""
+        return None
+
+    # -- live reshard (unimesh.reshard): the transport a plan of unimesh.moves is handed to --
+    def process_index(self) -> int:
+        """This process's index in the job (default 0: one process)."""
+        return 0
+
+    def device_processes(self, device_ids: Sequence[int]) -> list[int]:
+        """The process index of each logical device id. Default: one process holds them all."""
+        return [0] * len(device_ids)
+
+    def native_blocks(self, array: Any) -> dict[int, Any]:
+        """This process's blocks of a native distributed array, ``{device id: native block}``,
+        each on its device (no copy). Default: :meth:`local_shards` (numpy copies)."""
+        return self.local_shards(array)
+
+    def exchange_pieces(
+        self,
+        sends: Mapping[int, Sequence[Any]],
+        receives: Mapping[int, Sequence[tuple[int, ...]]],
+        dtype: Any,
+    ) -> dict[int, list[Any]]:
+        """Send ``sends[q]`` (native pieces, in order) to process ``q`` and receive
+        ``receives[q]`` (pieces of these shapes, of the framework's ``dtype``) from each
+        ``q``, on the framework's own transport; every process calls it with the matching
+        lists. Default: one process, nothing to exchange."""
+        if sends or receives:
+            raise UnsupportedError(
+                f"the {self.name} backend moves no data between processes; reshard within "
+                "this process's devices",
+                backend=self.name,
+                capability="multi_process",
+            )
+        return {}
+
+    def place(self, piece: Any, device_id: int) -> Any:
+        """``piece`` on logical device ``device_id`` (a copy only where it lives elsewhere).
+        Default: as it is (one device per process)."""
+        return piece
+
+    def concatenate(self, parts: Sequence[Any], axis: int) -> Any:
+        """The framework's concatenate of native ``parts`` along ``axis``."""
+        import numpy as np
+
+        return np.concatenate(parts, axis=axis)
+
+    def empty_block(self, like: Any, shape: tuple[int, ...]) -> Any:
+        """A block of ``shape`` (with a zero dim) of ``like``'s dtype."""
+        return like.reshape(-1)[:0].reshape(shape)
+
+    def native_reshard(
+        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
+    ) -> tuple[Any, dict[str, int]] | None:
+        """The framework's own move of ``array`` to ``target`` where it is as cheap as the
+        plan (JAX within one device set), with the bytes it moved; None to follow the plan."""
         return None
 
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:

@@ -331,3 +331,68 @@ class JaxTranslator(JaxRuntime):
         """``{logical device id: numpy block}`` for this process's addressable shards."""
         position = {d: i for i, d in enumerate(global_devices())}
         return {position[s.device]: np.asarray(s.data) for s in array.addressable_shards}
+
+    # -- live reshard: unimesh.reshard's transport on JAX --------------------------------------
+    def process_index(self) -> int:
+        return int(_jax().process_index())
+
+    def device_processes(self, device_ids: Any) -> list[int]:
+        """``jax.Device.process_index`` of each logical device."""
+        devices = global_devices()
+        return [int(devices[i].process_index) for i in device_ids]
+
+    def native_blocks(self, array: Any) -> dict[int, Any]:
+        """``{logical device id: the shard's jax.Array}``, each on its device (no copy)."""
+        position = {d: i for i, d in enumerate(global_devices())}
+        return {position[s.device]: s.data for s in array.addressable_shards}
+
+    def place(self, piece: Any, device_id: int) -> Any:
+        """``jax.device_put`` onto the device: device to device, never through the host."""
+        jax = _jax()
+        device = global_devices()[device_id]
+        if getattr(piece, "devices", None) is not None and piece.devices() == {device}:
+            return piece
+        return jax.device_put(piece, device)
+
+    def concatenate(self, parts: Any, axis: int) -> Any:
+        return _jax().numpy.concatenate(parts, axis=axis)
+
+    def native_reshard(
+        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
+    ) -> tuple[Any, dict[str, int]] | None:
+        """Several processes, one device list (the same devices in the same order): XLA's
+        compiled reshard, ``jax.jit`` of the identity with the target as ``out_shardings``;
+        its bytes are the plan's (XLA moves what the collectives of the move need)."""
+        if self.process_count() == 1:
+            # one process: the plan's device-to-device copies of the pieces (XLA's SPMD
+            # partitioner replicates, then slices, for many moves: P('dp') -> P(None, 'tp'))
+            return None
+        if source.mesh.device_ids.ravel().tolist() != target.mesh.device_ids.ravel().tolist():
+            from unimesh import UnsupportedError
+
+            raise UnsupportedError(
+                f"reshard() on JAX across processes moves within one device list; "
+                f"{source!r} -> {target!r} changes it; reshard onto a layout whose mesh "
+                "has the same devices in the same order",
+                backend=self.name,
+                capability="multi_process",
+            )
+        from unimesh.moves import plan
+
+        sharding = self.layout_to_native(target)
+        moved = _identity(sharding)(array)
+        ids = sorted(set(source.mesh.device_ids.ravel().tolist()))
+        procs = np.zeros(max(ids) + 1, dtype=np.int64)
+        procs[ids] = self.device_processes(ids)
+        itemsize = int(np.dtype(array.dtype).itemsize)
+        counted = plan(source, target, shape, itemsize, procs, self.process_index()).stats()
+        return moved, counted
+
+    def process_count(self) -> int:
+        return int(_jax().process_count())
+
+
+@functools.lru_cache(maxsize=64)
+def _identity(sharding: Any) -> Any:
+    """The jitted identity whose output is laid out as ``sharding``."""
+    return _jax().jit(lambda a: a, out_shardings=sharding)

@@ -186,6 +186,11 @@ class MLXArray:
         self.layout = layout
         self.shape = shape
 
+    @property
+    def dtype(self) -> Any:
+        """The block's ``mx.Dtype``."""
+        return self.local.dtype
+
     def __repr__(self) -> str:
         return (
             f"MLXArray(shape={self.shape}, block={tuple(self.local.shape)}, "
@@ -264,3 +269,71 @@ class MLXTranslator(MLXRuntime):
 
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         return {native_mesh.rank: native_mesh.axis_group(axis).members}
+
+    # -- live reshard: unimesh.reshard's transport on mx.distributed ---------------------------
+    def process_index(self) -> int:
+        return int(self._world().rank())
+
+    def device_processes(self, device_ids: Any) -> list[int]:
+        """A device id is a rank of the world group: each device is its own process."""
+        return [int(d) for d in device_ids]
+
+    def native_blocks(self, array: Any) -> dict[int, Any]:
+        """``{rank: the block}`` of an :class:`MLXArray` (no copy)."""
+        local = array.local if isinstance(array, MLXArray) else array
+        return {int(self._world().rank()): local}
+
+    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
+        """The pieces for each rank packed into one array, moved with ``mx.distributed.send``
+        and ``recv``. Under MPI, straight to the rank, pair by pair in (sender, receiver)
+        order, so that blocking sends never wait in a cycle. MLX's ring backend links each
+        rank to its neighbours only: there every rank learns the sizes of all messages (one
+        small ``all_gather``) and each message is passed on from neighbour to neighbour, one
+        hop at a time in an order all ranks share (``stats`` count the payload, not the
+        hops)."""
+        import math
+
+        mx = _mx()
+        group, me = self._world(), self.process_index()
+        packed = {q: mx.concatenate([p.reshape(-1) for p in ps]) for q, ps in sends.items()}
+        totals = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
+        got: dict[int, Any] = {}
+        if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
+            for src, dst in sorted([(me, q) for q in packed] + [(q, me) for q in totals]):
+                if src == me:
+                    mx.eval(mx.distributed.send(packed[dst], dst, group=group))
+                else:
+                    got[src] = mx.distributed.recv((totals[src],), dtype, src, group=group)
+                    mx.eval(got[src])
+        else:
+            n = int(group.size())
+            row = mx.array([int(packed[q].size) if q in packed else 0 for q in range(n)])
+            sizes = np.asarray(mx.distributed.all_gather(row[None], group=group)).reshape(n, n)
+            for src, dst in zip(*np.nonzero(sizes)):
+                src, dst = int(src), int(dst)
+                carried = packed.get(dst) if src == me else None
+                hop = src
+                while hop != dst:
+                    nxt = (hop + 1) % n
+                    if me == hop:
+                        mx.eval(mx.distributed.send(carried, nxt, group=group))
+                        carried = None
+                    elif me == nxt:
+                        count = int(sizes[src, dst])
+                        carried = mx.distributed.recv((count,), dtype, hop, group=group)
+                        mx.eval(carried)
+                    hop = nxt
+                if me == dst:
+                    got[src] = carried
+        out: dict[int, list[Any]] = {}
+        for src, shapes in receives.items():
+            at, pieces = 0, []
+            for shape in shapes:
+                count = math.prod(shape)
+                pieces.append(got[src][at : at + count].reshape(shape))
+                at += count
+            out[src] = pieces
+        return out
+
+    def concatenate(self, parts: Any, axis: int) -> Any:
+        return _mx().concatenate(list(parts), axis=axis)

@@ -412,6 +412,53 @@ class TorchTranslator(TorchRuntime):
             return {}
         return {_dist().get_rank(): to_host(array.to_local().detach().cpu())}
 
+    # -- live reshard: unimesh.reshard's transport on torch.distributed ------------------------
+    def process_index(self) -> int:
+        return self._world()[0]
+
+    def device_processes(self, device_ids: Any) -> list[int]:
+        """A mesh's device id is a global rank: each device is its own process."""
+        return [int(d) for d in device_ids]
+
+    def native_blocks(self, array: Any) -> dict[int, Any]:
+        """``{rank: the DTensor's local tensor}`` (none when the rank is outside its mesh)."""
+        if array.device_mesh.get_coordinate() is None:
+            return {}
+        return {_dist().get_rank(): array.to_local()}
+
+    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
+        """One message per pair of ranks each way (the pieces for a rank packed into one
+        buffer, as bytes), on the default process group: ``batch_isend_irecv``."""
+        torch, dist = _torch(), _dist()
+        if not sends and not receives:
+            return {}
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        device = torch.device(self._device_type(None))
+        ops, inbox = [], {}
+        for q in sorted(set(sends) | set(receives)):
+            if q in sends:
+                flat = torch.cat([p.detach().contiguous().reshape(-1) for p in sends[q]])
+                ops.append(dist.P2POp(dist.isend, flat.view(torch.uint8), q))
+            if q in receives:
+                count = sum(math.prod(s) for s in receives[q])
+                buffer = torch.empty(count * itemsize, dtype=torch.uint8, device=device)
+                inbox[q] = buffer
+                ops.append(dist.P2POp(dist.irecv, buffer, q))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        out: dict[int, list[Any]] = {}
+        for q, shapes in receives.items():
+            flat, at = inbox[q].view(dtype), 0
+            out[q] = []
+            for shape in shapes:
+                n = math.prod(shape)
+                out[q].append(flat[at : at + n].reshape(shape))
+                at += n
+        return out
+
+    def concatenate(self, parts: Any, axis: int) -> Any:
+        return _torch().cat(list(parts), dim=axis)
+
 
 def global_stride(
     local: Any, shape: tuple[int, ...], mesh: Any, placements: Any

@@ -1,0 +1,142 @@
+"""``unimesh.reshard`` cases for 4 processes of one device each (torch under torchrun, MLX under
+mpirun and mlx.launch), run inside the program launches (program_worker.py) and on JAX's 8
+devices in the test process (test_reshard.py).
+
+Each case distributes a numpy array on a source layout, reshards it, and checks on every process
+that each of its devices holds exactly ``target.shard_slices`` of the array (bit for bit) and
+that ``stats["bytes_received"]`` is the minimum: the elements of this process's target blocks
+that none of its source blocks holds, counted with numpy masks (not with the planner).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import unimesh
+from unimesh import Layout, Mesh, P
+
+
+def meshes(world: int) -> dict[str, Mesh]:
+    """Meshes over ``world`` devices: 2 x world/2, a line, the devices in another order
+    (transposed: increasing along each axis, as DTensor needs of a sharded axis), and half of
+    them (a sub-mesh)."""
+    order = np.arange(world).reshape(world // 2, 2).T
+    return {
+        "square": Mesh((2, world // 2), ("dp", "tp")),
+        "line": Mesh((world,), ("x",)),
+        "transposed": Mesh(order.shape, ("u", "v"), device_ids=order),
+        "half": Mesh((world // 2,), ("y",), device_ids=list(range(1, world, 2))),
+    }
+
+
+def cases(
+    world: int, subsets: bool, uneven: bool
+) -> list[tuple[str, Layout, Layout, tuple[int, ...], str]]:
+    """(name, source, target, shape, dtype) for a job of ``world`` devices (4 or 8); ``subsets``
+    adds meshes over some of them, ``uneven`` blocks that do not divide evenly."""
+    m = meshes(world)
+    sq, line, tr = m["square"], m["line"], m["transposed"]
+    out = [
+        ("same-mesh", Layout(sq, P("dp", "tp")), Layout(sq, P("tp", "dp")), (8, 8), "float32"),
+        ("other-mesh", Layout(sq, P("dp")), Layout(tr, P(None, "v")), (8, 8), "float32"),
+        ("tuple-axes", Layout(sq, P(("tp", "dp"))), Layout(line, P(None, "x")), (8, 16), "float32"),
+        ("replicated-to-sharded", Layout(line, P()), Layout(sq, P("tp", "dp")), (8, 8), "float32"),
+        ("bfloat16", Layout(sq, P("dp")), Layout(tr, P(("u", "v"))), (16, 3), "bfloat16"),
+        ("int64", Layout(line, P("x")), Layout(sq, P(None, ("dp", "tp"))), (8, 8), "int64"),
+        ("bool", Layout(sq, P("tp")), Layout(line, P("x")), (8, 2), "bool"),
+    ]
+    if uneven:
+        out += [
+            # torch's redistribute is wrong here, silently (pytorch#194457): [Shard(0),
+            # Shard(0)] of an uneven (5, 3) to [Replicate(), Replicate()]
+            ("uneven-to-replicated", Layout(sq, P(("dp", "tp"))), Layout(sq, P()), (5, 3),
+             "float32"),
+            ("uneven", Layout(sq, P("tp", "dp")), Layout(tr, P("v", "u")), (7, 5), "float32"),
+        ]  # fmt: skip
+    if subsets:
+        half = m["half"]
+        out += [
+            ("subset-to-all", Layout(half, P("y")), Layout(sq, P("tp", "dp")), (8, 8), "float32"),
+            (
+                "all-to-subset",
+                Layout(sq, P("dp", "tp")),
+                Layout(half, P(None, "y")),
+                (8, 8),
+                "int64",
+            ),
+        ]
+    return out
+
+
+def value(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """A global array whose every element differs (bools: a pattern)."""
+    n = int(np.prod(shape))
+    if dtype == "bool":
+        return (np.arange(n) % 3 == 0).reshape(shape)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return (np.arange(n, dtype=np.float32) / 8).astype(ml_dtypes.bfloat16).reshape(shape)
+    return (np.arange(n) * 7 % 101).astype(dtype).reshape(shape)
+
+
+def minimum_received(
+    source: Layout, target: Layout, shape: tuple[int, ...], mine: set[int], itemsize: int
+) -> int:
+    """Bytes of this process's target blocks that none of its source blocks holds."""
+    need = np.zeros(shape, bool)
+    held = np.zeros(shape, bool)
+    for d in target.mesh.device_ids.ravel().tolist():
+        if d in mine:
+            need[target.shard_slices(shape, d)] = True
+    for d in source.mesh.device_ids.ravel().tolist():
+        if d in mine:
+            held[source.shard_slices(shape, d)] = True
+    return int((need & ~held).sum()) * itemsize
+
+
+def check(
+    backend: str, source: Layout, target: Layout, shape: tuple[int, ...], dtype: str,
+    mine: set[int],
+) -> float | str:  # fmt: skip
+    """0.0 when the reshard is right on this process; else what is wrong."""
+    x = value(shape, dtype)
+    placed = unimesh.distribute(x, source, backend=backend)
+    held = unimesh.local_shards(placed, backend=backend)
+    if held:  # as the framework holds it (JAX without x64 keeps int64 as int32)
+        x = x.astype(next(iter(held.values())).dtype)
+    stats: dict[str, int] = {}
+    moved = unimesh.reshard(placed, target, stats=stats)
+    blocks = unimesh.local_shards(moved, backend=backend)
+    wanted = {d for d in target.mesh.device_ids.ravel().tolist() if d in mine}
+    if set(blocks) - wanted or (wanted - set(blocks) and wanted):
+        return f"blocks on devices {sorted(blocks)}, wanted {sorted(wanted)}"
+    for d, block in blocks.items():
+        want = x[target.shard_slices(shape, d)]
+        got = np.asarray(block)
+        if (
+            got.shape != want.shape
+            or got.dtype != want.dtype
+            or not np.array_equal(got.view(np.uint8), want.view(np.uint8))
+        ):
+            return f"device {d}: got {got!r}, wanted {want!r}"
+    floor = minimum_received(source, target, shape, mine, x.dtype.itemsize)
+    if stats.get("bytes_received") != floor:
+        return f"bytes_received {stats.get('bytes_received')}, the minimum is {floor}"
+    return 0.0
+
+
+def run_all(backend: str, world: int, mine: set[int], subsets: bool) -> dict[str, Any]:
+    """Every case, ``reshard:NAME`` -> 0.0 or the problem (text)."""
+    import traceback
+
+    uneven = unimesh.get_backend(backend).supports("uneven_shards")
+    report: dict[str, Any] = {}
+    for name, source, target, shape, dtype in cases(world, subsets, uneven):
+        try:
+            report[f"reshard:{name}"] = check(backend, source, target, shape, dtype, mine)
+        except Exception:  # noqa: BLE001 - any failure is this case's
+            report[f"reshard:{name}"] = traceback.format_exc(limit=8)
+    return report

@@ -1,0 +1,208 @@
+"""``unimesh.reshard``: the planner's properties (pure numpy, any two layouts of any two meshes
+over a job's devices, any processes), the move on JAX's 8 devices in this process (the same
+cases torch and MLX run in the program launches of test_programs.py), and its refusals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import unimesh
+from unimesh import Layout, Mesh, P
+from unimesh.moves import plan
+
+sys.path.insert(0, str(Path(__file__).parent))
+import reshard_cases
+
+POOL = 8
+
+
+@st.composite
+def meshes(draw: st.DrawFn) -> Mesh:
+    """A mesh of 1-3 axes over some of the pool's devices, in any order."""
+    size = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
+    shape: list[int] = []
+    left = size
+    while left > 1 and len(shape) < 3:
+        f = draw(st.sampled_from([d for d in range(2, left + 1) if left % d == 0]))
+        shape.append(f)
+        left //= f
+    shape = shape or [1]
+    ids = draw(st.permutations(list(range(POOL))))[:size]
+    names = tuple(f"a{draw(st.integers(0, 9))}{i}" for i in range(len(shape)))
+    return Mesh(tuple(shape), names, device_ids=list(ids))
+
+
+@st.composite
+def layouts(draw: st.DrawFn, mesh: Mesh, ndim: int) -> Layout:
+    axes = list(mesh.axis_names)
+    spec: list[object] = []
+    for _ in range(ndim):
+        free = [a for a in axes if a not in {x for e in spec for x in (e or ())}]
+        chosen = draw(st.lists(st.sampled_from(free), unique=True, max_size=2)) if free else []
+        spec.append(tuple(chosen) if chosen else None)
+    return Layout(mesh, P(*spec))
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> tuple[Layout, Layout, tuple[int, ...], list[int]]:
+    ndim = draw(st.integers(0, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
+    source = draw(layouts(draw(meshes()), ndim))
+    target = draw(layouts(draw(meshes()), ndim))
+    processes = draw(st.integers(1, 4))
+    where = draw(st.lists(st.integers(0, processes - 1), min_size=POOL, max_size=POOL))
+    return source, target, shape, where
+
+
+def _box(start: tuple[int, ...], stop: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in zip(start, stop))
+
+
+def _inside(piece: object, layout: Layout, shape: tuple[int, ...], device: int) -> bool:
+    block = layout.shard_slices(shape, device)
+    return all(
+        s.start <= a and b <= s.stop
+        for s, a, b in zip(block, piece.start, piece.stop)  # type: ignore[attr-defined]
+    )
+
+
+@given(problems())
+def test_the_plan_tiles_every_target_block_and_moves_the_minimum(problem: tuple) -> None:
+    source, target, shape, where = problem
+    itemsize = 2
+    plans = {p: plan(source, target, shape, itemsize, where, p) for p in sorted(set(where))}
+    s_ids = source.mesh.device_ids.ravel().tolist()
+    t_ids = target.mesh.device_ids.ravel().tolist()
+    for p, mine in plans.items():
+        devices = {d for d in range(POOL) if where[d] == p}
+        # every target device of this process, each block tiled exactly once by its pieces
+        assert set(mine.blocks) == {d for d in t_ids if d in devices}
+        for t, (bounds, pieces) in mine.blocks.items():
+            cover = np.zeros(shape, np.int64)
+            for piece in pieces:
+                cover[_box(piece.start, piece.stop)] += 1
+                assert t in piece.devices
+                # it comes from a device holding it: this process's own, or the sender's
+                assert piece.source in s_ids and _inside(piece, source, shape, piece.source)
+            want = np.zeros(shape, np.int64)
+            want[target.shard_slices(shape, t)] = 1
+            np.testing.assert_array_equal(cover, want)
+            assert [len(b) - 1 for b in bounds] == (
+                [] if not shape else [len(b) - 1 for b in bounds]
+            )
+            assert len(pieces) == (int(np.prod([len(b) - 1 for b in bounds])) if pieces else 0)
+        for piece in mine.local:
+            assert where[piece.source] == p
+        # each received piece once, from a process holding it, never one this process holds
+        need = np.zeros(shape, bool)
+        held = np.zeros(shape, bool)
+        for t in t_ids:
+            if t in devices:
+                need[target.shard_slices(shape, t)] = True
+        for s in s_ids:
+            if s in devices:
+                held[source.shard_slices(shape, s)] = True
+        got = np.zeros(shape, np.int64)
+        for q, pieces in mine.receive.items():
+            assert q != p
+            for piece in pieces:
+                assert where[piece.source] == q
+                got[_box(piece.start, piece.stop)] += 1
+        np.testing.assert_array_equal(got, (need & ~held).astype(np.int64))
+        assert mine.bytes_received == int((need & ~held).sum()) * itemsize
+        # what p sends to q is what q receives from p, in the same order
+        for q, pieces in mine.send.items():
+            theirs = plans[q].receive.get(p, [])
+            assert [(x.start, x.stop) for x in pieces] == [(x.start, x.stop) for x in theirs]
+        for q, other in plans.items():
+            if q != p and p in other.receive:
+                assert q in mine.send
+    # the holders share the sending: no process sends a piece another holder could have sent
+    # more evenly than by turn (checked by the totals: every byte received was sent once)
+    assert sum(x.bytes_sent for x in plans.values()) == sum(
+        x.bytes_received for x in plans.values()
+    )
+
+
+def test_the_plan_is_cached_and_keeps_blocks_in_place() -> None:
+    mesh = Mesh((2, 4), ("dp", "tp"))
+    a, b = Layout(mesh, P("dp")), Layout(mesh, P("dp", "tp"))
+    where = [0] * 8
+    first = plan(a, b, (8, 8), 4, where, 0)
+    assert plan(a, b, (8, 8), 4, where, 0) is first
+    same = plan(a, a, (8, 8), 4, where, 0)
+    assert same.kept == tuple(range(8)) and same.bytes_copied == 0
+    # each device keeps its own part of the rows it held: nothing crosses devices
+    assert first.bytes_copied == 0 and first.bytes_received == 0
+
+
+def test_spreading_the_sends_over_the_holders() -> None:
+    """Replicated over 4 processes, sharded onto 4 others: each holder sends a share."""
+    pool = Mesh((8,), ("x",))
+    source = Layout(Mesh((4,), ("r",), device_ids=[0, 1, 2, 3]), P())
+    target = Layout(Mesh((4,), ("s",), device_ids=[4, 5, 6, 7]), P("s"))
+    del pool
+    where = list(range(8))
+    sent = [plan(source, target, (16, 4), 4, where, p).bytes_sent for p in range(4)]
+    assert sum(sent) == 16 * 4 * 4 and max(sent) == min(sent)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in reshard_cases.cases(8, True, False)])
+def test_jax_eight_devices(name: str) -> None:
+    pytest.importorskip("jax")
+    case = next(c for c in reshard_cases.cases(8, True, False) if c[0] == name)
+    _, source, target, shape, dtype = case
+    assert reshard_cases.check("jax", source, target, shape, dtype, set(range(POOL))) == 0.0
+
+
+def test_jax_a_tree_moves_whole_with_a_layout_per_leaf() -> None:
+    pytest.importorskip("jax")
+    import jax
+
+    mesh = Mesh((2, 4), ("dp", "tp"))
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    tree = {"w": unimesh.distribute(x, Layout(mesh, P("dp")), "jax"), "b": [x[0]]}
+    stats: dict[str, int] = {}
+    out = unimesh.reshard(tree, {"w": Layout(mesh, P(None, "tp")), "b": Layout(mesh, P())},
+                          stats=stats)  # fmt: skip
+    assert isinstance(out["w"], jax.Array)
+    assert out["w"].sharding.is_equivalent_to(
+        unimesh.to_native(Layout(mesh, P(None, "tp")), "jax"), 2
+    )
+    np.testing.assert_array_equal(np.asarray(out["w"]), x)
+    np.testing.assert_array_equal(np.asarray(out["b"][0]), x[0])  # a host array: distributed
+    # each device's target block (8 rows, 2 columns) is half in its own rows; the other half
+    # (4 x 2 float32) is copied from a device of the other dp row: 8 devices x 32 bytes
+    assert stats == {"bytes_sent": 0, "bytes_received": 0, "bytes_copied": 8 * 32}
+
+
+def test_refusals_name_the_array_and_the_fix() -> None:
+    pytest.importorskip("jax")
+    mesh = Mesh((2, 4), ("dp", "tp"))
+    x = unimesh.distribute(np.zeros((8, 8), np.float32), Layout(mesh, P("dp")), "jax")
+    with pytest.raises(unimesh.LayoutError, match=r"names 3 dims but the array has shape"):
+        unimesh.reshard(x, Layout(mesh, P("dp", "tp", None)))
+    with pytest.raises(unimesh.LayoutError, match=r"target .* is neither a Layout"):
+        unimesh.reshard({"a": x}, {"b": Layout(mesh, P())})
+    with pytest.raises(unimesh.LayoutError, match=r"cannot hold a pending reduction"):
+        unimesh.reshard(x, Layout(mesh, P(partial={"tp": "sum"})))
+    with pytest.raises(unimesh.LayoutError, match=r"takes a dict to fill"):
+        unimesh.reshard(x, Layout(mesh, P()), stats=3)  # type: ignore[arg-type]
+    with pytest.raises(unimesh.LayoutError, match="holds no arrays"):
+        unimesh.reshard({}, Layout(mesh, P()))
+    far = Mesh((4,), ("z",), device_ids=[8, 9, 10, 11])
+    with pytest.raises(unimesh.MeshMismatchError, match="uses device 11, but JAX sees 8"):
+        unimesh.reshard(x, Layout(far, P("z")))
+    rows = unimesh.distribute(np.zeros((6, 8), np.float32), Layout(mesh, P("dp")), "jax")
+    with pytest.raises(unimesh.UnsupportedError, match=r"uneven_shards.*\(6, 8\)"):
+        unimesh.reshard(rows, Layout(mesh, P("tp")))
+    rules = unimesh.LayoutMap(mesh)
+    rules["nothing"] = P("dp")
+    with pytest.raises(unimesh.LayoutError, match="nothing"):
+        unimesh.reshard({"w": x}, rules)

@@ -1,0 +1,262 @@
+"""``unimesh.reshard``: a live distributed array moved to another layout, on any mesh of the job's
+devices, moving only the bytes that must move.
+
+The move is a plan (:mod:`unimesh.moves`, pure arithmetic) handed to a transport: the backend's
+hooks of the ``reshard`` layer (:meth:`~unimesh.Backend.native_blocks`,
+:meth:`~unimesh.Backend.device_processes`, :meth:`~unimesh.Backend.exchange_pieces`,
+:meth:`~unimesh.Backend.place`, :meth:`~unimesh.Backend.concatenate`) and its ``from_local``.
+A backend may move an array its own compiled way where that is as cheap
+(:meth:`~unimesh.Backend.native_reshard`, JAX within one device set).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .backend import Backend
+from .errors import LayoutError, UnsupportedError
+from .layout import Layout
+from .messages import short
+from .moves import Plan, plan
+from .rules import LayoutMap
+
+__all__ = ["reshard"]
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, Layout) or (
+        hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (dict, list, tuple))
+    )
+
+
+def reshard(
+    x: Any,
+    target: Layout | LayoutMap | Any,
+    *,
+    backend: str | Backend | None = None,
+    stats: dict[str, int] | None = None,
+) -> Any:
+    """``x`` (a framework's distributed array, or a pytree of them) laid out as ``target``.
+
+    ``target`` is a :class:`Layout` on any mesh of the job's devices, a pytree of Layouts (a
+    prefix of ``x``'s tree), or a :class:`LayoutMap` (each array by its path, ``a/b/0``; an
+    array no rule matches is replicated, a rule that matches no array is refused). Each process
+    receives only the bytes of its devices' target blocks that none of its devices holds, once,
+    from one process that holds them; blocks in place stay. An array that is not distributed (a
+    numpy array, a framework's plain tensor) is laid out as :func:`unimesh.distribute` would.
+    ``stats``, a dict, gets this process's ``bytes_sent``, ``bytes_received`` (between
+    processes) and ``bytes_copied`` (between its own devices), added up over the tree.
+    ``backend`` picks the framework for arrays that are not distributed yet; a distributed
+    array stays its own framework's. Every array and target is checked before any byte moves.
+    """
+    import optree
+
+    from .convert import _placing_backend, to_native
+    from .registry import get_backend, owner_of
+
+    if stats is not None and not isinstance(stats, dict):
+        raise LayoutError(f"reshard(stats=...) takes a dict to fill, got {short(stats)}")
+    leaves, treedef = optree.tree_flatten(x, is_leaf=_is_leaf)
+    if not leaves:
+        raise LayoutError(f"reshard() got {short(x)}, which holds no arrays")
+    paths = ["/".join(str(k) for k in p) for p in optree.treespec_paths(treedef)]
+    targets = _targets(x, target, treedef, paths, leaves)
+    jobs = []
+    for path, leaf, want in zip(paths, leaves, targets):
+        name = f"array {path!r}" if path else "the array"
+        if isinstance(leaf, Layout):
+            raise LayoutError(f"reshard() moves arrays; {name} is a Layout ({want!r})")
+        shape = tuple(int(n) for n in leaf.shape)
+        source = _layout_of(leaf)
+        if source is None:  # not distributed: laid out as distribute() lays it out
+            be = _placing_backend(backend, "distribute", want, shape)
+        else:
+            be = owner_of(leaf)
+            if backend is not None and get_backend(backend).name != be.name:
+                raise UnsupportedError(
+                    f"reshard() of {name}: it is a {be.name} array and backend={backend!r} "
+                    "asks for another framework's; moving between two frameworks in one job "
+                    f"is not available yet: reshard on {be.name} (leave backend out), or go "
+                    "through unimesh.save and unimesh.load"
+                )
+        _check_target(want, shape, name)
+        if source is not None:
+            # the target on this framework, and its mesh on the job's devices, before any move
+            _placing_backend(be, "from_local", want, shape)
+            to_native(want, be)
+        if source is not None and source.spec.partial:
+            raise UnsupportedError(
+                f"reshard() of {name}: its layout {source!r} holds a pending reduction "
+                f"(partial over {list(source.spec.partial)}); reduce it first "
+                "(unimesh.psum inside the program that made it)"
+            )
+        jobs.append((name, leaf, shape, source, want, be))
+    out = []
+    for _name, leaf, shape, source, want, be in jobs:
+        if source is None:
+            from .convert import distribute
+
+            out.append(distribute(leaf, want, be))
+            continue
+        out.append(_move(be, leaf, shape, source, want, stats))
+    return optree.tree_unflatten(treedef, out)
+
+
+def _targets(
+    x: Any, target: Any, treedef: Any, paths: list[str], leaves: list[Any]
+) -> list[Layout]:
+    """One target Layout per leaf of ``x``."""
+    import optree
+
+    if isinstance(target, Layout):
+        return [target] * len(leaves)
+    if isinstance(target, LayoutMap):
+        from .parallel import _unmatched
+
+        found = []
+        for path, leaf in zip(paths, leaves):
+            layout = target.get(path)
+            found.append(layout if layout is not None else Layout(target.mesh, ()))
+            del leaf
+        _unmatched(target, None, paths, strict=True)
+        return found
+    try:
+        full = treedef.flatten_up_to(optree.tree_broadcast_prefix(target, x, is_leaf=_is_leaf))
+    except (ValueError, TypeError) as exc:
+        raise LayoutError(
+            f"reshard() target {short(target)} is neither a Layout, a LayoutMap nor a prefix of "
+            f"the arrays' tree ({exc}); give one Layout per array, or one for all"
+        ) from None
+    for path, got in zip(paths, full):
+        if not isinstance(got, Layout):
+            raise LayoutError(
+                f"reshard() target for array {path!r} is {short(got)}, not a unimesh.Layout; "
+                "build one with unimesh.Layout(mesh, P(...))"
+            )
+    return list(full)
+
+
+def _check_target(layout: Layout, shape: tuple[int, ...], name: str) -> None:
+    if len(layout.spec) > len(shape):
+        raise LayoutError(
+            f"reshard() of {name}: target {layout!r} names {len(layout.spec)} dims but the "
+            f"array has shape {shape}; give a spec of at most {len(shape)} entries"
+        )
+    if layout.spec.partial:
+        raise LayoutError(
+            f"reshard() of {name}: a target cannot hold a pending reduction "
+            f"({layout!r}); drop partial from its spec"
+        )
+
+
+def _layout_of(leaf: Any) -> Layout | None:
+    from .checkpoint.store import layout_of
+
+    return layout_of(leaf)
+
+
+def _move(
+    be: Backend,
+    leaf: Any,
+    shape: tuple[int, ...],
+    source: Layout,
+    target: Layout,
+    stats: dict[str, int] | None,
+) -> Any:
+    native = be.native_reshard(leaf, source, target, shape)
+    if native is not None:
+        moved, counted = native
+        _add(stats, counted)
+        return moved
+    ids = sorted(
+        set(source.mesh.device_ids.ravel().tolist()) | set(target.mesh.device_ids.ravel().tolist())
+    )
+    where = be.device_processes(ids)
+    process_of = np.zeros(max(ids) + 1, dtype=np.int64)
+    process_of[ids] = where
+    me = be.process_index()
+    blocks = be.native_blocks(leaf)
+    itemsize = int(np.dtype(_numpy_dtype(leaf)).itemsize)
+    the_plan = plan(source, target, shape, itemsize, process_of, me)
+    origin: dict[int, tuple[int, ...]] = {}
+    if blocks:
+        s_lo, _ = source.shard_bounds(shape, sorted(blocks))
+        origin = {d: tuple(s_lo[i].tolist()) for i, d in enumerate(sorted(blocks))}
+
+    def cut(device: int, start: tuple[int, ...], stop: tuple[int, ...]) -> Any:
+        o = origin[device]
+        return blocks[device][tuple(slice(a - b, c - b) for a, b, c in zip(start, o, stop))]
+
+    outgoing = {q: [cut(p.source, p.start, p.stop) for p in ps] for q, ps in the_plan.send.items()}
+    incoming = {q: [p.shape for p in ps] for q, ps in the_plan.receive.items()}
+    got = be.exchange_pieces(outgoing, incoming, leaf.dtype)
+    data: dict[int, Any] = {}
+    for q, ps in the_plan.receive.items():
+        for p, arr in zip(ps, got[q]):
+            data[id(p)] = arr
+    out = {}
+    for t, (bounds, pieces) in the_plan.blocks.items():
+        if t in the_plan.kept:
+            out[t] = blocks[t]
+            continue
+        out[t] = _assemble(be, t, bounds, pieces, data, cut, blocks)
+    _add(stats, the_plan.stats())
+    return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
+
+
+def _assemble(
+    be: Backend,
+    device: int,
+    bounds: tuple[tuple[int, ...], ...],
+    pieces: list[Any],
+    data: dict[int, Any],
+    cut: Any,
+    blocks: Mapping[int, Any],
+) -> Any:
+    """The target block of ``device``: its pieces, put on it and joined in grid order."""
+    grid = [len(b) - 1 for b in bounds]
+    if not pieces:  # an empty block
+        like = next(iter(blocks.values())) if blocks else None
+        shape = tuple(max(b[-1] - b[0], 0) if len(b) > 1 else 0 for b in bounds)
+        return be.place(be.empty_block(like, shape), device)
+    parts = []
+    for p in pieces:
+        arr = data[id(p)] if id(p) in data else cut(p.source, p.start, p.stop)
+        parts.append(be.place(arr, device))
+
+    def join(items: list[Any], dim: int) -> Any:
+        if dim == len(grid):
+            return items[0]
+        step = math.prod(grid[dim + 1 :])
+        rows = [join(items[i * step : (i + 1) * step], dim + 1) for i in range(grid[dim])]
+        return rows[0] if len(rows) == 1 else be.concatenate(rows, dim)
+
+    return join(parts, 0)
+
+
+def _add(stats: dict[str, int] | None, counted: Mapping[str, int]) -> None:
+    if stats is None:
+        return
+    for key in ("bytes_sent", "bytes_received", "bytes_copied"):
+        stats[key] = stats.get(key, 0) + int(counted.get(key, 0))
+
+
+def _numpy_dtype(leaf: Any) -> Any:
+    dtype = getattr(leaf, "dtype", None)
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        pass
+    name = str(dtype).replace("torch.", "").replace("mlx.core.", "")
+    if name == "bfloat16":
+        return np.dtype(np.uint16)  # same size
+    if name == "bool":
+        return np.dtype(bool)
+    return np.dtype(name)
+
+
+_ = Plan  # re-exported type for the docs
