@@ -108,11 +108,6 @@ class Plan:
         }
 
 
-def _partition(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """The cut points of one dim: every block's start and stop, sorted, once."""
-    return np.unique(np.concatenate([starts, stops]))
-
-
 def plan(
     source: Layout,
     target: Layout,
@@ -129,10 +124,84 @@ def plan(
     return _plan(source, target, tuple(shape), itemsize, tuple(int(p) for p in process_of), me)
 
 
-def _firsts(cuts: list[np.ndarray], bounds: np.ndarray) -> np.ndarray:
-    """Each row's bounds as segment numbers, per dim."""
-    cols = [np.searchsorted(cuts[d], bounds[:, d]) for d in range(bounds.shape[1])]
-    return np.stack(cols, 1) if cols else np.zeros((bounds.shape[0], 0), np.int64)
+class _Side:
+    """One layout's blocks in segment terms: along each dim its distinct intervals (first
+    segment, length), each device's interval per dim, and each device's block number (the
+    intervals' row-major index; -1 for an empty block)."""
+
+    def __init__(self, layout: Layout, shape: tuple[int, ...], cuts: list[np.ndarray]) -> None:
+        lo, hi = layout.shard_bounds(shape)
+        self.ids = layout.mesh.device_ids.ravel()
+        self.lo, self.hi = lo, hi
+        ndim = len(shape)
+        first = [np.searchsorted(cuts[d], lo[:, d]) for d in range(ndim)]
+        last = [np.searchsorted(cuts[d], hi[:, d]) for d in range(ndim)]
+        full = np.ones(len(self.ids), bool)
+        for d in range(ndim):
+            full &= first[d] < last[d]
+        self.first: list[np.ndarray] = []  # per dim: each interval's first segment
+        self.length: list[np.ndarray] = []  # per dim: each interval's segment count
+        self.owner: list[np.ndarray] = []  # per dim: each segment's interval
+        index = []
+        for d in range(ndim):
+            f, at = np.unique(first[d][full], return_index=True)
+            n = (last[d][full] - first[d][full])[at]
+            self.first.append(f)
+            self.length.append(n)
+            owner = np.full(len(cuts[d]) - 1, -1, dtype=np.int64)
+            owner[np.concatenate([np.arange(a, a + b) for a, b in zip(f, n)]) if len(f) else []] = (
+                np.repeat(np.arange(len(f)), n)
+            )
+            self.owner.append(owner)
+            index.append(np.searchsorted(f, first[d]))
+        self.counts = tuple(len(f) for f in self.first)
+        self.block = np.full(len(self.ids), -1, dtype=np.int64)
+        if full.any():
+            self.block[full] = (
+                np.ravel_multi_index([i[full] for i in index], self.counts) if ndim else 0
+            )
+        self.seg_first = first
+        self.seg_last = last
+
+    def segments(self, block: int) -> np.ndarray:
+        """The segments of a block, (pieces, ndim), row-major."""
+        at = np.unravel_index(block, self.counts) if self.counts else ()
+        firsts = [int(self.first[d][a]) for d, a in enumerate(at)]
+        lengths = [int(self.length[d][a]) for d, a in enumerate(at)]
+        if not lengths:  # a 0-d array: one piece, no segments
+            return np.zeros((1, 0), dtype=np.int64)
+        grid = np.indices(lengths, dtype=np.int64).reshape(len(lengths), -1).T
+        return grid + np.asarray(firsts, dtype=np.int64)
+
+    def locate(self, segs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For pieces ``segs``: their block, and their row-major position in it."""
+        ndim = segs.shape[1]
+        if ndim == 0:
+            return np.zeros(len(segs), np.int64), np.zeros(len(segs), np.int64)
+        own = [self.owner[d][segs[:, d]] for d in range(ndim)]
+        block = np.ravel_multi_index(own, self.counts)
+        pos = np.zeros(len(segs), np.int64)
+        for d in range(ndim):
+            pos = pos * self.length[d][own[d]] + (segs[:, d] - self.first[d][own[d]])
+        return block, pos
+
+
+def _csr(
+    keys: np.ndarray, procs: np.ndarray, devices: np.ndarray, n: int
+) -> tuple[np.ndarray, ...]:
+    """(key, process) pairs, sorted and once, with a device of each; and per key its slice."""
+    if not len(keys):
+        empty = np.zeros(0, np.int64)
+        return empty, empty, np.zeros(n, np.int64), np.zeros(n, np.int64)
+    width = int(procs.max()) + 1
+    pair = keys * width + procs
+    order = np.argsort(pair, kind="stable")
+    unique, at = np.unique(pair[order], return_index=True)
+    proc, device = unique % width, devices[order][at]
+    key = unique // width
+    start = np.searchsorted(key, np.arange(n))
+    end = np.searchsorted(key, np.arange(n), side="right")
+    return proc, device, start, end
 
 
 @functools.lru_cache(maxsize=256)
@@ -144,92 +213,102 @@ def _plan(
     process_of: tuple[int, ...],
     me: int,
 ) -> Plan:
-    procs = process_of
-    s_ids = source.mesh.device_ids.ravel().tolist()
-    t_ids = target.mesh.device_ids.ravel().tolist()
+    procs = np.asarray(process_of, dtype=np.int64)
+    ndim = len(shape)
     s_lo, s_hi = source.shard_bounds(shape)
     t_lo, t_hi = target.shard_bounds(shape)
-    ndim = len(shape)
-    # per dim, the segments: the cut points of both layouts together
     cuts = [
         np.unique(np.concatenate([s_lo[:, d], s_hi[:, d], t_lo[:, d], t_hi[:, d]]))
         for d in range(ndim)
     ]
-    s_first, s_last = _firsts(cuts, s_lo), _firsts(cuts, s_hi)
-    t_first, t_last = _firsts(cuts, t_lo), _firsts(cuts, t_hi)
-    # each segment's source block along its dim, named by the block's first segment
-    owner = []
-    for d in range(ndim):
-        o = np.full(max(len(cuts[d]) - 1, 0), -1, dtype=np.int64)
-        for a, b in set(zip(s_first[:, d].tolist(), s_last[:, d].tolist())):
-            o[a:b] = a
-        owner.append(o.tolist())
-    # the devices holding each (non-empty) source block, and their processes
-    holders: dict[tuple[int, ...], list[int]] = {}
-    own: dict[int, tuple[int, ...]] = {}
-    s_box = {
-        did: (tuple(a), tuple(b)) for did, a, b in zip(s_ids, s_first.tolist(), s_last.tolist())
-    }
-    for i, did in enumerate(s_ids):
-        if not ndim or (s_first[i] < s_last[i]).all():
-            key = tuple(s_first[i].tolist())
-            holders.setdefault(key, []).append(did)
-            own[did] = key
-    hold_procs = {k: sorted({procs[d] for d in v}) for k, v in holders.items()}
-    mine = {
-        k: next(d for d in v if procs[d] == me) for k, v in holders.items() if me in hold_procs[k]
-    }
-    # target blocks, each with the devices of each process that need it
-    needers: dict[tuple[tuple[int, ...], tuple[int, ...]], dict[int, list[int]]] = {}
-    for i, did in enumerate(t_ids):
-        key = (tuple(t_first[i].tolist()), tuple(t_last[i].tolist()))
-        needers.setdefault(key, {}).setdefault(procs[did], []).append(did)
-
+    src, dst = _Side(source, shape, cuts), _Side(target, shape, cuts)
+    s_blocks = math.prod(src.counts)
+    t_blocks = math.prod(dst.counts)
+    s_full = src.block >= 0
+    h_proc, h_dev, h_start, h_end = _csr(
+        src.block[s_full], procs[src.ids[s_full]], src.ids[s_full], s_blocks
+    )
+    t_full = dst.block >= 0
+    n_proc, _, n_start, n_end = _csr(
+        dst.block[t_full], procs[dst.ids[t_full]], dst.ids[t_full], t_blocks
+    )
+    # this process's source blocks, and a device of its holding each
+    mine_src: dict[int, int] = {}
+    own_block: dict[int, int] = {}
+    for did, b in zip(src.ids.tolist(), src.block.tolist()):
+        if procs[did] == me and b >= 0:
+            mine_src.setdefault(b, did)
+            own_block[did] = b
+    s_row = {did: i for i, did in enumerate(src.ids.tolist())}
     out = Plan(itemsize)
     kept: list[int] = []
-    received: dict[tuple[int, ...], Piece] = {}
-    sent: dict[int, set[tuple[int, ...]]] = {}
-    turns: dict[tuple[int, ...], int] = {}  # pieces each source block has sent so far
-    for (first, last), by_proc in needers.items():
-        offsets = list(np.ndindex(*(b - a for a, b in zip(first, last))))
-        if any(a == b for a, b in zip(first, last)):
-            offsets = []  # an empty block: nothing to move
-        targets = by_proc.get(me, [])
-        pieces: dict[int, list[Piece]] = {t: [] for t in targets}
-        for offset in offsets:
-            seg = tuple(a + o for a, o in zip(first, offset))
-            key = tuple(owner[d][s] for d, s in enumerate(seg))
-            start = tuple(int(cuts[d][s]) for d, s in enumerate(seg))
-            stop = tuple(int(cuts[d][s + 1]) for d, s in enumerate(seg))
-            hp = hold_procs[key]
-            for q, devices in by_proc.items():
-                if q in hp:
-                    if q == me:  # held here: from the device itself, else from a device here
-                        for t in devices:
-                            src = t if own.get(t) == key else mine[key]
-                            piece = Piece(start, stop, src, (t,))
-                            pieces[t].append(piece)
-                            out.local.append(piece)
-                    continue
-                turn = turns.get(key, 0)
-                turns[key] = turn + 1
-                sender = hp[turn % len(hp)]
-                if q == me:
-                    if seg not in received:
-                        src = next(d for d in holders[key] if procs[d] == sender)
-                        received[seg] = Piece(start, stop, src, ())
-                        out.receive.setdefault(sender, []).append(received[seg])
-                    piece = received[seg]
-                    piece.devices += tuple(devices)
-                    for t in devices:
-                        pieces[t].append(piece)
-                elif sender == me and seg not in sent.setdefault(q, set()):
-                    sent[q].add(seg)
-                    out.send.setdefault(q, []).append(Piece(start, stop, mine[key], tuple(devices)))
-        bounds = tuple(tuple(int(c) for c in cuts[d][first[d] : last[d] + 1]) for d in range(ndim))
-        for t in targets:
-            if s_box.get(t) == (first, last):
-                kept.append(t)  # its block is in place: nothing moves or is copied
-            out.blocks[t] = (bounds, pieces[t])
+
+    def box(segs: np.ndarray) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+        starts = np.stack([cuts[d][segs[:, d]] for d in range(ndim)], 1) if ndim else segs
+        stops = np.stack([cuts[d][segs[:, d] + 1] for d in range(ndim)], 1) if ndim else segs
+        return [tuple(r) for r in starts.tolist()], [tuple(r) for r in stops.tolist()]
+
+    # -- receiving: this process's target blocks, ascending ----------------------------------
+    my_targets: dict[int, list[int]] = {}
+    for i, did in enumerate(dst.ids.tolist()):
+        if procs[did] != me:
+            continue
+        bounds = tuple(
+            tuple(int(c) for c in cuts[d][dst.seg_first[d][i] : dst.seg_last[d][i] + 1])
+            for d in range(ndim)
+        )
+        row = s_row.get(did)
+        if row is not None and (s_lo[row] == t_lo[i]).all() and (s_hi[row] == t_hi[i]).all():
+            kept.append(did)
+        out.blocks[did] = (bounds, [])
+        if dst.block[i] >= 0:
+            my_targets.setdefault(int(dst.block[i]), []).append(did)
+    for tb in sorted(my_targets):
+        devices = tuple(my_targets[tb])
+        segs = dst.segments(tb)
+        sb, pos = src.locate(segs)
+        starts, stops = box(segs)
+        needers = n_proc[n_start[tb] : n_end[tb]]
+        rank = int(np.searchsorted(needers, me))
+        for k in range(len(segs)):
+            b = int(sb[k])
+            if b in mine_src:
+                for t in devices:
+                    piece = Piece(
+                        starts[k], stops[k], t if own_block.get(t) == b else mine_src[b], (t,)
+                    )
+                    out.local.append(piece)
+                    out.blocks[t][1].append(piece)
+                continue
+            held = int(h_end[b] - h_start[b])
+            at = int(h_start[b]) + (int(pos[k]) + rank) % held
+            sender = int(h_proc[at])
+            piece = Piece(starts[k], stops[k], int(h_dev[at]), devices)
+            out.receive.setdefault(sender, []).append(piece)
+            for t in devices:
+                out.blocks[t][1].append(piece)
+
+    # -- sending: pieces of this process's source blocks to the processes whose turn it is --
+    rows: list[tuple[int, int, int, int, tuple[int, ...], tuple[int, ...]]] = []
+    for sb_ in sorted(mine_src):
+        segs = src.segments(sb_)
+        tbs, tpos = dst.locate(segs)
+        count = n_end[tbs] - n_start[tbs]
+        if not count.sum():
+            continue
+        which = np.repeat(np.arange(len(segs)), count)
+        offset = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        q = n_proc[n_start[tbs][which] + offset]
+        holders = h_proc[h_start[sb_] : h_end[sb_]]
+        turn = h_proc[h_start[sb_] + (which + offset) % len(holders)]
+        keep = (turn == me) & ~np.isin(q, holders)
+        if not keep.any():
+            continue
+        first, after = box(segs)
+        for k, qq in zip(which[keep].tolist(), q[keep].tolist()):
+            rows.append((qq, int(tbs[k]), int(tpos[k]), mine_src[sb_], first[k], after[k]))
+    rows.sort(key=lambda r: (r[0], r[1], r[2]))
+    for qq, _tb, _pos, did, lo, hi in rows:
+        out.send.setdefault(qq, []).append(Piece(lo, hi, did, ()))
     out.kept = tuple(kept)
     return out
