@@ -206,3 +206,22 @@ def test_refusals_name_the_array_and_the_fix() -> None:
     rules["nothing"] = P("dp")
     with pytest.raises(unimesh.LayoutError, match="nothing"):
         unimesh.reshard({"w": x}, rules)
+
+
+def test_unimesh_show_prints_the_plan_beside_gather_and_slice(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from unimesh.cli.main import main
+
+    code = main(["show", "dp=2,tp=2", "--layout", "dp", "--shape", "8,8", "--reshard-to",
+                 "None,v", "--to-mesh", "u=2,v=2;ids=0,2,1,3"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    # rows to columns: each device receives the half of its column block it lacks (8 rows x 2
+    # columns x 4 bytes = 64) from one peer; gather-and-slice receives the other 128 bytes
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert [r.split("│")[1].strip() for r in rows] == ["0", "1", "2", "3", "all"]
+    assert all(r.split("│")[3].strip() == "64" for r in rows[:4])
+    assert rows[-1].split("│")[3].strip() == "256" and rows[-1].split("│")[7].strip() == "512"
+    assert main(["show", "dp=2,tp=2", "--reshard-to", "dp"]) == 2
+    assert "--reshard-to needs --layout and --shape" in capsys.readouterr().err

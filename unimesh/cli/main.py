@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from ..errors import UnimeshError
+from ..errors import LayoutError, UnimeshError
 from ..mesh import Mesh
 from ..visual import THRESHOLD
 
@@ -121,6 +121,23 @@ def _show(args: argparse.Namespace) -> int:
 
     mesh = mesh_from_arg(args.spec)
     layout, shape = layout_from_args(mesh, args.layout, args.shape)
+    if args.reshard_to is not None:
+        from ..layout import Layout
+        from .show import parse_spec, reshard_table
+
+        if layout is None or shape is None:
+            raise LayoutError("--reshard-to needs --layout and --shape (the array it moves)")
+        other = mesh if args.to_mesh is None else mesh_from_arg(args.to_mesh)
+        target = Layout(other, parse_spec(args.reshard_to))
+        if len(target.spec) > len(shape):
+            raise LayoutError(
+                f"--reshard-to {args.reshard_to} names {len(target.spec)} dims but --shape "
+                f"{args.shape} has {len(shape)}"
+            )
+        if not 1 <= args.itemsize <= 64:
+            raise LayoutError(f"--itemsize is bytes per element, 1 to 64; got {args.itemsize}")
+        reshard_table(layout, target, shape, args.itemsize)
+        return 0
     if args.json and mesh.size <= THRESHOLD:
         print(compact_json(describe(mesh, layout, shape)))  # laid out for reading
     elif args.json:
@@ -336,6 +353,15 @@ def _parser() -> argparse.ArgumentParser:
         "None for replicated, e.g. 'dp,None'",
     )
     show.add_argument("--shape", help="the tensor's shape for --layout, e.g. 8,4")
+    show.add_argument(
+        "--reshard-to",
+        help="another spec: print what unimesh.reshard moves from --layout to it (each "
+        "device's bytes kept, received and sent), beside an all-gather-and-slice",
+    )
+    show.add_argument("--to-mesh", help="the target's mesh for --reshard-to (default: the same)")
+    show.add_argument(
+        "--itemsize", type=int, default=4, help="bytes per element for --reshard-to (default 4)"
+    )
     show.add_argument(
         "--json",
         action="store_true",

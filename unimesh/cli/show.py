@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import LayoutError
 from ..layout import Layout
 from ..mesh import Mesh
@@ -9,7 +11,15 @@ from ..messages import short
 from ..spec import PartitionSpec
 from ..visual import describe, draw, write_json
 
-__all__ = ["describe", "draw", "layout_from_args", "parse_shape", "parse_spec", "write_json"]
+__all__ = [
+    "describe",
+    "draw",
+    "layout_from_args",
+    "parse_shape",
+    "parse_spec",
+    "reshard_table",
+    "write_json",
+]
 
 
 def parse_spec(text: str) -> PartitionSpec:
@@ -48,3 +58,52 @@ def layout_from_args(
             f"{layout.spec!r} names {len(layout.spec)}"
         )
     return layout, dims
+
+
+def reshard_table(
+    source: Layout, target: Layout, shape: tuple[int, ...], itemsize: int, console: Any = None
+) -> dict[str, int]:
+    """Print what each device keeps, receives and sends when an array of ``shape`` moves from
+    ``source`` to ``target`` (one process per device, as torchrun and mpirun run), beside an
+    all-gather-and-slice (the route through a replicated array, which DTensor's
+    ``redistribute`` takes for many multi-axis moves); return the totals."""
+    import numpy as np
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..moves import plan
+
+    ids = sorted(
+        set(source.mesh.device_ids.ravel().tolist()) | set(target.mesh.device_ids.ravel().tolist())
+    )
+    process_of = np.arange(max(ids) + 1)
+    table = Table(title=f"reshard {shape}: {source!r} -> {target!r}")
+    for name in ("device", "keeps", "receives", "from", "sends", "to", "gather+slice receives"):
+        table.add_column(name, justify="right" if name not in ("from", "to") else "left")
+    size = int(np.prod(shape)) * itemsize
+    totals = {"received": 0, "sent": 0, "gather": 0}
+    src_ids = set(source.mesh.device_ids.ravel().tolist())
+    for rows, d in enumerate(ids, 1):
+        p = plan(source, target, shape, itemsize, process_of, d)
+        held = int(np.prod(source.shard_shape(shape, d))) * itemsize if d in src_ids else 0
+        kept = sum(x.size for x in p.local) * itemsize
+        needs = d in p.blocks
+        gather = size - held if needs else 0
+        totals["received"] += p.bytes_received
+        totals["sent"] += p.bytes_sent
+        totals["gather"] += gather
+        if rows <= 64:
+            table.add_row(
+                str(d),
+                f"{kept:,}",
+                f"{p.bytes_received:,}",
+                ", ".join(str(q) for q in sorted(p.receive)) or "-",
+                f"{p.bytes_sent:,}",
+                ", ".join(str(q) for q in sorted(p.send)) or "-",
+                f"{gather:,}",
+            )
+    table.add_row(
+        "all", "", f"{totals['received']:,}", "", f"{totals['sent']:,}", "", f"{totals['gather']:,}"
+    )
+    (console or Console()).print(table)
+    return totals
