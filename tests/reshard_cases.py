@@ -139,4 +139,73 @@ def run_all(backend: str, world: int, mine: set[int], subsets: bool) -> dict[str
             report[f"reshard:{name}"] = check(backend, source, target, shape, dtype, mine)
         except Exception:  # noqa: BLE001 - any failure is this case's
             report[f"reshard:{name}"] = traceback.format_exc(limit=8)
+    if unimesh.get_backend(backend).supports("partial") and backend != "jax":
+        for name, source, target, shape, dtype in partial_cases(world):
+            try:
+                report[f"reshard:{name}"] = check_partial(
+                    backend, source, target, shape, dtype, mine
+                )
+            except Exception:  # noqa: BLE001 - any failure is this case's
+                report[f"reshard:{name}"] = traceback.format_exc(limit=8)
     return report
+
+
+def partial_cases(world: int) -> list[tuple[str, Layout, Layout, tuple[int, ...], str]]:
+    """Sources holding a pending reduction over tp: to P('tp') a reduce-scatter, to P() an
+    all-reduce, and a max."""
+    sq = meshes(world)["square"]
+    return [
+        ("partial-sum-to-sharded", Layout(sq, P(None, partial={"tp": "sum"})),
+         Layout(sq, P("tp")), (8, 4), "float32"),
+        ("partial-sum-to-replicated", Layout(sq, P("dp", partial={"tp": "sum"})),
+         Layout(sq, P()), (6, 3), "int64"),
+        ("partial-max-other-spec", Layout(sq, P("dp", partial={"tp": "max"})),
+         Layout(sq, P(None, "dp")), (4, 6), "float32"),
+    ]  # fmt: skip
+
+
+def check_partial(
+    backend: str, source: Layout, target: Layout, shape: tuple[int, ...], dtype: str,
+    mine: set[int],
+) -> float | str:  # fmt: skip
+    """Each device's addend of ``value``: the block plus a pattern, and minus the pattern on
+    the other coordinate (their sum is the block); for max the block, and the block minus one
+    off the first coordinate; moved and reduced,
+    every target block must be ``value``'s, and bytes received the minimum per addend."""
+    x = value(shape, dtype)
+    mesh = source.mesh
+    (axis, op), = source.spec.partial.items()  # fmt: skip
+    where = {int(d): c for c, d in np.ndenumerate(mesh.device_ids)}
+    k = mesh.axis_names.index(axis)
+    blocks = {}
+    for d in sorted(mine & set(where)):
+        block = x[source.shard_slices(shape, d)]
+        c = where[d][k]
+        if op == "sum":
+            pattern = (np.arange(block.size) % 5).reshape(block.shape).astype(block.dtype)
+            # the first coordinate holds the block plus the pattern, the second minus it
+            blocks[d] = block + pattern if c == 0 else -pattern if c == 1 else 0 * pattern
+        else:
+            blocks[d] = block if c == 0 else block - 1
+    placed = unimesh.from_local(blocks, source, shape, backend=backend)
+    stats: dict[str, int] = {}
+    moved = unimesh.reshard(placed, target, stats=stats)
+    got_blocks = unimesh.local_shards(moved, backend=backend)
+    for d, got in got_blocks.items():
+        want = x[target.shard_slices(shape, d)]
+        if not np.array_equal(np.asarray(got), want):
+            return f"device {d}: got {np.asarray(got)!r}, wanted {want!r}"
+    floor = 0
+    for at in range(mesh.axis_size(axis)):  # the devices at each coordinate: one addend
+        sub = {d for d, c in where.items() if c[k] == at}
+        need = np.zeros(shape, bool)
+        held = np.zeros(shape, bool)
+        for d in target.mesh.device_ids.ravel().tolist():
+            if d in mine:
+                need[target.shard_slices(shape, d)] = True
+        for d in sub & mine:
+            held[source.shard_slices(shape, d)] = True
+        floor += int((need & ~held).sum()) * x.dtype.itemsize
+    if stats.get("bytes_received") != floor:
+        return f"bytes_received {stats.get('bytes_received')}, the minimum is {floor}"
+    return 0.0

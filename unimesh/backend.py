@@ -100,6 +100,7 @@ LAYERS: tuple[Layer, ...] = (
             "exchange_pieces",
             "place",
             "concatenate",
+            "combine",
             "empty_block",
             "native_reshard",
         ),
@@ -593,6 +594,15 @@ class Backend:
         import numpy as np
 
         return np.concatenate(parts, axis=axis)
+
+    def combine(self, op: str, a: Any, b: Any) -> Any:
+        """Two native blocks reduced elementwise: ``sum``, ``max`` or ``min``; or ``avg``:
+        ``a`` divided by the count ``b`` (a partial source reduced on the way)."""
+        import numpy as np
+
+        if op == "avg":
+            return a / b
+        return a + b if op == "sum" else np.maximum(a, b) if op == "max" else np.minimum(a, b)
 
     def empty_block(self, like: Any, shape: tuple[int, ...]) -> Any:
         """A block of ``shape`` (with a zero dim) of ``like``'s dtype."""

@@ -88,11 +88,10 @@ def reshard(
             # the target on this framework, and its mesh on the job's devices, before any move
             _placing_backend(be, "from_local", want, shape)
             to_native(want, be)
-        if source is not None and source.spec.partial:
+        if source is not None and len(set(source.spec.partial.values())) > 1:
             raise UnsupportedError(
-                f"reshard() of {name}: its layout {source!r} holds a pending reduction "
-                f"(partial over {list(source.spec.partial)}); reduce it first "
-                "(unimesh.psum inside the program that made it)"
+                f"reshard() of {name}: its layout {source!r} holds pending reductions of "
+                f"different ops ({source.spec.partial}); reduce all but one first"
             )
         jobs.append((name, leaf, shape, source, want, be))
     out = []
@@ -167,20 +166,79 @@ def _move(
     target: Layout,
     stats: dict[str, int] | None,
 ) -> Any:
-    native = be.native_reshard(leaf, source, target, shape)
-    if native is not None:
-        moved, counted = native
-        _add(stats, counted)
-        return moved
+    if not source.spec.partial:
+        native = be.native_reshard(leaf, source, target, shape)
+        if native is not None:
+            moved, counted = native
+            _add(stats, counted)
+            return moved
     ids = sorted(
         set(source.mesh.device_ids.ravel().tolist()) | set(target.mesh.device_ids.ravel().tolist())
     )
-    where = be.device_processes(ids)
     process_of = np.zeros(max(ids) + 1, dtype=np.int64)
-    process_of[ids] = where
+    process_of[ids] = be.device_processes(ids)
     me = be.process_index()
     blocks = be.native_blocks(leaf)
     itemsize = int(np.dtype(_numpy_dtype(leaf)).itemsize)
+    if not source.spec.partial:
+        out = _blocks(
+            be, blocks, source, target, shape, itemsize, process_of, me, leaf.dtype, stats
+        )
+        return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
+    # a pending reduction: each coordinate along the partial axes holds one addend of every
+    # block; each is moved as its own layout, then reduced on the target devices
+    (op,) = set(source.spec.partial.values())
+    parts = [
+        _blocks(be, {d: b for d, b in blocks.items() if d in addend.mesh.device_ids},
+                addend, target, shape, itemsize, process_of, me, leaf.dtype, stats)
+        for addend in _addends(source)
+    ]  # fmt: skip
+    out = {}
+    for t in parts[0]:
+        total = parts[0][t]
+        for more in parts[1:]:
+            total = be.combine("max" if op == "max" else "min" if op == "min" else "sum",
+                               total, more[t])  # fmt: skip
+        out[t] = be.combine("avg", total, len(parts)) if op == "avg" else total
+    return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
+
+
+def _addends(source: Layout) -> list[Layout]:
+    """A partial layout as one plain layout per coordinate along its partial axes, each over
+    the devices at that coordinate."""
+    from .mesh import Mesh
+    from .spec import PartitionSpec
+
+    mesh = source.mesh
+    axes = list(source.spec.partial)
+    keep = [a for a in mesh.axis_names if a not in axes]
+    spec = PartitionSpec(*source.spec)
+    out = []
+    for at in np.ndindex(*(mesh.axis_size(a) for a in axes)):
+        index = tuple(at[axes.index(a)] if a in axes else slice(None) for a in mesh.axis_names)
+        ids = np.asarray(mesh.device_ids)[index]
+        if keep:
+            sub = Mesh(tuple(mesh.axis_size(a) for a in keep), tuple(keep), device_ids=ids)
+        else:
+            sub = Mesh((1,), ("_addend",), device_ids=[int(ids)])
+        out.append(Layout(sub, spec))
+    return out
+
+
+def _blocks(
+    be: Backend,
+    blocks: Mapping[int, Any],
+    source: Layout,
+    target: Layout,
+    shape: tuple[int, ...],
+    itemsize: int,
+    process_of: np.ndarray,
+    me: int,
+    dtype: Any,
+    stats: dict[str, int] | None,
+) -> dict[int, Any]:
+    """This process's target blocks, from its ``blocks`` laid out as ``source``: the plan's
+    pieces cut, exchanged and joined."""
     the_plan = plan(source, target, shape, itemsize, process_of, me)
     origin: dict[int, tuple[int, ...]] = {}
     if blocks:
@@ -193,7 +251,7 @@ def _move(
 
     outgoing = {q: [cut(p.source, p.start, p.stop) for p in ps] for q, ps in the_plan.send.items()}
     incoming = {q: [p.shape for p in ps] for q, ps in the_plan.receive.items()}
-    got = be.exchange_pieces(outgoing, incoming, leaf.dtype)
+    got = be.exchange_pieces(outgoing, incoming, dtype)
     data: dict[int, Any] = {}
     for q, ps in the_plan.receive.items():
         for p, arr in zip(ps, got[q]):
@@ -205,7 +263,7 @@ def _move(
             continue
         out[t] = _assemble(be, t, bounds, pieces, data, cut, blocks)
     _add(stats, the_plan.stats())
-    return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
+    return out
 
 
 def _assemble(

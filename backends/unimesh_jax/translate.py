@@ -354,6 +354,11 @@ class JaxTranslator(JaxRuntime):
             return piece
         return jax.device_put(piece, device)
 
+    def combine(self, op: str, a: Any, b: Any) -> Any:
+        if op in ("sum", "avg"):
+            return a + b if op == "sum" else a / b
+        return _jax().numpy.maximum(a, b) if op == "max" else _jax().numpy.minimum(a, b)
+
     def concatenate(self, parts: Any, axis: int) -> Any:
         return _jax().numpy.concatenate(parts, axis=axis)
 

@@ -335,5 +335,10 @@ class MLXTranslator(MLXRuntime):
             out[src] = pieces
         return out
 
+    def combine(self, op: str, a: Any, b: Any) -> Any:
+        if op in ("sum", "avg"):
+            return a + b if op == "sum" else a / b
+        return _mx().maximum(a, b) if op == "max" else _mx().minimum(a, b)
+
     def concatenate(self, parts: Any, axis: int) -> Any:
         return _mx().concatenate(list(parts), axis=axis)

@@ -456,6 +456,11 @@ class TorchTranslator(TorchRuntime):
                 at += n
         return out
 
+    def combine(self, op: str, a: Any, b: Any) -> Any:
+        if op in ("sum", "avg"):
+            return a + b if op == "sum" else a / b
+        return _torch().maximum(a, b) if op == "max" else _torch().minimum(a, b)
+
     def concatenate(self, parts: Any, axis: int) -> Any:
         return _torch().cat(list(parts), dim=axis)
 
