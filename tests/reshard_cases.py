@@ -139,6 +139,11 @@ def run_all(backend: str, world: int, mine: set[int], subsets: bool) -> dict[str
             report[f"reshard:{name}"] = check(backend, source, target, shape, dtype, mine)
         except Exception:  # noqa: BLE001 - any failure is this case's
             report[f"reshard:{name}"] = traceback.format_exc(limit=8)
+    if backend == "torch":
+        try:
+            report["reshard:gradient"] = torch_gradient(min(mine))
+        except Exception:  # noqa: BLE001 - any failure is this case's
+            report["reshard:gradient"] = traceback.format_exc(limit=8)
     if unimesh.get_backend(backend).supports("partial") and backend != "jax":
         for name, source, target, shape, dtype in partial_cases(world):
             try:
@@ -208,4 +213,29 @@ def check_partial(
         floor += int((need & ~held).sum()) * x.dtype.itemsize
     if stats.get("bytes_received") != floor:
         return f"bytes_received {stats.get('bytes_received')}, the minimum is {floor}"
+    return 0.0
+
+
+def torch_gradient(rank: int) -> float | str:
+    """torch's own autograd through a reshard (4 ranks): for the loss sum over ranks of
+    <w, my target block>, the gradient of the source DTensor is, on each rank, the sum over
+    target devices of w on their blocks, cut to its own source block: w where the target
+    splits, 4 w where it replicates. 0.0 when both are right."""
+    import torch
+
+    m = meshes(4)
+    source = Layout(m["square"], P(("dp", "tp")))
+    shape = (8, 6)
+    w = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    x = value(shape, "float32")
+    for target, factor in ((Layout(m["line"], P(None, "x")), 1), (Layout(m["line"], P()), 4)):
+        placed = unimesh.distribute(x, source, backend="torch").requires_grad_(True)
+        moved = unimesh.reshard(placed, target)
+        local = moved.to_local()
+        mine = torch.from_numpy(np.ascontiguousarray(w[target.shard_slices(shape, rank)]))
+        (local * mine).sum().backward()
+        got = placed.grad.to_local().numpy()
+        want = factor * w[source.shard_slices(shape, rank)]
+        if not np.allclose(got, want, rtol=1e-6, atol=1e-6):
+            return f"to {target!r}: gradient {got!r}, wanted {want!r}"
     return 0.0

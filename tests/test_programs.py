@@ -86,8 +86,9 @@ def _check(
     extra += tuple(
         f"reshard:{name}" for name, *_ in reshard_cases.cases(4, backend == "torch", uneven)
     )
-    if unimesh.get_backend(backend).supports("partial"):  # pending reductions: torch
+    if backend == "torch":  # pending reductions, and torch's autograd through a reshard
         extra += tuple(f"reshard:{name}" for name, *_ in reshard_cases.partial_cases(4))
+        extra += ("reshard:gradient",)
     reports = {
         int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out_dir.glob("rank-*.json")
     }

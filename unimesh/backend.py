@@ -574,7 +574,10 @@ class Backend:
         """Send ``sends[q]`` (native pieces, in order) to process ``q`` and receive
         ``receives[q]`` (pieces of these shapes, of the framework's ``dtype``) from each
         ``q``, on the framework's own transport; every process calls it with the matching
-        lists. Default: one process, nothing to exchange."""
+        lists. It may add ``-1: [a 0-d zero]``: every target block is summed with it, so
+        that the framework's autodiff runs the exchange's backward on every process that uses
+        the result (a process that only sends included). Default: one process, nothing to
+        exchange."""
         if sends or receives:
             raise UnsupportedError(
                 f"the {self.name} backend moves no data between processes; reshard within "

@@ -252,6 +252,7 @@ def _blocks(
     outgoing = {q: [cut(p.source, p.start, p.stop) for p in ps] for q, ps in the_plan.send.items()}
     incoming = {q: [p.shape for p in ps] for q, ps in the_plan.receive.items()}
     got = be.exchange_pieces(outgoing, incoming, dtype)
+    token = got.pop(-1, None)  # the exchange's place in autodiff (see exchange_pieces)
     data: dict[int, Any] = {}
     for q, ps in the_plan.receive.items():
         for p, arr in zip(ps, got[q]):
@@ -262,6 +263,8 @@ def _blocks(
             out[t] = blocks[t]
             continue
         out[t] = _assemble(be, t, bounds, pieces, data, cut, blocks)
+    if token:
+        out = {t: be.combine("sum", b, token[0]) for t, b in out.items()}
     _add(stats, the_plan.stats())
     return out
 

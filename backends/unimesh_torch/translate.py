@@ -428,29 +428,26 @@ class TorchTranslator(TorchRuntime):
 
     def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
         """One message per pair of ranks each way (the pieces for a rank packed into one
-        buffer, as bytes), on the default process group: ``batch_isend_irecv``."""
-        torch, dist = _torch(), _dist()
+        buffer, as bytes), on the default process group: ``batch_isend_irecv``. Under
+        autograd the exchange is differentiable: its backward sends each received piece's
+        gradient back to its sender (the reverse reshard)."""
+        torch = _torch()
         if not sends and not receives:
             return {}
-        itemsize = torch.empty(0, dtype=dtype).element_size()
         device = torch.device(self._device_type(None))
-        ops, inbox = [], {}
-        for q in sorted(set(sends) | set(receives)):
-            if q in sends:
-                flat = torch.cat([p.detach().contiguous().reshape(-1) for p in sends[q]])
-                ops.append(dist.P2POp(dist.isend, flat.view(torch.uint8), q))
-            if q in receives:
-                count = sum(math.prod(s) for s in receives[q])
-                buffer = torch.empty(count * itemsize, dtype=torch.uint8, device=device)
-                inbox[q] = buffer
-                ops.append(dist.P2POp(dist.irecv, buffer, q))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        peers_out = sorted(sends)
+        peers_in = sorted(receives)
+        counts_in = [sum(math.prod(s) for s in receives[q]) for q in peers_in]
+        flats = [torch.cat([p.contiguous().reshape(-1) for p in sends[q]]) for q in peers_out]
+        *got, token = _Exchange.apply(
+            (tuple(peers_out), tuple(peers_in), tuple(counts_in), dtype, device), *flats
+        )
         out: dict[int, list[Any]] = {}
-        for q, shapes in receives.items():
-            flat, at = inbox[q].view(dtype), 0
-            out[q] = []
-            for shape in shapes:
+        if token.requires_grad:  # each target block depends on the exchange (its backward
+            out[-1] = [token]  # runs on every rank that uses the result, senders included)
+        for q, flat in zip(peers_in, got):
+            at, out[q] = 0, []
+            for shape in receives[q]:
                 n = math.prod(shape)
                 out[q].append(flat[at : at + n].reshape(shape))
                 at += n
@@ -463,6 +460,72 @@ class TorchTranslator(TorchRuntime):
 
     def concatenate(self, parts: Any, axis: int) -> Any:
         return _torch().cat(list(parts), dim=axis)
+
+
+def _p2p(
+    outgoing: dict[int, Any], incoming: dict[int, int], dtype: Any, device: Any
+) -> dict[int, Any]:
+    """Flat tensors to and from each peer rank (``incoming``: element counts), as bytes, in
+    one ``batch_isend_irecv``."""
+    torch, dist = _torch(), _dist()
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    ops, inbox = [], {}
+    for q in sorted(set(outgoing) | set(incoming)):
+        if q in outgoing:
+            flat = outgoing[q].detach().contiguous()
+            ops.append(dist.P2POp(dist.isend, flat.view(torch.uint8), q))
+        if q in incoming:
+            inbox[q] = torch.empty(incoming[q] * itemsize, dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, inbox[q], q))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return {q: buffer.view(dtype) for q, buffer in inbox.items()}
+
+
+def _exchange_function() -> Any:
+    torch = _torch()
+
+    class Exchange(torch.autograd.Function):  # type: ignore[misc,name-defined]
+        """The pieces' exchange; its gradient is the same exchange backwards."""
+
+        @staticmethod
+        def forward(ctx: Any, meta: Any, *flats: Any) -> Any:
+            peers_out, peers_in, counts_in, dtype, device = meta
+            ctx.meta = meta
+            ctx.counts_out = [int(f.numel()) for f in flats]
+            got = _p2p(dict(zip(peers_out, flats)), dict(zip(peers_in, counts_in)), dtype, device)
+            token = _torch().zeros((), dtype=dtype, device=device)
+            return (*(got[q] for q in peers_in), token)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            peers_out, peers_in, counts_in, dtype, device = ctx.meta
+            grads = grads[:-1]  # the token's
+            torch = _torch()
+            back = {
+                q: (g if g is not None else torch.zeros(n, dtype=dtype, device=device))
+                for q, g, n in zip(peers_in, grads, counts_in)
+            }
+            got = _p2p(back, dict(zip(peers_out, ctx.counts_out)), dtype, device)
+            return (None, *(got[q] for q in peers_out))
+
+    return Exchange
+
+
+class _LazyExchange:
+    """``torch.autograd.Function`` subclass built on first use (torch is not imported at
+    module import)."""
+
+    _cls: Any = None
+
+    def apply(self, *args: Any) -> Any:
+        if _LazyExchange._cls is None:
+            _LazyExchange._cls = _exchange_function()
+        return _LazyExchange._cls.apply(*args)
+
+
+_Exchange = _LazyExchange()
 
 
 def global_stride(
