@@ -365,14 +365,15 @@ class JaxTranslator(JaxRuntime):
     def native_reshard(
         self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
     ) -> tuple[Any, dict[str, int]] | None:
-        """Several processes, one device list (the same devices in the same order): XLA's
-        compiled reshard, ``jax.jit`` of the identity with the target as ``out_shardings``;
-        its bytes are the plan's (XLA moves what the collectives of the move need)."""
-        if self.process_count() == 1:
-            # one process: the plan's device-to-device copies of the pieces (XLA's SPMD
-            # partitioner replicates, then slices, for many moves: P('dp') -> P(None, 'tp'))
-            return None
+        """One device list (the same devices in the same order): XLA's compiled reshard,
+        ``jax.jit`` of the identity with the target as ``out_shardings`` (what ``jax.reshard``
+        does inside ``jit``), never through the host. Its bytes are the plan's: what must
+        move (XLA's SPMD partitioner moves more where it warns of a rematerialization).
+        Another device list: None in one process (the plan's device-to-device copies), refused
+        across processes."""
         if source.mesh.device_ids.ravel().tolist() != target.mesh.device_ids.ravel().tolist():
+            if self.process_count() == 1:
+                return None
             from unimesh import UnsupportedError
 
             raise UnsupportedError(
