@@ -165,3 +165,66 @@ def _log_launches(path: str) -> None:
 
 if os.environ.get("UNIMESH_LAUNCH_LOG"):
     _log_launches(os.environ["UNIMESH_LAUNCH_LOG"])
+
+
+# -- what a run leaves behind (issue 51, item 5): checked when the session ends -----------------
+#: temporary folders the launchers and unimesh's MLX sign-ins make (tests/launch.py gives each
+#: launch a TMPDIR of its own, so none should be left in the real one)
+_LEFT = ("torchelastic_", "ompi.", "unimesh-launch-", "unimesh-ranks-", "unimesh-mlx-")
+_BEFORE: set[str] = set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    import tempfile
+
+    _BEFORE.update(os.listdir(tempfile.gettempdir()))
+
+
+def _live_descendants() -> list[tuple[int, str]]:
+    """This process's descendants still running (zombies and multiprocessing's resource
+    tracker, which lives until this process exits, aside), with their command lines."""
+    from .launch import _children
+
+    children = _children()
+    found, todo = [], list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if state != "Z" and "resource_tracker" not in cmd:
+            found.append((pid, cmd[:200]))
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it left a launcher's temporary folder or a process behind (those
+    processes are killed, by process id)."""
+    import tempfile
+
+    if os.environ.get(CHILD) or not _BEFORE:
+        return
+    folder = tempfile.gettempdir()
+    left = sorted(n for n in os.listdir(folder) if n.startswith(_LEFT) and n not in _BEFORE)
+    alive = _live_descendants()
+    if not left and not alive:
+        return
+    from .launch import kill_tree
+
+    for pid, _ in alive:
+        kill_tree(pid)
+    lines = [f"left in {folder}: {name}" for name in left]
+    lines += [f"still running: pid {pid}: {cmd}" for pid, cmd in alive]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    text = "the run left these behind (a launch that is not cleaned up):\n" + "\n".join(lines)
+    if reporter is not None:
+        reporter.write_sep("=", "leftovers", red=True)
+        reporter.write_line(text)
+    else:
+        print(text)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

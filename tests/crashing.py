@@ -48,9 +48,11 @@ def trial(engine: str, path: Path, logs: Path, delay: float, env: dict[str, str]
     ``new`` (the one in flight, already committed) or ``broken`` (with ``why``)."""
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir(parents=True)
+    scratch = logs / "tmp"  # the launcher's temporary files (torchelastic, OpenMPI), removed
+    scratch.mkdir()  # with ``logs`` by the next trial or the test's tmp_path
     proc = subprocess.Popen(
         command(engine, path, logs),
-        env=env,
+        env=dict(env, TMPDIR=str(scratch)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,

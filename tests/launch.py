@@ -20,9 +20,8 @@ def run_bounded(
 
     Under a launcher (torchrun, mpirun, mlx.launch) each rank writes to a file of its own
     (tests/rank_log/sitecustomize.py): the output is the launcher's, then every rank's whole in
-    rank order, so no two ranks' lines run together. mlx.launch gets a TMPDIR of its own,
-    removed afterwards: it leaves two ``mktemp`` files per rank (a pid file and its hostfile)
-    behind in the temporary directory."""
+    rank order, so no two ranks' lines run together. A launcher gets a TMPDIR of its own,
+    removed afterwards (torchrun, OpenMPI and mlx.launch leave files there)."""
     import tempfile
 
     with contextlib.ExitStack() as stack:
@@ -31,8 +30,10 @@ def run_bounded(
             logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="unimesh-ranks-")))
             path = [str(RANK_LOG), *filter(None, [env.get("PYTHONPATH")])]
             env = dict(env, UNIMESH_TEST_RANK_LOG=str(logs), PYTHONPATH=os.pathsep.join(path))
-        if Path(cmd[0]).name == "mlx.launch":
-            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="unimesh-mlx-"))
+            # a temporary directory of the launch's own, removed afterwards: torchrun leaves
+            # torchelastic_* folders, OpenMPI its session folder, mlx.launch a pid file and a
+            # hostfile per rank
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="unimesh-launch-"))
             env = dict(env, TMPDIR=scratch)
         proc = subprocess.Popen(
             cmd,

@@ -206,7 +206,7 @@ def test_convert_prints_the_native_mesh():
     assert "axis_names=('dp', 'tp')" in proc.stdout and "id=3" in proc.stdout
 
 
-def test_convert_is_quiet_readable_and_printed_once():
+def test_convert_is_quiet_readable_and_printed_once(tmp_path):
     """Issue 40: TensorFlow's C++ log lines are kept out of convert's output, its mesh is
     printed as lines that fit a terminal, and under torchrun only the first process prints."""
     pytest.importorskip("tensorflow")
@@ -223,7 +223,7 @@ def test_convert_is_quiet_readable_and_printed_once():
     proc = subprocess.run(
         [*launch, "-m", "unimesh", "convert", "dp=2,tp=2", "--to", "torch"],
         capture_output=True, text=True, timeout=300, check=False,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("DeviceMesh(") == 1, proc.stdout
