@@ -114,6 +114,7 @@ def run_suite(name: str, processes: int, timeout: float, tick: Any = None) -> Ru
         progress = Path(tmp) / "progress.jsonl"
         progress.touch()
         cmd, env, nproc, how = _command(backend, processes, progress)
+        env["TMPDIR"] = tmp  # the launcher's files (torchelastic_*, OpenMPI's) go with it
         run = Run(name, nproc, how)
         log = Path(tmp) / "output.txt"
         t0 = time.perf_counter()

@@ -173,14 +173,27 @@ def _launched_row(
     backend: Backend, spec: str, size: int, step: Callable[[str], None], log: list[str]
 ) -> tuple[str, ...]:
     """Run :func:`trial` in ``size`` processes under the backend's launcher; summarise. The
-    workers' ``UNIMESH_STEP`` lines feed ``step`` as they arrive."""
+    workers' ``UNIMESH_STEP`` lines feed ``step`` as they arrive. The launcher gets a
+    temporary directory of its own, removed afterwards (torchrun and OpenMPI leave files)."""
+    with tempfile.TemporaryDirectory(prefix="unimesh-demo-") as scratch:
+        return _launched_row_in(backend, spec, size, step, log, scratch)
+
+
+def _launched_row_in(
+    backend: Backend,
+    spec: str,
+    size: int,
+    step: Callable[[str], None],
+    log: list[str],
+    scratch: str,
+) -> tuple[str, ...]:
     from rich.markup import escape
 
     name = backend.name
     if size > MAX_PROCESSES:
         return (name, "[dim]skipped[/dim]", str(size), "-", "-", "too many here")
     prefix, extra = backend.launcher(size) or ([sys.executable], {})
-    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=scratch, **extra)
     cmd = [*prefix, "-m", "unimesh.cli.demo_worker", name, spec]
     runs = f"{size} ({backend.launcher_name or os.path.basename(prefix[0])})"
     step(f"launching {size} processes")
