@@ -18,12 +18,13 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from .layout import Layout
 
-__all__ = ["Piece", "Plan", "plan"]
+__all__ = ["Piece", "Plan", "plan", "unpack"]
 
 
 class Piece:
@@ -311,4 +312,15 @@ def _plan(
     for qq, _tb, _pos, did, lo, hi in rows:
         out.send.setdefault(qq, []).append(Piece(lo, hi, did, ()))
     out.kept = tuple(kept)
+    return out
+
+
+def unpack(flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
+    """A received 1-D buffer (any framework's array) cut into pieces of ``shapes``, in order:
+    the inverse of packing a peer's pieces, flattened, one after another."""
+    out, at = [], 0
+    for shape in shapes:
+        count = math.prod(shape)
+        out.append(flat[at : at + count].reshape(shape))
+        at += count
     return out

@@ -325,15 +325,9 @@ class MLXTranslator(MLXRuntime):
                     hop = nxt
                 if me == dst:
                     got[src] = carried
-        out: dict[int, list[Any]] = {}
-        for src, shapes in receives.items():
-            at, pieces = 0, []
-            for shape in shapes:
-                count = math.prod(shape)
-                pieces.append(got[src][at : at + count].reshape(shape))
-                at += count
-            out[src] = pieces
-        return out
+        from unimesh.moves import unpack
+
+        return {src: unpack(got[src], shapes) for src, shapes in receives.items()}
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
         if op in ("sum", "avg"):

@@ -445,12 +445,9 @@ class TorchTranslator(TorchRuntime):
         out: dict[int, list[Any]] = {}
         if token.requires_grad:  # each target block depends on the exchange (its backward
             out[-1] = [token]  # runs on every rank that uses the result, senders included)
-        for q, flat in zip(peers_in, got):
-            at, out[q] = 0, []
-            for shape in receives[q]:
-                n = math.prod(shape)
-                out[q].append(flat[at : at + n].reshape(shape))
-                at += n
+        from unimesh.moves import unpack
+
+        out.update({q: unpack(flat, receives[q]) for q, flat in zip(peers_in, got)})
         return out
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
