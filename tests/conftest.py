@@ -181,8 +181,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def _live_descendants() -> list[tuple[int, str]]:
-    """This process's descendants still running (zombies and multiprocessing's resource
-    tracker, which lives until this process exits, aside), with their command lines."""
+    """This process's descendants still running, with their command lines; aside: zombies,
+    and the helpers that live exactly as long as this process by design (multiprocessing's
+    resource tracker; OpenMPI's singleton daemon, which MLX's ``mx.distributed.init`` starts
+    in a process not launched by mpirun, and which exits when its pipe to this process
+    closes)."""
     from .launch import _children
 
     children = _children()
@@ -197,7 +200,7 @@ def _live_descendants() -> list[tuple[int, str]]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        if state != "Z" and "resource_tracker" not in cmd:
+        if state != "Z" and "resource_tracker" not in cmd and "--singleton-died-pipe" not in cmd:
             found.append((pid, cmd[:200]))
     return found
 

@@ -94,7 +94,6 @@ LAYERS: tuple[Layer, ...] = (
             "exchange",
             "launcher",
             "process_devices",
-            "process_index",
             "device_processes",
             "native_blocks",
             "exchange_pieces",
@@ -144,6 +143,14 @@ DERIVED: dict[str, tuple[str, tuple[str, ...]]] = {
         (
             "unimesh.save / unimesh.load of its distributed arrays, onto any layout "
             "(follows from distribute and from_local)"
+        ),
+        ("distribute", "from_local"),
+    ),
+    "reshard": (
+        (
+            "unimesh.reshard moves its distributed arrays to any layout on any mesh, each "
+            "process receiving only what it lacks (follows from distribute and from_local; "
+            "the reshard transport hooks move the pieces between processes)"
         ),
         ("distribute", "from_local"),
     ),
@@ -552,10 +559,6 @@ class Backend:
         return None
 
     # -- live reshard (unimesh.reshard): the transport a plan of unimesh.moves is handed to --
-    def process_index(self) -> int:
-        """This process's index in the job (default 0: one process)."""
-        return 0
-
     def device_processes(self, device_ids: Sequence[int]) -> list[int]:
         """The process index of each logical device id. Default: one process holds them all."""
         return [0] * len(device_ids)
@@ -570,11 +573,13 @@ class Backend:
         sends: Mapping[int, Sequence[Any]],
         receives: Mapping[int, Sequence[tuple[int, ...]]],
         dtype: Any,
+        like: Any = None,
     ) -> dict[int, list[Any]]:
         """Send ``sends[q]`` (native pieces, in order) to process ``q`` and receive
         ``receives[q]`` (pieces of these shapes, of the framework's ``dtype``) from each
         ``q``, on the framework's own transport; every process calls it with the matching
-        lists. It may add ``-1: [a 0-d zero]``: every target block is summed with it, so
+        lists; ``like`` is the native array being moved (for its autodiff). It may add
+        ``-1: [a 0-d zero]``: every target block is summed with it, so
         that the framework's autodiff runs the exchange's backward on every process that uses
         the result (a process that only sends included). Default: one process, nothing to
         exchange."""

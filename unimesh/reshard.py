@@ -50,8 +50,9 @@ def reshard(
     numpy array, a framework's plain tensor) is laid out as :func:`unimesh.distribute` would.
     ``stats``, a dict, gets this process's ``bytes_sent``, ``bytes_received`` (between
     processes) and ``bytes_copied`` (between its own devices), added up over the tree.
-    ``backend`` picks the framework for arrays that are not distributed yet; a distributed
-    array stays its own framework's. Every array and target is checked before any byte moves.
+    ``backend`` picks the framework for arrays that are not distributed yet (default: that of
+    the tree's distributed arrays); a distributed array stays its own framework's. Every
+    array and target is checked before any byte moves.
     """
     import optree
 
@@ -66,14 +67,18 @@ def reshard(
     paths = ["/".join(str(k) for k in p) for p in optree.treespec_paths(treedef)]
     targets = _targets(x, target, treedef, paths, leaves)
     jobs = []
-    for path, leaf, want in zip(paths, leaves, targets):
+    sources = [None if isinstance(leaf, Layout) else _layout_of(leaf) for leaf in leaves]
+    # a host array in the tree goes to the framework of the tree's distributed arrays
+    placing = backend
+    if placing is None:
+        placing = next((owner_of(x) for x, s in zip(leaves, sources) if s is not None), None)
+    for path, leaf, want, source in zip(paths, leaves, targets, sources):
         name = f"array {path!r}" if path else "the array"
         if isinstance(leaf, Layout):
             raise LayoutError(f"reshard() moves arrays; {name} is a Layout ({want!r})")
         shape = tuple(int(n) for n in leaf.shape)
-        source = _layout_of(leaf)
         if source is None:  # not distributed: laid out as distribute() lays it out
-            be = _placing_backend(backend, "distribute", want, shape)
+            be = _placing_backend(placing, "distribute", want, shape)
         else:
             be = owner_of(leaf)
             if backend is not None and get_backend(backend).name != be.name:
@@ -177,20 +182,18 @@ def _move(
     )
     process_of = np.zeros(max(ids) + 1, dtype=np.int64)
     process_of[ids] = be.device_processes(ids)
-    me = be.process_index()
+    me, _ = be.initialize(300.0)  # this process's index (the runtime is already up)
     blocks = be.native_blocks(leaf)
-    itemsize = int(np.dtype(_numpy_dtype(leaf)).itemsize)
+    itemsize = _itemsize(leaf)
     if not source.spec.partial:
-        out = _blocks(
-            be, blocks, source, target, shape, itemsize, process_of, me, leaf.dtype, stats
-        )
+        out = _blocks(be, blocks, source, target, shape, itemsize, process_of, me, leaf, stats)
         return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
     # a pending reduction: each coordinate along the partial axes holds one addend of every
     # block; each is moved as its own layout, then reduced on the target devices
     (op,) = set(source.spec.partial.values())
     parts = [
         _blocks(be, {d: b for d, b in blocks.items() if d in addend.mesh.device_ids},
-                addend, target, shape, itemsize, process_of, me, leaf.dtype, stats)
+                addend, target, shape, itemsize, process_of, me, leaf, stats)
         for addend in _addends(source)
     ]  # fmt: skip
     out = {}
@@ -234,11 +237,11 @@ def _blocks(
     itemsize: int,
     process_of: np.ndarray,
     me: int,
-    dtype: Any,
+    like: Any,
     stats: dict[str, int] | None,
 ) -> dict[int, Any]:
-    """This process's target blocks, from its ``blocks`` laid out as ``source``: the plan's
-    pieces cut, exchanged and joined."""
+    """This process's target blocks, from its ``blocks`` laid out as ``source`` (of the
+    native array ``like``): the plan's pieces cut, exchanged and joined."""
     the_plan = plan(source, target, shape, itemsize, process_of, me)
     origin: dict[int, tuple[int, ...]] = {}
     if blocks:
@@ -249,9 +252,10 @@ def _blocks(
         o = origin[device]
         return blocks[device][tuple(slice(a - b, c - b) for a, b, c in zip(start, o, stop))]
 
+    dtype = like.dtype
     outgoing = {q: [cut(p.source, p.start, p.stop) for p in ps] for q, ps in the_plan.send.items()}
     incoming = {q: [p.shape for p in ps] for q, ps in the_plan.receive.items()}
-    got = be.exchange_pieces(outgoing, incoming, dtype)
+    got = be.exchange_pieces(outgoing, incoming, dtype, like=like)
     token = got.pop(-1, None)  # the exchange's place in autodiff (see exchange_pieces)
     data: dict[int, Any] = {}
     for q, ps in the_plan.receive.items():
@@ -306,18 +310,25 @@ def _add(stats: dict[str, int] | None, counted: Mapping[str, int]) -> None:
         stats[key] = stats.get(key, 0) + int(counted.get(key, 0))
 
 
-def _numpy_dtype(leaf: Any) -> Any:
+def _itemsize(leaf: Any) -> int:
+    """Bytes per element of a framework's array: numpy's and torch's ``dtype.itemsize``,
+    TensorFlow's and MLX's ``dtype.size``, a dtype's name (Keras) through numpy."""
     dtype = getattr(leaf, "dtype", None)
+    for name in ("itemsize", "size"):
+        size = getattr(dtype, name, None)
+        if isinstance(size, int) and size > 0:
+            return size
     try:
-        return np.dtype(dtype)
+        return int(np.dtype(dtype).itemsize)
     except TypeError:
         pass
-    name = str(dtype).replace("torch.", "").replace("mlx.core.", "")
-    if name == "bfloat16":
-        return np.dtype(np.uint16)  # same size
-    if name == "bool":
-        return np.dtype(bool)
-    return np.dtype(name)
+    text = str(dtype).rsplit(".", 1)[-1]
+    try:
+        return int(np.dtype(text).itemsize)
+    except TypeError:
+        if text == "bfloat16":
+            return 2
+        raise LayoutError(f"reshard() cannot tell the element size of dtype {dtype!r}") from None
 
 
 _ = Plan  # re-exported type for the docs

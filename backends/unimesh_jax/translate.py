@@ -333,9 +333,6 @@ class JaxTranslator(JaxRuntime):
         return {position[s.device]: np.asarray(s.data) for s in array.addressable_shards}
 
     # -- live reshard: unimesh.reshard's transport on JAX --------------------------------------
-    def process_index(self) -> int:
-        return int(_jax().process_index())
-
     def device_processes(self, device_ids: Any) -> list[int]:
         """``jax.Device.process_index`` of each logical device."""
         devices = global_devices()
@@ -391,7 +388,7 @@ class JaxTranslator(JaxRuntime):
         procs = np.zeros(max(ids) + 1, dtype=np.int64)
         procs[ids] = self.device_processes(ids)
         itemsize = int(np.dtype(array.dtype).itemsize)
-        counted = plan(source, target, shape, itemsize, procs, self.process_index()).stats()
+        counted = plan(source, target, shape, itemsize, procs, self.initialize(300.0)[0]).stats()
         return moved, counted
 
     def process_count(self) -> int:

@@ -271,9 +271,6 @@ class MLXTranslator(MLXRuntime):
         return {native_mesh.rank: native_mesh.axis_group(axis).members}
 
     # -- live reshard: unimesh.reshard's transport on mx.distributed ---------------------------
-    def process_index(self) -> int:
-        return int(self._world().rank())
-
     def device_processes(self, device_ids: Any) -> list[int]:
         """A device id is a rank of the world group: each device is its own process."""
         return [int(d) for d in device_ids]
@@ -283,7 +280,9 @@ class MLXTranslator(MLXRuntime):
         local = array.local if isinstance(array, MLXArray) else array
         return {int(self._world().rank()): local}
 
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
+    def exchange_pieces(
+        self, sends: Any, receives: Any, dtype: Any, like: Any = None
+    ) -> dict[int, list[Any]]:
         """The pieces for each rank packed into one array, moved with ``mx.distributed.send``
         and ``recv``. Under MPI, straight to the rank, pair by pair in (sender, receiver)
         order, so that blocking sends never wait in a cycle. MLX's ring backend links each
@@ -294,7 +293,8 @@ class MLXTranslator(MLXRuntime):
         import math
 
         mx = _mx()
-        group, me = self._world(), self.process_index()
+        group = self._world()
+        me = int(group.rank())
         packed = {q: mx.concatenate([p.reshape(-1) for p in ps]) for q, ps in sends.items()}
         totals = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
         got: dict[int, Any] = {}

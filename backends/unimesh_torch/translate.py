@@ -413,9 +413,6 @@ class TorchTranslator(TorchRuntime):
         return {_dist().get_rank(): to_host(array.to_local().detach().cpu())}
 
     # -- live reshard: unimesh.reshard's transport on torch.distributed ------------------------
-    def process_index(self) -> int:
-        return self._world()[0]
-
     def device_processes(self, device_ids: Any) -> list[int]:
         """A mesh's device id is a global rank: each device is its own process."""
         return [int(d) for d in device_ids]
@@ -426,11 +423,15 @@ class TorchTranslator(TorchRuntime):
             return {}
         return {_dist().get_rank(): array.to_local()}
 
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
+    def exchange_pieces(
+        self, sends: Any, receives: Any, dtype: Any, like: Any = None
+    ) -> dict[int, list[Any]]:
         """One message per pair of ranks each way (the pieces for a rank packed into one
         buffer, as bytes), on the default process group: ``batch_isend_irecv``. Under
         autograd the exchange is differentiable: its backward sends each received piece's
-        gradient back to its sender (the reverse reshard)."""
+        gradient back to its sender (the reverse reshard). ``like`` (the DTensor moved) ties
+        the exchange into the graph on a rank that only receives, so its backward runs and
+        its senders are not left waiting."""
         torch = _torch()
         if not sends and not receives:
             return {}
@@ -439,8 +440,12 @@ class TorchTranslator(TorchRuntime):
         peers_in = sorted(receives)
         counts_in = [sum(math.prod(s) for s in receives[q]) for q in peers_in]
         flats = [torch.cat([p.contiguous().reshape(-1) for p in sends[q]]) for q in peers_out]
+        anchor = getattr(like, "requires_grad", False) and torch.is_grad_enabled()
+        if anchor:  # a leaf of its own: DTensor.to_local's backward fails on a rank outside
+            # the DTensor's mesh, which is exactly a rank that may only receive
+            flats.append(torch.zeros(0, dtype=dtype, device=device, requires_grad=True))
         *got, token = _Exchange.apply(
-            (tuple(peers_out), tuple(peers_in), tuple(counts_in), dtype, device), *flats
+            (tuple(peers_out), tuple(peers_in), tuple(counts_in), dtype, device, anchor), *flats
         )
         out: dict[int, list[Any]] = {}
         if token.requires_grad:  # each target block depends on the exchange (its backward
@@ -488,8 +493,10 @@ def _exchange_function() -> Any:
 
         @staticmethod
         def forward(ctx: Any, meta: Any, *flats: Any) -> Any:
-            peers_out, peers_in, counts_in, dtype, device = meta
+            peers_out, peers_in, counts_in, dtype, device, anchor = meta
             ctx.meta = meta
+            if anchor:  # the last input only ties this exchange into the graph
+                flats = flats[:-1]
             ctx.counts_out = [int(f.numel()) for f in flats]
             got = _p2p(dict(zip(peers_out, flats)), dict(zip(peers_in, counts_in)), dtype, device)
             token = _torch().zeros((), dtype=dtype, device=device)
@@ -497,7 +504,7 @@ def _exchange_function() -> Any:
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
-            peers_out, peers_in, counts_in, dtype, device = ctx.meta
+            peers_out, peers_in, counts_in, dtype, device, anchor = ctx.meta
             grads = grads[:-1]  # the token's
             torch = _torch()
             back = {
@@ -505,7 +512,8 @@ def _exchange_function() -> Any:
                 for q, g, n in zip(peers_in, grads, counts_in)
             }
             got = _p2p(back, dict(zip(peers_out, ctx.counts_out)), dtype, device)
-            return (None, *(got[q] for q in peers_out))
+            tie = (torch.zeros(0, dtype=dtype, device=device),) if anchor else ()
+            return (None, *(got[q] for q in peers_out), *tie)
 
     return Exchange
 

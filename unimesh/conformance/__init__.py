@@ -29,5 +29,6 @@ CHECKED = (
     "grad",
     "shard_params",
     "checkpoint",
+    "reshard",
     "multi_process",
 )
