@@ -55,6 +55,12 @@ def cases(
              "float32"),
             ("uneven", Layout(sq, P("tp", "dp")), Layout(tr, P("v", "u")), (7, 5), "float32"),
         ]  # fmt: skip
+    if subsets and uneven:
+        # ranks 0 and 2 hold no source block, and rank 2's target block is empty
+        out.append(
+            ("empty-target-block", Layout(m["half"], P("y")), Layout(line, P("x")), (2, 3),
+             "float32")
+        )  # fmt: skip
     if subsets:
         half = m["half"]
         out += [
@@ -234,6 +240,17 @@ def torch_gradient(rank: int) -> float | str:
         # from half of the ranks: ranks 0 and 2 only receive, and must still run the backward
         (Layout(m["half"], P("y")), Layout(m["square"], P("tp", "dp")), 1),
     ]
+    # a rank that sends but holds no target block could not run the backward: refused before
+    # anything moves, on every rank
+    placed = unimesh.distribute(x, source, backend="torch").requires_grad_(True)
+    try:
+        unimesh.reshard(placed, Layout(m["half"], P("y")))
+        return "a move that leaves sending ranks without a target block was taken under grad"
+    except unimesh.UnsupportedError as exc:
+        if "hold source blocks but no target block" not in str(exc):
+            return f"unexpected refusal: {exc}"
+    with torch.no_grad():  # without grad it moves
+        unimesh.reshard(placed, Layout(m["half"], P("y")))
     for source, target, factor in cases:
         placed = unimesh.distribute(x, source, backend="torch").requires_grad_(True)
         moved = unimesh.reshard(placed, target)

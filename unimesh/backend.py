@@ -101,6 +101,7 @@ LAYERS: tuple[Layer, ...] = (
             "concatenate",
             "combine",
             "empty_block",
+            "check_reshard",
             "native_reshard",
         ),
     ),
@@ -605,16 +606,36 @@ class Backend:
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
         """Two native blocks reduced elementwise: ``sum``, ``max`` or ``min``; or ``avg``:
-        ``a`` divided by the count ``b`` (a partial source reduced on the way)."""
+        ``a`` divided by the count ``b`` (a partial source reduced on the way); or ``tie``:
+        ``a`` unchanged, made to depend on ``b`` in the framework's autodiff (see
+        :meth:`exchange_pieces`)."""
         import numpy as np
 
+        if op == "tie":
+            return a
         if op == "avg":
             return a / b
         return a + b if op == "sum" else np.maximum(a, b) if op == "max" else np.minimum(a, b)
 
-    def empty_block(self, like: Any, shape: tuple[int, ...]) -> Any:
-        """A block of ``shape`` (with a zero dim) of ``like``'s dtype."""
-        return like.reshape(-1)[:0].reshape(shape)
+    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+        """A block of ``shape`` (with a zero dim) of the framework's ``dtype``."""
+        import numpy as np
+
+        return np.empty(shape, dtype=np.dtype(dtype))
+
+    def check_reshard(
+        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
+    ) -> None:
+        """Refuse (``UnsupportedError``) a move this backend cannot make, before any array of
+        the call moves. Default: a move between processes needs :meth:`exchange_pieces`."""
+        if type(self).exchange_pieces is Backend.exchange_pieces and self.initialize(300.0)[1] > 1:
+            raise UnsupportedError(
+                f"the {self.name} backend moves no data between processes, so it cannot "
+                f"reshard {source!r} -> {target!r} across its {self.initialize(300.0)[1]} "
+                "processes; save and load through a checkpoint instead",
+                backend=self.name,
+                capability="multi_process",
+            )
 
     def native_reshard(
         self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]

@@ -63,7 +63,10 @@ def reshard(
         raise LayoutError(f"reshard(stats=...) takes a dict to fill, got {short(stats)}")
     leaves, treedef = optree.tree_flatten(x, is_leaf=_is_leaf)
     if not leaves:
-        raise LayoutError(f"reshard() got {short(x)}, which holds no arrays")
+        raise LayoutError(
+            f"reshard() got {short(x)}, which holds no arrays; pass a distributed array or a "
+            "pytree (dict, list, tuple) of them"
+        )
     paths = ["/".join(str(k) for k in p) for p in optree.treespec_paths(treedef)]
     targets = _targets(x, target, treedef, paths, leaves)
     jobs = []
@@ -75,7 +78,10 @@ def reshard(
     for path, leaf, want, source in zip(paths, leaves, targets, sources):
         name = f"array {path!r}" if path else "the array"
         if isinstance(leaf, Layout):
-            raise LayoutError(f"reshard() moves arrays; {name} is a Layout ({want!r})")
+            raise LayoutError(
+                f"reshard() moves arrays; {name} is a Layout ({leaf!r}): pass the array laid "
+                "out that way, and the Layout you want as target"
+            )
         shape = tuple(int(n) for n in leaf.shape)
         if source is None:  # not distributed: laid out as distribute() lays it out
             be = _placing_backend(placing, "distribute", want, shape)
@@ -93,6 +99,8 @@ def reshard(
             # the target on this framework, and its mesh on the job's devices, before any move
             _placing_backend(be, "from_local", want, shape)
             to_native(want, be)
+            _itemsize(leaf)
+            be.check_reshard(leaf, source, want, shape)
         if source is not None and len(set(source.spec.partial.values())) > 1:
             raise UnsupportedError(
                 f"reshard() of {name}: its layout {source!r} holds pending reductions of "
@@ -266,9 +274,9 @@ def _blocks(
         if t in the_plan.kept:
             out[t] = blocks[t]
             continue
-        out[t] = _assemble(be, t, bounds, pieces, data, cut, blocks)
-    if token:
-        out = {t: be.combine("sum", b, token[0]) for t, b in out.items()}
+        out[t] = _assemble(be, t, bounds, pieces, data, cut, dtype)
+    if token:  # the value unchanged, bit for bit; only autodiff sees the tie
+        out = {t: be.combine("tie", b, token[0]) for t, b in out.items()}
     _add(stats, the_plan.stats())
     return out
 
@@ -280,14 +288,13 @@ def _assemble(
     pieces: list[Any],
     data: dict[int, Any],
     cut: Any,
-    blocks: Mapping[int, Any],
+    dtype: Any,
 ) -> Any:
     """The target block of ``device``: its pieces, put on it and joined in grid order."""
     grid = [len(b) - 1 for b in bounds]
-    if not pieces:  # an empty block
-        like = next(iter(blocks.values())) if blocks else None
+    if not pieces:  # an empty block (this process may hold no block to take a dtype from)
         shape = tuple(max(b[-1] - b[0], 0) if len(b) > 1 else 0 for b in bounds)
-        return be.place(be.empty_block(like, shape), device)
+        return be.place(be.empty_block(dtype, shape), device)
     parts = []
     for p in pieces:
         arr = data[id(p)] if id(p) in data else cut(p.source, p.start, p.stop)
@@ -328,7 +335,10 @@ def _itemsize(leaf: Any) -> int:
     except TypeError:
         if text == "bfloat16":
             return 2
-        raise LayoutError(f"reshard() cannot tell the element size of dtype {dtype!r}") from None
+        raise LayoutError(
+            f"reshard() cannot tell the element size of dtype {dtype!r}; cast the array to a "
+            "numeric dtype numpy knows (float32, bfloat16, int64, bool, ...)"
+        ) from None
 
 
 _ = Plan  # re-exported type for the docs

@@ -352,6 +352,8 @@ class JaxTranslator(JaxRuntime):
         return jax.device_put(piece, device)
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
+        if op == "tie":
+            return a
         if op in ("sum", "avg"):
             return a + b if op == "sum" else a / b
         return _jax().numpy.maximum(a, b) if op == "max" else _jax().numpy.minimum(a, b)
@@ -369,17 +371,7 @@ class JaxTranslator(JaxRuntime):
         Another device list: None in one process (the plan's device-to-device copies), refused
         across processes."""
         if source.mesh.device_ids.ravel().tolist() != target.mesh.device_ids.ravel().tolist():
-            if self.process_count() == 1:
-                return None
-            from unimesh import UnsupportedError
-
-            raise UnsupportedError(
-                f"reshard() on JAX across processes moves within one device list; "
-                f"{source!r} -> {target!r} changes it; reshard onto a layout whose mesh "
-                "has the same devices in the same order",
-                backend=self.name,
-                capability="multi_process",
-            )
+            return None  # one process (check_reshard refuses it across processes)
         from unimesh.moves import plan
 
         sharding = self.layout_to_native(target)
@@ -390,6 +382,25 @@ class JaxTranslator(JaxRuntime):
         itemsize = int(np.dtype(array.dtype).itemsize)
         counted = plan(source, target, shape, itemsize, procs, self.initialize(300.0)[0]).stats()
         return moved, counted
+
+    def check_reshard(
+        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
+    ) -> None:
+        """Across processes, JAX moves within one device list only (a jitted identity)."""
+        same = source.mesh.device_ids.ravel().tolist() == target.mesh.device_ids.ravel().tolist()
+        if not same and self.process_count() > 1:
+            from unimesh import UnsupportedError
+
+            raise UnsupportedError(
+                f"reshard() on JAX across processes moves within one device list; "
+                f"{source!r} -> {target!r} changes it; reshard onto a layout whose mesh "
+                "has the same devices in the same order",
+                backend=self.name,
+                capability="multi_process",
+            )
+
+    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+        return _jax().numpy.zeros(shape, dtype=dtype)
 
     def process_count(self) -> int:
         return int(_jax().process_count())

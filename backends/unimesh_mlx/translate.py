@@ -330,9 +330,14 @@ class MLXTranslator(MLXRuntime):
         return {src: unpack(got[src], shapes) for src, shapes in receives.items()}
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
+        if op == "tie":
+            return a
         if op in ("sum", "avg"):
             return a + b if op == "sum" else a / b
         return _mx().maximum(a, b) if op == "max" else _mx().minimum(a, b)
 
     def concatenate(self, parts: Any, axis: int) -> Any:
         return _mx().concatenate(list(parts), axis=axis)
+
+    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+        return _mx().zeros(shape, dtype=dtype)

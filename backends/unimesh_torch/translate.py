@@ -456,9 +456,37 @@ class TorchTranslator(TorchRuntime):
         return out
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
+        if op == "tie":
+            return _Tie.apply(a, b)
         if op in ("sum", "avg"):
             return a + b if op == "sum" else a / b
         return _torch().maximum(a, b) if op == "max" else _torch().minimum(a, b)
+
+    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+        torch = _torch()
+        return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
+
+    def check_reshard(
+        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
+    ) -> None:
+        """Under autograd, every rank that sends must hold a target block too: a rank outside
+        the target mesh gets an empty result that no loss reaches, so it would never run the
+        backward its peers wait for."""
+        torch = _torch()
+        if not (getattr(array, "requires_grad", False) and torch.is_grad_enabled()):
+            return
+        outside = sorted(
+            set(source.mesh.device_ids.ravel().tolist())
+            - set(target.mesh.device_ids.ravel().tolist())
+        )
+        if outside:
+            raise UnsupportedError(
+                f"reshard() of a DTensor that requires grad from {source!r} to {target!r}: "
+                f"ranks {outside} hold source blocks but no target block, so they could not "
+                "take part in the backward; reshard onto a mesh with every source rank, or "
+                "under torch.no_grad()",
+                backend=self.name,
+            )
 
     def concatenate(self, parts: Any, axis: int) -> Any:
         return _torch().cat(list(parts), dim=axis)
@@ -516,6 +544,37 @@ def _exchange_function() -> Any:
             return (None, *(got[q] for q in peers_out), *tie)
 
     return Exchange
+
+
+def _tie_function() -> Any:
+    torch = _torch()
+
+    class Tie(torch.autograd.Function):  # type: ignore[misc,name-defined]
+        """``block`` as it is (no copy), depending on ``token`` in autograd."""
+
+        @staticmethod
+        def forward(ctx: Any, block: Any, token: Any) -> Any:
+            ctx.token = (token.shape, token.dtype, token.device)
+            return block.view_as(block)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            shape, dtype, device = ctx.token
+            return grad, _torch().zeros(shape, dtype=dtype, device=device)
+
+    return Tie
+
+
+class _LazyTie:
+    _cls: Any = None
+
+    def apply(self, *args: Any) -> Any:
+        if _LazyTie._cls is None:
+            _LazyTie._cls = _tie_function()
+        return _LazyTie._cls.apply(*args)
+
+
+_Tie = _LazyTie()
 
 
 class _LazyExchange:

@@ -818,7 +818,9 @@ def test_reshard_moves_only_what_each_process_lacks(
         assert _same_place(layout_of(got[k]), lay), k
         for device_id, block in backend.local_shards(got[k]).items():
             want = x[lay.shard_slices(x.shape, device_id)]
-            assert np.asarray(block).tobytes() == want.tobytes(), (k, device_id)
+            block = np.asarray(block)
+            assert block.shape == want.shape and block.dtype == want.dtype, (k, device_id)
+            assert block.tobytes() == want.tobytes(), (k, device_id)
         need, held = np.zeros(x.shape, bool), np.zeros(x.shape, bool)
         for d in mine_target:
             need[lay.shard_slices(x.shape, d)] = True
