@@ -21,7 +21,7 @@ from .backend import Backend
 from .errors import LayoutError, UnsupportedError
 from .layout import Layout
 from .messages import short
-from .moves import Plan, plan
+from .moves import plan
 from .rules import LayoutMap
 
 __all__ = ["reshard"]
@@ -129,11 +129,8 @@ def _targets(
     if isinstance(target, LayoutMap):
         from .parallel import _unmatched
 
-        found = []
-        for path, leaf in zip(paths, leaves):
-            layout = target.get(path)
-            found.append(layout if layout is not None else Layout(target.mesh, ()))
-            del leaf
+        replicated = Layout(target.mesh, ())  # an array no rule matches
+        found = [replicated if (got := target.get(path)) is None else got for path in paths]
         _unmatched(target, None, paths, strict=True)
         return found
     try:
@@ -339,6 +336,3 @@ def _itemsize(leaf: Any) -> int:
             f"reshard() cannot tell the element size of dtype {dtype!r}; cast the array to a "
             "numeric dtype numpy knows (float32, bfloat16, int64, bool, ...)"
         ) from None
-
-
-_ = Plan  # re-exported type for the docs

@@ -565,31 +565,22 @@ def _tie_function() -> Any:
     return Tie
 
 
-class _LazyTie:
-    _cls: Any = None
+class _LazyFunction:
+    """A ``torch.autograd.Function`` subclass made by ``build`` on first use (torch is not
+    imported at module import)."""
+
+    def __init__(self, build: Any) -> None:
+        self._build = build
+        self._cls: Any = None
 
     def apply(self, *args: Any) -> Any:
-        if _LazyTie._cls is None:
-            _LazyTie._cls = _tie_function()
-        return _LazyTie._cls.apply(*args)
+        if self._cls is None:
+            self._cls = self._build()
+        return self._cls.apply(*args)
 
 
-_Tie = _LazyTie()
-
-
-class _LazyExchange:
-    """``torch.autograd.Function`` subclass built on first use (torch is not imported at
-    module import)."""
-
-    _cls: Any = None
-
-    def apply(self, *args: Any) -> Any:
-        if _LazyExchange._cls is None:
-            _LazyExchange._cls = _exchange_function()
-        return _LazyExchange._cls.apply(*args)
-
-
-_Exchange = _LazyExchange()
+_Tie = _LazyFunction(_tie_function)
+_Exchange = _LazyFunction(_exchange_function)
 
 
 def global_stride(
