@@ -185,6 +185,45 @@ def test_jax_a_tree_moves_whole_with_a_layout_per_leaf() -> None:
     assert stats == {"bytes_sent": 0, "bytes_received": 0, "bytes_copied": 8 * 32}
 
 
+@pytest.mark.parametrize("where", ["same-devices", "reversed-devices"])
+def test_jax_gradients_through_a_reshard_are_jax_grads(where: str) -> None:
+    """Under ``jax.grad`` (eager and jitted) and ``unimesh.value_and_grad`` a reshard is JAX's
+    own differentiable move: the gradient equals ``jax.grad`` of the same loss without the
+    reshard, laid out like the argument outside ``jit``; the forward value is laid out as the
+    target."""
+    pytest.importorskip("jax")
+    import jax
+    import jax.numpy as jnp
+
+    mesh = Mesh((2, 4), ("dp", "tp"))
+    x = unimesh.distribute(np.arange(32.0, dtype=np.float32).reshape(8, 4) / 7,
+                           Layout(mesh, P("dp", "tp")), "jax")  # fmt: skip
+    if where == "same-devices":
+        target = Layout(mesh, P("tp", None))
+    else:
+        target = Layout(Mesh((8,), ("d",), device_ids=list(range(7, -1, -1))), P("d"))
+    weight = jnp.arange(4.0, dtype=jnp.float32) - 1.5
+
+    def loss(a: object) -> object:
+        b = unimesh.reshard(a, target)
+        return (jnp.sin(b) * b * weight).sum()
+
+    def native(a: object) -> object:
+        return (jnp.sin(a) * a * weight).sum()
+
+    want = np.asarray(jax.grad(native)(x))
+    runs = {"grad": jax.grad(loss), "value_and_grad": lambda a: unimesh.value_and_grad(loss)(a)[1]}
+    if where == "same-devices":  # jit holds one device set (JAX refuses another inside jit)
+        runs["jit(grad)"] = jax.jit(jax.grad(loss))
+        moved = jax.jit(lambda a: unimesh.reshard(a, target))(x)
+        assert moved.sharding.is_equivalent_to(unimesh.to_native(target, "jax"), 2)
+    for name, run in runs.items():
+        got = run(x)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, err_msg=name)
+        if name != "jit(grad)":  # under jit the layout of a result is XLA's to choose
+            assert got.sharding.is_equivalent_to(x.sharding, 2), (name, got.sharding)
+
+
 def test_refusals_name_the_array_and_the_fix() -> None:
     pytest.importorskip("jax")
     mesh = Mesh((2, 4), ("dp", "tp"))

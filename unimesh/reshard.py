@@ -83,6 +83,9 @@ def reshard(
                 "out that way, and the Layout you want as target"
             )
         shape = tuple(int(n) for n in leaf.shape)
+        if source is None and (traced := _traced(leaf, want, shape)) is not None:
+            jobs.append((name, leaf, shape, None, want, traced))
+            continue
         if source is None:  # not distributed: laid out as distribute() lays it out
             be = _placing_backend(placing, "distribute", want, shape)
         else:
@@ -109,6 +112,9 @@ def reshard(
         jobs.append((name, leaf, shape, source, want, be))
     out = []
     for _name, leaf, shape, source, want, be in jobs:
+        if isinstance(be, tuple):  # moved by the tracing framework's own verb
+            out.append(be[0])
+            continue
         if source is None:
             from .convert import distribute
 
@@ -160,6 +166,24 @@ def _check_target(layout: Layout, shape: tuple[int, ...], name: str) -> None:
             f"reshard() of {name}: a target cannot hold a pending reduction "
             f"({layout!r}); drop partial from its spec"
         )
+
+
+def _traced(leaf: Any, target: Layout, shape: tuple[int, ...]) -> tuple[Any] | None:
+    """``(moved,)`` for an array under its framework's tracing (JAX ``jit``/``grad``): its
+    layout is the compiler's, so the framework's own verb moves it (its gradient the reverse
+    move); None for anything else."""
+    from .errors import ConversionError
+    from .registry import owner_of
+
+    if isinstance(leaf, np.ndarray):
+        return None
+    try:
+        be = owner_of(leaf)
+    except ConversionError:
+        return None
+    _check_target(target, shape, "the traced array")
+    moved = be.native_reshard(leaf, None, target, shape)
+    return None if moved is None else (moved[0],)
 
 
 def _layout_of(leaf: Any) -> Layout | None:

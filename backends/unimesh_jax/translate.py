@@ -362,14 +362,29 @@ class JaxTranslator(JaxRuntime):
         return _jax().numpy.concatenate(parts, axis=axis)
 
     def native_reshard(
-        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
+        self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
     ) -> tuple[Any, dict[str, int]] | None:
         """One device list (the same devices in the same order): XLA's compiled reshard,
         ``jax.jit`` of the identity with the target as ``out_shardings`` (what ``jax.reshard``
         does inside ``jit``), never through the host. Its bytes are the plan's: what must
         move (XLA's SPMD partitioner moves more where it warns of a rematerialization).
         Another device list: None in one process (the plan's device-to-device copies), refused
-        across processes."""
+        across processes. A tracer: JAX's differentiable moves to the target's
+        ``NamedSharding``: eagerly (``grad`` outside ``jit``) ``jax.device_put``, whose
+        cotangent goes back to the argument's sharding; under ``jit``
+        ``with_sharding_constraint`` (XLA's reshard; the target must be on the jitted
+        function's devices, JAX's own error otherwise)."""
+        jax = _jax()
+        if source is None:
+            if not isinstance(array, jax.core.Tracer):
+                return None
+            sharding = self.layout_to_native(target)
+            value = array
+            while isinstance(value, jax.core.Tracer):  # an eager transform holds a value
+                value = getattr(value, "primal", None)
+            if isinstance(value, jax.Array):  # eager: the cotangent goes back to its devices
+                return jax.device_put(array, sharding), {}
+            return jax.lax.with_sharding_constraint(array, sharding), {}  # XLA's, under jit
         if source.mesh.device_ids.ravel().tolist() != target.mesh.device_ids.ravel().tolist():
             return None  # one process (check_reshard refuses it across processes)
         from unimesh.moves import plan
