@@ -44,6 +44,23 @@ def _error(got: dict[str, np.ndarray], want: Any, name: str) -> float | str:
     )
 
 
+def _cross(backend: str, other: str, rank: int) -> dict[str, object]:
+    """The second framework's runtime started in these processes (JAX: process id = torch's
+    rank; torch under mpirun: RANK and WORLD_SIZE from Open MPI's), then reshard between the
+    two, both ways."""
+    try:
+        if other == "jax":
+            os.environ["JAX_PROCESS_ID"] = str(rank)
+        else:
+            os.environ["RANK"] = str(rank)
+            os.environ["WORLD_SIZE"] = os.environ["OMPI_COMM_WORLD_SIZE"]
+        unimesh.initialize(other)
+    except Exception:  # noqa: BLE001 - every case reports the failed start
+        return {f"cross:{c[0]}": traceback.format_exc(limit=6)
+                for c in reshard_cases.cross_cases(4, "jax")}  # fmt: skip
+    return reshard_cases.run_cross(other if backend == "torch" else backend, 4, {rank})
+
+
 def main() -> int:
     backend, reference, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     rank, _ = unimesh.initialize(backend)
@@ -122,6 +139,9 @@ def main() -> int:
     # unimesh.reshard on this launch's 4 processes (sub-meshes: torch only, an MLX mesh spans
     # the world)
     report.update(reshard_cases.run_all(backend, 4, {rank}, subsets=backend == "torch"))
+    other = os.environ.get("UNIMESH_CROSS")  # a second framework in the same processes
+    if other:
+        report.update(_cross(backend, other, rank))
     # last, since a hang here ends the launch: the cases above are written first
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
     print(

@@ -264,3 +264,87 @@ def torch_gradient(rank: int) -> float | str:
         if not np.allclose(got, want, rtol=1e-6, atol=1e-6):
             return f"to {target!r}: gradient {got!r}, wanted {want!r}"
     return 0.0
+
+
+def cross_cases(
+    world: int, other: str
+) -> list[tuple[str, str, str, Layout, Layout, tuple[int, ...], str]]:
+    """(name, from backend, to backend, source, target, shape, dtype): torch and ``other``
+    (jax or mlx) in the same ``world`` processes, one device each, both ways."""
+    m = meshes(world)
+    sq, line, tr = m["square"], m["line"], m["transposed"]
+    out = [
+        ("in-place", "torch", other, Layout(sq, P("dp", "tp")), Layout(sq, P("dp", "tp")),
+         (8, 8), "float32"),
+        ("same-mesh", "torch", other, Layout(sq, P("dp", "tp")), Layout(sq, P("tp", "dp")),
+         (8, 8), "float32"),
+        ("other-mesh", "torch", other, Layout(sq, P("dp")), Layout(tr, P(None, "v")), (8, 8),
+         "float32"),
+        ("bfloat16", "torch", other, Layout(sq, P("dp")), Layout(line, P(None, "x")), (4, 8),
+         "bfloat16"),
+        ("int64", "torch", other, Layout(line, P("x")), Layout(sq, P(None, ("dp", "tp"))),
+         (8, 8), "int64"),
+        ("bool", "torch", other, Layout(sq, P("tp")), Layout(line, P("x")), (8, 2), "bool"),
+        ("back-same-mesh", other, "torch", Layout(sq, P("dp", "tp")), Layout(sq, P("tp")),
+         (8, 8), "float32"),
+        ("back-other-mesh", other, "torch", Layout(sq, P("dp")), Layout(tr, P("u", "v")),
+         (8, 8), "float32"),
+        ("back-bfloat16", other, "torch", Layout(line, P("x")), Layout(sq, P(None, "tp")),
+         (8, 4), "bfloat16"),
+    ]  # fmt: skip
+    return out
+
+
+def _pointer(array: Any) -> int | None:
+    """The address of this process's block of a DTensor, a jax.Array or an MLXArray."""
+    if hasattr(array, "to_local"):
+        local = array.to_local()
+        return int(local.data_ptr()) if local.numel() else None
+    shards = getattr(array, "addressable_shards", None)
+    if shards:
+        return int(shards[0].data.unsafe_buffer_pointer())
+    return None
+
+
+def check_cross(
+    name: str, frm: str, to: str, source: Layout, target: Layout, shape: tuple[int, ...],
+    dtype: str, mine: set[int],
+) -> float | str:  # fmt: skip
+    """0.0 when ``reshard(x, target, backend=to)`` of ``frm``'s array is ``to``'s, right bit
+    for bit (in ``to``'s dtype: JAX without x64 keeps int64 as int32), moved the minimum, and
+    (``in-place``) shares the source block's memory where DLPack can."""
+    x = value(shape, dtype)
+    placed = unimesh.distribute(x, source, backend=frm)
+    stats: dict[str, int] = {}
+    moved = unimesh.reshard(placed, target, backend=to, stats=stats)
+    if unimesh.get_backend(to).name != unimesh.registry.owner_of(moved).name:
+        return f"got a {unimesh.registry.owner_of(moved).name} array, wanted {to}'s"
+    blocks = unimesh.local_shards(moved, backend=to)
+    wanted = {d for d in target.mesh.device_ids.ravel().tolist() if d in mine}
+    if set(blocks) != wanted:
+        return f"blocks on devices {sorted(blocks)}, wanted {sorted(wanted)}"
+    for d, block in blocks.items():
+        got = np.asarray(block)
+        want = x[target.shard_slices(shape, d)].astype(got.dtype)
+        if got.shape != want.shape or not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+            return f"device {d}: got {got!r}, wanted {want!r}"
+    floor = minimum_received(source, target, shape, mine, x.dtype.itemsize)
+    if stats.get("bytes_received") != floor:
+        return f"bytes_received {stats.get('bytes_received')}, the minimum is {floor}"
+    if name == "in-place" and to != "mlx" and _pointer(placed) != _pointer(moved):
+        return "the block in place was copied (DLPack shares it)"
+    return 0.0
+
+
+def run_cross(other: str, world: int, mine: set[int]) -> dict[str, Any]:
+    """Every cross-framework case, ``cross:NAME`` -> 0.0 or the problem."""
+    import traceback
+
+    report: dict[str, Any] = {}
+    for name, frm, to, source, target, shape, dtype in cross_cases(world, other):
+        try:
+            report[f"cross:{name}"] = check_cross(name, frm, to, source, target, shape, dtype,
+                                                  mine)  # fmt: skip
+        except Exception:  # noqa: BLE001 - any failure is this case's
+            report[f"cross:{name}"] = traceback.format_exc(limit=8)
+    return report

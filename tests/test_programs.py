@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .launch import require_mpirun, run_bounded
+from .launch import free_port, require_mpirun, run_bounded
 
 HERE = Path(__file__).parent
 WORKER = HERE / "program_worker.py"
@@ -89,6 +89,9 @@ def _check(
     if backend == "torch":  # pending reductions, and torch's autograd through a reshard
         extra += tuple(f"reshard:{name}" for name, *_ in reshard_cases.partial_cases(4))
         extra += ("reshard:gradient",)
+    if "cross" in extra:  # torch and a second framework in the same processes, both ways
+        extra = tuple(e for e in extra if e != "cross")
+        extra += tuple(f"cross:{name}" for name, *_ in reshard_cases.cross_cases(4, "jax"))
     reports = {
         int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out_dir.glob("rank-*.json")
     }
@@ -108,12 +111,14 @@ def _run(
     ranks: int,
     out_dir: Path,
     extra: tuple[str, ...] = (),
+    cross: dict[str, str] | None = None,
 ) -> None:
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        **(cross or {}),
     )
     rc, out = run_bounded(cmd, env, LIMIT)
     assert rc == 0, out[-6000:]
@@ -137,7 +142,15 @@ def test_torchrun_four_processes(reference: Path, tmp_path: Path) -> None:
         ],
         4,
         tmp_path,
-        ("typed-refusal", "typed-refusal-compiled", "full-array-bfloat16"),
+        ("typed-refusal", "typed-refusal-compiled", "full-array-bfloat16", "cross"),
+        # and JAX in the same 4 processes (jax.distributed, one CPU device each): reshard
+        # between DTensors and jax.Arrays both ways
+        {
+            "UNIMESH_CROSS": "jax",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+            "JAX_NUM_PROCESSES": "4",
+            "XLA_FLAGS": "",
+        },
     )  # torch follows JAX's check_vma rules, refusal included, eager and under torch.compile
 
 
@@ -159,7 +172,13 @@ def test_mpirun_four_processes(reference: Path, tmp_path: Path) -> None:
         ],
         4,
         tmp_path,
-        ("rules-only-when-traced", "compiled-forward-without-rules"),
+        ("rules-only-when-traced", "compiled-forward-without-rules", "cross"),
+        # and torch in the same 4 processes (gloo): reshard between MLXArrays and DTensors
+        {
+            "UNIMESH_CROSS": "torch",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        },
     )
 
 

@@ -224,6 +224,28 @@ def test_jax_gradients_through_a_reshard_are_jax_grads(where: str) -> None:
             assert got.sharding.is_equivalent_to(x.sharding, 2), (name, got.sharding)
 
 
+def test_two_frameworks_in_one_process_jax_to_mlx_and_back() -> None:
+    """A jax.Array handed to MLX (``backend="mlx"``) and back, on the one device both hold in
+    this process; Keras takes no other framework's arrays and says so."""
+    pytest.importorskip("jax")
+    mlx = pytest.importorskip("mlx.core")
+    import jax
+
+    one = Mesh((1,), ("x",))
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) * 1.5
+    placed = unimesh.distribute(x, Layout(one, P()), "jax")
+    stats: dict[str, int] = {}
+    there = unimesh.reshard(placed, Layout(one, P("x")), backend="mlx", stats=stats)
+    assert isinstance(there.local, mlx.array) and there.layout == Layout(one, P("x"))
+    np.testing.assert_array_equal(np.asarray(there.local), x)
+    assert stats == {"bytes_sent": 0, "bytes_received": 0, "bytes_copied": 0}
+    back = unimesh.reshard(there, Layout(one, P()), backend="jax")
+    assert isinstance(back, jax.Array)
+    np.testing.assert_array_equal(np.asarray(back), x)
+    with pytest.raises(unimesh.UnsupportedError, match="keras backend takes no other"):
+        unimesh.reshard(placed, Layout(one, P()), backend="keras")
+
+
 def test_refusals_name_the_array_and_the_fix() -> None:
     pytest.importorskip("jax")
     mesh = Mesh((2, 4), ("dp", "tp"))

@@ -103,6 +103,8 @@ LAYERS: tuple[Layer, ...] = (
             "empty_block",
             "check_reshard",
             "native_reshard",
+            "export_block",
+            "import_block",
         ),
     ),
     Layer(
@@ -622,6 +624,24 @@ class Backend:
         import numpy as np
 
         return np.empty(shape, dtype=np.dtype(dtype))
+
+    def export_block(self, block: Any) -> Any:
+        """A native block as another framework takes it (a DLPack producer): no gradient
+        crosses frameworks. Default: as it is."""
+        return block
+
+    def import_block(self, block: Any, device_id: int | None) -> Any:
+        """Another framework's block (a DLPack producer, from its :meth:`export_block`) as
+        this framework's, on logical device ``device_id`` (None: wherever it is; for its
+        dtype): no copy where DLPack can share the memory. Default: refused (the backend
+        takes no other framework's arrays)."""
+        raise UnsupportedError(
+            f"the {self.name} backend takes no other framework's arrays, so reshard(..., "
+            f"backend={self.name!r}) cannot hand it one; reshard on the array's own framework, "
+            "or go through unimesh.save and unimesh.load",
+            backend=self.name,
+            capability="reshard",
+        )
 
     def check_reshard(
         self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]

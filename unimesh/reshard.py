@@ -50,9 +50,12 @@ def reshard(
     numpy array, a framework's plain tensor) is laid out as :func:`unimesh.distribute` would.
     ``stats``, a dict, gets this process's ``bytes_sent``, ``bytes_received`` (between
     processes) and ``bytes_copied`` (between its own devices), added up over the tree.
-    ``backend`` picks the framework for arrays that are not distributed yet (default: that of
-    the tree's distributed arrays); a distributed array stays its own framework's. Every
-    array and target is checked before any byte moves.
+    ``backend`` names the framework of the result (default: each array's own; for arrays
+    not distributed yet, that of the tree's distributed arrays): another framework in the
+    same processes gets each block through DLPack (shared memory where it can), after the
+    pieces move on the source framework's engine; no gradient crosses frameworks. Under a
+    framework's tracer (JAX ``grad``/``jit``) the framework's own differentiable move is
+    used. Every array and target is checked before any byte moves.
     """
     import optree
 
@@ -69,7 +72,7 @@ def reshard(
         )
     paths = ["/".join(str(k) for k in p) for p in optree.treespec_paths(treedef)]
     targets = _targets(x, target, treedef, paths, leaves)
-    jobs = []
+    jobs: list[tuple[str, Any, tuple[int, ...], Layout | None, Layout, tuple[Any, ...]]] = []
     sources = [None if isinstance(leaf, Layout) else _layout_of(leaf) for leaf in leaves]
     # a host array in the tree goes to the framework of the tree's distributed arrays
     placing = backend
@@ -84,43 +87,43 @@ def reshard(
             )
         shape = tuple(int(n) for n in leaf.shape)
         if source is None and (traced := _traced(leaf, want, shape)) is not None:
-            jobs.append((name, leaf, shape, None, want, traced))
+            jobs.append((name, leaf, shape, None, want, traced))  # (moved,)
             continue
         if source is None:  # not distributed: laid out as distribute() lays it out
             be = _placing_backend(placing, "distribute", want, shape)
         else:
             be = owner_of(leaf)
-            if backend is not None and get_backend(backend).name != be.name:
-                raise UnsupportedError(
-                    f"reshard() of {name}: it is a {be.name} array and backend={backend!r} "
-                    "asks for another framework's; moving between two frameworks in one job "
-                    f"is not available yet: reshard on {be.name} (leave backend out), or go "
-                    "through unimesh.save and unimesh.load"
-                )
+        to = be if backend is None or source is None else get_backend(backend)
         _check_target(want, shape, name)
         if source is not None:
-            # the target on this framework, and its mesh on the job's devices, before any move
-            _placing_backend(be, "from_local", want, shape)
-            to_native(want, be)
+            # the target on its framework, and its mesh on the job's devices, before any move
+            _placing_backend(to, "from_local", want, shape)
+            to_native(want, to)
             _itemsize(leaf)
-            be.check_reshard(leaf, source, want, shape)
+            if to.name == be.name:
+                be.check_reshard(leaf, source, want, shape)
+            else:
+                _check_handoff(be, to, source, want, name)
         if source is not None and len(set(source.spec.partial.values())) > 1:
             raise UnsupportedError(
                 f"reshard() of {name}: its layout {source!r} holds pending reductions of "
                 f"different ops ({source.spec.partial}); reduce all but one first"
             )
-        jobs.append((name, leaf, shape, source, want, be))
+        jobs.append((name, leaf, shape, source, want, (be, to)))
     out = []
-    for _name, leaf, shape, source, want, be in jobs:
-        if isinstance(be, tuple):  # moved by the tracing framework's own verb
-            out.append(be[0])
+    for _name, leaf, shape, source, want, engines in jobs:
+        if len(engines) == 1:  # moved by the tracing framework's own verb
+            out.append(engines[0])
             continue
+        be, to = engines
         if source is None:
             from .convert import distribute
 
             out.append(distribute(leaf, want, be))
-            continue
-        out.append(_move(be, leaf, shape, source, want, stats))
+        elif to.name == be.name:
+            out.append(_move(be, leaf, shape, source, want, stats))
+        else:
+            out.append(_handoff(be, to, leaf, shape, source, want, stats))
     return optree.tree_unflatten(treedef, out)
 
 
@@ -192,6 +195,74 @@ def _layout_of(leaf: Any) -> Layout | None:
     return layout_of(leaf)
 
 
+def _ids(*layouts: Layout) -> list[int]:
+    return sorted({d for lay in layouts for d in lay.mesh.device_ids.ravel().tolist()})
+
+
+def _moves_between_processes(be: Backend) -> bool:
+    return type(be).exchange_pieces is not Backend.exchange_pieces or be.initialize(300.0)[1] == 1
+
+
+def _check_handoff(be: Backend, to: Backend, source: Layout, target: Layout, name: str) -> None:
+    """Two frameworks in one job: the target framework takes the source's blocks (DLPack),
+    each device in the same process in both, and one of them moves data between processes."""
+    if type(to).import_block is Backend.import_block:
+        to.import_block(None, None)  # its refusal, naming the backend
+    ids = _ids(source, target)
+    here, there = be.device_processes(ids), to.device_processes(ids)
+    if here != there:
+        bad = next(i for i, a, b in zip(ids, here, there) if a != b)
+        at = ids.index(bad)
+        raise UnsupportedError(
+            f"reshard() of {name} from {be.name} to {to.name}: device {bad} is in process "
+            f"{here[at]} for {be.name} but in process {there[at]} for {to.name}; start both "
+            "runtimes with the same process numbering (torchrun's RANK as JAX_PROCESS_ID), one "
+            "device per process in each"
+        )
+    if not (_moves_between_processes(be) or _moves_between_processes(to)):
+        raise UnsupportedError(
+            f"reshard() of {name} from {be.name} to {to.name}: neither framework moves data "
+            "between processes here; reshard through unimesh.save and unimesh.load"
+        )
+
+
+def _handoff(
+    be: Backend,
+    to: Backend,
+    leaf: Any,
+    shape: tuple[int, ...],
+    source: Layout,
+    target: Layout,
+    stats: dict[str, int] | None,
+) -> Any:
+    """``leaf`` (of ``be``) as ``to``'s array laid out as ``target``: the pieces move on
+    ``be``'s engine (or on ``to``'s where ``be`` moves nothing between processes: JAX across
+    processes, outside its compiled reshard), and each block crosses by DLPack."""
+    if not source.spec.partial:
+        native = be.native_reshard(leaf, source, target, shape)
+        if native is not None:  # in place already: every block crosses as it is
+            moved, counted = native
+            _add(stats, counted)
+            blocks = {d: to.import_block(be.export_block(b), d)
+                      for d, b in be.native_blocks(moved).items()}  # fmt: skip
+            return to.from_local(blocks, target, shape, dtype=_dtype_of(be, to, leaf))
+    if _moves_between_processes(be):
+        out = _moved(be, be.native_blocks(leaf), leaf, shape, source, target, stats)
+        blocks = {d: to.import_block(be.export_block(b), d) for d, b in out.items()}
+        return to.from_local(blocks, target, shape, dtype=_dtype_of(be, to, leaf))
+    held = {d: to.import_block(be.export_block(b), d) for d, b in be.native_blocks(leaf).items()}
+    like = next(iter(held.values()), None)
+    if like is None:
+        like = to.import_block(be.export_block(be.empty_block(leaf.dtype, (0,))), None)
+    out = _moved(to, held, like, shape, source, target, stats)
+    return to.from_local(out, target, shape, dtype=like.dtype)
+
+
+def _dtype_of(be: Backend, to: Backend, leaf: Any) -> Any:
+    """``to``'s dtype for ``be``'s array ``leaf`` (what an empty block becomes)."""
+    return to.import_block(be.export_block(be.empty_block(leaf.dtype, (0,))), None).dtype
+
+
 def _move(
     be: Backend,
     leaf: Any,
@@ -206,23 +277,34 @@ def _move(
             moved, counted = native
             _add(stats, counted)
             return moved
-    ids = sorted(
-        set(source.mesh.device_ids.ravel().tolist()) | set(target.mesh.device_ids.ravel().tolist())
-    )
+    out = _moved(be, be.native_blocks(leaf), leaf, shape, source, target, stats)
+    return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
+
+
+def _moved(
+    be: Backend,
+    blocks: Mapping[int, Any],
+    like: Any,
+    shape: tuple[int, ...],
+    source: Layout,
+    target: Layout,
+    stats: dict[str, int] | None,
+) -> dict[int, Any]:
+    """This process's target blocks, on ``be``'s engine, from its source ``blocks`` (native
+    blocks of ``be``, of ``like``'s dtype)."""
+    ids = _ids(source, target)
     process_of = np.zeros(max(ids) + 1, dtype=np.int64)
     process_of[ids] = be.device_processes(ids)
     me, _ = be.initialize(300.0)  # this process's index (the runtime is already up)
-    blocks = be.native_blocks(leaf)
-    itemsize = _itemsize(leaf)
+    itemsize = _itemsize(like)
     if not source.spec.partial:
-        out = _blocks(be, blocks, source, target, shape, itemsize, process_of, me, leaf, stats)
-        return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
+        return _blocks(be, blocks, source, target, shape, itemsize, process_of, me, like, stats)
     # a pending reduction: each coordinate along the partial axes holds one addend of every
     # block; each is moved as its own layout, then reduced on the target devices
     (op,) = set(source.spec.partial.values())
     parts = [
         _blocks(be, {d: b for d, b in blocks.items() if d in addend.mesh.device_ids},
-                addend, target, shape, itemsize, process_of, me, leaf, stats)
+                addend, target, shape, itemsize, process_of, me, like, stats)
         for addend in _addends(source)
     ]  # fmt: skip
     out = {}
@@ -232,7 +314,7 @@ def _move(
             total = be.combine("max" if op == "max" else "min" if op == "min" else "sum",
                                total, more[t])  # fmt: skip
         out[t] = be.combine("avg", total, len(parts)) if op == "avg" else total
-    return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
+    return out
 
 
 def _addends(source: Layout) -> list[Layout]:

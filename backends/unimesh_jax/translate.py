@@ -351,6 +351,12 @@ class JaxTranslator(JaxRuntime):
             return piece
         return jax.device_put(piece, device)
 
+    def import_block(self, block: Any, device_id: int | None) -> Any:
+        """``jax.dlpack.from_dlpack`` (shared memory where JAX can; a cast where JAX keeps
+        another dtype: int64 without x64), then on the device."""
+        got = _jax().dlpack.from_dlpack(block)
+        return got if device_id is None else self.place(got, device_id)
+
     def combine(self, op: str, a: Any, b: Any) -> Any:
         if op == "tie":
             return a

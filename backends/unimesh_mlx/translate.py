@@ -329,6 +329,10 @@ class MLXTranslator(MLXRuntime):
 
         return {src: unpack(got[src], shapes) for src, shapes in receives.items()}
 
+    def import_block(self, block: Any, device_id: int | None) -> Any:
+        """``mx.array`` of the block through DLPack: a copy (an ``mx.array`` owns its memory)."""
+        return _mx().array(block)
+
     def combine(self, op: str, a: Any, b: Any) -> Any:
         if op == "tie":
             return a

@@ -383,6 +383,8 @@ class TorchTranslator(TorchRuntime):
         if block is None:  # a rank outside the mesh holds nothing, as distribute_tensor gives it
             if dtype is None or isinstance(dtype, torch.dtype):
                 local = torch.empty(0, dtype=dtype)
+            elif str(dtype).rsplit(".", 1)[-1] == "bfloat16":  # numpy has no bfloat16 of its own
+                local = torch.empty(0, dtype=torch.bfloat16)
             else:  # numpy's spelling
                 local = torch.from_numpy(np.empty(0, dtype=np.dtype(dtype)))
         elif isinstance(block, torch.Tensor):
@@ -461,6 +463,14 @@ class TorchTranslator(TorchRuntime):
         if op in ("sum", "avg"):
             return a + b if op == "sum" else a / b
         return _torch().maximum(a, b) if op == "max" else _torch().minimum(a, b)
+
+    def export_block(self, block: Any) -> Any:
+        """The block detached (DLPack carries no autograd; no gradient crosses frameworks)."""
+        return block.detach()
+
+    def import_block(self, block: Any, device_id: int | None) -> Any:
+        """``torch.from_dlpack``: the other framework's memory, shared (no copy)."""
+        return _torch().from_dlpack(block)
 
     def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
         torch = _torch()
