@@ -145,9 +145,10 @@ def run_all(backend: str, world: int, mine: set[int], subsets: bool) -> dict[str
             report[f"reshard:{name}"] = check(backend, source, target, shape, dtype, mine)
         except Exception:  # noqa: BLE001 - any failure is this case's
             report[f"reshard:{name}"] = traceback.format_exc(limit=8)
-    if backend == "torch":
+    if backend in ("torch", "mlx"):
         try:
-            report["reshard:gradient"] = torch_gradient(min(mine))
+            gradient = torch_gradient if backend == "torch" else mlx_gradient
+            report["reshard:gradient"] = gradient(min(mine))
         except Exception:  # noqa: BLE001 - any failure is this case's
             report["reshard:gradient"] = traceback.format_exc(limit=8)
     if unimesh.get_backend(backend).supports("partial") and backend != "jax":
@@ -263,6 +264,42 @@ def torch_gradient(rank: int) -> float | str:
         want = factor * w[source.shard_slices(shape, rank)]
         if not np.allclose(got, want, rtol=1e-6, atol=1e-6):
             return f"to {target!r}: gradient {got!r}, wanted {want!r}"
+    return 0.0
+
+
+def mlx_gradient(rank: int) -> float | str:
+    """MLX through ``unimesh.value_and_grad`` (4 ranks): the same loss and expected gradient
+    as :func:`torch_gradient` (w where the target splits, 4 w where it replicates), a
+    partially used result included (the exchange's gradient rule runs on every rank)."""
+    m = meshes(4)
+    source = Layout(m["square"], P(("dp", "tp")))
+    shape = (8, 6)
+    w = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    x = value(shape, "float32")
+    cases = [
+        (Layout(m["line"], P(None, "x")), 1),
+        (Layout(m["line"], P()), 4),
+        (Layout(m["transposed"], P("v", "u")), 1),
+    ]
+    import mlx.core as mx
+
+    for target, factor in cases:
+        placed = unimesh.distribute(x, source, backend="mlx")
+        mine = mx.array(np.ascontiguousarray(w[target.shard_slices(shape, rank)]))
+
+        def loss(a: Any, target: Layout = target, mine: Any = mine) -> Any:
+            return (unimesh.reshard(a, target).local * mine).sum()
+
+        val, grad = unimesh.value_and_grad(loss)(placed)
+        got = np.asarray(grad.local)
+        want = factor * w[source.shard_slices(shape, rank)]
+        if not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+            return f"to {target!r}: gradient {got!r}, wanted {want!r}"
+        expect = float(
+            (x[target.shard_slices(shape, rank)] * w[target.shard_slices(shape, rank)]).sum()
+        )
+        if not np.isclose(float(np.asarray(val)), expect, rtol=1e-5):
+            return f"to {target!r}: value {val}, wanted {expect}"
     return 0.0
 
 

@@ -5,6 +5,7 @@ neutral order); a layout is this process's block (:class:`MLXLayout`, :class:`ML
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Mapping
@@ -284,64 +285,112 @@ class MLXTranslator(MLXRuntime):
         self, sends: Any, receives: Any, dtype: Any, like: Any = None
     ) -> dict[int, list[Any]]:
         """The pieces for each rank packed into one array, moved with ``mx.distributed.send``
-        and ``recv``. Under MPI, straight to the rank, pair by pair in (sender, receiver)
-        order, so that blocking sends never wait in a cycle. MLX's ring backend links each
-        rank to its neighbours only: there every rank learns the sizes of all messages (one
-        small ``all_gather``) and each message is passed on from neighbour to neighbour, one
-        hop at a time in an order all ranks share (``stats`` count the payload, not the
-        hops)."""
+        and ``recv`` (:func:`_transport`). Differentiable: an ``mx.custom_function`` whose
+        gradient rule sends each received piece's cotangent back to its sender (the reverse
+        exchange), with a token (``-1``) every target block is tied to, so that every rank
+        runs that rule and no sender waits for a cotangent that never comes."""
         import math
 
         mx = _mx()
         group = self._world()
-        me = int(group.rank())
-        packed = {q: mx.concatenate([p.reshape(-1) for p in ps]) for q, ps in sends.items()}
-        totals = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
-        got: dict[int, Any] = {}
-        if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
-            for src, dst in sorted([(me, q) for q in packed] + [(q, me) for q in totals]):
-                if src == me:
-                    mx.eval(mx.distributed.send(packed[dst], dst, group=group))
-                else:
-                    got[src] = mx.distributed.recv((totals[src],), dtype, src, group=group)
-                    mx.eval(got[src])
-        else:
-            n = int(group.size())
-            row = mx.array([int(packed[q].size) if q in packed else 0 for q in range(n)])
-            sizes = np.asarray(mx.distributed.all_gather(row[None], group=group)).reshape(n, n)
-            for src, dst in zip(*np.nonzero(sizes)):
-                src, dst = int(src), int(dst)
-                carried = packed.get(dst) if src == me else None
-                hop = src
-                while hop != dst:
-                    nxt = (hop + 1) % n
-                    if me == hop:
-                        mx.eval(mx.distributed.send(carried, nxt, group=group))
-                        carried = None
-                    elif me == nxt:
-                        count = int(sizes[src, dst])
-                        carried = mx.distributed.recv((count,), dtype, hop, group=group)
-                        mx.eval(carried)
-                    hop = nxt
-                if me == dst:
-                    got[src] = carried
+        peers_out = sorted(sends)
+        peers_in = sorted(receives)
+        counts_out = [sum(math.prod(p.shape) for p in sends[q]) for q in peers_out]
+        counts_in = [sum(math.prod(s) for s in receives[q]) for q in peers_in]
+
+        @mx.custom_function
+        def exchange(flats: list[Any]) -> list[Any]:
+            got = _transport(group, dict(zip(peers_out, flats)), dict(zip(peers_in, counts_in)),
+                             dtype)  # fmt: skip
+            return [got[q] for q in peers_in] + [mx.zeros((0,), dtype=dtype)]
+
+        @exchange.vjp
+        def _reverse(primals: Any, cotangents: Any, outputs: Any) -> Any:
+            back = _transport(
+                group,
+                dict(zip(peers_in, cotangents[: len(peers_in)])),
+                dict(zip(peers_out, counts_out)),
+                dtype,
+            )
+            return ([back[q] for q in peers_out],)
+
+        flats = [mx.concatenate([p.reshape(-1) for p in sends[q]]) for q in peers_out]
+        *got, token = exchange(flats)
         from unimesh.moves import unpack
 
-        return {src: unpack(got[src], shapes) for src, shapes in receives.items()}
+        out = {q: unpack(flat, receives[q]) for q, flat in zip(peers_in, got)}
+        out[-1] = [token]
+        return out
+
+    def combine(self, op: str, a: Any, b: Any) -> Any:
+        if op == "tie":
+            return _tie()(a, b)
+        if op in ("sum", "avg"):
+            return a + b if op == "sum" else a / b
+        return _mx().maximum(a, b) if op == "max" else _mx().minimum(a, b)
 
     def import_block(self, block: Any, device_id: int | None) -> Any:
         """``mx.array`` of the block through DLPack: a copy (an ``mx.array`` owns its memory)."""
         return _mx().array(block)
-
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        if op == "tie":
-            return a
-        if op in ("sum", "avg"):
-            return a + b if op == "sum" else a / b
-        return _mx().maximum(a, b) if op == "max" else _mx().minimum(a, b)
 
     def concatenate(self, parts: Any, axis: int) -> Any:
         return _mx().concatenate(list(parts), axis=axis)
 
     def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
         return _mx().zeros(shape, dtype=dtype)
+
+
+def _transport(
+    group: Any, packed: dict[int, Any], totals: dict[int, int], dtype: Any
+) -> dict[int, Any]:
+    """Flat arrays to (``packed``) and from (``totals``: element counts) each rank. Under MPI,
+    straight to the rank, pair by pair in (sender, receiver) order, so that blocking sends
+    never wait in a cycle. MLX's ring backend links each rank to its neighbours only: there
+    every rank learns the sizes of all messages (one small ``all_gather``) and each message is
+    passed on from neighbour to neighbour, one hop at a time in an order all ranks share."""
+    mx = _mx()
+    me = int(group.rank())
+    got: dict[int, Any] = {}
+    if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
+        for src, dst in sorted([(me, q) for q in packed] + [(q, me) for q in totals]):
+            if src == me:
+                mx.eval(mx.distributed.send(packed[dst], dst, group=group))
+            else:
+                got[src] = mx.distributed.recv((totals[src],), dtype, src, group=group)
+                mx.eval(got[src])
+        return got
+    n = int(group.size())
+    row = mx.array([int(packed[q].size) if q in packed else 0 for q in range(n)])
+    sizes = np.asarray(mx.distributed.all_gather(row[None], group=group)).reshape(n, n)
+    for src, dst in zip(*np.nonzero(sizes)):
+        src, dst = int(src), int(dst)
+        carried = packed.get(dst) if src == me else None
+        hop = src
+        while hop != dst:
+            nxt = (hop + 1) % n
+            if me == hop:
+                mx.eval(mx.distributed.send(carried, nxt, group=group))
+                carried = None
+            elif me == nxt:
+                carried = mx.distributed.recv((int(sizes[src, dst]),), dtype, hop, group=group)
+                mx.eval(carried)
+            hop = nxt
+        if me == dst:
+            got[src] = carried
+    return got
+
+
+@functools.cache
+def _tie() -> Any:
+    """``a`` unchanged, with ``b`` (the exchange's token) as an input of MLX's autodiff."""
+    mx = _mx()
+
+    @mx.custom_function
+    def tie(a: Any, b: Any) -> Any:
+        return mx.depends(a, b)
+
+    @tie.vjp
+    def _back(primals: Any, cotangent: Any, output: Any) -> Any:
+        return cotangent, mx.zeros_like(primals[1])
+
+    return tie
