@@ -224,10 +224,11 @@ def check_partial(
 
 
 def torch_gradient(rank: int) -> float | str:
-    """torch's own autograd through a reshard (4 ranks): for the loss sum over ranks of
-    <w, my target block>, the gradient of the source DTensor is, on each rank, the sum over
-    target devices of w on their blocks, cut to its own source block: w where the target
-    splits, 4 w where it replicates. 0.0 when both are right."""
+    """torch's own autograd through a reshard (4 ranks): the loss <w, x> (each rank's part
+    <w, its target block>; a replicated target's part is the whole, the same on every rank,
+    as DTensor and jax.grad read a replicated value) has the gradient w, laid out like the
+    source: the reverse reshard of the cotangent (a replicated source gets all of w on each
+    replica, as DTensor.redistribute's backward gives it). 0.0 when all are right."""
     import torch
 
     m = meshes(4)
@@ -237,7 +238,8 @@ def torch_gradient(rank: int) -> float | str:
     x = value(shape, "float32")
     cases = [
         (source, Layout(m["line"], P(None, "x")), 1),
-        (source, Layout(m["line"], P()), 4),
+        (source, Layout(m["line"], P()), 1),
+        (Layout(m["line"], P()), Layout(m["square"], P("tp", "dp")), 1),  # replicated source
         # from half of the ranks: ranks 0 and 2 only receive, and must still run the backward
         (Layout(m["half"], P("y")), Layout(m["square"], P("tp", "dp")), 1),
     ]
@@ -269,21 +271,21 @@ def torch_gradient(rank: int) -> float | str:
 
 def mlx_gradient(rank: int) -> float | str:
     """MLX through ``unimesh.value_and_grad`` (4 ranks): the same loss and expected gradient
-    as :func:`torch_gradient` (w where the target splits, 4 w where it replicates), a
-    partially used result included (the exchange's gradient rule runs on every rank)."""
+    as :func:`torch_gradient` (w, laid out like the source, replicated sources included)."""
     m = meshes(4)
     source = Layout(m["square"], P(("dp", "tp")))
     shape = (8, 6)
     w = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
     x = value(shape, "float32")
     cases = [
-        (Layout(m["line"], P(None, "x")), 1),
-        (Layout(m["line"], P()), 4),
-        (Layout(m["transposed"], P("v", "u")), 1),
+        (source, Layout(m["line"], P(None, "x")), 1),
+        (source, Layout(m["line"], P()), 1),
+        (source, Layout(m["transposed"], P("v", "u")), 1),
+        (Layout(m["line"], P()), Layout(m["square"], P("tp", "dp")), 1),  # replicated source
     ]
     import mlx.core as mx
 
-    for target, factor in cases:
+    for source, target, factor in cases:
         placed = unimesh.distribute(x, source, backend="mlx")
         mine = mx.array(np.ascontiguousarray(w[target.shard_slices(shape, rank)]))
 

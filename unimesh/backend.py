@@ -97,6 +97,7 @@ LAYERS: tuple[Layer, ...] = (
             "device_processes",
             "native_blocks",
             "exchange_pieces",
+            "move_with_gradient",
             "place",
             "concatenate",
             "combine",
@@ -576,16 +577,11 @@ class Backend:
         sends: Mapping[int, Sequence[Any]],
         receives: Mapping[int, Sequence[tuple[int, ...]]],
         dtype: Any,
-        like: Any = None,
     ) -> dict[int, list[Any]]:
         """Send ``sends[q]`` (native pieces, in order) to process ``q`` and receive
         ``receives[q]`` (pieces of these shapes, of the framework's ``dtype``) from each
         ``q``, on the framework's own transport; every process calls it with the matching
-        lists; ``like`` is the native array being moved (for its autodiff). It may add
-        ``-1: [a 0-d zero]``: every target block is summed with it, so
-        that the framework's autodiff runs the exchange's backward on every process that uses
-        the result (a process that only sends included). Default: one process, nothing to
-        exchange."""
+        lists. Default: one process, nothing to exchange."""
         if sends or receives:
             raise UnsupportedError(
                 f"the {self.name} backend moves no data between processes; reshard within "
@@ -594,6 +590,20 @@ class Backend:
                 capability="multi_process",
             )
         return {}
+
+    def move_with_gradient(
+        self,
+        blocks: Mapping[int, Any],
+        forward: Callable[[Mapping[int, Any]], dict[int, Any]],
+        backward: Callable[[Mapping[int, Any]], dict[int, Any]],
+        like: Any,
+    ) -> dict[int, Any]:
+        """``forward(blocks)`` (this process's target blocks from its source ``blocks``), as
+        one step of the framework's autodiff where it records one: given the cotangents of
+        the target blocks, ``backward`` gives those of the source blocks (it moves data too,
+        so every process that took part in the forward must run it). ``like`` is the array
+        moved. Default: ``forward(blocks)``, outside any autodiff."""
+        return forward(blocks)
 
     def place(self, piece: Any, device_id: int) -> Any:
         """``piece`` on logical device ``device_id`` (a copy only where it lives elsewhere).
@@ -608,13 +618,9 @@ class Backend:
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
         """Two native blocks reduced elementwise: ``sum``, ``max`` or ``min``; or ``avg``:
-        ``a`` divided by the count ``b`` (a partial source reduced on the way); or ``tie``:
-        ``a`` unchanged, made to depend on ``b`` in the framework's autodiff (see
-        :meth:`exchange_pieces`)."""
+        ``a`` divided by the count ``b`` (a partial source reduced on the way)."""
         import numpy as np
 
-        if op == "tie":
-            return a
         if op == "avg":
             return a / b
         return a + b if op == "sum" else np.maximum(a, b) if op == "max" else np.minimum(a, b)

@@ -291,7 +291,46 @@ def _moved(
     stats: dict[str, int] | None,
 ) -> dict[int, Any]:
     """This process's target blocks, on ``be``'s engine, from its source ``blocks`` (native
-    blocks of ``be``, of ``like``'s dtype)."""
+    blocks of ``be``, of ``like``'s dtype), in the framework's autodiff where it records
+    (:meth:`~unimesh.Backend.move_with_gradient`): the gradient of the move is the reverse
+    move, the cotangent blocks resharded from ``target`` to ``source`` (a pending sum's
+    addends each get the whole cotangent, as the derivative of a sum says; an avg's, a
+    share)."""
+
+    def forward(given: Mapping[int, Any]) -> dict[int, Any]:
+        return _plain(be, given, like, shape, source, target, stats)
+
+    def backward(cotangents: Mapping[int, Any]) -> dict[int, Any]:
+        from .spec import PartitionSpec
+
+        ops = set(source.spec.partial.values())
+        if ops & {"max", "min"}:
+            raise UnsupportedError(
+                f"reshard() of {source!r}: the gradient of a pending {min(ops)} is not a "
+                "move; reduce it before the differentiated function",
+                backend=be.name,
+                capability="grad",
+            )
+        plain = Layout(source.mesh, PartitionSpec(*source.spec))
+        got = _plain(be, cotangents, like, shape, target, plain, None)
+        if ops == {"avg"}:
+            n = math.prod(source.mesh.axis_size(a) for a in source.spec.partial)
+            got = {d: be.combine("avg", b, n) for d, b in got.items()}
+        return got
+
+    return be.move_with_gradient(blocks, forward, backward, like)
+
+
+def _plain(
+    be: Backend,
+    blocks: Mapping[int, Any],
+    like: Any,
+    shape: tuple[int, ...],
+    source: Layout,
+    target: Layout,
+    stats: dict[str, int] | None,
+) -> dict[int, Any]:
+    """:func:`_moved` outside autodiff."""
     ids = _ids(source, target)
     process_of = np.zeros(max(ids) + 1, dtype=np.int64)
     process_of[ids] = be.device_processes(ids)
@@ -366,8 +405,7 @@ def _blocks(
     dtype = like.dtype
     outgoing = {q: [cut(p.source, p.start, p.stop) for p in ps] for q, ps in the_plan.send.items()}
     incoming = {q: [p.shape for p in ps] for q, ps in the_plan.receive.items()}
-    got = be.exchange_pieces(outgoing, incoming, dtype, like=like)
-    token = got.pop(-1, None)  # the exchange's place in autodiff (see exchange_pieces)
+    got = be.exchange_pieces(outgoing, incoming, dtype)
     data: dict[int, Any] = {}
     for q, ps in the_plan.receive.items():
         for p, arr in zip(ps, got[q]):
@@ -378,8 +416,6 @@ def _blocks(
             out[t] = blocks[t]
             continue
         out[t] = _assemble(be, t, bounds, pieces, data, cut, dtype)
-    if token:  # the value unchanged, bit for bit; only autodiff sees the tie
-        out = {t: be.combine("tie", b, token[0]) for t, b in out.items()}
     _add(stats, the_plan.stats())
     return out
 

@@ -104,22 +104,11 @@ class MLXPrograms(MLXTranslator):
                 whole = self.axis_env(layout.mesh).whole(arg.local, arg.layout, arg.shape)
             if whole is not None:
                 return whole, True
-            probe = _probe()
-            if (
-                probe(arg.local)
-                if probe is not None
-                else (not is_fresh(arg.local) and self._differentiating)
-            ):
-                raise UnsupportedError(
-                    f"an argument laid out as {arg.layout!r} goes to a program whose in_spec "
-                    f"is {layout.spec!r} on another mesh (or in blocks of unequal size): MLX "
-                    "moves it through the host there, and no gradient could flow back. Lay "
-                    "it out on the program's mesh in even blocks first (unimesh.distribute "
-                    "outside the differentiated function)",
-                    backend=self.name,
-                    capability="grad",
-                )
-            arg = self.full_array(arg)
+            # another mesh, or blocks of unequal size: unimesh.reshard moves only the pieces
+            # this rank lacks (send/recv, differentiable; not inside mx.compile)
+            import unimesh
+
+            return unimesh.reshard(arg, layout).local, False
         return (arg if isinstance(arg, mx.array) else fresh(host_to_mx(arg))), True
 
     def needs_grad(self, x: Any) -> bool:

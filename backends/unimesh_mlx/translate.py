@@ -5,7 +5,6 @@ neutral order); a layout is this process's block (:class:`MLXLayout`, :class:`ML
 
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 from collections.abc import Mapping
@@ -281,50 +280,46 @@ class MLXTranslator(MLXRuntime):
         local = array.local if isinstance(array, MLXArray) else array
         return {int(self._world().rank()): local}
 
-    def exchange_pieces(
-        self, sends: Any, receives: Any, dtype: Any, like: Any = None
-    ) -> dict[int, list[Any]]:
+    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
         """The pieces for each rank packed into one array, moved with ``mx.distributed.send``
-        and ``recv`` (:func:`_transport`). Differentiable: an ``mx.custom_function`` whose
-        gradient rule sends each received piece's cotangent back to its sender (the reverse
-        exchange), with a token (``-1``) every target block is tied to, so that every rank
-        runs that rule and no sender waits for a cotangent that never comes."""
+        and ``recv`` (:func:`_transport`)."""
         import math
 
         mx = _mx()
-        group = self._world()
-        peers_out = sorted(sends)
-        peers_in = sorted(receives)
-        counts_out = [sum(math.prod(p.shape) for p in sends[q]) for q in peers_out]
-        counts_in = [sum(math.prod(s) for s in receives[q]) for q in peers_in]
-
-        @mx.custom_function
-        def exchange(flats: list[Any]) -> list[Any]:
-            got = _transport(group, dict(zip(peers_out, flats)), dict(zip(peers_in, counts_in)),
-                             dtype)  # fmt: skip
-            return [got[q] for q in peers_in] + [mx.zeros((0,), dtype=dtype)]
-
-        @exchange.vjp
-        def _reverse(primals: Any, cotangents: Any, outputs: Any) -> Any:
-            back = _transport(
-                group,
-                dict(zip(peers_in, cotangents[: len(peers_in)])),
-                dict(zip(peers_out, counts_out)),
-                dtype,
-            )
-            return ([back[q] for q in peers_out],)
-
-        flats = [mx.concatenate([p.reshape(-1) for p in sends[q]]) for q in peers_out]
-        *got, token = exchange(flats)
+        packed = {q: mx.concatenate([p.reshape(-1) for p in ps]) for q, ps in sends.items()}
+        totals = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
+        got = _transport(self._world(), packed, totals, dtype)
         from unimesh.moves import unpack
 
-        out = {q: unpack(flat, receives[q]) for q, flat in zip(peers_in, got)}
-        out[-1] = [token]
-        return out
+        return {q: unpack(got[q], receives[q]) for q in receives}
+
+    def move_with_gradient(
+        self, blocks: Any, forward: Any, backward: Any, like: Any
+    ) -> dict[int, Any]:
+        """An ``mx.custom_function`` whose gradient rule is the reverse move of the
+        cotangents (every rank holds a block of every MLX mesh, so every rank that moved data
+        forward runs it)."""
+        mx = _mx()
+        devices = sorted(blocks)
+        if not devices:
+            return dict(forward({}))
+        box: dict[str, Any] = {}
+
+        def move(given: list[Any]) -> list[Any]:
+            out = forward(dict(zip(devices, given)))
+            box["out"] = sorted(out)
+            return [out[d] for d in box["out"]]
+
+        def reverse(primals: Any, cotangents: Any, outputs: Any) -> Any:
+            got = backward(dict(zip(box["out"], cotangents)))
+            return ([got[d] for d in devices],)
+
+        function = mx.custom_function(move)
+        function.vjp(reverse)
+        moved = function([blocks[d] for d in devices])
+        return dict(zip(box["out"], moved))
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
-        if op == "tie":
-            return _tie()(a, b)
         if op in ("sum", "avg"):
             return a + b if op == "sum" else a / b
         return _mx().maximum(a, b) if op == "max" else _mx().minimum(a, b)
@@ -378,19 +373,3 @@ def _transport(
         if me == dst:
             got[src] = carried
     return got
-
-
-@functools.cache
-def _tie() -> Any:
-    """``a`` unchanged, with ``b`` (the exchange's token) as an input of MLX's autodiff."""
-    mx = _mx()
-
-    @mx.custom_function
-    def tie(a: Any, b: Any) -> Any:
-        return mx.depends(a, b)
-
-    @tie.vjp
-    def _back(primals: Any, cotangent: Any, output: Any) -> Any:
-        return cotangent, mx.zeros_like(primals[1])
-
-    return tie

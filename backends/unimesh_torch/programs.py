@@ -247,8 +247,9 @@ class TorchPrograms(TorchTranslator):
         return lambda x: function.apply(x, fwd, bwd)
 
     def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
-        """A DTensor's local tensor (redistributed to ``layout`` first when it is laid out
-        otherwise), or a global tensor (numpy and lists become tensors) for the engine to cut."""
+        """A DTensor's local tensor (moved to ``layout`` first when it is laid out otherwise:
+        by ``unimesh.reshard``, or under torch.compile by ``DTensor.redistribute``), or a
+        global tensor (numpy and lists become tensors) for the engine to cut."""
         torch = _torch()
         from torch.distributed.tensor import DTensor
 
@@ -266,13 +267,21 @@ class TorchPrograms(TorchTranslator):
                 local = arg._local_tensor  # what to_local() gives without autograd, as a new
                 return local.view_as(local), False  # object (the engine tags it)
             have = self.from_native(arg)
+            if have == layout:
+                return arg.to_local(), False
+            if not torch.compiler.is_compiling():  # unimesh.reshard: only the missing pieces,
+                # from any mesh, right where redistribute is not (uneven blocks), differentiable
+                import unimesh
+
+                return unimesh.reshard(arg, layout).to_local(), False
             if have.mesh != layout.mesh:
                 raise ConversionError(
-                    f"a shard_map argument is a DTensor on {have.mesh!r}, not "
-                    f"on the shard_map's {layout.mesh!r}"
+                    f"a shard_map argument is a DTensor on {have.mesh!r}, not on the "
+                    f"shard_map's {layout.mesh!r}, and under torch.compile only "
+                    "DTensor.redistribute (one mesh) can move it: unimesh.reshard it to the "
+                    "program's layout before the compiled function"
                 )
-            if have != layout:
-                arg = arg.redistribute(native.device_mesh, list(native.placements))
+            arg = arg.redistribute(native.device_mesh, list(native.placements))
             return arg.to_local(), False
         device = self._native_layout(layout).device_mesh.device_type  # "cuda" under NCCL
         if not torch.is_tensor(arg):

@@ -425,41 +425,40 @@ class TorchTranslator(TorchRuntime):
             return {}
         return {_dist().get_rank(): array.to_local()}
 
-    def exchange_pieces(
-        self, sends: Any, receives: Any, dtype: Any, like: Any = None
-    ) -> dict[int, list[Any]]:
+    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
         """One message per pair of ranks each way (the pieces for a rank packed into one
-        buffer, as bytes), on the default process group: ``batch_isend_irecv``. Under
-        autograd the exchange is differentiable: its backward sends each received piece's
-        gradient back to its sender (the reverse reshard). ``like`` (the DTensor moved) ties
-        the exchange into the graph on a rank that only receives, so its backward runs and
-        its senders are not left waiting."""
+        buffer, as bytes), on the default process group: ``batch_isend_irecv``."""
         torch = _torch()
         if not sends and not receives:
             return {}
         device = torch.device(self._device_type(None))
-        peers_out = sorted(sends)
-        peers_in = sorted(receives)
-        counts_in = [sum(math.prod(s) for s in receives[q]) for q in peers_in]
-        flats = [torch.cat([p.contiguous().reshape(-1) for p in sends[q]]) for q in peers_out]
-        anchor = getattr(like, "requires_grad", False) and torch.is_grad_enabled()
-        if anchor:  # a leaf of its own: DTensor.to_local's backward fails on a rank outside
-            # the DTensor's mesh, which is exactly a rank that may only receive
-            flats.append(torch.zeros(0, dtype=dtype, device=device, requires_grad=True))
-        *got, token = _Exchange.apply(
-            (tuple(peers_out), tuple(peers_in), tuple(counts_in), dtype, device, anchor), *flats
-        )
-        out: dict[int, list[Any]] = {}
-        if token.requires_grad:  # each target block depends on the exchange (its backward
-            out[-1] = [token]  # runs on every rank that uses the result, senders included)
+        outgoing = {
+            q: torch.cat([p.contiguous().reshape(-1) for p in ps]) for q, ps in sends.items()
+        }
+        counts = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
+        got = _p2p(outgoing, counts, dtype, device)
         from unimesh.moves import unpack
 
-        out.update({q: unpack(flat, receives[q]) for q, flat in zip(peers_in, got)})
-        return out
+        return {q: unpack(got[q], receives[q]) for q in receives}
+
+    def move_with_gradient(
+        self, blocks: Any, forward: Any, backward: Any, like: Any
+    ) -> dict[int, Any]:
+        """Under autograd (``like`` requires grad), one ``autograd.Function``: its backward
+        is the reverse move of the cotangents. A zero-size leaf of its own is an input too,
+        so that a rank holding no source block (it only receives) runs the backward its
+        senders wait for (``DTensor.to_local``'s backward fails on a rank outside the
+        DTensor's mesh)."""
+        torch = _torch()
+        if not (getattr(like, "requires_grad", False) and torch.is_grad_enabled()):
+            return dict(forward(blocks))
+        devices = sorted(blocks)
+        anchor = torch.zeros(0, dtype=like.dtype, requires_grad=True)
+        box: dict[str, Any] = {}
+        outs = _Move.apply((devices, forward, backward, box), anchor, *(blocks[d] for d in devices))
+        return dict(zip(box["out"], outs))
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
-        if op == "tie":
-            return _Tie.apply(a, b)
         if op in ("sum", "avg"):
             return a + b if op == "sum" else a / b
         return _torch().maximum(a, b) if op == "max" else _torch().minimum(a, b)
@@ -523,56 +522,39 @@ def _p2p(
     return {q: buffer.view(dtype) for q, buffer in inbox.items()}
 
 
-def _exchange_function() -> Any:
+def _move_function() -> Any:
     torch = _torch()
 
-    class Exchange(torch.autograd.Function):  # type: ignore[misc,name-defined]
-        """The pieces' exchange; its gradient is the same exchange backwards."""
+    class Move(torch.autograd.Function):  # type: ignore[misc,name-defined]
+        """A reshard's move of this rank's blocks; its backward is the reverse move."""
 
         @staticmethod
-        def forward(ctx: Any, meta: Any, *flats: Any) -> Any:
-            peers_out, peers_in, counts_in, dtype, device, anchor = meta
+        def forward(ctx: Any, meta: Any, anchor: Any, *blocks: Any) -> Any:
+            devices, forward, _, box = meta
+            out = forward(dict(zip(devices, blocks)))
+            box["out"] = sorted(out)
             ctx.meta = meta
-            if anchor:  # the last input only ties this exchange into the graph
-                flats = flats[:-1]
-            ctx.counts_out = [int(f.numel()) for f in flats]
-            got = _p2p(dict(zip(peers_out, flats)), dict(zip(peers_in, counts_in)), dtype, device)
-            token = _torch().zeros((), dtype=dtype, device=device)
-            return (*(got[q] for q in peers_in), token)
+            ctx.shapes = [(out[d].shape, out[d].dtype, out[d].device) for d in box["out"]]
+            ctx.anchor = (anchor.dtype, anchor.device)
+            kept = {id(b) for b in blocks}
+            return tuple(
+                out[d].view_as(out[d]) if id(out[d]) in kept else out[d] for d in box["out"]
+            )
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> Any:
-            peers_out, peers_in, counts_in, dtype, device, anchor = ctx.meta
-            grads = grads[:-1]  # the token's
+            devices, _, backward, box = ctx.meta
             torch = _torch()
-            back = {
-                q: (g if g is not None else torch.zeros(n, dtype=dtype, device=device))
-                for q, g, n in zip(peers_in, grads, counts_in)
+            cts = {
+                d: g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                for d, g, (shape, dtype, device) in zip(box["out"], grads, ctx.shapes)
             }
-            got = _p2p(back, dict(zip(peers_out, ctx.counts_out)), dtype, device)
-            tie = (torch.zeros(0, dtype=dtype, device=device),) if anchor else ()
-            return (None, *(got[q] for q in peers_out), *tie)
+            with torch.no_grad():
+                got = backward(cts)
+            dtype, device = ctx.anchor
+            return (None, torch.zeros(0, dtype=dtype, device=device), *(got[d] for d in devices))
 
-    return Exchange
-
-
-def _tie_function() -> Any:
-    torch = _torch()
-
-    class Tie(torch.autograd.Function):  # type: ignore[misc,name-defined]
-        """``block`` as it is (no copy), depending on ``token`` in autograd."""
-
-        @staticmethod
-        def forward(ctx: Any, block: Any, token: Any) -> Any:
-            ctx.token = (token.shape, token.dtype, token.device)
-            return block.view_as(block)
-
-        @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:
-            shape, dtype, device = ctx.token
-            return grad, _torch().zeros(shape, dtype=dtype, device=device)
-
-    return Tie
+    return Move
 
 
 class _LazyFunction:
@@ -589,8 +571,7 @@ class _LazyFunction:
         return self._cls.apply(*args)
 
 
-_Tie = _LazyFunction(_tie_function)
-_Exchange = _LazyFunction(_exchange_function)
+_Move = _LazyFunction(_move_function)
 
 
 def global_stride(
