@@ -145,6 +145,20 @@ def run_all(backend: str, world: int, mine: set[int], subsets: bool) -> dict[str
             report[f"reshard:{name}"] = check(backend, source, target, shape, dtype, mine)
         except Exception:  # noqa: BLE001 - any failure is this case's
             report[f"reshard:{name}"] = traceback.format_exc(limit=8)
+    # the exchange in rounds of a few bytes (unimesh.moves.IN_FLIGHT: 64 MiB per process by
+    # default): every pair's pieces spread over rounds all processes count alike
+    from unimesh import moves
+
+    kept, moves.IN_FLIGHT = moves.IN_FLIGHT, 96
+    try:
+        sq, line = meshes(world)["square"], meshes(world)["line"]
+        report["reshard:rounds"] = check(
+            backend, Layout(sq, P("dp", "tp")), Layout(line, P(None, "x")), (8, 12), "float32", mine
+        )
+    except Exception:  # noqa: BLE001 - any failure is this case's
+        report["reshard:rounds"] = traceback.format_exc(limit=8)
+    finally:
+        moves.IN_FLIGHT = kept
     if backend in ("torch", "mlx"):
         try:
             gradient = torch_gradient if backend == "torch" else mlx_gradient

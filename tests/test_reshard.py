@@ -133,6 +133,39 @@ def test_the_plan_tiles_every_target_block_and_moves_the_minimum(problem: tuple)
     )
 
 
+@given(
+    st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3), min_size=0, max_size=6),
+    st.sampled_from([1, 2, 4, 8]),
+    st.integers(1, 200),
+)
+def test_the_exchange_rounds_cover_each_piece_once_within_the_budget(
+    shapes: list[list[int]], itemsize: int, budget: int
+) -> None:
+    """``units`` cuts a pair's pieces into runs of rows (in order, each row once) of at most
+    ``budget`` bytes unless one row is larger, and a round carries at most ``budget`` bytes
+    plus one run: what bounds the bytes in flight (``IN_FLIGHT``)."""
+    from unimesh.moves import Piece, units
+
+    pieces = [Piece((0,) * len(sh), tuple(sh), 0, (1,)) for sh in shapes]
+    found = units(pieces, itemsize, budget)
+    per_round: dict[int, int] = {}
+    largest = 0
+    for i, p in enumerate(pieces):
+        mine = [(lo, hi, r) for j, lo, hi, r in found if j == i]
+        rows = p.shape[0] if p.shape else 1
+        row_bytes = int(np.prod(p.shape[1:], dtype=np.int64)) * itemsize if p.shape else itemsize
+        assert [lo for lo, _, _ in mine] == [0] + [hi for _, hi, _ in mine[:-1]]
+        assert mine[-1][1] == rows or (rows == 0 and mine == [(0, 0, mine[0][2])])
+        for lo, hi, r in mine:
+            size = (hi - lo) * row_bytes
+            assert size <= max(budget, row_bytes)
+            per_round[r] = per_round.get(r, 0) + size
+            largest = max(largest, size)
+    assert [r for *_, r in found] == sorted(r for *_, r in found)
+    for total in per_round.values():
+        assert total <= budget + largest
+
+
 def test_the_plan_is_cached_and_keeps_blocks_in_place() -> None:
     mesh = Mesh((2, 4), ("dp", "tp"))
     a, b = Layout(mesh, P("dp")), Layout(mesh, P("dp", "tp"))

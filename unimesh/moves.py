@@ -24,7 +24,11 @@ import numpy as np
 
 from .layout import Layout
 
-__all__ = ["Piece", "Plan", "plan", "unpack"]
+__all__ = ["IN_FLIGHT", "Piece", "Plan", "plan", "rounds", "units", "unpack"]
+
+#: bytes a process has in flight in one round of a reshard's exchange, over all its peers
+#: (each pair gets an equal share; a piece larger than its share goes alone)
+IN_FLIGHT = 64 << 20
 
 
 class Piece:
@@ -123,6 +127,60 @@ def plan(
     process. Pure and cached: every process computes the same sends and receives for a pair.
     """
     return _plan(source, target, tuple(shape), itemsize, tuple(int(p) for p in process_of), me)
+
+
+def rounds(
+    source: Layout,
+    target: Layout,
+    shape: Sequence[int],
+    itemsize: int,
+    process_of: Sequence[int] | np.ndarray,
+) -> tuple[int, int]:
+    """``(budget, count)``: the bytes each pair of processes moves per round (``IN_FLIGHT``
+    shared by the processes of the move), and a round count every process computes alike:
+    enough for the most bytes any process receives (its target blocks)."""
+    key = (source, target, tuple(shape), itemsize, tuple(int(p) for p in process_of))
+    processes, most = _demand(*key)
+    budget = max(IN_FLIGHT // processes, 1)
+    return budget, max(1, -(-most // budget))
+
+
+@functools.lru_cache(maxsize=1024)
+def _demand(
+    source: Layout,
+    target: Layout,
+    shape: tuple[int, ...],
+    itemsize: int,
+    process_of: tuple[int, ...],
+) -> tuple[int, int]:
+    """(processes taking part, the most target-block bytes one of them holds)."""
+    where = np.asarray(process_of, dtype=np.int64)
+    ids = np.unique(
+        np.concatenate([source.mesh.device_ids.ravel(), target.mesh.device_ids.ravel()])
+    )
+    lo, hi = target.shard_bounds(shape)
+    sizes = np.prod(np.maximum(hi - lo, 0), axis=1)
+    per_process = np.bincount(where[target.mesh.device_ids.ravel()], weights=sizes * itemsize)
+    return len(np.unique(where[ids])), int(per_process.max()) if per_process.size else 0
+
+
+def units(pieces: Sequence[Piece], itemsize: int, budget: int) -> list[tuple[int, int, int, int]]:
+    """The pieces of one pair of processes as the units the exchange moves, in order:
+    ``(piece index, first row, end row, round)``, a piece cut along its first dim into runs of
+    rows of at most ``budget`` bytes (a row is never cut), each unit in the round where its
+    first byte falls in the pair's stream. The sender's and the receiver's piece lists are
+    the same, so both sides cut and count alike."""
+    out, offset = [], 0
+    for i, p in enumerate(pieces):
+        shape = p.shape
+        rows = shape[0] if shape else 1
+        row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
+        step = max(1, budget // max(row_bytes, 1))
+        for lo in range(0, max(rows, 1), step):
+            hi = min(lo + step, rows)
+            out.append((i, lo, hi, offset // budget))
+            offset += (hi - lo) * row_bytes
+    return out
 
 
 class _Side:

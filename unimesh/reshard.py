@@ -21,7 +21,7 @@ from .backend import Backend
 from .errors import LayoutError, UnsupportedError
 from .layout import Layout
 from .messages import short
-from .moves import plan
+from .moves import Piece, plan, rounds, units
 from .rules import LayoutMap
 
 __all__ = ["reshard"]
@@ -403,13 +403,29 @@ def _blocks(
         return blocks[device][tuple(slice(a - b, c - b) for a, b, c in zip(start, o, stop))]
 
     dtype = like.dtype
-    outgoing = {q: [cut(p.source, p.start, p.stop) for p in ps] for q, ps in the_plan.send.items()}
-    incoming = {q: [p.shape for p in ps] for q, ps in the_plan.receive.items()}
-    got = be.exchange_pieces(outgoing, incoming, dtype)
     data: dict[int, Any] = {}
+    budget, count = rounds(source, target, shape, itemsize, process_of)
+    # per round, per peer: (piece, its rows to move) to send, and to receive
+    send_at: dict[int, dict[int, list[Piece]]] = {}
+    take_at: dict[int, dict[int, list[tuple[Piece, Piece]]]] = {}
+    for q, ps in the_plan.send.items():
+        for i, lo, hi, r in units(ps, itemsize, budget):
+            send_at.setdefault(r, {}).setdefault(q, []).append(_rows(ps[i], lo, hi))
     for q, ps in the_plan.receive.items():
-        for p, arr in zip(ps, got[q]):
-            data[id(p)] = arr
+        for i, lo, hi, r in units(ps, itemsize, budget):
+            take_at.setdefault(r, {}).setdefault(q, []).append((ps[i], _rows(ps[i], lo, hi)))
+    parts: dict[int, list[Any]] = {}
+    for r in range(count):  # every process makes the same calls (a transport may need it)
+        outgoing = {q: [cut(p.source, p.start, p.stop) for p in ps]
+                    for q, ps in send_at.get(r, {}).items()}  # fmt: skip
+        wanted = take_at.get(r, {})
+        shapes = {q: [run.shape for _, run in runs] for q, runs in wanted.items()}
+        got = be.exchange_pieces(outgoing, shapes, dtype)
+        for q, runs in wanted.items():
+            for (whole, _), arr in zip(runs, got[q]):
+                parts.setdefault(id(whole), []).append(arr)
+    for key, arrs in parts.items():  # a piece cut into runs of rows is joined again
+        data[key] = arrs[0] if len(arrs) == 1 else be.concatenate(arrs, 0)
     out = {}
     for t, (bounds, pieces) in the_plan.blocks.items():
         if t in the_plan.kept:
@@ -418,6 +434,15 @@ def _blocks(
         out[t] = _assemble(be, t, bounds, pieces, data, cut, dtype)
     _add(stats, the_plan.stats())
     return out
+
+
+def _rows(piece: Piece, lo: int, hi: int) -> Piece:
+    """Rows ``lo:hi`` of ``piece`` (along its first dim; a 0-d piece whole)."""
+    if not piece.start or (lo == 0 and hi == piece.shape[0]):
+        return piece
+    start = (piece.start[0] + lo, *piece.start[1:])
+    stop = (piece.start[0] + hi, *piece.stop[1:])
+    return Piece(start, stop, piece.source, piece.devices)
 
 
 def _assemble(
