@@ -112,5 +112,14 @@ check(
 total = float(np.asarray(jax.jit(lambda a: a.sum())(ours).addressable_data(0)))
 check(total == float(rows.sum()), f"a sum over the whole batch from per-process rows: {total}")
 
+# unimesh.reshard across processes: JAX's compiled reshard on one device list, and the plan's
+# pieces over JAX's collectives (ppermute between processes) onto another device list or a
+# sub-mesh; every block bit for bit, bytes received the minimum (tests/reshard_cases.py)
+import reshard_cases  # noqa: E402
+
+mine_ids = {i for i, d in enumerate(devs) if d.process_index == pid}
+for key, problem in sorted(reshard_cases.run_all("jax", 2 * n, mine_ids, subsets=True).items()):
+    check(problem == 0.0, f"{key}: {problem}")
+
 check.done(f"PROCESS {pid}")
 jax.distributed.shutdown()

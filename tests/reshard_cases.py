@@ -153,7 +153,7 @@ def run_all(backend: str, world: int, mine: set[int], subsets: bool) -> dict[str
     try:
         sq, line = meshes(world)["square"], meshes(world)["line"]
         report["reshard:rounds"] = check(
-            backend, Layout(sq, P("dp", "tp")), Layout(line, P(None, "x")), (8, 12), "float32", mine
+            backend, Layout(sq, P("dp", "tp")), Layout(line, P(None, "x")), (8, 24), "float32", mine
         )
     except Exception:  # noqa: BLE001 - any failure is this case's
         report["reshard:rounds"] = traceback.format_exc(limit=8)

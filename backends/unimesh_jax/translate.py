@@ -351,6 +351,66 @@ class JaxTranslator(JaxRuntime):
             return piece
         return jax.device_put(piece, device)
 
+    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
+        """Between processes, on JAX's own collectives: each process's pieces for a peer are
+        packed on its first device, the message sizes are shared (one small
+        ``process_allgather``), and one jitted ``shard_map`` over the processes' first devices
+        moves every message with ``ppermute``, one permutation per distance between sender
+        and receiver (each padded to that distance's longest message; pairs without a
+        message take no part)."""
+        jax = _jax()
+        count = jax.process_count()
+        if count == 1:
+            return {}
+        from jax.experimental import multihost_utils
+
+        jnp = jax.numpy
+        me = jax.process_index()
+        devices = global_devices()
+        lead = [next(d for d in devices if d.process_index == p) for p in range(count)]
+        mine = lead[me]
+        wide = jnp.dtype(dtype) == jnp.bool_  # the wire carries bytes for booleans
+        packed = {}
+        row = np.zeros(count, np.int64)
+        for q, pieces in sends.items():
+            flat = [jax.device_put(p, mine).reshape(-1) for p in pieces]
+            packed[q] = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+            if wide:
+                packed[q] = packed[q].astype(jnp.uint8)
+            row[q] = packed[q].size
+        sizes = np.asarray(multihost_utils.process_allgather(row)).reshape(count, count)
+        shifts = [
+            s for s in range(1, count) if any(sizes[i, (i + s) % count] for i in range(count))
+        ]
+        if not shifts:
+            return {q: [] for q in receives}
+        widths = [int(max(sizes[i, (i + s) % count] for i in range(count))) for s in shifts]
+        perms = tuple(
+            tuple((i, (i + s) % count) for i in range(count) if sizes[i, (i + s) % count])
+            for s in shifts
+        )
+        mesh = jax.sharding.Mesh(np.array(lead), ("_process",))
+        layout = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("_process"))
+        wire = jnp.uint8 if wide else dtype
+        inputs = []
+        for s, width in zip(shifts, widths):
+            message = packed.get((me + s) % count)
+            if message is None:
+                block = jnp.zeros((1, width), wire, device=mine)
+            else:
+                block = jnp.pad(message, (0, width - message.size))[None]
+            inputs.append(jax.make_array_from_single_device_arrays((count, width), layout, [block]))
+        outs = _permuter(mesh, perms)(*inputs)
+        from unimesh.moves import unpack
+
+        got = {}
+        for s, out in zip(shifts, outs):
+            src = (me - s) % count
+            if src in receives:
+                data = out.addressable_shards[0].data.reshape(-1)[: int(sizes[src, me])]
+                got[src] = unpack(data.astype(jnp.bool_) if wide else data, receives[src])
+        return got
+
     def import_block(self, block: Any, device_id: int | None) -> Any:
         """``jax.dlpack.from_dlpack`` (shared memory where JAX can; a cast where JAX keeps
         another dtype: int64 without x64), then on the device."""
@@ -374,8 +434,8 @@ class JaxTranslator(JaxRuntime):
         ``jax.jit`` of the identity with the target as ``out_shardings`` (what ``jax.reshard``
         does inside ``jit``), never through the host. Its bytes are the plan's: what must
         move (XLA's SPMD partitioner moves more where it warns of a rematerialization).
-        Another device list: None in one process (the plan's device-to-device copies), refused
-        across processes. A tracer: JAX's differentiable moves to the target's
+        Another device list: None (the plan: device-to-device copies in one process, and
+        :meth:`exchange_pieces` between processes). A tracer: JAX's differentiable moves to the target's
         ``NamedSharding``: eagerly (``grad`` outside ``jit``) ``jax.device_put``, whose
         cotangent goes back to the argument's sharding; under ``jit``
         ``with_sharding_constraint`` (XLA's reshard; the target must be on the jitted
@@ -392,7 +452,7 @@ class JaxTranslator(JaxRuntime):
                 return jax.device_put(array, sharding), {}
             return jax.lax.with_sharding_constraint(array, sharding), {}  # XLA's, under jit
         if source.mesh.device_ids.ravel().tolist() != target.mesh.device_ids.ravel().tolist():
-            return None  # one process (check_reshard refuses it across processes)
+            return None  # the plan
         from unimesh.moves import plan
 
         sharding = self.layout_to_native(target)
@@ -404,27 +464,26 @@ class JaxTranslator(JaxRuntime):
         counted = plan(source, target, shape, itemsize, procs, self.initialize(300.0)[0]).stats()
         return moved, counted
 
-    def check_reshard(
-        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
-    ) -> None:
-        """Across processes, JAX moves within one device list only (a jitted identity)."""
-        same = source.mesh.device_ids.ravel().tolist() == target.mesh.device_ids.ravel().tolist()
-        if not same and self.process_count() > 1:
-            from unimesh import UnsupportedError
-
-            raise UnsupportedError(
-                f"reshard() on JAX across processes moves within one device list; "
-                f"{source!r} -> {target!r} changes it; reshard onto a layout whose mesh "
-                "has the same devices in the same order",
-                backend=self.name,
-                capability="multi_process",
-            )
-
     def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
         return _jax().numpy.zeros(shape, dtype=dtype)
 
     def process_count(self) -> int:
         return int(_jax().process_count())
+
+
+@functools.lru_cache(maxsize=64)
+def _permuter(mesh: Any, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
+    """The jitted ``shard_map`` over ``mesh`` (one device per process) applying one
+    ``ppermute`` per permutation to its argument of the same position."""
+    jax = _jax()
+    spec = jax.sharding.PartitionSpec("_process")
+
+    def body(*rows: Any) -> Any:
+        return tuple(jax.lax.ppermute(r, "_process", list(p)) for r, p in zip(rows, perms))
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(perms),
+                           out_specs=(spec,) * len(perms))  # fmt: skip
+    return jax.jit(mapped)
 
 
 @functools.lru_cache(maxsize=64)
