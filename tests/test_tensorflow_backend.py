@@ -171,3 +171,34 @@ def test_reserved_dim_names_are_refused_by_name() -> None:
     for name in ("unsharded", "any", "match"):
         with pytest.raises(UnsupportedError, match=rf"uses \['{name}'\]: rename those axes"):
             unimesh.to_native(Mesh((2, 4), (name, "tp")), "tensorflow")
+
+
+def test_reshard_on_one_mesh_is_dtensor_relayout() -> None:
+    """unimesh.reshard of a TF DTensor on its own mesh is ``dtensor.relayout``: the target's
+    layout, each component the target block, the plan's bytes copied between devices; onto
+    another mesh it goes block by block (the plan), to the same values. (No gradient check:
+    TF's eager tape fails on DTensors before any reshard, ``Mul got a regular tensor``.)"""
+    mesh = Mesh((2, 4), ("dp", "tp"))
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) / 8
+    source, target = Layout(mesh, P("dp", "tp")), Layout(mesh, P("tp", None))
+    d = unimesh.distribute(x, source, "tensorflow")
+    stats: dict[str, int] = {}
+    moved = unimesh.reshard(d, target, stats=stats)
+    assert unimesh.from_native(dtensor.fetch_layout(moved)) == target
+    ids = mesh.device_ids.ravel().tolist()
+    for pos, part in enumerate(dtensor.unpack(moved)):
+        np.testing.assert_array_equal(part.numpy(), x[target.shard_slices((8, 8), ids[pos])])
+    # every element of a device's target block that its own source block lacks comes from
+    # another device (counted with numpy masks)
+    lacking = 0
+    for dev in ids:
+        need, held = np.zeros((8, 8), bool), np.zeros((8, 8), bool)
+        need[target.shard_slices((8, 8), dev)] = True
+        held[source.shard_slices((8, 8), dev)] = True
+        lacking += int((need & ~held).sum())
+    assert stats == {"bytes_sent": 0, "bytes_received": 0, "bytes_copied": lacking * 4}
+    other = Layout(Mesh((8,), ("x",), device_ids=list(range(7, -1, -1))), P("x"))
+    there = unimesh.reshard(d, other)
+    other_ids = other.mesh.device_ids.ravel().tolist()
+    for pos, part in enumerate(dtensor.unpack(there)):
+        np.testing.assert_array_equal(part.numpy(), x[other.shard_slices((8, 8), other_ids[pos])])

@@ -435,8 +435,8 @@ class JaxTranslator(JaxRuntime):
         does inside ``jit``), never through the host. Its bytes are the plan's: what must
         move (XLA's SPMD partitioner moves more where it warns of a rematerialization).
         Another device list: None (the plan: device-to-device copies in one process, and
-        :meth:`exchange_pieces` between processes). A tracer: JAX's differentiable moves to the target's
-        ``NamedSharding``: eagerly (``grad`` outside ``jit``) ``jax.device_put``, whose
+        :meth:`exchange_pieces` between processes). A tracer: JAX's differentiable moves to
+        the target's ``NamedSharding``: eagerly (``grad`` outside ``jit``) ``jax.device_put``, whose
         cotangent goes back to the argument's sharding; under ``jit``
         ``with_sharding_constraint`` (XLA's reshard; the target must be on the jitted
         function's devices, JAX's own error otherwise)."""

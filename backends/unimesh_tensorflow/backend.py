@@ -315,6 +315,23 @@ class TensorFlowBackend(Backend):
         product = tf.matmul(array, w)
         return dtensor.unpack(dtensor.relayout(product, dtensor.Layout.replicated(mesh, 2)))[0]
 
+    def native_reshard(
+        self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
+    ) -> tuple[Any, dict[str, int]] | None:
+        """On the same mesh: ``dtensor.relayout`` (DTensor's own move), with the plan's bytes;
+        another mesh: None (the plan, through each device's block: one process, host copies,
+        as TF's CPU devices share the host)."""
+        if source is None or source.mesh != target.mesh:
+            return None
+        from unimesh.moves import plan
+
+        native = self.layout_to_native(target, rank=len(shape))
+        moved = _dtensor().relayout(array, native)
+        itemsize = int(np.dtype(array.dtype.as_numpy_dtype).itemsize)
+        ids = target.mesh.device_ids.ravel().tolist()
+        where = np.zeros(max(ids) + 1, dtype=np.int64)
+        return moved, plan(source, target, shape, itemsize, where, 0).stats()
+
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{logical device id: numpy block}`` from ``dtensor.unpack``."""
         dtensor = _dtensor()
