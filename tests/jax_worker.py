@@ -115,7 +115,7 @@ check(total == float(rows.sum()), f"a sum over the whole batch from per-process 
 # unimesh.reshard across processes: JAX's compiled reshard on one device list, and the plan's
 # pieces over JAX's collectives (ppermute between processes) onto another device list or a
 # sub-mesh; every block bit for bit, bytes received the minimum (tests/reshard_cases.py)
-import reshard_cases  # noqa: E402
+import reshard_cases
 
 mine_ids = {i for i, d in enumerate(devs) if d.process_index == pid}
 for key, problem in sorted(reshard_cases.run_all("jax", 2 * n, mine_ids, subsets=True).items()):
