@@ -206,8 +206,108 @@ def torch_worker(mib: int, repeat: int, out: Path) -> None:
         "redistribute": refused[:160],
         "bytes_received": stats["bytes_received"],
     }
+    results["peak memory"] = _peak(rank, repeat)
+    results["handoff to JAX"] = _handoff(x, square, rank, repeat)
     (out / f"torch-{rank}.json").write_text(json.dumps(results))
     del torch
+
+
+def _peak(rank: int, repeat: int) -> dict[str, Any]:
+    """Resident memory a reshard adds beyond its target block (sampled from /proc every
+    millisecond by a thread): a 1 GiB float32 array, rows to columns over 4 ranks (each
+    rank's 256 MiB block goes in 4 pieces of 64 MiB), with ``IN_FLIGHT`` 64 MiB and
+    unbounded (one round)."""
+    import threading
+
+    import torch.distributed as dist
+
+    import unimesh
+    from unimesh import Layout, Mesh, P, moves
+
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    line = Mesh((4,), ("x",))
+    side = 16384
+    whole = np.ones((side, side), np.float32)
+    src = unimesh.distribute(whole, Layout(line, P("x")), "torch")
+    src = unimesh.from_local({rank: src.to_local().clone()}, Layout(line, P("x")), whole.shape,
+                             backend="torch")  # fmt: skip
+    del whole
+    target = Layout(line, P(None, "x"))
+    block = side * side
+    out: dict[str, Any] = {"block_mib": block / 2**20}
+    for name, budget in (("bounded", moves.IN_FLIGHT), ("one round", 1 << 40)):
+        kept, moves.IN_FLIGHT = moves.IN_FLIGHT, budget
+        high = [0]
+        done = threading.Event()
+
+        def watch(high: list[int] = high, done: threading.Event = done) -> None:
+            while not done.is_set():
+                high[0] = max(high[0], resident())
+                time.sleep(0.001)
+
+        try:
+            dist.barrier()
+            before = resident()
+            sampler = threading.Thread(target=watch)
+            sampler.start()
+            moved = unimesh.reshard(src, target)
+            done.set()
+            sampler.join()
+            dist.barrier()
+        finally:
+            moves.IN_FLIGHT = kept
+        out[f"{name}_peak_beyond_target_mib"] = (high[0] - before - block) / 2**20
+        del moved
+    del repeat
+    return out
+
+
+def _handoff(x: np.ndarray, square: Any, rank: int, repeat: int) -> dict[str, Any]:
+    """A DTensor handed to JAX in the same 4 processes (jax.distributed, one CPU device each):
+    ``unimesh.reshard(..., backend="jax")`` against what a user writes without it, the
+    whole tensor on every process (``full_tensor``) and ``jax.make_array_from_callback``."""
+    import os
+
+    import jax
+    import torch.distributed as dist
+
+    import unimesh
+    from unimesh import Layout, P
+
+    if "JAX_COORDINATOR_ADDRESS" not in os.environ:
+        return {"skipped": "JAX_COORDINATOR_ADDRESS not set"}
+    os.environ["JAX_PROCESS_ID"] = str(rank)
+    unimesh.initialize("jax")
+    src = unimesh.distribute(x, Layout(square, P("dp")), "torch")
+    target = Layout(square, P(None, "tp"))
+    sharding = unimesh.to_native(target, "jax")
+    stats: dict[str, int] = {}
+    unimesh.reshard(src, target, backend="jax", stats=stats)
+
+    def ours() -> None:
+        jax.block_until_ready(unimesh.reshard(src, target, backend="jax"))
+        dist.barrier()
+
+    def theirs() -> None:
+        whole = src.full_tensor().numpy()
+        jax.block_until_ready(
+            jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+        )
+        dist.barrier()
+
+    a_s, b_s = _median_pair(ours, theirs, repeat)
+    return {
+        "unimesh_s": a_s,
+        "full_tensor_and_callback_s": b_s,
+        "ratio": a_s / b_s,
+        "bytes_received": stats["bytes_received"],
+        "full_tensor_receives": x.nbytes - x.nbytes // 2,
+    }
 
 
 def mlx_worker(mib: int, repeat: int, out: Path) -> None:
@@ -248,8 +348,18 @@ def mlx_worker(mib: int, repeat: int, out: Path) -> None:
     (out / f"mlx-{rank}.json").write_text(json.dumps(result))
 
 
-def _launch(cmd: list[str], out: Path, prefix: str) -> list[dict[str, Any]]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(
+    cmd: list[str], out: Path, prefix: str, extra: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(extra or {}))
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     found = sorted(out.glob(f"{prefix}-*.json"))
@@ -279,6 +389,7 @@ def main() -> int:
         report["torch"] = _launch(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
              "4", *me, "--worker", "torch", "--out", tmp], out, "torch",
+            {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": "4"},
         )  # fmt: skip
         report["mlx"] = _launch(
             ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable, *me,

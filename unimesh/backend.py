@@ -102,6 +102,7 @@ LAYERS: tuple[Layer, ...] = (
             "concatenate",
             "combine",
             "empty_block",
+            "writable_block",
             "check_reshard",
             "native_reshard",
             "export_block",
@@ -624,6 +625,13 @@ class Backend:
         if op == "avg":
             return a / b
         return a + b if op == "sum" else np.maximum(a, b) if op == "max" else np.minimum(a, b)
+
+    def writable_block(self, dtype: Any, shape: tuple[int, ...], device_id: int) -> Any:
+        """A new block of ``shape`` on the device that the core fills by item assignment
+        (``block[index] = piece``) as pieces arrive, so that no piece waits to be joined;
+        None (the default) for a framework whose arrays are immutable (the pieces are joined
+        with :meth:`concatenate` once all are there)."""
+        return None
 
     def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
         """A block of ``shape`` (with a zero dim) of the framework's ``dtype``."""

@@ -141,7 +141,7 @@ def rounds(
     enough for the most bytes any process receives (its target blocks)."""
     key = (source, target, tuple(shape), itemsize, tuple(int(p) for p in process_of))
     processes, most = _demand(*key)
-    budget = max(IN_FLIGHT // processes, 1)
+    budget = max(IN_FLIGHT // (2 * processes), 1)  # what a process sends and receives
     return budget, max(1, -(-most // budget))
 
 

@@ -404,6 +404,18 @@ def _blocks(
 
     dtype = like.dtype
     data: dict[int, Any] = {}
+    # target blocks the framework lets the core write into as pieces arrive (torch): no join
+    sinks: dict[int, Any] = {}
+    for t, (bounds, pieces) in the_plan.blocks.items():
+        if t in the_plan.kept or not pieces:
+            continue
+        size = tuple(b[-1] - b[0] for b in bounds)
+        block = be.writable_block(dtype, size, t)
+        if block is not None:
+            sinks[t] = block
+            for p in pieces:
+                if p in the_plan.local:  # held here: written now
+                    _write(block, bounds, p, be.place(cut(p.source, p.start, p.stop), t))
     budget, count = rounds(source, target, shape, itemsize, process_of)
     # per round, per peer: (piece, its rows to move) to send, and to receive
     send_at: dict[int, dict[int, list[Piece]]] = {}
@@ -421,19 +433,34 @@ def _blocks(
         wanted = take_at.get(r, {})
         shapes = {q: [run.shape for _, run in runs] for q, runs in wanted.items()}
         got = be.exchange_pieces(outgoing, shapes, dtype)
+        del outgoing
         for q, runs in wanted.items():
-            for (whole, _), arr in zip(runs, got[q]):
-                parts.setdefault(id(whole), []).append(arr)
+            for (whole, run), arr in zip(runs, got[q]):
+                for t in whole.devices:
+                    if t in sinks:
+                        _write(sinks[t], the_plan.blocks[t][0], run, be.place(arr, t))
+                if any(t not in sinks for t in whole.devices):
+                    parts.setdefault(id(whole), []).append(arr)
+        del got
     for key, arrs in parts.items():  # a piece cut into runs of rows is joined again
         data[key] = arrs[0] if len(arrs) == 1 else be.concatenate(arrs, 0)
     out = {}
     for t, (bounds, pieces) in the_plan.blocks.items():
         if t in the_plan.kept:
             out[t] = blocks[t]
-            continue
-        out[t] = _assemble(be, t, bounds, pieces, data, cut, dtype)
+        elif t in sinks:
+            out[t] = sinks[t]
+        else:
+            out[t] = _assemble(be, t, bounds, pieces, data, cut, dtype)
     _add(stats, the_plan.stats())
     return out
+
+
+def _write(block: Any, bounds: tuple[tuple[int, ...], ...], piece: Piece, arr: Any) -> None:
+    """``arr`` (the box of ``piece``) written into the target ``block`` whose per-dim
+    segment bounds are ``bounds``."""
+    index = tuple(slice(a - b[0], c - b[0]) for a, c, b in zip(piece.start, piece.stop, bounds))
+    block[index] = arr
 
 
 def _rows(piece: Piece, lo: int, hi: int) -> Piece:

@@ -339,20 +339,28 @@ def _transport(
     group: Any, packed: dict[int, Any], totals: dict[int, int], dtype: Any
 ) -> dict[int, Any]:
     """Flat arrays to (``packed``) and from (``totals``: element counts) each rank. Under MPI,
-    straight to the rank, pair by pair in (sender, receiver) order, so that blocking sends
-    never wait in a cycle. MLX's ring backend links each rank to its neighbours only: there
-    every rank learns the sizes of all messages (one small ``all_gather``) and each message is
-    passed on from neighbour to neighbour, one hop at a time in an order all ranks share."""
+    straight to the rank, in rounds where every rank has at most one partner (the circle
+    method: in round k, rank r with (k - r) mod n), the lower rank of a pair sending first,
+    so that blocking sends never wait in a cycle and the pairs of a round run together.
+    MLX's ring backend links each rank to its neighbours only: there every rank learns the
+    sizes of all messages (one small ``all_gather``) and each message is passed on from
+    neighbour to neighbour, one hop at a time in an order all ranks share."""
     mx = _mx()
     me = int(group.rank())
     got: dict[int, Any] = {}
     if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
-        for src, dst in sorted([(me, q) for q in packed] + [(q, me) for q in totals]):
-            if src == me:
-                mx.eval(mx.distributed.send(packed[dst], dst, group=group))
-            else:
-                got[src] = mx.distributed.recv((totals[src],), dtype, src, group=group)
-                mx.eval(got[src])
+        n = int(group.size())
+        for k in range(n):  # round k pairs each rank with (k - rank) mod n: every pair once
+            peer = (k - me) % n
+            if peer == me or (peer not in packed and peer not in totals):
+                continue
+            # the lower rank sends first, the higher receives first: no cycle of waits
+            for send in (me < peer, me > peer):
+                if send and peer in packed:
+                    mx.eval(mx.distributed.send(packed[peer], peer, group=group))
+                elif not send and peer in totals:
+                    got[peer] = mx.distributed.recv((totals[peer],), dtype, peer, group=group)
+                    mx.eval(got[peer])
         return got
     n = int(group.size())
     row = mx.array([int(packed[q].size) if q in packed else 0 for q in range(n)])

@@ -471,6 +471,11 @@ class TorchTranslator(TorchRuntime):
         """``torch.from_dlpack``: the other framework's memory, shared (no copy)."""
         return _torch().from_dlpack(block)
 
+    def writable_block(self, dtype: Any, shape: tuple[int, ...], device_id: int) -> Any:
+        """``torch.empty``: each piece is copied in as it arrives (no join, no waiting piece)."""
+        torch = _torch()
+        return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
+
     def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
         torch = _torch()
         return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
