@@ -81,10 +81,10 @@ def layout_of(leaf: Any) -> Layout | None:
         return found
     if isinstance(leaf, np.ndarray):
         return None
-    for obj in (
-        leaf,
+    for obj in (  # a sharding first: a refused array's message would print the array
         getattr(leaf, "sharding", None),
         getattr(getattr(leaf, "value", None), "sharding", None),
+        leaf,
     ):
         if obj is None:
             continue
