@@ -268,6 +268,16 @@ def torch_gradient(rank: int) -> float | str:
             return f"unexpected refusal: {exc}"
     with torch.no_grad():  # without grad it moves
         unimesh.reshard(placed, Layout(m["half"], P("y")))
+    # a pending max under grad: its gradient is not a move, refused before anything moves
+    peak = Layout(m["square"], P("dp", partial={"tp": "max"}))
+    mine_block = x[peak.shard_slices(shape, rank)]
+    held = unimesh.from_local({rank: mine_block}, peak, shape, backend="torch")
+    try:
+        unimesh.reshard(held.requires_grad_(True), Layout(m["line"], P("x")))
+        return "a pending max was moved under grad"
+    except unimesh.UnsupportedError as exc:
+        if "gradient of a pending max" not in str(exc):
+            return f"unexpected refusal: {exc}"
     for source, target, factor in cases:
         placed = unimesh.distribute(x, source, backend="torch").requires_grad_(True)
         moved = unimesh.reshard(placed, target)
@@ -369,6 +379,13 @@ def check_cross(
     x = value(shape, dtype)
     placed = unimesh.distribute(x, source, backend=frm)
     stats: dict[str, int] = {}
+    if to == "jax" and dtype == "int64":  # JAX without x64 would narrow it: refused
+        try:
+            unimesh.reshard(placed, target, backend=to, stats=stats)
+        except unimesh.UnsupportedError as exc:
+            ok = "losing values" in str(exc) and "jax_enable_x64" in str(exc) and not stats
+            return 0.0 if ok else f"unexpected refusal: {exc}"
+        return "int64 went to JAX without x64 (narrowed to int32)"
     moved = unimesh.reshard(placed, target, backend=to, stats=stats)
     if unimesh.get_backend(to).name != unimesh.registry.owner_of(moved).name:
         return f"got a {unimesh.registry.owner_of(moved).name} array, wanted {to}'s"

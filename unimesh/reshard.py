@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .backend import Backend
-from .errors import LayoutError, UnsupportedError
+from .errors import LayoutError, UnimeshError, UnsupportedError
 from .layout import Layout
 from .messages import short
 from .moves import Piece, plan, rounds, units
@@ -72,7 +72,7 @@ def reshard(
         )
     paths = ["/".join(str(k) for k in p) for p in optree.treespec_paths(treedef)]
     targets = _targets(x, target, treedef, paths, leaves)
-    jobs: list[tuple[str, Any, tuple[int, ...], Layout | None, Layout, tuple[Any, ...]]] = []
+    jobs: list[tuple[str, Any, tuple[int, ...], Layout | None, Layout, tuple[Any, Any]]] = []
     sources = [None if isinstance(leaf, Layout) else _layout_of(leaf) for leaf in leaves]
     # a host array in the tree goes to the framework of the tree's distributed arrays
     placing = backend
@@ -86,37 +86,47 @@ def reshard(
                 "out that way, and the Layout you want as target"
             )
         shape = tuple(int(n) for n in leaf.shape)
-        if source is None and (traced := _traced(leaf, want, shape)) is not None:
-            jobs.append((name, leaf, shape, None, want, traced))  # (moved,)
-            continue
-        if source is None:  # not distributed: laid out as distribute() lays it out
-            be = _placing_backend(placing, "distribute", want, shape)
-        else:
-            be = owner_of(leaf)
-        to = be if backend is None or source is None else get_backend(backend)
         _check_target(want, shape, name)
-        if source is not None:
-            # the target on its framework, and its mesh on the job's devices, before any move
-            _placing_backend(to, "from_local", want, shape)
-            to_native(want, to)
-            _itemsize(leaf)
+        if source is None:  # not distributed: a framework's tracer (moved by its own verb),
+            # else laid out as distribute() lays it out
+            owner = _owner(leaf)
+            if (
+                owner is not None
+                and backend is not None
+                and owner.name != get_backend(backend).name
+            ):
+                owner = None  # another framework's: distribute converts it
+            be = _placing_backend(placing if owner is None else owner, "distribute", want, shape)
+            jobs.append((name, leaf, shape, None, want, (be, owner)))
+            continue
+        be = owner_of(leaf)
+        to = be if backend is None else get_backend(backend)
+        # the target on its framework, and its mesh on the job's devices, before any move
+        _placing_backend(to, "from_local", want, shape)
+        to_native(want, to)
+        _itemsize(leaf)
+        try:
             if to.name == be.name:
                 be.check_reshard(leaf, source, want, shape)
             else:
-                _check_handoff(be, to, source, want, name)
-        if source is not None and len(set(source.spec.partial.values())) > 1:
+                _check_handoff(be, to, leaf, source, want, name)
+        except UnimeshError as exc:
+            if name not in str(exc):  # the backend's refusal, said of this array
+                exc.args = (f"reshard() of {name}: {exc.args[0]}", *exc.args[1:])
+            raise
+        if len(set(source.spec.partial.values())) > 1:
             raise UnsupportedError(
                 f"reshard() of {name}: its layout {source!r} holds pending reductions of "
                 f"different ops ({source.spec.partial}); reduce all but one first"
             )
         jobs.append((name, leaf, shape, source, want, (be, to)))
     out = []
-    for _name, leaf, shape, source, want, engines in jobs:
-        if len(engines) == 1:  # moved by the tracing framework's own verb
-            out.append(engines[0])
-            continue
-        be, to = engines
+    for _name, leaf, shape, source, want, (be, to) in jobs:
         if source is None:
+            moved = None if to is None else to.native_reshard(leaf, None, want, shape)
+            if moved is not None:  # a tracer: the framework's own differentiable move
+                out.append(moved[0])
+                continue
             from .convert import distribute
 
             out.append(distribute(leaf, want, be))
@@ -171,22 +181,17 @@ def _check_target(layout: Layout, shape: tuple[int, ...], name: str) -> None:
         )
 
 
-def _traced(leaf: Any, target: Layout, shape: tuple[int, ...]) -> tuple[Any] | None:
-    """``(moved,)`` for an array under its framework's tracing (JAX ``jit``/``grad``): its
-    layout is the compiler's, so the framework's own verb moves it (its gradient the reverse
-    move); None for anything else."""
+def _owner(leaf: Any) -> Backend | None:
+    """The backend whose framework made ``leaf`` (None for numpy and foreign objects)."""
     from .errors import ConversionError
     from .registry import owner_of
 
     if isinstance(leaf, np.ndarray):
         return None
     try:
-        be = owner_of(leaf)
+        return owner_of(leaf)
     except ConversionError:
         return None
-    _check_target(target, shape, "the traced array")
-    moved = be.native_reshard(leaf, None, target, shape)
-    return None if moved is None else (moved[0],)
 
 
 def _layout_of(leaf: Any) -> Layout | None:
@@ -203,11 +208,21 @@ def _moves_between_processes(be: Backend) -> bool:
     return type(be).exchange_pieces is not Backend.exchange_pieces or be.initialize(300.0)[1] == 1
 
 
-def _check_handoff(be: Backend, to: Backend, source: Layout, target: Layout, name: str) -> None:
-    """Two frameworks in one job: the target framework takes the source's blocks (DLPack),
-    each device in the same process in both, and one of them moves data between processes."""
+def _check_handoff(
+    be: Backend, to: Backend, leaf: Any, source: Layout, target: Layout, name: str
+) -> None:
+    """Two frameworks in one job: the target framework takes the source's blocks (DLPack)
+    in a dtype as wide (JAX without x64 would narrow int64), each device in the same process
+    in both, and one of them moves data between processes."""
     if type(to).import_block is Backend.import_block:
         to.import_block(None, None)  # its refusal, naming the backend
+    theirs = _dtype_of(be, to, leaf)
+    if _itemsize(leaf) != _itemsize(to.empty_block(theirs, (0,))):
+        raise UnsupportedError(
+            f"reshard() of {name} from {be.name} to {to.name}: its dtype {leaf.dtype} would "
+            f"become {theirs} there, losing values; cast it first, or widen {to.name}'s types "
+            "(JAX: jax.config.update('jax_enable_x64', True))"
+        )
     ids = _ids(source, target)
     here, there = be.device_processes(ids), to.device_processes(ids)
     if here != there:
@@ -236,8 +251,8 @@ def _handoff(
     stats: dict[str, int] | None,
 ) -> Any:
     """``leaf`` (of ``be``) as ``to``'s array laid out as ``target``: the pieces move on
-    ``be``'s engine (or on ``to``'s where ``be`` moves nothing between processes: JAX across
-    processes, outside its compiled reshard), and each block crosses by DLPack."""
+    ``be``'s engine (or on ``to``'s where ``be`` moves nothing between processes: a backend
+    without :meth:`~unimesh.Backend.exchange_pieces`), and each block crosses by DLPack."""
     if not source.spec.partial:
         native = be.native_reshard(leaf, source, target, shape)
         if native is not None:  # in place already: every block crosses as it is
@@ -297,8 +312,10 @@ def _moved(
     addends each get the whole cotangent, as the derivative of a sum says; an avg's, a
     share)."""
 
+    kind = (like.dtype, _itemsize(like))  # not ``like``: autodiff keeps these closures
+
     def forward(given: Mapping[int, Any]) -> dict[int, Any]:
-        return _plain(be, given, like, shape, source, target, stats)
+        return _plain(be, given, kind, shape, source, target, stats)
 
     def backward(cotangents: Mapping[int, Any]) -> dict[int, Any]:
         from .spec import PartitionSpec
@@ -312,7 +329,7 @@ def _moved(
                 capability="grad",
             )
         plain = Layout(source.mesh, PartitionSpec(*source.spec))
-        got = _plain(be, cotangents, like, shape, target, plain, None)
+        got = _plain(be, cotangents, kind, shape, target, plain, None)
         if ops == {"avg"}:
             n = math.prod(source.mesh.axis_size(a) for a in source.spec.partial)
             got = {d: be.combine("avg", b, n) for d, b in got.items()}
@@ -324,26 +341,25 @@ def _moved(
 def _plain(
     be: Backend,
     blocks: Mapping[int, Any],
-    like: Any,
+    kind: tuple[Any, int],
     shape: tuple[int, ...],
     source: Layout,
     target: Layout,
     stats: dict[str, int] | None,
 ) -> dict[int, Any]:
-    """:func:`_moved` outside autodiff."""
+    """:func:`_moved` outside autodiff; ``kind``: the framework's dtype and its item size."""
     ids = _ids(source, target)
     process_of = np.zeros(max(ids) + 1, dtype=np.int64)
     process_of[ids] = be.device_processes(ids)
     me, _ = be.initialize(300.0)  # this process's index (the runtime is already up)
-    itemsize = _itemsize(like)
     if not source.spec.partial:
-        return _blocks(be, blocks, source, target, shape, itemsize, process_of, me, like, stats)
+        return _blocks(be, blocks, source, target, shape, kind, process_of, me, stats)
     # a pending reduction: each coordinate along the partial axes holds one addend of every
     # block; each is moved as its own layout, then reduced on the target devices
     (op,) = set(source.spec.partial.values())
     parts = [
         _blocks(be, {d: b for d, b in blocks.items() if d in addend.mesh.device_ids},
-                addend, target, shape, itemsize, process_of, me, like, stats)
+                addend, target, shape, kind, process_of, me, stats)
         for addend in _addends(source)
     ]  # fmt: skip
     out = {}
@@ -384,14 +400,14 @@ def _blocks(
     source: Layout,
     target: Layout,
     shape: tuple[int, ...],
-    itemsize: int,
+    kind: tuple[Any, int],
     process_of: np.ndarray,
     me: int,
-    like: Any,
     stats: dict[str, int] | None,
 ) -> dict[int, Any]:
-    """This process's target blocks, from its ``blocks`` laid out as ``source`` (of the
-    native array ``like``): the plan's pieces cut, exchanged and joined."""
+    """This process's target blocks, from its ``blocks`` laid out as ``source`` (``kind``:
+    their dtype and item size): the plan's pieces cut, exchanged and joined."""
+    dtype, itemsize = kind
     the_plan = plan(source, target, shape, itemsize, process_of, me)
     origin: dict[int, tuple[int, ...]] = {}
     if blocks:
@@ -402,7 +418,6 @@ def _blocks(
         o = origin[device]
         return blocks[device][tuple(slice(a - b, c - b) for a, b, c in zip(start, o, stop))]
 
-    dtype = like.dtype
     data: dict[int, Any] = {}
     # target blocks the framework lets the core write into as pieces arrive (torch): no join
     sinks: dict[int, Any] = {}

@@ -293,6 +293,23 @@ class MLXTranslator(MLXRuntime):
 
         return {q: unpack(got[q], receives[q]) for q in receives}
 
+    def check_reshard(
+        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
+    ) -> None:
+        """Under an MLX transform, a pending max or min is refused (its gradient is not a
+        move); the rest is as the default."""
+        super().check_reshard(array, source, target, shape)
+        traced = getattr(self, "needs_grad", None)
+        local = array.local if isinstance(array, MLXArray) else array
+        ops = sorted(set(source.spec.partial.values()) & {"max", "min"})
+        if ops and traced is not None and traced(local):
+            raise UnsupportedError(
+                f"reshard() of {source!r} under autodiff: the gradient of a pending {ops[0]} "
+                "is not a move; reduce it outside the differentiated function",
+                backend=self.name,
+                capability="grad",
+            )
+
     def move_with_gradient(
         self, blocks: Any, forward: Any, backward: Any, like: Any
     ) -> dict[int, Any]:

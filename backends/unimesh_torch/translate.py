@@ -489,6 +489,7 @@ class TorchTranslator(TorchRuntime):
         torch = _torch()
         if not (getattr(array, "requires_grad", False) and torch.is_grad_enabled()):
             return
+        _no_gradient_of_max(self.name, source)
         outside = sorted(
             set(source.mesh.device_ids.ravel().tolist())
             - set(target.mesh.device_ids.ravel().tolist())
@@ -527,8 +528,21 @@ def _p2p(
     return {q: buffer.view(dtype) for q, buffer in inbox.items()}
 
 
+def _no_gradient_of_max(backend: str, source: Layout) -> None:
+    """Refuse a pending max or min under autodiff: its gradient is not a move."""
+    ops = sorted(set(source.spec.partial.values()) & {"max", "min"})
+    if ops:
+        raise UnsupportedError(
+            f"reshard() of {source!r} under autodiff: the gradient of a pending {ops[0]} is "
+            "not a move; reduce it outside the differentiated code (or under torch.no_grad())",
+            backend=backend,
+            capability="grad",
+        )
+
+
 def _move_function() -> Any:
     torch = _torch()
+    from torch.autograd.function import once_differentiable
 
     class Move(torch.autograd.Function):  # type: ignore[misc,name-defined]
         """A reshard's move of this rank's blocks; its backward is the reverse move."""
@@ -547,6 +561,7 @@ def _move_function() -> Any:
             )
 
         @staticmethod
+        @once_differentiable  # the reverse move is not itself recorded: no double backward
         def backward(ctx: Any, *grads: Any) -> Any:
             devices, _, backward, box = ctx.meta
             torch = _torch()
