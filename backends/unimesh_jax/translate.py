@@ -65,6 +65,13 @@ def _cached_mesh(backend: JaxTranslator, mesh: Mesh, device_count: int) -> Any:
     return backend._build_mesh(mesh)
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_neutral(backend: JaxTranslator, jmesh: Any, device_count: int) -> Mesh:
+    """The unimesh Mesh of a JAX mesh (immutable and hashable in JAX, so remembered: an
+    array's sharding is read on every reshard and save)."""
+    return backend._neutral_mesh(jmesh)
+
+
 class JaxTranslator(JaxRuntime):
     """The translator layer, on the runtime's device order."""
 
@@ -119,6 +126,11 @@ class JaxTranslator(JaxRuntime):
         return JMesh(devices, mesh.axis_names, axis_types=types)
 
     def _mesh_from_native(self, jmesh: Any) -> Mesh:
+        if jmesh.size <= _CACHED_MESH_SIZE:
+            return _cached_neutral(self, jmesh, _jax().device_count())
+        return self._neutral_mesh(jmesh)
+
+    def _neutral_mesh(self, jmesh: Any) -> Mesh:
         from jax.sharding import AbstractMesh
 
         types: tuple[str, ...] | None = tuple(str(t.name).lower() for t in jmesh.axis_types)
