@@ -244,3 +244,30 @@ def test_random_round_trips(data: st.DataObject) -> None:
     assert unimesh.from_native(unimesh.to_native(lay, "keras")) == lay
     lm = LayoutMap(mesh, {"a/.*": lay.spec, ".*/b": P()})
     assert unimesh.from_native(unimesh.to_native(lm, "keras")) == lm
+
+
+def test_reshard_of_a_keras_variable_moves_on_jax():
+    """A Keras variable laid out by a distribution reshards through JAX's transport (its
+    compiled reshard on one device list, device-to-device pieces onto other devices): the
+    result is JAX's array, laid out as the target, with the variable's values; the bytes
+    copied between devices are the plan's."""
+    from unimesh.moves import plan
+
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    source = Layout(MESH, P("dp", "tp"))
+    rules = LayoutMap(MESH)
+    rules["w"] = P("dp", "tp")
+    with distribution(MESH, layout_map=rules).scope():
+        variable = keras.Variable(x, name="w")
+    assert unimesh.from_native(variable.value.sharding) == source
+    for target in (
+        Layout(MESH, P("tp", None)),  # the same devices: XLA's reshard
+        Layout(Mesh((8,), ("x",)), P(None, "x")),  # another order: the plan's pieces
+    ):
+        stats: dict[str, int] = {}
+        moved = unimesh.reshard(variable, target, stats=stats)
+        assert isinstance(moved, jax.Array)
+        assert moved.sharding.is_equivalent_to(unimesh.to_native(target, "jax"), 2)
+        np.testing.assert_array_equal(np.asarray(moved), x)
+        want = plan(source, target, (8, 8), 4, np.zeros(8, np.int64), 0).stats()
+        assert stats == want and stats["bytes_copied"] > 0

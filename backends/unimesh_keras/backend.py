@@ -233,6 +233,45 @@ class KerasBackend(Backend):
             for s in array.addressable_shards
         }
 
+    # -- live reshard: Keras's arrays are JAX's, so JAX's transport moves them ---------------
+    @staticmethod
+    def _value(array: Any) -> Any:
+        """A Keras variable's ``jax.Array`` (an array as it is)."""
+        if hasattr(array, "value") and not hasattr(array, "addressable_shards"):
+            return array.value
+        return array
+
+    def device_processes(self, device_ids: Any) -> list[int]:
+        return self._jax("reshard()").device_processes(device_ids)
+
+    def native_blocks(self, array: Any) -> dict[int, Any]:
+        """JAX's: each shard's ``jax.Array`` on its device (no host copy)."""
+        return self._jax("reshard()").native_blocks(self._value(array))
+
+    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
+        return self._jax("reshard()").exchange_pieces(sends, receives, dtype)
+
+    def place(self, piece: Any, device_id: int) -> Any:
+        return self._jax("reshard()").place(piece, device_id)
+
+    def concatenate(self, parts: Any, axis: int) -> Any:
+        return self._jax("reshard()").concatenate(parts, axis)
+
+    def combine(self, op: str, a: Any, b: Any) -> Any:
+        return self._jax("reshard()").combine(op, a, b)
+
+    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+        return self._jax("reshard()").empty_block(dtype, shape)
+
+    def import_block(self, block: Any, device_id: int | None) -> Any:
+        return self._jax("reshard()").import_block(block, device_id)
+
+    def native_reshard(
+        self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
+    ) -> tuple[Any, dict[str, int]] | None:
+        """JAX's: its compiled reshard on one device list, and a tracer's move."""
+        return self._jax("reshard()").native_reshard(self._value(array), source, target, shape)
+
     def stop_gradient(self, x: Any) -> Any:
         import keras
 
