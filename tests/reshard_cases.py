@@ -237,6 +237,23 @@ def check_partial(
     return 0.0
 
 
+def _gradient_problem() -> tuple[dict[str, Mesh], Layout, tuple[int, ...], Any, Any]:
+    """The meshes, the source, the shape, the weights w and the value of the gradient cases."""
+    m = meshes(4)
+    shape = (8, 6)
+    w = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    return m, Layout(m["square"], P(("dp", "tp"))), shape, w, value(shape, "float32")
+
+
+def _gradient_cases(m: dict[str, Mesh], source: Layout) -> list[tuple[Layout, Layout, int]]:
+    """(source, target, factor of w): split and replicated targets, a replicated source."""
+    return [
+        (source, Layout(m["line"], P(None, "x")), 1),
+        (source, Layout(m["line"], P()), 1),
+        (Layout(m["line"], P()), Layout(m["square"], P("tp", "dp")), 1),  # replicated source
+    ]
+
+
 def torch_gradient(rank: int) -> float | str:
     """torch's own autograd through a reshard (4 ranks): the loss <w, x> (each rank's part
     <w, its target block>; a replicated target's part is the whole, the same on every rank,
@@ -245,15 +262,9 @@ def torch_gradient(rank: int) -> float | str:
     replica, as DTensor.redistribute's backward gives it). 0.0 when all are right."""
     import torch
 
-    m = meshes(4)
-    source = Layout(m["square"], P(("dp", "tp")))
-    shape = (8, 6)
-    w = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
-    x = value(shape, "float32")
+    m, source, shape, w, x = _gradient_problem()
     cases = [
-        (source, Layout(m["line"], P(None, "x")), 1),
-        (source, Layout(m["line"], P()), 1),
-        (Layout(m["line"], P()), Layout(m["square"], P("tp", "dp")), 1),  # replicated source
+        *_gradient_cases(m, source),
         # from half of the ranks: ranks 0 and 2 only receive, and must still run the backward
         (Layout(m["half"], P("y")), Layout(m["square"], P("tp", "dp")), 1),
     ]
@@ -296,16 +307,10 @@ def torch_gradient(rank: int) -> float | str:
 def mlx_gradient(rank: int) -> float | str:
     """MLX through ``unimesh.value_and_grad`` (4 ranks): the same loss and expected gradient
     as :func:`torch_gradient` (w, laid out like the source, replicated sources included)."""
-    m = meshes(4)
-    source = Layout(m["square"], P(("dp", "tp")))
-    shape = (8, 6)
-    w = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
-    x = value(shape, "float32")
+    m, source, shape, w, x = _gradient_problem()
     cases = [
-        (source, Layout(m["line"], P(None, "x")), 1),
-        (source, Layout(m["line"], P()), 1),
+        *_gradient_cases(m, source),
         (source, Layout(m["transposed"], P("v", "u")), 1),
-        (Layout(m["line"], P()), Layout(m["square"], P("tp", "dp")), 1),  # replicated source
     ]
     import mlx.core as mx
 
