@@ -242,6 +242,26 @@ def test_save_load_and_open_checkpoint(backend: str, torch_world: None, tmp_path
     assert json.loads(json.dumps(stats)) == stats
 
 
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_reshard(backend: str, torch_world: None) -> None:
+    """unimesh.reshard to another spec and onto a mesh of the devices in reverse order: every
+    block the target's, bit for bit, with this process's bytes counted (none received: one
+    process)."""
+    mesh = _mesh(backend)
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    source = Layout(mesh, P("dp", "tp"))
+    placed = unimesh.distribute(x, source, backend)
+    reverse = Mesh((mesh.size,), ("x",), device_ids=mesh.device_ids.ravel()[::-1].tolist())
+    for target in (Layout(mesh, P("tp", None)), Layout(reverse, P(None, "x"))):
+        stats: dict[str, int] = {}
+        moved = unimesh.reshard(placed, target, stats=stats)
+        for device, block in unimesh.local_shards(moved, backend).items():
+            np.testing.assert_array_equal(
+                np.asarray(block), x[target.shard_slices(x.shape, device)]
+            )
+        assert stats["bytes_received"] == 0 and stats["bytes_sent"] == 0
+
+
 @pytest.mark.parametrize("backend", PROGRAMS)
 def test_one_process_runtime(backend: str, torch_world: None) -> None:
     """initialize and verify in one process (the real launches are in the full suite)."""
