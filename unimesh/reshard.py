@@ -216,8 +216,9 @@ def _check_handoff(
     in both, and one of them moves data between processes."""
     if type(to).import_block is Backend.import_block:
         to.import_block(None, None)  # its refusal, naming the backend
-    theirs = _dtype_of(be, to, leaf)
-    if _itemsize(leaf) != _itemsize(to.empty_block(theirs, (0,))):
+    there = _empty_there(be, to, leaf)
+    theirs = there.dtype
+    if _itemsize(leaf) != _itemsize(there):
         raise UnsupportedError(
             f"reshard() of {name} from {be.name} to {to.name}: its dtype {leaf.dtype} would "
             f"become {theirs} there, losing values; cast it first, or widen {to.name}'s types "
@@ -253,29 +254,47 @@ def _handoff(
     """``leaf`` (of ``be``) as ``to``'s array laid out as ``target``: the pieces move on
     ``be``'s engine (or on ``to``'s where ``be`` moves nothing between processes: a backend
     without :meth:`~unimesh.Backend.exchange_pieces`), and each block crosses by DLPack."""
-    if not source.spec.partial:
-        native = be.native_reshard(leaf, source, target, shape)
-        if native is not None:  # in place already: every block crosses as it is
-            moved, counted = native
-            _add(stats, counted)
-            blocks = {d: to.import_block(be.export_block(b), d)
-                      for d, b in be.native_blocks(moved).items()}  # fmt: skip
-            return to.from_local(blocks, target, shape, dtype=_dtype_of(be, to, leaf))
-    if _moves_between_processes(be):
-        out = _moved(be, be.native_blocks(leaf), leaf, shape, source, target, stats)
-        blocks = {d: to.import_block(be.export_block(b), d) for d, b in out.items()}
-        return to.from_local(blocks, target, shape, dtype=_dtype_of(be, to, leaf))
-    held = {d: to.import_block(be.export_block(b), d) for d, b in be.native_blocks(leaf).items()}
-    like = next(iter(held.values()), None)
-    if like is None:
-        like = to.import_block(be.export_block(be.empty_block(leaf.dtype, (0,))), None)
-    out = _moved(to, held, like, shape, source, target, stats)
-    return to.from_local(out, target, shape, dtype=like.dtype)
+
+    def cross(blocks: Mapping[int, Any]) -> dict[int, Any]:
+        return {d: to.import_block(be.export_block(b), d) for d, b in blocks.items()}
+
+    moved = _native(be, leaf, source, target, shape, stats)
+    if moved is not None:  # in place already: every block crosses as it is
+        blocks = cross(be.native_blocks(moved))
+    elif _moves_between_processes(be):
+        blocks = cross(_moved(be, be.native_blocks(leaf), leaf, shape, source, target, stats))
+    else:  # the blocks cross first, and the target's engine moves them
+        held = cross(be.native_blocks(leaf))
+        like = next(iter(held.values()), None)
+        if like is None:
+            like = _empty_there(be, to, leaf)
+        blocks = _moved(to, held, like, shape, source, target, stats)
+    return to.from_local(blocks, target, shape, dtype=_empty_there(be, to, leaf).dtype)
 
 
-def _dtype_of(be: Backend, to: Backend, leaf: Any) -> Any:
-    """``to``'s dtype for ``be``'s array ``leaf`` (what an empty block becomes)."""
-    return to.import_block(be.export_block(be.empty_block(leaf.dtype, (0,))), None).dtype
+def _empty_there(be: Backend, to: Backend, leaf: Any) -> Any:
+    """An empty block of ``be``'s array ``leaf`` as ``to`` takes it (its dtype there)."""
+    return to.import_block(be.export_block(be.empty_block(leaf.dtype, (0,))), None)
+
+
+def _native(
+    be: Backend,
+    leaf: Any,
+    source: Layout,
+    target: Layout,
+    shape: tuple[int, ...],
+    stats: dict[str, int] | None,
+) -> Any:
+    """``leaf`` moved by the framework's own verb where it has one for this move (its bytes
+    added to ``stats``), else None; never for a pending reduction."""
+    if source.spec.partial:
+        return None
+    native = be.native_reshard(leaf, source, target, shape)
+    if native is None:
+        return None
+    moved, counted = native
+    _add(stats, counted)
+    return moved
 
 
 def _move(
@@ -286,12 +305,9 @@ def _move(
     target: Layout,
     stats: dict[str, int] | None,
 ) -> Any:
-    if not source.spec.partial:
-        native = be.native_reshard(leaf, source, target, shape)
-        if native is not None:
-            moved, counted = native
-            _add(stats, counted)
-            return moved
+    moved = _native(be, leaf, source, target, shape, stats)
+    if moved is not None:
+        return moved
     out = _moved(be, be.native_blocks(leaf), leaf, shape, source, target, stats)
     return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
 
@@ -421,6 +437,7 @@ def _blocks(
     data: dict[int, Any] = {}
     # target blocks the framework lets the core write into as pieces arrive (torch): no join
     sinks: dict[int, Any] = {}
+    local = {id(p) for p in the_plan.local}
     for t, (bounds, pieces) in the_plan.blocks.items():
         if t in the_plan.kept or not pieces:
             continue
@@ -429,7 +446,7 @@ def _blocks(
         if block is not None:
             sinks[t] = block
             for p in pieces:
-                if p in the_plan.local:  # held here: written now
+                if id(p) in local:  # held here: written now
                     _write(block, bounds, p, be.place(cut(p.source, p.start, p.stop), t))
     budget, count = rounds(source, target, shape, itemsize, process_of)
     # per round, per peer: (piece, its rows to move) to send, and to receive
