@@ -59,8 +59,8 @@ def load(url: str, out: Path) -> None:
             read=stats["bytes_read"],
             held=stats["bytes_held"],
             slice_read=ck.bytes_read,
-            fetched=ck.remote.bytes_read if ck.remote is not None else -1,
-            manifest=ck.remote.size("manifest.json") if ck.remote is not None else -1,
+            fetched=ck.storage.bytes_read if ck.storage.local is None else -1,
+            manifest=ck.storage.size("manifest.json") if ck.storage.local is None else -1,
         )
     except Exception:  # noqa: BLE001 - the failure is the result
         report["errors"].append(traceback.format_exc(limit=8))
@@ -72,14 +72,14 @@ def load(url: str, out: Path) -> None:
 def killed(url: str, out: Path) -> None:
     """A save of other values that dies (os._exit) once its data file is in the store and
     before the manifest: what a kill -9 at that moment leaves."""
-    from unimesh.checkpoint import store
+    from unimesh.checkpoint import saving
 
     def die(self: Any, token: str, parts: Any) -> None:
         print("data written; dying before the manifest", flush=True)
         os._exit(9)
 
-    store._Staged._commit = die  # type: ignore[method-assign]
-    store.save(url, {"model": {name: value + 1 for name, value in data().items()
+    saving.SaveJob._commit = die  # type: ignore[method-assign]
+    saving.save(url, {"model": {name: value + 1 for name, value in data().items()
                                if value.dtype.kind == "f"}})  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import CheckpointError, Layout, Mesh, P
 from unimesh.checkpoint.format import DTYPES, Box, parse_manifest, read_header
-from unimesh.checkpoint.plan import pieces, runs
+from unimesh.checkpoint.runs import pieces, runs
 
 from .strategies import meshes, specs
 
@@ -419,7 +419,7 @@ def test_command_line_show_and_verify(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_export_slabs_cover_the_array_in_c_order_within_the_window(
     shape: list[int], itemsize: int, window: int
 ) -> None:
-    from unimesh.checkpoint.export import _slabs
+    from unimesh.checkpoint.huggingface import _slabs
 
     shape_t = tuple(shape)
     order = np.arange(math.prod(shape_t)).reshape(shape_t)
@@ -634,7 +634,7 @@ def test_the_stretches_of_a_region_are_its_bytes_in_c_order(data: st.DataObject)
     """load() reads a piece's runs straight into the destination block, each contiguous
     stretch of the block's region one iovec: the stretches hold numpy's bytes of the region,
     in its order."""
-    from unimesh.checkpoint.store import _stretches
+    from unimesh.checkpoint.raw import stretches as _stretches
 
     shape = tuple(data.draw(st.integers(1, 4)) for _ in range(data.draw(st.integers(0, 4))))
     where = []

@@ -130,3 +130,12 @@ def test_a_flax_pytree_saves_and_loads_onto_another_mesh(tmp_path: Path) -> None
         group, layer, leaf = name.split(".")
         assert np.array_equal(np.asarray(got[name]), np.asarray(params[group][layer][leaf]))
     assert unimesh.from_native(got["params.up.kernel"].sharding) == Layout(other, P("all"))
+    # a rule target is read as shard_params reads it: a key matching no tensor is refused
+    # before a byte is read (here a '/'-joined spelling of a '.'-joined name), or warned of
+    wrong = LayoutMap(other, {r".*kernel": P("all"), "params/up/bias": P("all")})
+    with pytest.raises(CheckpointError, match=r"1 of 2 LayoutMap keys match no tensor of the "
+                       r"checkpoint: 'params/up/bias' \(closest: 'params.up.bias'"):  # fmt: skip
+        unimesh.load(tmp_path / "flax", wrong, backend="jax")
+    with pytest.warns(UserWarning, match="match no tensor of the checkpoint"):
+        again = unimesh.load(tmp_path / "flax", wrong, backend="jax", strict=False)
+    assert unimesh.from_native(again["params.up.bias"].sharding) == Layout(other, P())

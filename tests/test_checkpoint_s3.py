@@ -188,10 +188,10 @@ def test_hugging_face_safetensors_in_a_bucket_are_read_by_ranges(s3: dict[str, s
     for url in ("s3://ckpts/hf", "s3://ckpts/single", "s3://ckpts/single/model.safetensors"):
         ck = unimesh.open_checkpoint(url)
         assert ck.kind == "safetensors" and sorted(ck.names) == sorted(weights), url
-        headers = ck.remote.bytes_read
+        headers = ck.storage.bytes_read
         part = ck.read("embed.weight", (slice(8, 12), slice(0, 16)))
         assert part.tobytes() == weights["embed.weight"][8:12].tobytes(), url
-        assert ck.remote.bytes_read - headers == 4 * 16 * 4, url  # the 4 rows, nothing more
+        assert ck.storage.bytes_read - headers == 4 * 16 * 4, url  # the 4 rows, nothing more
         for name, value in weights.items():
             assert ck.read(name).tobytes() == value.tobytes(), (url, name)
     got = unimesh.load("s3://ckpts/hf", {n: np.zeros_like(v) for n, v in weights.items()})

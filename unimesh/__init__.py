@@ -9,7 +9,7 @@ from __future__ import annotations
 from .backend import CAPABILITIES, CONCEPTS, FEATURES, LAYERS, Backend
 from .checkpoint import Checkpoint, SaveHandle, async_save, load, open_checkpoint, save
 from .config import Config, load_config
-from .convert import distribute, from_local, from_native, local_shards, to_native
+from .convert import distribute, from_local, from_native, layout_of, local_shards, to_native
 from .errors import (
     AxisContextError,
     BackendNotFoundError,
@@ -43,10 +43,10 @@ from .parallel import (
     psum,
     psum_scatter,
     shard_map,
-    shard_params,
     stop_gradient,
     value_and_grad,
 )
+from .params import shard_params
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
 from .registry import backends, get_backend, refresh_backends, register_backend, unregister_backend
 from .reshard import reshard
@@ -107,6 +107,7 @@ __all__ = [
     "get_backend",
     "grad",
     "initialize",
+    "layout_of",
     "load",
     "load_config",
     "local_shards",

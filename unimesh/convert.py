@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .backend import Backend
-from .errors import ConversionError, LayoutError, UnsupportedError
+from .errors import ConversionError, LayoutError, UnimeshError, UnsupportedError
 from .layout import Layout
 from .mesh import Mesh
 from .messages import short
@@ -21,6 +21,7 @@ __all__ = [
     "distribute",
     "from_local",
     "from_native",
+    "layout_of",
     "local_shards",
     "require_layout",
     "require_mesh",
@@ -115,6 +116,38 @@ def from_native(obj: Any) -> Any:
         f"from_native() got {short(obj)} ({type(obj).__module__}.{type(obj).__qualname__}), "
         f"which no installed backend converts (installed: {[b.name for b in loaded]})"
     )
+
+
+def layout_of(array: Any) -> tuple[Backend, Layout] | None:
+    """``(backend, layout)`` of a backend's distributed array: an MLX array's ``layout``, a
+    DTensor's placements, a ``jax.Array``'s (or Keras variable's) sharding; None for anything
+    else (a numpy array, a framework's plain tensor, a tracer). The owning backend is found
+    once, from the array's type; nothing new is imported."""
+    import numpy as np
+
+    if array is None or isinstance(array, (np.ndarray, Layout, Mesh, LayoutMap)):
+        return None
+    try:
+        be = owner_of(array)
+    except ConversionError:
+        return None
+    found = getattr(array, "layout", None)
+    if isinstance(found, Layout):
+        return be, found
+    for obj in (  # a sharding first: a refused array's message would print the array
+        getattr(array, "sharding", None),
+        getattr(getattr(array, "value", None), "sharding", None),
+        array,
+    ):
+        if obj is None:
+            continue
+        try:
+            got = from_native(obj)
+        except UnimeshError:
+            continue
+        if isinstance(got, Layout):
+            return be, got
+    return None
 
 
 def from_local(

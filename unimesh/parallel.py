@@ -25,8 +25,6 @@ from .layout import Layout
 from .mesh import Mesh
 from .messages import short
 from .program import Body, Program, SpecTree, current_env
-from .rules import AxisRules, LayoutMap
-from .spec import PartitionSpec
 
 __all__ = [
     "all_gather",
@@ -44,7 +42,6 @@ __all__ = [
     "psum",
     "psum_scatter",
     "shard_map",
-    "shard_params",
     "stop_gradient",
     "value_and_grad",
 ]
@@ -138,7 +135,6 @@ def stop_gradient(x: Any) -> Any:
     ``mx.stop_gradient``, ``keras.ops.stop_gradient``), inside :func:`shard_map` or outside.
     A numerically stable loss-parallel softmax shifts by ``pmax(stop_gradient(x), axis)``
     (``pmax`` has no derivative). numpy arrays and Python numbers pass through."""
-    import numpy as np
     import optree
 
     from .registry import owner_of
@@ -581,218 +577,3 @@ def full_array(array: Any, backend: str | Backend | None = None) -> Any:
         )
     be = get_backend(backend) if backend is not None else owner_of(array)
     return be.full_array(array)
-
-
-def _resolver(
-    rules: LayoutMap | AxisRules, mesh: Mesh | None, logical_axes: Any, be: Backend
-) -> Callable[[str, tuple[int, ...]], Layout]:
-    from .convert import require_layout
-
-    if isinstance(rules, LayoutMap):
-        if mesh is not None and mesh != rules.mesh:
-            raise LayoutError(f"the layout map is on {rules.mesh!r}, not on mesh={mesh!r}")
-        the_mesh = rules.mesh
-    elif isinstance(rules, AxisRules):
-        if not isinstance(mesh, Mesh):
-            raise LayoutError(
-                f"shard_params() with AxisRules needs mesh=unimesh.Mesh(...), got {short(mesh)}"
-            )
-        if not callable(logical_axes) and not isinstance(logical_axes, dict):
-            raise LayoutError(
-                "shard_params() with AxisRules needs logical_axes: a dict {parameter path: "
-                "(logical axis names)} or a function of the path, got "
-                f"{short(logical_axes)}"
-            )
-        the_mesh = mesh
-    else:
-        raise LayoutError(
-            f"shard_params() takes a unimesh.LayoutMap or unimesh.AxisRules, got {short(rules)}"
-        )
-
-    def resolve(path: str, shape: tuple[int, ...]) -> Layout:
-        if isinstance(rules, LayoutMap):
-            layout = rules.get(path)
-        else:
-            names = logical_axes(path) if callable(logical_axes) else logical_axes.get(path)
-            layout = None if names is None else Layout(the_mesh, rules.spec(names, the_mesh))
-        if layout is None:
-            return Layout(the_mesh, PartitionSpec())
-        if len(layout.spec) > len(shape):
-            raise LayoutError(
-                f"parameter {path!r} has shape {shape}, but its layout "
-                f"{layout.spec!r} names {len(layout.spec)} dims"
-            )
-        require_layout(be, layout)
-        if not layout.is_even(shape) and not be.supports("uneven_shards"):
-            raise LayoutError(
-                f"parameter {path!r} of shape {shape} does not divide evenly under "
-                f"{layout.spec!r} on {the_mesh!r}, and backend {be.name!r} needs even shards; "
-                "change the rule for it or the mesh axis sizes"
-            )
-        return layout
-
-    return resolve
-
-
-def shard_params(
-    model: Any,
-    rules: LayoutMap | AxisRules,
-    *,
-    mesh: Mesh | None = None,
-    logical_axes: Any = None,
-    backend: str | Backend | None = None,
-    strict: bool = True,
-) -> Any:
-    """Every parameter of ``model`` laid out by rule; unmatched parameters are replicated.
-
-    ``rules`` is a :class:`LayoutMap` (patterns matched against each parameter's path with
-    ``re.fullmatch``, as Keras does) or :class:`AxisRules` with ``logical_axes`` (a dict or a
-    function from parameter path to logical axis names) and ``mesh``. Paths are the framework's
-    own: ``fc1.weight`` (torch ``named_parameters``), ``dense/kernel`` (Keras variable paths),
-    ``layers.0.weight`` (MLX), ``w1`` / ``block/w`` (JAX pytree keys joined with ``/``).
-
-    A LayoutMap key (or a ``logical_axes`` dict key) that matches no parameter is almost always
-    a path in another framework's spelling: it is a :class:`LayoutError` naming the keys and the
-    closest parameter paths, before any parameter is touched; ``strict=False`` makes it a
-    :class:`UserWarning`.
-
-    torch ``nn.Module``: parameters become DTensors, in place; returns the module. JAX pytree:
-    returns a new pytree of ``jax.Array``. Keras model: each variable is re-placed with its
-    layout (Keras on JAX), in place. MLX ``nn.Module``: each parameter becomes this process's
-    block, in place.
-    """
-    from .registry import get_backend
-
-    be = get_backend(backend)
-    be.require("shard_params")
-    resolve = _resolver(rules, mesh, logical_axes, be)
-    if type(model) is dict:  # the neutral model: nested dicts (and lists) of arrays
-        # (exactly dict: an mlx.nn.Module is a dict too, and its backend lays it out)
-        hosts = dict(_dict_leaves(model))
-        layouts = {path: resolve(path, host.shape) for path, host in hosts.items()}
-        _unmatched(rules, logical_axes, list(layouts), strict)
-        return _rebuilt(model, "", lambda path: be.distribute(hosts[path], layouts[path]))
-    params = be.param_paths(model)
-    if params is not None and [p for p, _ in params] == [""] and not hasattr(model, "shape"):
-        # the whole "model" is one leaf that is no array: not a model or a pytree at all
-        raise ConversionError(
-            f"shard_params() got {short(model)} ({type(model).__name__}), which is neither a "
-            f"model nor a pytree of parameters for the {be.name} backend; pass the model "
-            "(or its parameters' pytree)"
-        )
-    if params is None:  # a backend that cannot list them first: checked after placing
-        seen: list[str] = []
-
-        def recording(path: str, shape: tuple[int, ...]) -> Layout:
-            seen.append(path)
-            return resolve(path, shape)
-
-        out = be.shard_params(model, recording)
-        _unmatched(rules, logical_axes, seen, strict)
-        return out
-    # every layout resolved (and so checked) before the backend changes anything
-    layouts = {path: resolve(path, tuple(shape)) for path, shape in params}
-    _unmatched(rules, logical_axes, list(layouts), strict)
-    return be.shard_params(model, lambda path, shape: layouts.get(path) or resolve(path, shape))
-
-
-_MAX_DEPTH = 64
-
-
-def _dict_leaves(tree: Any, path: str = "", depth: int = 0) -> list[tuple[str, np.ndarray]]:
-    """(path, host array) of each leaf of nested dicts and lists, paths joined with ``/``
-    (as JAX names pytree keys)."""
-    if depth > _MAX_DEPTH:
-        raise ConversionError(
-            f"shard_params() model nests deeper than {_MAX_DEPTH} levels at {path!r}; "
-            "pass a flatter dict of arrays"
-        )
-    if isinstance(tree, dict):
-        out = []
-        for key, value in tree.items():
-            if not isinstance(key, (str, int)) or isinstance(key, bool):
-                raise ConversionError(
-                    f"shard_params() model keys are str, got {short(key)} under {path!r}"
-                )
-            out += _dict_leaves(value, f"{path}/{key}" if path else str(key), depth + 1)
-        return out
-    if isinstance(tree, (list, tuple)):
-        return [
-            kv
-            for i, value in enumerate(tree)
-            for kv in _dict_leaves(value, f"{path}/{i}" if path else str(i), depth + 1)
-        ]
-    try:
-        host = np.asarray(tree)
-    except Exception as exc:  # noqa: BLE001 - any array-like that numpy cannot read
-        host = np.asarray(None)
-        reason = f" ({type(exc).__name__})"
-    else:
-        reason = ""
-    if host.dtype.kind not in "biufc":
-        raise ConversionError(
-            f"shard_params() lays out a pytree of arrays; leaf {path or '(the root)'!r} is "
-            f"{short(tree)} ({type(tree).__name__}){reason}; pass the parameters' pytree"
-        )
-    return [(path, host)]
-
-
-def _rebuilt(tree: Any, path: str, place: Callable[[str], Any]) -> Any:
-    """``tree`` with each leaf replaced by ``place(its path)``."""
-    if isinstance(tree, dict):
-        return {k: _rebuilt(v, f"{path}/{k}" if path else str(k), place) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        items = [_rebuilt(v, f"{path}/{i}" if path else str(i), place) for i, v in enumerate(tree)]
-        return type(tree)(items) if type(tree) in (list, tuple) else items
-    return place(path)
-
-
-def _unmatched(rules: Any, logical_axes: Any, paths: list[str], strict: bool) -> None:
-    """Refuse (or, not ``strict``, warn of) rule keys that match none of ``paths``."""
-    import difflib
-
-    if isinstance(rules, LayoutMap):
-        used = {rules.key_for(p) for p in paths}
-        keys, what = [k for k in rules if k not in used], "LayoutMap keys"
-    elif isinstance(logical_axes, dict):
-        known = set(paths)
-        keys, what = [k for k in logical_axes if k not in known], "logical_axes paths"
-    else:
-        return
-    if not keys:
-        return
-    plain = {k: k.replace("\\", "") for k in keys}  # 'attn\\.wq' reads as 'attn.wq'
-
-    def words(text: str) -> list[str]:
-        return text.replace("/", ".").split(".")
-
-    near = []
-    candidates = paths[:5000]  # an error's hint: bounded work on a model of any size
-    for key in keys[:3]:
-        want = words(plain[key])
-        score = {  # against the path's last as many parts, in either spelling
-            p: difflib.SequenceMatcher(
-                None, ".".join(want), ".".join(words(p)[-len(want) :])
-            ).ratio()
-            + difflib.SequenceMatcher(None, plain[key], p).ratio() / 10
-            for p in candidates
-        }
-        close = [p for p in sorted(candidates, key=lambda p: -score[p])[:2] if score[p] >= 0.3]
-        near.append(f"{short(key, 80)} (closest: {', '.join(map(repr, close)) or 'none'})")
-    more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-    text = (
-        f"{len(keys)} of {len(rules) if isinstance(rules, LayoutMap) else len(logical_axes)} "
-        f"{what} match no parameter of the model: {'; '.join(near)}{more}. The model's "
-        f"parameter paths look like {short(paths[:4], 160)} ({len(paths)} in all)"
-    )
-    if any("." in plain[k] for k in keys) and any("/" in p for p in paths):
-        text += (
-            "; these are torch names on a '/'-joined tree: make the map with "
-            "unimesh_torch.layout_map_from_plan(..., names='flax') or names='keras'"
-        )
-    text += "; fix the keys, or pass strict=False to only warn"
-    if strict:
-        raise LayoutError(text)
-    import warnings
-
-    warnings.warn(text, UserWarning, stacklevel=3)

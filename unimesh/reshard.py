@@ -146,11 +146,12 @@ def _targets(
     if isinstance(target, Layout):
         return [target] * len(leaves)
     if isinstance(target, LayoutMap):
-        from .parallel import _unmatched
+        from .rules import Resolver
 
+        rules = Resolver(target, None, None, "reshard()")
         replicated = Layout(target.mesh, ())  # an array no rule matches
-        found = [replicated if (got := target.get(path)) is None else got for path in paths]
-        _unmatched(target, None, paths, strict=True)
+        found = [replicated if (got := rules.layout(path)) is None else got for path in paths]
+        rules.unmatched(paths, True, "array of the tree", "The tree's array paths")
         return found
     try:
         full = treedef.flatten_up_to(optree.tree_broadcast_prefix(target, x, is_leaf=_is_leaf))
@@ -195,9 +196,10 @@ def _owner(leaf: Any) -> Backend | None:
 
 
 def _layout_of(leaf: Any) -> Layout | None:
-    from .checkpoint.store import layout_of
+    from .convert import layout_of
 
-    return layout_of(leaf)
+    found = layout_of(leaf)
+    return None if found is None else found[1]
 
 
 def _ids(*layouts: Layout) -> list[int]:

@@ -1,6 +1,8 @@
-"""Parameter-rule policies: which layout each parameter of a model gets. :class:`LayoutMap`
-matches parameter paths (Keras' ``LayoutMap``); :class:`AxisRules` resolves logical axis names
-(flax's ``logical_to_mesh_axes``)."""
+"""Parameter-rule policies: which layout each named array gets. :class:`LayoutMap` matches
+names (Keras' ``LayoutMap``); :class:`AxisRules` resolves logical axis names (flax's
+``logical_to_mesh_axes``); :class:`Resolver` reads either for a set of names, the one reading
+``shard_params`` and ``load(target=LayoutMap | AxisRules)`` share, with the refusal of rule
+keys that match no name."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from .mesh import Mesh
 from .messages import short
 from .spec import Entry, PartitionSpec, _axes_of, _entry, _lfail
 
-__all__ = ["AxisRules", "LayoutMap"]
+__all__ = ["AxisRules", "LayoutMap", "Resolver"]
 
 
 def _pairs(rules: object, what: str, form: str) -> list[tuple[Any, Any]]:
@@ -394,3 +396,88 @@ class AxisRules:
     def layout(self, logical_axes: Sequence[str | None], mesh: Mesh) -> Layout:
         """``Layout(mesh, self.spec(logical_axes, mesh))``."""
         return Layout(mesh, self.spec(logical_axes, mesh))
+
+
+class Resolver:
+    """Names to layouts by ``rules``: a :class:`LayoutMap`, or :class:`AxisRules` with
+    ``logical_axes`` (a dict or a function from name to logical axis names) and ``mesh``.
+    ``call`` names the caller in errors (``shard_params()``, ``load()``)."""
+
+    def __init__(self, rules: Any, mesh: Any, logical_axes: Any, call: str) -> None:
+        if isinstance(rules, LayoutMap):
+            if mesh is not None and mesh != rules.mesh:
+                _lfail(f"the layout map is on {rules.mesh!r}, not on mesh={mesh!r}")
+            mesh = rules.mesh
+        elif isinstance(rules, AxisRules):
+            if not isinstance(mesh, Mesh):
+                _lfail(f"{call} with AxisRules needs mesh=unimesh.Mesh(...), got {short(mesh)}")
+            if not callable(logical_axes) and not isinstance(logical_axes, dict):
+                _lfail(
+                    f"{call} with AxisRules needs logical_axes: a dict {{path: (logical axis "
+                    f"names)}} or a function of the path, got {short(logical_axes)}"
+                )
+        else:
+            _lfail(f"{call} takes a unimesh.LayoutMap or unimesh.AxisRules, got {short(rules)}")
+        self.rules, self.mesh, self.logical_axes = rules, mesh, logical_axes
+
+    def layout(self, name: str) -> Layout | None:
+        """The layout the rules give ``name``; None where no rule matches it (replicated)."""
+        if isinstance(self.rules, LayoutMap):
+            return self.rules.get(name)
+        axes = self.logical_axes
+        names = axes(name) if callable(axes) else axes.get(name)
+        return None if names is None else Layout(self.mesh, self.rules.spec(names, self.mesh))
+
+    def unmatched(self, names: list[str], strict: bool, what: str, whose: str) -> None:
+        """Refuse (or, not ``strict``, warn of) rule keys that match none of ``names``;
+        ``what`` is what a name is (``parameter of the model``), ``whose`` what the names
+        are (``The model's parameter paths``)."""
+        import difflib
+
+        rules, logical_axes = self.rules, self.logical_axes
+        if isinstance(rules, LayoutMap):
+            used = {rules.key_for(p) for p in names}
+            keys, kind = [k for k in rules if k not in used], "LayoutMap keys"
+        elif isinstance(logical_axes, dict):
+            known = set(names)
+            keys, kind = [k for k in logical_axes if k not in known], "logical_axes paths"
+        else:
+            return
+        if not keys:
+            return
+        plain = {k: k.replace("\\", "") for k in keys}  # 'attn\\.wq' reads as 'attn.wq'
+
+        def words(text: str) -> list[str]:
+            return text.replace("/", ".").split(".")
+
+        near = []
+        candidates = names[:5000]  # an error's hint: bounded work on a model of any size
+        for key in keys[:3]:
+            want = words(plain[key])
+            score = {  # against the name's last as many parts, in either spelling
+                p: difflib.SequenceMatcher(
+                    None, ".".join(want), ".".join(words(p)[-len(want) :])
+                ).ratio()
+                + difflib.SequenceMatcher(None, plain[key], p).ratio() / 10
+                for p in candidates
+            }
+            close = [p for p in sorted(candidates, key=lambda p: -score[p])[:2] if score[p] >= 0.3]
+            near.append(f"{short(key, 80)} (closest: {', '.join(map(repr, close)) or 'none'})")
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        total = len(rules) if isinstance(rules, LayoutMap) else len(logical_axes)
+        text = (
+            f"{len(keys)} of {total} {kind} match no {what}: {'; '.join(near)}{more}. "
+            f"{whose} look like "
+            f"{short(names[:4], 160)} ({len(names)} in all)"
+        )
+        if any("." in plain[k] for k in keys) and any("/" in p for p in names):
+            text += (
+                "; these are torch names on a '/'-joined tree: make the map with "
+                "unimesh_torch.layout_map_from_plan(..., names='flax') or names='keras'"
+            )
+        text += "; fix the keys, or pass strict=False to only warn"
+        if strict:
+            _lfail(text)
+        import warnings
+
+        warnings.warn(text, UserWarning, stacklevel=3)

@@ -289,7 +289,7 @@ class KerasBackend(Backend):
 
         if not isinstance(model, keras.layers.Layer):
             return None
-        from unimesh.checkpoint.store import layout_of
+        from unimesh.convert import layout_of
 
         out: dict[str, Any] = {}
         for variable in model.variables:

@@ -1,12 +1,16 @@
-"""Checkpoints that move across frameworks and meshes (``docs/checkpoints.md``): the format
-(:mod:`.format`), who reads which bytes (:mod:`.plan`), saving and loading (:mod:`.store`),
-and writing a checkpoint out as Hugging Face safetensors (:mod:`.export`).
-Framework-free: a backend only hands over its blocks and takes them back."""
+"""Checkpoints that move across frameworks and meshes (``docs/checkpoints.md``), one job per
+module: the format on disk (:mod:`.format`), where the files live (:mod:`.storage`: a local
+directory or an fsspec URL, one interface) and raw local reads (:mod:`.raw`), byte runs
+(:mod:`.runs`), saving (:mod:`.saving`), reading any format through one table of openers
+(:mod:`.reader`), loading (:mod:`.loading`), and Hugging Face safetensors in and out
+(:mod:`.huggingface`); torch DCP (:mod:`.dcp`) and Orbax (:mod:`.orbax`) are read without
+their frameworks. Framework-free: a backend only hands over its blocks and takes them back."""
 
 from __future__ import annotations
 
-from .export import to_safetensors
-from .store import Checkpoint, SaveHandle, async_save, load, open_checkpoint, save
+from .loading import load
+from .reader import Checkpoint, open_checkpoint, to_safetensors
+from .saving import SaveHandle, async_save, save
 
 __all__ = [
     "Checkpoint",

@@ -8,15 +8,11 @@ runs like any other saved box. The chunk's own ``data.pkl`` (a tensor's rebuild 
 by a second restricted unpickler that admits only ``torch._utils._rebuild_tensor_v2`` and the
 storage types.
 
-Also read: the files ``torch.distributed.checkpoint.HuggingFaceStorageWriter`` writes with
-``save_distributed=True`` (safetensors files whose ``__metadata__`` gives each tensor's
-``saved_offsets``), whose global shapes are inferred from the chunks, as DCP does, and then
-checked to be tiled exactly."""
+The files ``HuggingFaceStorageWriter`` writes are read in :mod:`.huggingface`."""
 
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import pickle
@@ -29,15 +25,12 @@ from typing import Any, ClassVar
 
 from ..errors import CheckpointError
 from ..messages import short
-from .format import DTYPES, MAX_HEADER, Box, Tensor, _check_tiling, check_file_name
-from .format import _ints as format_ints
+from .format import DTYPES, MAX_HEADER, Box, Tensor, check_file_name, check_ints, check_tiling
 
-__all__ = ["HF_SHARDING_KEY", "METADATA", "read_dcp", "read_hf_sharded", "torch_dtype_name"]
+__all__ = ["METADATA", "read_dcp", "torch_dtype_name"]
 
 #: the metadata file torch's FileSystemWriter writes last
 METADATA = ".metadata"
-#: the ``__metadata__`` key where HuggingFaceStorageWriter puts the chunks' offsets
-HF_SHARDING_KEY = "DCP_SHARDING_INFO"
 
 _DCP_META = "torch.distributed.checkpoint.metadata"
 _DCP_FS = "torch.distributed.checkpoint.filesystem"
@@ -365,7 +358,7 @@ def _ints(value: Any, where: str) -> tuple[int, ...]:
     """A pickled ``torch.Size`` (a tuple), checked as the manifest's int lists are."""
     if not isinstance(value, tuple):
         raise CheckpointError(f"{where} must be a list of at most 64 ints, got {short(value)}")
-    return format_ints(list(value), where)
+    return check_ints(list(value), where)
 
 
 def read_dcp(root: Path) -> tuple[dict[str, Tensor], list[str]]:
@@ -444,55 +437,9 @@ def read_dcp(root: Path) -> tuple[dict[str, Tensor], list[str]]:
                     files[file] = (os.open(target, os.O_RDONLY), target.stat().st_size)
                 fd, size = files[file]
                 boxes.append(_chunk_box(root, fd, size, name, offset, sizes, dtype, info))
-            _check_tiling(f"{where}: {name!r}", shape, boxes)
+            check_tiling(f"{where}: {name!r}", shape, boxes)
             tensors[name] = Tensor(name, shape, dtype, None, boxes)
     finally:
         for fd, _ in files.values():
             os.close(fd)
     return tensors, others
-
-
-# -- HuggingFaceStorageWriter(save_distributed=True) ---------------------------------------
-def read_hf_sharded(root: Path, files: list[str], headers: Any, metadata: Any) -> dict[str, Tensor]:
-    """The tensors of safetensors files each of whose ``__metadata__`` carries DCP's
-    ``saved_offsets``: ``headers(file)`` gives a file's entries, ``metadata(file)`` its
-    ``__metadata__``. A tensor's global shape is the end of its farthest chunk (DCP's own
-    inference), then checked: the chunks must tile it exactly once."""
-    chunks: dict[str, list[Box]] = {}
-    dtypes: dict[str, str] = {}
-    for file in files:
-        where = str(root / file)
-        text = metadata(file).get(HF_SHARDING_KEY)
-        if not isinstance(text, str) or len(text) > MAX_HEADER:
-            raise CheckpointError(
-                f"{where} has no {HF_SHARDING_KEY} in its __metadata__: a directory of "
-                ".safetensors files without model.safetensors.index.json is read only as "
-                "torch's HuggingFaceStorageWriter(save_distributed=True) writes it; open the "
-                "file itself, or add the index"
-            )
-        try:
-            info = json.loads(text)
-        except ValueError as exc:
-            raise CheckpointError(f"{where}: {HF_SHARDING_KEY} is not JSON: {exc}") from None
-        if not isinstance(info, dict):
-            raise CheckpointError(f"{where}: {HF_SHARDING_KEY} is not an object")
-        for name, (dtype, shape, start, end) in headers(file).items():
-            entry = info.get(name)
-            offset = entry.get("saved_offsets") if isinstance(entry, dict) else None
-            if not isinstance(offset, list):
-                raise CheckpointError(f"{where}: {name!r} has no saved_offsets")
-            offset = _ints(tuple(offset), f"{where}: the saved_offsets of {name!r}")
-            if len(offset) != len(shape):
-                raise CheckpointError(f"{where}: {name!r}'s saved_offsets do not match its shape")
-            if dtypes.setdefault(name, dtype) != dtype:
-                raise CheckpointError(f"{where}: {name!r} is {dtype} here, {dtypes[name]} before")
-            chunks.setdefault(name, []).append(Box(offset, tuple(shape), file, start, end))
-    tensors = {}
-    for name, boxes in chunks.items():
-        ndim = {len(b.size) for b in boxes}
-        if len(ndim) != 1:
-            raise CheckpointError(f"{root}: the chunks of {name!r} differ in rank")
-        shape = tuple(max(b.offset[d] + b.size[d] for b in boxes) for d in range(ndim.pop()))
-        _check_tiling(f"{root}: {name!r}", shape, boxes)
-        tensors[name] = Tensor(name, shape, dtypes[name], None, boxes)
-    return tensors

@@ -25,6 +25,13 @@ __all__ = [
     "VERSION",
     "Box",
     "Tensor",
+    "check_file_name",
+    "check_ints",
+    "check_tiling",
+    "dtype_name",
+    "dtype_text",
+    "load_json",
+    "manifest_bytes",
     "numpy_dtype",
     "parse_manifest",
     "read_header",
@@ -204,7 +211,7 @@ def _fields(
         raise CheckpointError(f"{where} has unknown fields {unknown}")
 
 
-def _ints(value: Any, where: str, lo: int = 0) -> tuple[int, ...]:
+def check_ints(value: Any, where: str, lo: int = 0) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > 64:
         raise CheckpointError(f"{where} must be a list of at most 64 ints, got {short(value)}")
     for v in value:
@@ -237,14 +244,23 @@ def check_file_name(name: Any, where: str) -> str:
     return name
 
 
-def parse_manifest(data: bytes, where: str) -> tuple[dict[str, Any] | None, dict[str, Tensor]]:
-    """The manifest's saved mesh (``Mesh.to_dict()`` form or None) and its tensors, checked:
-    fields and types, every box inside the tensor and of numel x itemsize bytes, the boxes
-    tiling the tensor exactly once."""
+def manifest_bytes(tensors: dict[str, Tensor]) -> bytes:
+    """The manifest of ``tensors``, as the writer commits it, read back by
+    :func:`parse_manifest` first (what is written can be read)."""
+    doc = {"format": FORMAT, "version": VERSION,
+           "tensors": {name: t.to_json() for name, t in tensors.items()}}  # fmt: skip
+    text = json.dumps(doc, indent=1).encode()
+    parse_manifest(text, "the manifest being written")
+    return text
+
+
+def parse_manifest(data: bytes, where: str) -> dict[str, Tensor]:
+    """The manifest's tensors, checked: fields and types, every box inside the tensor and of
+    numel x itemsize bytes, the boxes tiling the tensor exactly once."""
     if len(data) > MAX_HEADER:
         raise CheckpointError(f"{where} is {len(data)} bytes, over the {MAX_HEADER} cap")
     doc = load_json(data, where)
-    _fields(doc, where, {"format", "version", "tensors"}, {"mesh"})
+    _fields(doc, where, {"format", "version", "tensors"})
     if doc["format"] != FORMAT:
         raise CheckpointError(f"{where}: format is {short(doc['format'])}, not {FORMAT!r}")
     if doc["version"] != VERSION:
@@ -257,7 +273,7 @@ def parse_manifest(data: bytes, where: str) -> tuple[dict[str, Any] | None, dict
     for name, t in doc["tensors"].items():
         at = f"{where}: tensor {short(name)}"
         _fields(t, at, {"shape", "dtype", "boxes"}, {"layout"})
-        shape = _ints(t["shape"], f"{at} shape")
+        shape = check_ints(t["shape"], f"{at} shape")
         dtype = t["dtype"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"{at}: unknown dtype {short(dtype)}; known: {list(DTYPES)}")
@@ -271,7 +287,10 @@ def parse_manifest(data: bytes, where: str) -> tuple[dict[str, Any] | None, dict
         for i, b in enumerate(t["boxes"]):
             bw = f"{at} box {i}"
             _fields(b, bw, {"offset", "size", "file", "start", "end"}, {"crc32"})
-            offset, size = _ints(b["offset"], f"{bw} offset"), _ints(b["size"], f"{bw} size")
+            offset, size = (
+                check_ints(b["offset"], f"{bw} offset"),
+                check_ints(b["size"], f"{bw} size"),
+            )
             if len(offset) != len(shape) or len(size) != len(shape):
                 raise CheckpointError(f"{bw}: offset and size need {len(shape)} entries")
             for d, (o, n, g) in enumerate(zip(offset, size, shape)):
@@ -290,13 +309,10 @@ def parse_manifest(data: bytes, where: str) -> tuple[dict[str, Any] | None, dict
                                     or not 0 <= crc < 2**32):  # fmt: skip
                 raise CheckpointError(f"{bw}: crc32 must be an int in [0, 2**32), got {short(crc)}")
             boxes.append(Box(offset, size, check_file_name(b["file"], bw), start, end, crc))
-        _check_tiling(at, shape, boxes)
+        check_tiling(at, shape, boxes)
         tensors[name] = Tensor(name, shape, dtype, layout, boxes)
     _check_bytes_once(where, tensors)
-    mesh = doc.get("mesh")
-    if mesh is not None and not isinstance(mesh, dict):
-        raise CheckpointError(f"{where}: mesh must be an object or null")
-    return mesh, tensors
+    return tensors
 
 
 def _check_bytes_once(where: str, tensors: dict[str, Tensor]) -> None:
@@ -318,7 +334,7 @@ def _check_bytes_once(where: str, tensors: dict[str, Tensor]) -> None:
             )
 
 
-def _check_tiling(where: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
+def check_tiling(where: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
     """The boxes cover every element once: their volumes add up to the tensor's and no two
     overlap (a sweep over the first dim's intervals keeps this near-linear)."""
     total = math.prod(shape)
@@ -396,7 +412,7 @@ def read_header(
         _fields(entry, at, {"dtype", "shape", "data_offsets"})
         if not isinstance(entry["dtype"], str) or entry["dtype"] not in _FROM_SAFETENSORS:
             raise CheckpointError(f"{at}: unknown dtype {short(entry['dtype'])}")
-        shape = _ints(entry["shape"], f"{at} shape")
+        shape = check_ints(entry["shape"], f"{at} shape")
         lo, hi = (_int(v, f"{at} data_offsets") for v in _pair(entry["data_offsets"], at))
         itemsize = DTYPES[_FROM_SAFETENSORS[entry["dtype"]]][1]
         if hi - lo != math.prod(shape) * itemsize or start + hi > size:

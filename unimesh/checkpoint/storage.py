@@ -1,21 +1,32 @@
-"""Checkpoints in object storage: any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...)
-as the place of a checkpoint. Object stores have no rename and no partial write, so a data
-file is written whole (one PUT) and the manifest, written last, is the commit point: a reader
-never sees a new checkpoint without its whole manifest, and an object PUT replaces the old
-manifest at once. Reads are ranged requests for each block's byte runs; ``bytes_read``
-counts every byte the filesystem returned (manifest and headers included).
+"""Where a checkpoint's files live: one small interface, :class:`Storage`, and its two
+implementations, as torch DCP's ``FileSystemBase`` has them. The save's commit protocol
+(:mod:`.saving`) and the reader (:mod:`.reader`) are written once over it.
 
-fsspec and the store's own package (``s3fs``, ``gcsfs``) are optional (the ``s3`` extra);
-they are imported when a URL is first used."""
+- :class:`LocalDir`: a directory. Reads are ``pread``/``preadv`` on descriptors kept open per
+  file; a file is written and fsync'd whole; the manifest is committed by an atomic rename.
+- :class:`Remote`: any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...). Object stores have
+  no rename and no partial write, so a file is one PUT and the manifest's PUT is the commit
+  point (it replaces the old manifest at once). Reads are ranged requests. fsspec and the
+  store's package (``s3fs``, ``gcsfs``) are optional (the ``s3`` extra), imported on first use.
+
+``bytes_read`` counts every byte a storage returned (manifest and headers included)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+import numpy as np
 
-__all__ = ["Remote", "Url", "is_url"]
+from ..errors import CheckpointError
+from .raw import fsync_dir, scatter_read, write_file
+
+__all__ = ["LocalDir", "Remote", "Storage", "Url", "is_url", "open_storage"]
+
+#: data files a LocalDir keeps open at once
+_OPEN = 64
 
 
 def is_url(path: Any) -> bool:
@@ -46,7 +57,177 @@ class Url(str):
         return Url(self.rstrip("/").rsplit("/", 1)[0])
 
 
-class Remote:
+class Storage:
+    """The files of one checkpoint place. ``where`` is the place (a Path or a :class:`Url`,
+    ``where / name`` naming a file in messages); ``local`` the directory where formats read
+    with the file system's own tools (torch DCP, Orbax) can be opened, None in object storage."""
+
+    where: Any
+    local: Path | None = None
+    bytes_read: int = 0
+
+    def is_object(self) -> bool:
+        """Whether the place itself is one file (a ``.safetensors`` file, not a directory)."""
+        raise NotImplementedError
+
+    def is_file(self, name: str) -> bool:
+        """Whether ``name`` is a file of the place (a symlink to one counts)."""
+        raise NotImplementedError
+
+    def is_link(self, name: str) -> bool:
+        """Whether ``name`` is a symlink (refused where a file must be the place's own)."""
+        return False
+
+    def size(self, name: str) -> int:
+        """The length of file ``name`` in bytes."""
+        raise NotImplementedError
+
+    def read(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``start..end`` of ``name`` (fewer where the file ends first)."""
+        raise NotImplementedError
+
+    def read_file(self, name: str, cap: int, what: str) -> bytes:
+        """The whole of a small file ``name`` (a manifest, an index), refused by its size
+        before a byte is read when over ``cap`` bytes (``what`` names the cap)."""
+        size = self.size(name)
+        if size > cap:
+            raise CheckpointError(f"{self.where / name} is {size} bytes, over the {cap} cap{what}")
+        return self.read(name, 0, size)
+
+    def read_into(
+        self, name: str, runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
+    ) -> None:
+        """The byte ``runs`` ``(offset, length)`` of ``name``, in the row-major order of the
+        region ``where`` of the C-order array ``out``, written into that region."""
+        raise NotImplementedError
+
+    def mkdir(self) -> None:
+        """Create the place (and its parents) if it is not there."""
+        raise NotImplementedError
+
+    def write(self, name: str, parts: list[Any]) -> None:
+        """File ``name`` written whole from ``parts`` (bytes-like), durably."""
+        raise NotImplementedError
+
+    def commit(self, name: str, data: bytes, token: str) -> None:
+        """File ``name`` replaced by ``data`` at once: a reader sees the old file or the
+        new, whole. ``token`` names a temporary file where one is needed."""
+        raise NotImplementedError
+
+    def names(self) -> list[str]:
+        """The names of the place's files (none if the place is not there)."""
+        raise NotImplementedError
+
+    def remove(self, name: str) -> None:
+        """Remove file ``name`` if it is there."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Let go of what reads keep open (reading again reopens it)."""
+
+
+class LocalDir(Storage):
+    """A checkpoint's directory on a local file system."""
+
+    def __init__(self, root: Path) -> None:
+        self.root: Path = root
+        self.where = self.local = root
+        self.bytes_read = 0
+        self._fds: dict[str, int] = {}
+
+    def is_object(self) -> bool:
+        return self.root.is_file()
+
+    def is_file(self, name: str) -> bool:
+        return (self.root / name).is_file()
+
+    def is_link(self, name: str) -> bool:
+        return (self.root / name).is_symlink()
+
+    def size(self, name: str) -> int:
+        return os.fstat(self.fd(name)).st_size
+
+    def read_file(self, name: str, cap: int, what: str) -> bytes:
+        with open(self.root / name, "rb") as f:  # not kept open: read once
+            size = os.fstat(f.fileno()).st_size
+            if size > cap:
+                raise CheckpointError(
+                    f"{self.root / name} is {size} bytes, over the {cap} cap{what}"
+                )
+            data = f.read(cap + 1)
+        self.bytes_read += len(data)
+        return data
+
+    def fd(self, name: str) -> int:
+        """A descriptor of file ``name``, kept open for later reads (one open per file, not
+        per block: the kernel's read-ahead state carries over from one block to the next).
+        At most 64 are kept; :meth:`close` closes them."""
+        fd = self._fds.get(name)
+        if fd is None:
+            path = self.root / name
+            if path.is_symlink() or not path.is_file():
+                raise CheckpointError(f"{self.where}: data file {name!r} is missing or not a file")
+            if len(self._fds) >= _OPEN:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = self._fds[name] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def read(self, name: str, start: int, end: int) -> bytes:
+        fd, parts, at = self.fd(name), [], start
+        while at < end:
+            got = os.pread(fd, end - at, at)
+            if not got:
+                break
+            parts.append(got)
+            at += len(got)
+        self.bytes_read += at - start
+        return b"".join(parts)
+
+    def read_into(
+        self, name: str, runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
+    ) -> None:
+        scatter_read(self.fd(name), runs, out, where, f"{self.where}: data file {name!r}")
+        self.bytes_read += sum(n for _, n in runs)
+
+    def mkdir(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def write(self, name: str, parts: list[Any]) -> None:
+        write_file(self.root / name, parts)
+
+    def commit(self, name: str, data: bytes, token: str) -> None:
+        fsync_dir(self.root)  # the data files' entries are durable before the manifest's
+        temp = self.root / f".{name}.{token}"
+        try:
+            write_file(temp, [data])
+            os.replace(temp, self.root / name)
+        except OSError:
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
+            raise
+        with contextlib.suppress(OSError):  # committed: a failure here changes nothing
+            fsync_dir(self.root)
+
+    def names(self) -> list[str]:
+        try:
+            return [p.name for p in self.root.iterdir()]
+        except FileNotFoundError:
+            return []
+
+    def remove(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        while self._fds:
+            with contextlib.suppress(OSError):
+                os.close(self._fds.popitem()[1])
+
+    def __del__(self) -> None:  # not weakref.finalize: its first use imports atexit
+        if hasattr(self, "_fds"):
+            self.close()
+
+
+class Remote(Storage):
     """The files of a checkpoint at an fsspec URL."""
 
     def __init__(self, url: str) -> None:
@@ -63,7 +244,7 @@ class Remote:
             raise CheckpointError(
                 f'{url}: {exc} (for s3:// URLs: pip install "unimesh[s3]")'
             ) from None
-        self.url = Url(url.rstrip("/"))
+        self.where = self.url = Url(url.rstrip("/"))
         self.bytes_read = 0
 
     def _path(self, name: str) -> str:
@@ -79,7 +260,6 @@ class Remote:
             raise self._fail("asking for the file", name, exc) from None
 
     def is_object(self) -> bool:
-        """Whether the URL itself names a file (one ``.safetensors`` file, not a place)."""
         try:
             return bool(self.fs.isfile(str(self.root)))
         except Exception as exc:  # noqa: BLE001
@@ -100,8 +280,10 @@ class Remote:
         self.bytes_read += len(data)
         return data
 
-    def read_runs(self, name: str, runs: list[tuple[int, int]]) -> list[bytes]:
-        """The byte runs ``(offset, length)`` of ``name``, as ranged requests made together."""
+    def read_into(
+        self, name: str, runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
+    ) -> None:
+        """The runs as ranged requests made together, then copied into the region."""
         path = self._path(name)
         try:
             found = self.fs.cat_ranges(
@@ -109,16 +291,15 @@ class Remote:
             )
         except Exception as exc:  # noqa: BLE001
             raise self._fail(f"reading {len(runs)} byte runs", name, exc) from None
-        out = []
         for (offset, length), data in zip(runs, found):
             if isinstance(data, BaseException) or len(data) != length:
                 raise CheckpointError(
                     f"{self.url / name} is truncated or unreadable (bytes {offset}.."
                     f"{offset + length})"
                 )
-            out.append(bytes(data))
             self.bytes_read += length
-        return out
+        shape = tuple(w.stop - w.start for w in where)
+        out[where] = np.frombuffer(b"".join(found), dtype=out.dtype).reshape(shape)
 
     def mkdir(self) -> None:
         try:
@@ -130,8 +311,10 @@ class Remote:
         """``name`` written whole: one object PUT, which replaces an older object at once."""
         self.fs.pipe_file(self._path(name), b"".join(bytes(p) for p in parts))
 
+    def commit(self, name: str, data: bytes, token: str) -> None:
+        self.write(name, [data])  # no rename in object storage: the one PUT is the commit
+
     def names(self) -> list[str]:
-        """The names of the files under the checkpoint's place (none if it has none)."""
         self.fs.invalidate_cache()
         try:
             listed = self.fs.ls(str(self.root), detail=False)
@@ -140,4 +323,11 @@ class Remote:
         return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in listed]
 
     def remove(self, name: str) -> None:
-        self.fs.rm_file(self._path(name))
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(name))
+
+
+def open_storage(path: str | os.PathLike[str]) -> Storage:
+    """The storage of a checkpoint place: :class:`Remote` for an fsspec URL, else
+    :class:`LocalDir`."""
+    return Remote(os.fspath(path)) if is_url(path) else LocalDir(Path(path))

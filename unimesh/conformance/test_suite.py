@@ -713,6 +713,10 @@ def _shared_dir(backend: unimesh.Backend, tmp_path: Any) -> str:
     return backend.exchange(str(tmp_path).encode(), 120.0)[0].decode()
 
 
+def _layout(found: tuple[Any, Layout] | None) -> Layout | None:
+    return None if found is None else found[1]
+
+
 def _same_place(got: Layout | None, want: Layout) -> bool:
     """The same spec on the same axes and devices (the process split a native mesh carries,
     ``devices_per_process``, aside)."""
@@ -734,7 +738,7 @@ def test_checkpoint_loads_onto_another_layout(
     """unimesh.save of the backend's arrays, then unimesh.load onto another mesh and spec:
     every block bit-exact against numpy, each process reading only its blocks' bytes."""
     saved, loaded = _mesh(saved_key, devices), _mesh(loaded_key, devices)
-    from unimesh.checkpoint.store import layout_of
+    from unimesh.convert import layout_of
 
     a, b = saved.axis_names, loaded.axis_names
     rng = np.random.default_rng(7)
@@ -770,7 +774,7 @@ def test_checkpoint_loads_onto_another_layout(
     got = _refused(lambda: unimesh.load(path, layouts, backend=backend, stats=stats))
     for k, x in values.items():
         lay = layouts["model"][k]
-        assert _same_place(layout_of(got["model"][k]), lay), k
+        assert _same_place(_layout(layout_of(got["model"][k])), lay), k
         for device_id, block in backend.local_shards(got["model"][k]).items():
             want = x[lay.shard_slices(x.shape, device_id)]
             assert np.asarray(block).tobytes() == want.tobytes(), (k, device_id)
@@ -787,7 +791,7 @@ def test_reshard_moves_only_what_each_process_lacks(
     """unimesh.reshard of the backend's arrays (a dict of them) onto another mesh and spec:
     every block bit-exact against numpy, and each process receives exactly the bytes of its
     target blocks that none of its source blocks holds (counted with numpy masks)."""
-    from unimesh.checkpoint.store import layout_of
+    from unimesh.convert import layout_of
 
     source, target = _mesh(from_key, devices), _mesh(to_key, devices)
     a, b = source.axis_names, target.axis_names
@@ -815,7 +819,7 @@ def test_reshard_moves_only_what_each_process_lacks(
     floor = 0
     for k, x in values.items():
         lay = layouts[k]
-        assert _same_place(layout_of(got[k]), lay), k
+        assert _same_place(_layout(layout_of(got[k])), lay), k
         for device_id, block in backend.local_shards(got[k]).items():
             want = x[lay.shard_slices(x.shape, device_id)]
             block = np.asarray(block)

@@ -1,0 +1,253 @@
+"""Loading: every leaf of the target checked and planned (:class:`LoadPlan`: its tensor, its
+layout, and this process's block per device) before a byte is read; then each block read as
+the byte runs of the saved boxes it touches, one block at a time, and handed to the backend's
+``from_local``. A rule target (``LayoutMap``, ``AxisRules``) is read by the same
+:class:`~unimesh.rules.Resolver` as ``shard_params``."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, UnimeshError
+from ..layout import Layout
+from ..mesh import Mesh
+from ..messages import short
+from ..spec import PartitionSpec
+from .format import Tensor, dtype_name, dtype_text
+from .raw import aligned_empty
+from .reader import Checkpoint, open_checkpoint
+from .tree import flatten, model_state
+
+__all__ = ["LoadPlan", "load"]
+
+Key = tuple[tuple[int, int], ...]  # a block: (start, stop) per dim
+
+
+class LoadPlan:
+    """One leaf of a load's target, checked: its tensor (None: not in the checkpoint), the
+    backend and layout it is loaded into (None: a host array, read whole), the cast asked
+    for, and this process's block per device (``keys``)."""
+
+    __slots__ = ("be", "cast", "keys", "layout", "leaf", "name", "tensor")
+
+    def __init__(self, name: str, leaf: Any) -> None:
+        self.name, self.leaf = name, leaf
+        self.tensor: Tensor | None = None
+        self.be: Any = None
+        self.layout: Layout | None = None
+        self.cast: np.dtype[Any] | None = None
+        self.keys: dict[int, Key] = {}
+
+
+def plan_leaf(
+    ckpt: Checkpoint, name: str, leaf: Any, backend: Any, dtype: Any, strict: bool
+) -> LoadPlan:
+    """``leaf``'s plan, every mismatch with the checkpoint refused by name."""
+    from ..convert import layout_of
+    from ..registry import get_backend
+
+    plan = LoadPlan(name, leaf)
+    if name not in ckpt.tensors:
+        if strict:
+            ckpt.tensor(name)  # raises, naming the closest names
+        return plan
+    t = plan.tensor = ckpt.tensor(name)
+    if dtype is not None:
+        plan.cast = np.dtype(dtype)
+    if isinstance(leaf, np.ndarray):  # a host array: read whole, as numpy
+        if tuple(leaf.shape) != t.shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target "
+                f"{tuple(leaf.shape)}"
+            )
+        if dtype is None and dtype_text(leaf.dtype) != t.dtype:
+            raise CheckpointError(
+                f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target "
+                f"{dtype_text(leaf.dtype)}: pass dtype= to cast on purpose"
+            )
+        return plan
+    if isinstance(leaf, Layout):
+        layout, be = leaf, get_backend(backend)
+        want_dtype = None
+    else:
+        found = layout_of(leaf)
+        if found is None:
+            raise CheckpointError(
+                f"target {name!r} is {short(leaf)}: give a unimesh.Layout or a backend's "
+                "distributed array"
+            )
+        be, layout = found
+        if backend is not None:
+            be = get_backend(backend)
+        shape = tuple(int(n) for n in leaf.shape)
+        if shape != t.shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target {shape}"
+            )
+        want_dtype = dtype_text(getattr(leaf, "dtype", ""))
+    if len(layout.spec) > len(t.shape):
+        raise CheckpointError(
+            f"tensor {name!r} has {len(t.shape)} dims, its target layout {layout.spec!r} "
+            f"names {len(layout.spec)}"
+        )
+    be.require("checkpoint", "unimesh.load builds its arrays with from_local")
+    if dtype is None and want_dtype and want_dtype != t.dtype:
+        raise CheckpointError(
+            f"tensor {name!r} is {t.dtype} in {ckpt.path}, the target {want_dtype}: pass "
+            "dtype= to cast on purpose"
+        )
+    plan.be, plan.layout = be, layout
+    for device in be.process_devices(layout.mesh):
+        plan.keys[device] = tuple((s.start, s.stop) for s in layout.shard_slices(t.shape, device))
+    return plan
+
+
+class LazyBlocks(Mapping[int, np.ndarray]):
+    """This process's blocks of one tensor, ``{device: block}``, each read when the backend
+    first asks for it and let go once every device holding it has been given it: a load
+    stages one block at a time in host memory, not the whole tensor."""
+
+    def __init__(self, keys: dict[int, Key], read: Callable[[Key], np.ndarray]) -> None:
+        self._keys, self._read = keys, read
+        self._left: dict[Key, int] = {}
+        for key in keys.values():
+            self._left[key] = self._left.get(key, 0) + 1
+        self._held: dict[Key, np.ndarray] = {}
+
+    def __getitem__(self, device: int) -> np.ndarray:
+        key = self._keys[device]
+        block = self._held.get(key)
+        if block is None:
+            block = self._held[key] = self._read(key)
+        self._left[key] -= 1
+        if self._left[key] <= 0:  # every device of this block has it: let go
+            del self._held[key]
+        return block
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _read_block(ckpt: Checkpoint, t: Tensor, key: Key, cast: np.dtype[Any] | None) -> np.ndarray:
+    block = ckpt.read_region(t, tuple(a for a, _ in key), tuple(b for _, b in key))
+    if cast is None:
+        return block
+    out = aligned_empty(block.shape, cast)
+    np.copyto(out, block, casting="unsafe")
+    return out
+
+
+def _by_rule(
+    ckpt: Checkpoint, rules: Any, logical_axes: Any, mesh: Mesh | None, strict: bool
+) -> dict[str, Layout]:
+    """``{name: Layout}`` for every tensor of ``ckpt`` by a LayoutMap or AxisRules (no rule:
+    replicated); rule keys matching no tensor refused (``strict``) or warned of."""
+    from ..rules import Resolver
+
+    try:
+        rules_of = Resolver(rules, mesh, logical_axes, "load()")
+    except UnimeshError as exc:
+        raise CheckpointError(str(exc)) from None
+    out = {}
+    for name in ckpt.tensors:
+        layout = rules_of.layout(name)
+        out[name] = layout if layout is not None else Layout(rules_of.mesh, PartitionSpec())
+    try:
+        rules_of.unmatched(ckpt.names, strict, "tensor of the checkpoint",
+                           "The checkpoint's tensor names")  # fmt: skip
+    except UnimeshError as exc:
+        raise CheckpointError(str(exc)) from None
+    return out
+
+
+def load(
+    path: str | os.PathLike[str],
+    target: Any,
+    *,
+    strict: bool = True,
+    dtype: Any = None,
+    backend: Any = None,
+    mesh: Mesh | None = None,
+    logical_axes: Any = None,
+    stats: dict[str, int] | None = None,
+    verify: bool = False,
+) -> Any:
+    """The checkpoint's tensors laid out as ``target`` says, as the backend's distributed
+    arrays in ``target``'s tree. ``target`` is a pytree whose leaves are :class:`Layout` s
+    (shape and dtype from the checkpoint) or native distributed arrays (loaded into their
+    layout; shape and dtype must match); or a :class:`LayoutMap` (or :class:`AxisRules` with
+    ``mesh`` and ``logical_axes``, as :func:`unimesh.shard_params` takes them): every tensor
+    of the checkpoint laid out by its name (unmatched: replicated), returned as a dict by
+    name. Each process reads only the byte runs of the blocks its devices hold. ``strict``:
+    every tensor of ``target`` must be in the checkpoint, and every key of a rule target must
+    match a tensor (False: missing ones are left as given, unmatched keys warned of).
+    ``dtype`` casts on purpose; otherwise a dtype differing from a native target's is an
+    error, never a silent cast. ``stats`` (a dict) receives ``bytes_read`` (from data files)
+    and ``bytes_held`` (of the distinct blocks this process's devices hold). ``verify=True``
+    checks the checksum of every saved box a block comes from (reading those boxes whole, so
+    more than the blocks' bytes). A numpy leaf is read whole, as numpy.
+
+    ``target`` may also be a framework's model (a torch ``nn.Module``, a Keras model, an
+    ``mlx.nn.Module``): each of its arrays is loaded in its own layout (no gather) and
+    written into the model in place, which is returned."""
+    from ..convert import from_blocks
+    from ..rules import AxisRules, LayoutMap
+
+    as_model = model_state(target, backend)
+    if as_model is not None:  # a model: its arrays loaded in their layouts, then written into it
+        be, state = as_model
+        values = load(path, state, strict=strict, dtype=dtype, backend=be, stats=stats,
+                      verify=verify)  # fmt: skip
+        be.model_assign(target, {k: v for k, v in values.items() if v is not state[k]})
+        return target
+    with open_checkpoint(path, verify=verify) as ckpt:  # its data files closed at the end
+        if isinstance(target, (LayoutMap, AxisRules)):
+            target = _by_rule(ckpt, target, logical_axes, mesh, strict)
+        names, leaves, treedef = flatten(target)
+        # every leaf checked and planned before any byte is read
+        plans = [plan_leaf(ckpt, name, leaf, backend, dtype, strict)
+                 for name, leaf in zip(names, leaves)]  # fmt: skip
+        out = []
+        held = 0
+        for plan in plans:
+            t, cast = plan.tensor, plan.cast
+            if t is None:  # not in the checkpoint (strict=False): left as given
+                out.append(plan.leaf)
+            elif plan.be is None:  # a host array: read whole, as numpy
+                whole = ckpt.read(plan.name)
+                out.append(whole if cast is None else whole.astype(cast))
+                held += whole.nbytes
+            else:
+                be, layout = plan.be, plan.layout
+                assert layout is not None
+                blocks = LazyBlocks(plan.keys, functools.partial(_read_block, ckpt, t, cast=cast))
+                made = from_blocks(blocks, layout, t.shape, be)
+                wanted = t.dtype if cast is None else dtype_name(cast)
+                got = dtype_text(getattr(made, "dtype", wanted))
+                if got != wanted:  # the framework changed it (JAX without x64 keeps no int64)
+                    raise CheckpointError(
+                        f"tensor {plan.name!r} is {wanted}, but the {be.name} backend made it "
+                        f"{got}: the framework cannot hold {wanted} as configured (for JAX: "
+                        "jax.config.update('jax_enable_x64', True)); pass dtype= to cast on "
+                        "purpose"
+                    )
+                out.append(made)
+                itemsize = t.itemsize if cast is None else cast.itemsize
+                held += sum(
+                    math.prod(b - a for a, b in r) * itemsize for r in set(plan.keys.values())
+                )
+        if stats is not None:
+            stats["bytes_read"] = ckpt.bytes_read
+            stats["bytes_held"] = held
+        import optree
+
+        return optree.tree_unflatten(treedef, out)
