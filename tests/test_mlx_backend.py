@@ -104,7 +104,7 @@ def test_gradient_rules_only_where_a_transform_traces(monkeypatch):  # type: ign
     assert nested == [(True, True)]  # closed over, but traced by the outer transform
     monkeypatch.setenv("UNIMESH_MLX_TRACER_PROBE", "0")
     assert tracing.make_probe() is None
-    assert programs._PROBE  # made once, on first use
+    assert programs.tracer_probe.cache_info().currsize == 1  # made once, on first use
 
 
 def test_gradient_rules_without_the_probe(monkeypatch):  # type: ignore[no-untyped-def]
@@ -114,7 +114,7 @@ def test_gradient_rules_without_the_probe(monkeypatch):  # type: ignore[no-untyp
     function."""
     from unimesh_mlx import programs
 
-    monkeypatch.setattr(programs, "_PROBE", [None])
+    monkeypatch.setattr(programs, "tracer_probe", lambda: None)
     be = unimesh.get_backend("mlx")
     shard = unimesh.distribute(np.ones((2, 2), np.float32), Layout(ONE, P()), "mlx")
     assert not be.needs_grad(shard.local)

@@ -25,7 +25,7 @@ from typing import Any
 from unimesh import ConversionError
 from unimesh.messages import short
 
-from .programs import RULES, _probe
+from .programs import RULES, tracer_probe
 from .translate import MLXArray
 
 
@@ -76,7 +76,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
                 leaves.append(kind[1])
         return optree.tree_unflatten(treedef, leaves)
 
-    probe = _probe()
+    probe = tracer_probe()
 
     #: positional MLXArray arguments: (id of each layout, shape) -> trace, without flattening
     #: (each trace holds its layouts, so an id found here is that layout's)

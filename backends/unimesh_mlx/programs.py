@@ -117,7 +117,7 @@ class MLXPrograms(MLXTranslator):
         from ``distribute`` or numpy)."""
         if RULES.forward_only:
             return False
-        probe = _probe()
+        probe = tracer_probe()
         return not is_fresh(x) if probe is None else probe(x)
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
@@ -198,7 +198,7 @@ class MLXPrograms(MLXTranslator):
     def full_array(self, array: Any) -> Any:
         """numpy of an :class:`MLXArray`'s whole value, from every process's block (one world
         all_gather of blocks padded to the largest), or of an ``mx.array``."""
-        probe = _probe()
+        probe = tracer_probe()
         if probe is not None and probe(array.local if isinstance(array, MLXArray) else array):
             raise UnsupportedError(
                 f"full_array of {short(array)}, which an MLX transform (grad, vjp, compile, "
@@ -255,6 +255,59 @@ class MLXPrograms(MLXTranslator):
         model.update(tree_unflatten(placed))
         return model
 
+    def compile(self, fn: Any, options: dict[str, Any]) -> Any:
+        """``mx.compile`` of ``fn`` with :class:`MLXArray` arguments and results handed over
+        as their blocks (see :func:`unimesh_mlx.compiled`)."""
+        from .compiled import compiled
+
+        return compiled(fn, options)
+
+    def stop_gradient(self, x: Any) -> Any:
+        local = x.local if isinstance(x, MLXArray) else x
+        stopped = _mx().stop_gradient(local)
+        return MLXArray(stopped, x.layout, x.shape) if isinstance(x, MLXArray) else stopped
+
+    def model_state(self, model: Any) -> dict[str, Any] | None:
+        """An ``mlx.nn.Module``'s parameters by path: the weights of MLX's sharded layers
+        (``AllToShardedLinear``, ``ShardedToAllLinear``, from ``shard_linear``) and of
+        ``fully_shard`` modules as distributed arrays of their global shape, everything else
+        as numpy (held whole by every process)."""
+        from mlx.nn.layers.base import Module
+        from mlx.utils import tree_flatten
+
+        if not isinstance(model, Module):
+            return None
+        from unimesh.convert import from_local
+
+        from .runtime import mx_to_host
+
+        layouts = _sharded_layouts(model, int(self._world().size()))
+        rank = int(self._world().rank())
+        out: dict[str, Any] = {}
+        flat: Any = tree_flatten(model.parameters())  # type: ignore[no-untyped-call]
+        for name, value in flat:
+            found = layouts.get(name)
+            if found is None:
+                out[name] = mx_to_host(value)
+                continue
+            layout, dim = found
+            shape = list(value.shape)
+            shape[dim] *= _axis_size(layout, dim)
+            out[name] = from_local({rank: value}, layout, tuple(shape), backend=self)
+        return out
+
+    def model_assign(self, model: Any, values: dict[str, Any]) -> None:
+        """``model.update`` with each loaded value (this process's block of a sharded one)."""
+        from mlx.utils import tree_unflatten
+
+        from .runtime import host_to_mx
+
+        items = [
+            (name, value.local if isinstance(value, MLXArray) else host_to_mx(value))
+            for name, value in values.items()
+        ]
+        model.update(tree_unflatten(items))
+
 
 def _mlx_module(model: Any) -> None:
     import mlx.nn
@@ -278,15 +331,11 @@ class _Rules:
 
 RULES = _Rules()
 
-#: the tracer probe, made on first use (None: this MLX cannot be asked)
-_PROBE: list[Any] = []
 
-
-def _probe() -> Any:
-    """:func:`.tracing.make_probe`'s function (or None), made once."""
-    if not _PROBE:
-        _PROBE.append(make_probe())
-    return _PROBE[0]
+@functools.cache
+def tracer_probe() -> Any:
+    """:func:`.tracing.make_probe`'s function (None: this MLX cannot be asked), made once."""
+    return make_probe()
 
 
 @functools.cache
@@ -384,3 +433,66 @@ def _check_segments(segments: object, size: int) -> None:
             f"shard_linear segments {short(segments)} must be increasing split points "
             f"between 0 and the sharded dim ({size})"
         )
+
+
+def _axis_size(layout: Layout, dim: int) -> int:
+    entry = layout.spec[dim]
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return int(np.prod([layout.mesh.axis_size(a) for a in axes]))
+
+
+def _sharded_layouts(model: Any, world: int) -> dict[str, tuple[Layout, int]]:
+    """Parameter path -> (global layout, sharded dim) for the sharded layers of ``model``:
+    MLX's sharded Linear layers (the layout unimesh's ``shard_linear`` recorded, else their
+    group, which must then be the whole world: MLX does not say which ranks a split group
+    holds) and ``FullyShardedModule`` (dim 0 over its group)."""
+    from mlx.nn.layers import distributed as dist
+
+    from unimesh import UnsupportedError
+
+    out: dict[str, tuple[Layout, int]] = {}
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        quantized = (dist.QuantizedAllToShardedLinear, dist.QuantizedShardedToAllLinear)
+        if isinstance(module, quantized):
+            raise UnsupportedError(
+                f"{path or 'the model'} is a quantized sharded layer; unimesh saves and loads "
+                "unquantized ones (quantize after loading)",
+                backend="mlx",
+            )
+        sharded = isinstance(module, (dist.AllToShardedLinear, dist.ShardedToAllLinear))
+        if not sharded and not isinstance(module, dist.FullyShardedModule):
+            continue
+        size = int(module.group.size()) if hasattr(module, "group") else world
+        recorded = getattr(module, "_unimesh_layout", None)
+        if getattr(module, "_unimesh_segments", 1) != 1:
+            raise UnsupportedError(
+                f"{path or 'the model'} is a fused layer sharded by segments "
+                f"({module._unimesh_segments}): each process holds a slice of every segment, "
+                "not one block of the weight; save the unfused layers (or the model before "
+                "shard_linear)",
+                backend="mlx",
+            )
+        if recorded is None and size != world:
+            raise UnsupportedError(
+                f"{path or 'the model'} is sharded over a group of {size} of the {world} "
+                "processes, which MLX does not name; build it with unimesh_mlx.shard_linear "
+                "(which records its layout) or over the whole world",
+                backend="mlx",
+            )
+        mesh = Mesh((world,), ("shard",))
+        if isinstance(module, dist.FullyShardedModule):
+            for inner in module._paths:
+                out[f"{prefix}module.{inner}"] = (Layout(mesh, PartitionSpec("shard")), 0)
+            continue
+        weight = recorded or Layout(
+            mesh,
+            PartitionSpec("shard", None)
+            if isinstance(module, dist.AllToShardedLinear)
+            else PartitionSpec(None, "shard"),
+        )
+        dim = 0 if weight.spec[0] is not None else 1
+        out[f"{prefix}weight"] = (weight, dim)
+        if "bias" in module and dim == 0:  # a sharded-to-all layer's bias is whole
+            out[f"{prefix}bias"] = (Layout(weight.mesh, PartitionSpec(weight.spec[0])), 0)
+    return out

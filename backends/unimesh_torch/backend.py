@@ -9,13 +9,11 @@ refuses, with :class:`unimesh.UnsupportedError`, what DTensor would silently do 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from unimesh import Layout, Mesh, Partial, Shard, StridedShard
 from unimesh.launchers import LauncherSign
 
 from .programs import TorchPrograms
-from .runtime import _torch
 from .translate import TorchLayout, axis_mesh
 
 __all__ = ["TorchBackend", "TorchLayout", "axis_mesh"]
@@ -77,117 +75,3 @@ class TorchBackend(TorchPrograms):
         self._specs = {}
         # Layout -> TorchLayout of programs' arguments and results, under the current world
         self._native_layouts = {}
-
-    def native_code(self, mesh: Mesh) -> str:
-        """``init_device_mesh`` where the ranks are in the default order, else ``DeviceMesh``
-        over the rank tensor; every rank runs it."""
-        head = (
-            "# every rank runs this under torchrun, after torch.distributed.init_process_group\n"
-            '# ("cpu" with gloo; "cuda" with nccl)\n'
-        )
-        names = tuple(mesh.axis_names)
-        if mesh.is_default_order:
-            return (
-                "from torch.distributed.device_mesh import init_device_mesh\n\n"
-                + head
-                + f'mesh = init_device_mesh("cpu", {mesh.shape}, mesh_dim_names={names})'
-            )
-        return (
-            "import torch\nfrom torch.distributed.device_mesh import DeviceMesh\n\n"
-            + head
-            + "# the ranks are not in row-major order, which init_device_mesh cannot express\n"
-            f'mesh = DeviceMesh("cpu", torch.tensor({mesh.device_ids.tolist()}), '
-            f"mesh_dim_names={names})"
-        )
-
-    def native_layout_code(self, layout: Layout) -> str:
-        """DTensor placements, one per mesh dim, for ``distribute_tensor``."""
-        text = []
-        for p in layout.placements():
-            if isinstance(p, StridedShard):
-                text.append(f"_StridedShard({p.dim}, split_factor={p.split_factor})")
-            elif isinstance(p, Shard):
-                text.append(f"Shard({p.dim})")
-            elif isinstance(p, Partial):
-                text.append(f"Partial({p.op!r})")
-            else:
-                text.append("Replicate()")
-        used = [n for n in ("Partial", "Replicate", "Shard") if any(t.startswith(n) for t in text)]
-        lines = ["from torch.distributed.tensor import " + ", ".join([*used, "distribute_tensor"])]
-        if any(t.startswith("_StridedShard") for t in text):
-            lines.append("from torch.distributed.tensor.placement_types import _StridedShard")
-        lines += [
-            "",
-            f"# {layout.spec!r}: one placement per mesh dim {tuple(layout.mesh.axis_names)}",
-            f"placements = ({', '.join(text)}{',' if len(text) == 1 else ''})",
-            "# dtensor = distribute_tensor(tensor, mesh, placements)",
-        ]
-        return "\n".join(lines)
-
-    def demo_compute(self, array: Any, weight: Any) -> Any:
-        """DTensor matmul with a replicated weight, then ``full_tensor()``."""
-        torch = _torch()
-        from torch.distributed.tensor import Replicate, distribute_tensor
-
-        device_mesh = array.device_mesh
-        w = distribute_tensor(
-            torch.from_numpy(weight), device_mesh, [Replicate()] * device_mesh.ndim
-        )
-        return (array @ w).full_tensor().numpy()
-
-    def stop_gradient(self, x: Any) -> Any:
-        return x.detach()
-
-    def compile(self, fn: Any, options: dict[str, Any]) -> Any:
-        """``torch.compile(fn, **options)``. The step's unimesh programs reach dynamo as single
-        calls (``TorchPrograms.program_entry``), so ``fullgraph=True`` holds. A step made by
-        :func:`unimesh.value_and_grad` (or ``grad``) is that step around the compiled
-        function: torch.compile traces the forward and aot_autograd its backward, and
-        autograd runs them outside the graph, as torch.compile users take gradients (dynamo
-        does not trace ``torch.autograd.grad``). Shapes are static unless ``dynamic`` is
-        given (a program's blocks follow from its arguments' shapes)."""
-        import torch
-
-        from .programs import mark_entries, surfacing
-
-        mark_entries()
-        # shapes specialize, as under jax.jit: a program's blocks and groups follow from them
-        options = {"dynamic": False, **options}
-        grad_of = getattr(fn, "unimesh_grad_of", None)
-        if grad_of is not None:
-            inner, around = grad_of
-            return around(surfacing(torch.compile(inner, **options)))
-        return surfacing(torch.compile(fn, **options))
-
-    # -- models: unimesh.save(path, module) / unimesh.load(path, module) -----------------------
-    def model_state(self, model: Any) -> dict[str, Any] | None:
-        """An ``nn.Module``'s state_dict: DTensors as they are (FSDP2 and TP layouts), plain
-        tensors as numpy."""
-        torch = _torch()
-        if not isinstance(model, torch.nn.Module):
-            return None
-        from torch.distributed.tensor import DTensor
-
-        from .translate import to_host
-
-        return {
-            name: t if isinstance(t, DTensor) else to_host(t.detach().cpu())
-            for name, t in model.state_dict().items()
-        }
-
-    def model_assign(self, model: Any, values: dict[str, Any]) -> None:
-        """Copy each loaded value into the module's own parameter or buffer (shard by shard for
-        a DTensor, in its layout)."""
-        torch = _torch()
-        from torch.distributed.tensor import DTensor
-
-        from .translate import _from_host
-
-        live = model.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, value in values.items():
-                into = live[name]
-                if isinstance(into, DTensor):
-                    into.to_local().copy_(value.to_local())
-                else:
-                    into.copy_(_from_host(value))

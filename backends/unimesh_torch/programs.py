@@ -4,18 +4,27 @@ groups (DeviceMesh groups), DTensors in and out, JAX's check_vma gradient rules 
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from unimesh import ConversionError, Layout, Mesh, MeshMismatchError, UnimeshError
+from unimesh import ConversionError, Layout, Mesh, MeshMismatchError
 from unimesh.messages import short
 
+from . import compiled
+from .autograd import (
+    BLOCK,
+    LEAF,
+    NONE,
+    OPS,
+    VMA,
+    dtensor,
+    from_local_function,
+    vjp_function,
+    vma_mode,
+)
+from .compiled import compiling, funcol, real_mesh, traced_permute
 from .runtime import _dist, _torch
 from .translate import TorchLayout, TorchTranslator, global_stride, to_host
 
@@ -24,51 +33,15 @@ class TorchPrograms(TorchTranslator):
     """The program layer, on the primitives of the core's SPMD engine."""
 
     def program_entry(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` as one opaque call to dynamo: inside ``torch.compile`` it runs through its
-        ``torch._dynamo.nonstrict_trace`` twin, whose Python (pytree flattening, the engine,
-        autograd) dynamo does not trace; aot_autograd traces the tensor operations and the
-        functional collectives it calls, so a unimesh step compiles with ``fullgraph=True``.
-        Importing dynamo costs a second or more, so the twin is made once dynamo is loaded:
-        at once if it is, else when ``torch._dynamo`` is imported (``_DynamoWatch``), by
-        :func:`unimesh.compile` or at the first eager call after dynamo loads. Arguments
-        nonstrict_trace refuses (a namedtuple) run the program eagerly (a graph break)."""
-        compiling = _torch().compiler.is_compiling
-        twin: list[Callable[..., Any]] = []
+        """``fn`` as one opaque call to dynamo (:func:`.compiled.program_entry`)."""
+        return compiled.program_entry(fn)
 
-        def mark() -> None:
-            if not twin:
-                from torch._dynamo import nonstrict_trace
+    def compile(self, fn: Any, options: dict[str, Any]) -> Any:
+        """``torch.compile(fn, **options)`` (:func:`.compiled.compile_step`)."""
+        return compiled.compile_step(fn, options)
 
-                def traced(*args: Any) -> Any:
-                    _INSIDE[0] += 1  # traced by aot_autograd: the check_vma tags hold
-                    try:
-                        return fn(*args)
-                    except UnimeshError as exc:  # dynamo reports it as its own Unsupported
-                        REFUSED[:] = [exc]
-                        raise
-                    finally:
-                        _INSIDE[0] -= 1
-
-                traced.__name__ = getattr(fn, "__name__", "traced")
-                twin.append(nonstrict_trace(traced))
-                # arguments nonstrict_trace does not take: run eagerly, a clean graph break
-                # (dynamo tracing the program's own Python fails and then skips its code)
-                twin.append(_torch().compiler.disable(fn))
-
-        def run(*args: Any) -> Any:
-            if twin and compiling():
-                return twin[0](*args) if _plain(args, 0) else twin[1](*args)
-            if not twin and "torch._dynamo" in sys.modules and not compiling():
-                mark()
-            return fn(*args)
-
-        run.__name__ = getattr(fn, "__name__", "run")
-        run.__doc__ = getattr(fn, "__doc__", None)
-        if "torch._dynamo" in sys.modules:
-            mark()
-        else:
-            _unmarked(mark)
-        return run
+    def stop_gradient(self, x: Any) -> Any:
+        return x.detach()
 
     def process_index(self) -> int:
         return int(_dist().get_rank())
@@ -101,18 +74,18 @@ class TorchPrograms(TorchTranslator):
         return _TorchGroup(pg, tuple(int(m) for m in rows[row]))
 
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        if _compiling():
-            return _funcol().all_reduce(x.detach(), op, group.pg)
+        if compiling():
+            return funcol().all_reduce(x.detach(), op, group.pg)
         dist = _dist()
         out = x.detach().clone(memory_format=_torch().contiguous_format)
-        dist.all_reduce(out, op=_OPS[op](), group=group.pg)
+        dist.all_reduce(out, op=OPS[op](), group=group.pg)
         return out
 
     def group_all_gather(self, x: Any, group: Any) -> Any:
         torch = _torch()
         flat = x.detach().contiguous().reshape(-1)  # gloo gathers into one flat buffer
-        if _compiling():
-            out = _funcol().all_gather_tensor(flat, 0, group.pg).reshape((group.size, *x.shape))
+        if compiling():
+            out = funcol().all_gather_tensor(flat, 0, group.pg).reshape((group.size, *x.shape))
             return out if group.order is None else out[group.order]
         out = torch.empty(group.size * flat.numel(), dtype=x.dtype, device=x.device)
         dist = _dist()  # all_gather_into_tensor is deprecated from torch 2.13 on
@@ -126,8 +99,8 @@ class TorchPrograms(TorchTranslator):
         if group.inverse is not None:
             x = x[group.inverse]
         flat = x.contiguous().reshape(-1)
-        if _compiling():
-            return _funcol().reduce_scatter_tensor(flat, "sum", 0, group.pg).reshape(x.shape[1:])
+        if compiling():
+            return funcol().reduce_scatter_tensor(flat, "sum", 0, group.pg).reshape(x.shape[1:])
         out = torch.empty(flat.numel() // group.size, dtype=x.dtype, device=x.device)
         dist = _dist()  # reduce_scatter_tensor is deprecated from torch 2.13 on
         getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(
@@ -141,8 +114,8 @@ class TorchPrograms(TorchTranslator):
         if group.inverse is not None:
             x = x[group.inverse]
         x = x.contiguous()
-        if _compiling():
-            out = _funcol().all_to_all_single(x, None, None, group.pg)
+        if compiling():
+            out = funcol().all_to_all_single(x, None, None, group.pg)
             return out if group.order is None else out[group.order]
         out = torch.empty_like(x)
         _dist().all_to_all_single(out, x, group=group.pg)
@@ -154,8 +127,8 @@ class TorchPrograms(TorchTranslator):
         traces, ``funcol.permute_tensor`` instead, which dynamo compiles (torch does not
         compile point-to-point ops)."""
         torch = _torch()
-        if _compiling():
-            return _traced_permute(x, group, sources)
+        if compiling():
+            return traced_permute(x, group, sources)
         dist = _dist()
         peers = group.peers.get(sources)
         if peers is None:  # (whether it keeps its own, the rank it sends to, receives from)
@@ -183,8 +156,8 @@ class TorchPrograms(TorchTranslator):
         return out
 
     def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
-        if _compiling():
-            return _funcol().broadcast(x.detach().contiguous(), group.members[root], group.pg)
+        if compiling():
+            return funcol().broadcast(x.detach().contiguous(), group.members[root], group.pg)
         out = x.detach().clone(memory_format=_torch().contiguous_format)
         _dist().broadcast(out, src=group.members[root], group=group.pg)
         return out
@@ -222,19 +195,19 @@ class TorchPrograms(TorchTranslator):
         """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
         axes of variation and passes a gradient-carrying argument that lacks some of them
         through ``env.pvary`` (JAX inserts the same pvary)."""
-        return _vma_mode()(env)
+        return vma_mode()(env)
 
     def vma_watched(self) -> bool:
         """Not while dynamo traces the program's Python (dynamo does not keep the tags the
         mode sets), but yes where aot_autograd traces it (``program_entry``): there it runs
         as Python, as in eager."""
-        return _INSIDE[0] > 0 or not _torch().compiler.is_compiling()
+        return compiled._INSIDE[0] > 0 or not _torch().compiler.iscompiling()
 
     def vma_of(self, x: Any) -> frozenset[str]:
-        return getattr(x, _VMA, _NONE)
+        return getattr(x, VMA, NONE)
 
     def tag(self, x: Any, vma: frozenset[str]) -> Any:
-        setattr(x, _VMA, vma)
+        setattr(x, VMA, vma)
         return x
 
     def unwatched(self, fn: Any, x: Any, vma: frozenset[str] | None = None) -> Any:
@@ -243,7 +216,7 @@ class TorchPrograms(TorchTranslator):
         return out if vma is None else self.tag(out, vma)
 
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
-        function = _vjp_function()
+        function = vjp_function()
         return lambda x: function.apply(x, fwd, bwd)
 
     def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
@@ -256,10 +229,10 @@ class TorchPrograms(TorchTranslator):
         if isinstance(arg, DTensor):
             native = self._native_layout(layout)
             if (
-                _real(arg.device_mesh) is native.device_mesh
+                real_mesh(arg.device_mesh) is native.device_mesh
                 and tuple(arg.placements) == native.placements
             ):  # the usual case, no conversions
-                leaf = getattr(arg, _LEAF, None)
+                leaf = getattr(arg, LEAF, None)
                 if leaf is not None:  # a parameter value_and_grad differentiates
                     return leaf, False
                 if arg.requires_grad and torch.is_grad_enabled():
@@ -269,7 +242,7 @@ class TorchPrograms(TorchTranslator):
             have = self.from_native(arg)
             if have == layout:
                 return arg.to_local(), False
-            if not torch.compiler.is_compiling():  # unimesh.reshard: only the missing pieces,
+            if not torch.compiler.iscompiling():  # unimesh.reshard: only the missing pieces,
                 # from any mesh, right where redistribute is not (uneven blocks), differentiable
                 import unimesh
 
@@ -297,7 +270,7 @@ class TorchPrograms(TorchTranslator):
         torch = _torch()
 
         native = self._native_layout(layout)  # a new world empties the spec cache too
-        if torch.compiler.is_compiling():  # what dynamo traces (a cached spec is guarded by id)
+        if torch.compiler.iscompiling():  # what dynamo traces (a cached spec is guarded by id)
             from torch.distributed.tensor import DTensor
 
             return DTensor.from_local(
@@ -322,10 +295,10 @@ class TorchPrograms(TorchTranslator):
                 tensor_meta=TensorMeta(torch.Size(shape), stride, block.dtype),
             )
         if block.requires_grad and torch.is_grad_enabled():
-            out = _from_local_function().apply(block, spec)
+            out = from_local_function().apply(block, spec)
         else:
-            out = _dtensor(block.view_as(block), spec, requires_grad=False)
-        setattr(out, _BLOCK, block)
+            out = dtensor(block.view_as(block), spec, requires_grad=False)
+        setattr(out, BLOCK, block)
         return out
 
     def _native_layout(self, layout: Layout) -> TorchLayout:
@@ -364,9 +337,9 @@ class TorchPrograms(TorchTranslator):
             """(the copy the function gets, its block leaf or None)."""
             if isinstance(leaf, DTensor):
                 local = leaf._local_tensor.detach()
-                copy = _dtensor(local, leaf._spec, requires_grad=True)
+                copy = dtensor(local, leaf._spec, requires_grad=True)
                 block = local.view_as(local).requires_grad_(True)
-                setattr(copy, _LEAF, block)
+                setattr(copy, LEAF, block)
                 return copy, block
             return leaf.detach().requires_grad_(True), None
 
@@ -395,7 +368,7 @@ class TorchPrograms(TorchTranslator):
                     if any(not p.is_replicate() for p in value.placements):
                         scalar = value.full_tensor()
                     else:  # a shard_map result: its block, else the local tensor
-                        scalar = getattr(value, _BLOCK, None)
+                        scalar = getattr(value, BLOCK, None)
                         scalar = value.to_local() if scalar is None else scalar
                 if not torch.is_tensor(scalar) or scalar.numel() != 1:
                     raise ConversionError(
@@ -418,7 +391,7 @@ class TorchPrograms(TorchTranslator):
                     if local is not None:
                         if local.dtype != copy.dtype:  # pragma: no cover - autograd keeps dtypes
                             local = local.to(copy.dtype)
-                        part = _dtensor(local, copy._spec, requires_grad=False)
+                        part = dtensor(local, copy._spec, requires_grad=False)
                         whole = part if whole is None else whole + part
                     out_leaves.append(torch.zeros_like(copy) if whole is None else whole)
                 per_tree.append(optree.tree_unflatten(treedef, out_leaves))
@@ -458,35 +431,44 @@ class TorchPrograms(TorchTranslator):
                     module.register_parameter(name, new[id(param)])
         return model
 
+    def model_state(self, model: Any) -> dict[str, Any] | None:
+        """An ``nn.Module``'s state_dict: DTensors as they are (FSDP2 and TP layouts), plain
+        tensors as numpy."""
+        torch = _torch()
+        if not isinstance(model, torch.nn.Module):
+            return None
+        from torch.distributed.tensor import DTensor
+
+        from .translate import to_host
+
+        return {
+            name: t if isinstance(t, DTensor) else to_host(t.detach().cpu())
+            for name, t in model.state_dict().items()
+        }
+
+    def model_assign(self, model: Any, values: dict[str, Any]) -> None:
+        """Copy each loaded value into the module's own parameter or buffer (shard by shard for
+        a DTensor, in its layout)."""
+        torch = _torch()
+        from torch.distributed.tensor import DTensor
+
+        from .translate import _from_host
+
+        live = model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in values.items():
+                into = live[name]
+                if isinstance(into, DTensor):
+                    into.to_local().copy_(value.to_local())
+                else:
+                    into.copy_(_from_host(value))
+
 
 def _module(torch: Any, model: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ConversionError(
             f"the torch backend shards the parameters of an nn.Module, not {short(model)}"
         )
-
-
-def _traced_permute(x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
-    """``group_permute`` as ``funcol.permute_tensor``, which takes a whole permutation (each
-    rank sends to one and receives from one, in the group's ranks): a member that sends
-    nothing is paired with one that receives nothing, and what that one gets is zeros."""
-    funcol = _funcol()
-    n = group.size
-    dest: list[int | None] = [None] * n
-    for i, s in enumerate(sources):
-        if s is not None:
-            dest[s] = i
-    idle = iter([i for i, s in enumerate(sources) if s is None])
-    rank_of = group.ranks.index  # a member's rank within the process group
-    src_dst = [0] * n
-    for i, d in enumerate(dest):
-        src_dst[rank_of(group.members[i])] = rank_of(group.members[next(idle) if d is None else d])
-    # its split sizes are numel() along dim 0, so it permutes flat tensors: flattened here
-    flat = funcol.permute_tensor(x.detach().contiguous().reshape(-1), src_dst, group.pg)
-    out = flat.reshape(x.shape)
-    if sources[group.members.index(group.rank)] is None:
-        return _torch().zeros_like(out)
-    return out
 
 
 class _TorchGroup:
@@ -513,301 +495,3 @@ class _TorchGroup:
         else:  # piece k in torch's order is member ranks[k]
             self.order = [self.ranks.index(m) for m in members]
             self.inverse = [members.index(r) for r in self.ranks]
-
-
-_VMA = "_unimesh_vma"
-_LEAF = "_unimesh_leaf"  # on a DTensor value_and_grad made: the plain leaf of its local block
-_BLOCK = "_unimesh_block"  # on a shard_map result: the block it was made from
-_NONE: frozenset[str] = frozenset()
-_MODE: list[Any] = []
-
-
-def _vma_mode() -> Any:
-    """The TorchFunctionMode class of :meth:`TorchBackend.vma_mode` (made once, on first use)."""
-    if _MODE:
-        return _MODE[0]
-    torch = _torch()
-    from torch.overrides import TorchFunctionMode
-
-    tensor = torch.Tensor
-    grad_enabled = torch.is_grad_enabled
-
-    def scan(values: Any, acc: list[Any]) -> None:
-        """Into ``acc`` = [union of the tensors' axes, the first tensor's axes, whether two
-        tensors differ, whether one needs a gradient], for tensors in lists/tuples too."""
-        for v in values:
-            if isinstance(v, tensor):
-                have = getattr(v, _VMA, _NONE)
-                if acc[1] is None:
-                    acc[1] = have
-                elif have != acc[1]:
-                    acc[2] = True
-                if have:
-                    acc[0] = acc[0] | have
-                if v.requires_grad:
-                    acc[3] = True
-            elif isinstance(v, (list, tuple)):
-                scan(v, acc)
-
-    class VmaMode(TorchFunctionMode):
-        def __init__(self, env: Any) -> None:
-            super().__init__()
-            self.env = env
-
-        def lift(self, v: Any, vma: frozenset[str]) -> Any:
-            """``v`` (or the tensors in a list/tuple) made varying along all of ``vma``."""
-            if isinstance(v, tensor):
-                have = getattr(v, _VMA, _NONE)
-                if have != vma and v.requires_grad:
-                    return self.env.pvary(v, vma - have)
-                return v
-            if isinstance(v, (list, tuple)):
-                return type(v)(self.lift(u, vma) for u in v)
-            return v
-
-        def __torch_function__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            # the common case (tensors and scalars as positional arguments): scan's work
-            # inline, as a call and an accumulator per torch operation cost measurably
-            vma = first = _NONE
-            tensors = differ = grad = False
-            for v in args:
-                if isinstance(v, tensor):
-                    have = getattr(v, _VMA, _NONE)
-                    if not tensors:
-                        tensors, first = True, have
-                    elif have is not first and have != first:
-                        differ = True
-                    if have and have is not vma:
-                        vma = have if not vma else vma | have
-                    if v.requires_grad:
-                        grad = True
-                elif isinstance(v, (list, tuple)):
-                    break
-            else:
-                if not kwargs:
-                    if not vma:
-                        return func(*args)
-                    if differ and grad and grad_enabled():  # a pvary is needed somewhere
-                        args = tuple(self.lift(a, vma) for a in args)
-                    return tag_all(func(*args), vma)
-            acc: list[Any] = [_NONE, None, False, False]
-            scan(args, acc)
-            if kwargs:
-                scan(kwargs.values(), acc)
-            else:
-                kwargs = {}
-            vma = acc[0]
-            if not vma:
-                return func(*args, **kwargs)
-            if acc[2] and acc[3] and grad_enabled():  # a pvary is needed somewhere
-                args = tuple(self.lift(a, vma) for a in args)
-                kwargs = {k: self.lift(v, vma) for k, v in kwargs.items()}
-            return tag_all(func(*args, **kwargs), vma)
-
-    def tag_all(out: Any, vma: frozenset[str]) -> Any:
-        """``out`` (a tensor, or tensors in a list/tuple) tagged with ``vma``."""
-        if isinstance(out, tensor):
-            setattr(out, _VMA, vma)
-        elif isinstance(out, (list, tuple)):
-            for o in out:
-                if isinstance(o, tensor):
-                    setattr(o, _VMA, vma)
-        return out
-
-    _MODE.append(VmaMode)
-    return VmaMode
-
-
-_OPS = {
-    "sum": lambda: _dist().ReduceOp.SUM,
-    "max": lambda: _dist().ReduceOp.MAX,
-    "min": lambda: _dist().ReduceOp.MIN,
-}
-_VJP: list[Any] = []
-
-
-def _vjp_function() -> Any:
-    """One ``torch.autograd.Function`` running a forward and a backward given per call."""
-    if not _VJP:
-        torch = _torch()
-
-        class Vjp(torch.autograd.Function):  # type: ignore[name-defined,misc]
-            @staticmethod
-            def forward(ctx: Any, x: Any, fwd: Any, bwd: Any) -> Any:
-                ctx.bwd = bwd
-                y = fwd(x)
-                return y.view_as(y) if y is x else y
-
-            @staticmethod
-            def backward(ctx: Any, ct: Any) -> Any:
-                return ctx.bwd(ct), None, None
-
-        _VJP.append(Vjp)
-    return _VJP[0]
-
-
-_FROM_LOCAL: list[Any] = []
-
-
-def _dtensor(local: Any, spec: Any, requires_grad: bool) -> Any:
-    """The DTensor of ``local`` with a spec built in advance: the constructor
-    ``DTensor.from_local`` ends in, without building the spec on every call."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(local, spec, requires_grad=requires_grad)  # type: ignore[no-untyped-call]
-
-
-def _from_local_function() -> Any:
-    """``DTensor.from_local``'s autograd function for a spec built in advance: the gradient
-    of the block is the cotangent's local tensor, laid out as the result (a Partial result's
-    cotangent is made Replicate, as ``from_local`` does)."""
-    if not _FROM_LOCAL:
-        torch = _torch()
-        from torch.distributed.tensor import DTensor, Replicate
-
-        class FromLocal(torch.autograd.Function):  # type: ignore[name-defined,misc]
-            @staticmethod
-            def forward(ctx: Any, block: Any, spec: Any) -> Any:
-                ctx.spec = spec
-                ctx.set_materialize_grads(False)
-                return _dtensor(block.view_as(block), spec, requires_grad=block.requires_grad)
-
-            @staticmethod
-            def backward(ctx: Any, ct: Any) -> Any:
-                if isinstance(ct, DTensor):
-                    want = tuple(Replicate() if p.is_partial() else p for p in ctx.spec.placements)
-                    if tuple(ct.placements) != want:
-                        ct = ct.redistribute(ctx.spec.mesh, want)
-                    ct = ct.to_local()
-                return ct, None
-
-        _FROM_LOCAL.append(FromLocal)
-    return _FROM_LOCAL[0]
-
-
-#: the UnimeshError a program's twin raised while torch.compile traced it (see ``surfacing``)
-REFUSED: list[BaseException] = []
-#: how many programs' twins are running (traced by aot_autograd, not by dynamo)
-_INSIDE = [0]
-#: the ``mark`` of every program made before dynamo was loaded (``TorchPrograms.program_entry``)
-_UNMARKED: list[weakref.ref[Callable[[], None]]] = []
-
-
-def surfacing(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled`` (a torch.compile'd function) raising the UnimeshError a program refused
-    with while dynamo traced it, instead of dynamo's report of that error (which names
-    neither the value nor the fix)."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        REFUSED.clear()
-        try:
-            return compiled(*args, **kwargs)
-        except Exception as exc:
-            if REFUSED and not isinstance(exc, UnimeshError):
-                raise REFUSED.pop() from exc
-            raise
-
-    call.__name__ = getattr(compiled, "__name__", "compiled")
-    call.__wrapped__ = compiled  # type: ignore[attr-defined]
-    return call
-
-
-def mark_entries() -> None:
-    """Give every program made so far its nonstrict_trace twin (dynamo is loaded now)."""
-    while _UNMARKED:
-        mark = _UNMARKED.pop()()
-        if mark is not None:
-            mark()
-
-
-def _unmarked(mark: Callable[[], None]) -> None:
-    """Keep ``mark`` until dynamo loads. The first time, watch for ``import torch._dynamo``
-    (``torch.compile`` imports it on its first call), so that a program made before it gets
-    its twin before dynamo traces it, whoever calls ``torch.compile``; dead references are
-    dropped as the list grows."""
-    if not _UNMARKED and not any(isinstance(f, _DynamoWatch) for f in sys.meta_path):
-        sys.meta_path.insert(0, _DynamoWatch())
-    if len(_UNMARKED) >= 64 and len(_UNMARKED) & (len(_UNMARKED) - 1) == 0:
-        _UNMARKED[:] = [ref for ref in _UNMARKED if ref() is not None]
-    _UNMARKED.append(weakref.ref(mark))
-
-
-class _DynamoWatch:
-    """A finder on ``sys.meta_path`` that finds nothing itself: when ``torch._dynamo`` is
-    imported it takes itself off the path, has the import system find the module as before,
-    and runs :func:`mark_entries` once the module has run."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != "torch._dynamo":
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader = spec.loader
-
-        class Marking(importlib.abc.Loader):
-            def __getattr__(self, attr: str) -> Any:  # get_source and the rest: the loader's
-                return getattr(loader, attr)
-
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: Any) -> None:
-                loader.exec_module(module)
-                try:
-                    mark_entries()
-                except Exception as exc:  # noqa: BLE001 - never break the import of dynamo
-                    import warnings
-
-                    warnings.warn(
-                        f"unimesh could not prepare its programs for torch.compile ({exc!r}); "
-                        "programs made before torch._dynamo was imported are traced by "
-                        "dynamo (with graph breaks). Call unimesh.compile, or import "
-                        "torch._dynamo before making them",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-
-        spec.loader = Marking()
-        return spec
-
-
-def _plain(x: Any, depth: int) -> bool:
-    """Whether ``x`` is what a nonstrict_trace function takes: tensors, None, numbers and
-    strings in dicts, lists and tuples (not namedtuples or other classes)."""
-    if isinstance(x, (_torch().Tensor, int, float, bool, str)) or x is None:
-        return True
-    if depth > 50:
-        return False
-    if type(x) in (tuple, list):
-        return all(_plain(v, depth + 1) for v in x)
-    if type(x) is dict:
-        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in x.items())
-    return False
-
-
-def _compiling() -> bool:
-    """Whether dynamo or aot_autograd traces this call: collectives are then torch's
-    functional collectives (graph nodes naming their group by a string), not the c10d
-    ones, which write in place into a tensor and carry the ProcessGroup object."""
-    return bool(_torch().compiler.is_compiling())
-
-
-def _funcol() -> Any:
-    from torch.distributed import _functional_collectives
-
-    return _functional_collectives
-
-
-def _real(device_mesh: Any) -> Any:
-    """The DeviceMesh itself: while aot_autograd traces, a DTensor's mesh is a
-    ``FakeScriptObject`` around it (DeviceMesh is an opaque type, so not a copy)."""
-    if not _INSIDE[0]:  # eager, or dynamo tracing (which fakes the mesh its own way)
-        return device_mesh
-    from torch._library.fake_class_registry import FakeScriptObject
-
-    return device_mesh.real_obj if isinstance(device_mesh, FakeScriptObject) else device_mesh

@@ -506,6 +506,63 @@ class TorchTranslator(TorchRuntime):
     def concatenate(self, parts: Any, axis: int) -> Any:
         return _torch().cat(list(parts), dim=axis)
 
+    def native_code(self, mesh: Mesh) -> str:
+        """``init_device_mesh`` where the ranks are in the default order, else ``DeviceMesh``
+        over the rank tensor; every rank runs it."""
+        head = (
+            "# every rank runs this under torchrun, after torch.distributed.init_process_group\n"
+            '# ("cpu" with gloo; "cuda" with nccl)\n'
+        )
+        names = tuple(mesh.axis_names)
+        if mesh.is_default_order:
+            return (
+                "from torch.distributed.device_mesh import init_device_mesh\n\n"
+                + head
+                + f'mesh = init_device_mesh("cpu", {mesh.shape}, mesh_dim_names={names})'
+            )
+        return (
+            "import torch\nfrom torch.distributed.device_mesh import DeviceMesh\n\n"
+            + head
+            + "# the ranks are not in row-major order, which init_device_mesh cannot express\n"
+            f'mesh = DeviceMesh("cpu", torch.tensor({mesh.device_ids.tolist()}), '
+            f"mesh_dim_names={names})"
+        )
+
+    def native_layout_code(self, layout: Layout) -> str:
+        """DTensor placements, one per mesh dim, for ``distribute_tensor``."""
+        text = []
+        for p in layout.placements():
+            if isinstance(p, StridedShard):
+                text.append(f"_StridedShard({p.dim}, split_factor={p.split_factor})")
+            elif isinstance(p, Shard):
+                text.append(f"Shard({p.dim})")
+            elif isinstance(p, Partial):
+                text.append(f"Partial({p.op!r})")
+            else:
+                text.append("Replicate()")
+        used = [n for n in ("Partial", "Replicate", "Shard") if any(t.startswith(n) for t in text)]
+        lines = ["from torch.distributed.tensor import " + ", ".join([*used, "distribute_tensor"])]
+        if any(t.startswith("_StridedShard") for t in text):
+            lines.append("from torch.distributed.tensor.placement_types import _StridedShard")
+        lines += [
+            "",
+            f"# {layout.spec!r}: one placement per mesh dim {tuple(layout.mesh.axis_names)}",
+            f"placements = ({', '.join(text)}{',' if len(text) == 1 else ''})",
+            "# dtensor = distribute_tensor(tensor, mesh, placements)",
+        ]
+        return "\n".join(lines)
+
+    def demo_compute(self, array: Any, weight: Any) -> Any:
+        """DTensor matmul with a replicated weight, then ``full_tensor()``."""
+        torch = _torch()
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        device_mesh = array.device_mesh
+        w = distribute_tensor(
+            torch.from_numpy(weight), device_mesh, [Replicate()] * device_mesh.ndim
+        )
+        return (array @ w).full_tensor().numpy()
+
 
 def _p2p(
     outgoing: dict[int, Any], incoming: dict[int, int], dtype: Any, device: Any
