@@ -26,7 +26,8 @@ from .errors import (
     UnsupportedError,
 )
 from .layout import Layout
-from .mesh import Mesh, current_mesh, make_mesh
+from .mesh import Mesh, current_mesh
+from .mesh_utils import make_mesh
 from .parallel import (
     all_gather,
     all_to_all,

@@ -19,9 +19,10 @@ from ._validate import (
     check_size,
     fail,
 )
+from .mesh_input import ids_array, is_arange, resolve_sizes
 from .messages import close_match, short
 
-__all__ = ["Mesh", "current_mesh", "make_mesh"]
+__all__ = ["Mesh", "current_mesh"]
 
 _CURRENT: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
     "unimesh_current_mesh", default=()
@@ -34,135 +35,6 @@ def current_mesh() -> Mesh | None:
     """The innermost mesh entered with ``with mesh:`` in this thread/task, or None."""
     stack = _CURRENT.get()
     return stack[-1] if stack else None
-
-
-def _check_nesting(value: object, shape: tuple[int, ...], depth: int = 0) -> None:
-    """Nested lists of ids must have ``shape``: checked top-down before numpy sees them, so a
-    huge, deep or ragged input fails after at most ``prod(shape)`` steps."""
-    if not isinstance(value, (list, tuple)):
-        return  # a scalar where a list belongs, or an ndarray: numpy's shape check says so
-    if depth == len(shape):
-        fail(
-            f"device_ids nest deeper than the mesh's {len(shape)} dims: {short(value)} stands "
-            "where one id belongs"
-        )
-    if len(value) != shape[depth]:
-        seen = str(shape[:depth] + (len(value),))
-        if value and isinstance(value[0], (list, tuple)):
-            seen = seen.rstrip(",)") + ", ...)"
-        fail(
-            f"device_ids has shape {seen} but the mesh shape is {shape}; give one id per "
-            "device as an array of the mesh's shape, or a flat list of "
-            f"{math.prod(shape)} ids read row-major"
-        )
-    lengths = {len(v) for v in value if isinstance(v, (list, tuple))}
-    if len(lengths) > 1 or (
-        lengths and len(lengths) == 1 and any(not isinstance(v, (list, tuple)) for v in value)
-    ):
-        fail(
-            f"device_ids {short(value)} is not a rectangular array of ints (rows of different "
-            "lengths)"
-        )
-    for v in value:
-        _check_nesting(v, shape, depth + 1)
-
-
-def _row_major(value: object, shape: tuple[int, ...]) -> object:
-    """A flat list, tuple or 1-D array of ``prod(shape)`` ids, for a mesh of several dims,
-    as an array of ``shape`` (row-major); anything else as it is."""
-    if len(shape) < 2:
-        return value
-    size = math.prod(shape)
-    if isinstance(value, np.ndarray):
-        return value.reshape(shape) if value.ndim == 1 and value.size == size else value
-    if (
-        isinstance(value, (list, tuple))
-        and len(value) == size
-        and not any(isinstance(v, (list, tuple, np.ndarray)) for v in value)
-    ):
-        flat = np.array(value)
-        if flat.ndim == 1:
-            return flat.reshape(shape)
-    return value
-
-
-def _first_chain(value: object, shape: tuple[int, ...]) -> None:
-    """O(ndim) check along the first element of each level, so that a list far larger than the
-    mesh (a flat list of millions for a 4-device mesh) is refused before numpy copies it."""
-    item = value
-    for n in shape:
-        if not isinstance(item, (list, tuple)):
-            return
-        if len(item) != n:
-            _check_nesting(value, shape)  # raises, naming the offending shape
-            return
-        if not item:
-            return
-        item = item[0]
-
-
-def _ids_array(device_ids: object, shape: tuple[int, ...]) -> np.ndarray:
-    """Validate user device ids (ndarray or nested lists) into a fresh int64 array of ``shape``.
-
-    Linear in the number of ids: numpy reads the nesting (a ragged or too-deep input is walked
-    again, in Python, only to name what is wrong), and distinctness is a count of each id, not a
-    sort, whenever the ids are compact (max id < 4 * size + 1024). A flat sequence of exactly
-    ``prod(shape)`` ids is read row-major, as Keras's ``DeviceMesh`` reads its devices."""
-    device_ids = _row_major(device_ids, shape)
-    _first_chain(device_ids, shape)
-    try:
-        arr = np.array(device_ids)
-    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
-        _check_nesting(device_ids, shape)
-        fail(f"device_ids {short(device_ids)} is not a rectangular array of ints ({exc})")
-    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
-        if arr.size == 0 and arr.dtype.kind == "f":
-            arr = arr.astype(np.int64)
-        else:
-            if arr.dtype == object:
-                _check_nesting(device_ids, shape)
-            fail(f"device_ids must be ints, got {short(device_ids)} (dtype {arr.dtype})")
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        fail(f"device_ids {short(device_ids)} holds values larger than int64")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.shape != shape:
-        _check_nesting(device_ids, shape)
-        fail(
-            f"device_ids has shape {arr.shape} but the mesh shape is {shape}; give one id per "
-            "device as an array of the mesh's shape, or a flat list of "
-            f"{math.prod(shape)} ids read row-major"
-        )
-    flat = arr.ravel()
-    lo, hi = int(flat.min()), int(flat.max())
-    if lo < 0:
-        fail(f"device_ids must be >= 0 (logical positions in the global device order), got {lo}")
-    if hi < 4 * flat.size + 1024:
-        seen = np.zeros(hi + 1, dtype=np.bool_)
-        seen[flat] = True
-        if int(np.count_nonzero(seen)) != flat.size:
-            counts = np.bincount(flat)
-            fail(
-                f"device_ids must be distinct, but {int(np.argmax(counts > 1))} appears more "
-                "than once"
-            )
-    else:
-        ordered = np.sort(flat)
-        dup = ordered[1:][ordered[1:] == ordered[:-1]]
-        if dup.size:
-            fail(f"device_ids must be distinct, but {int(dup[0])} appears more than once")
-    return arr
-
-
-def _is_arange(flat: np.ndarray) -> bool:
-    """``flat == arange(flat.size)``, looking at a short prefix first so that a permuted array
-    is told apart without a full pass."""
-    n = flat.size
-    if n == 0 or int(flat[0]) != 0 or int(flat[-1]) != n - 1:
-        return n == 0
-    head = min(n, 1024)
-    if not np.array_equal(flat[:head], np.arange(head)):
-        return False
-    return bool(np.array_equal(flat, np.arange(n)))
 
 
 class Mesh:
@@ -222,8 +94,8 @@ class Mesh:
         check_size(shape_t)
         ids: np.ndarray | None = None
         if device_ids is not None:
-            ids = _ids_array(device_ids, shape_t)
-            if _is_arange(ids.ravel()):
+            ids = ids_array(device_ids, shape_t)
+            if is_arange(ids.ravel()):
                 ids = None  # the default order: keep it implicit (O(1) and equal by value)
             else:
                 ids.flags.writeable = False
@@ -262,7 +134,7 @@ class Mesh:
         mesh = object.__new__(cls)
         flat = ids.ravel()
         own: np.ndarray | None = None
-        if not _is_arange(flat):
+        if not is_arange(flat):
             own = np.ascontiguousarray(ids).reshape(shape)
             own.flags.writeable = False
         set_ = object.__setattr__
@@ -644,7 +516,7 @@ class Mesh:
         i = self._axis_index(axis)
         if not isinstance(sizes, Mapping) or not sizes:
             fail(f"unflatten sizes must be a non-empty mapping name -> size, got {short(sizes)}")
-        new = _resolve_sizes(sizes, self._shape[i], f"axis {axis!r} of size {self._shape[i]}")
+        new = resolve_sizes(sizes, self._shape[i], f"axis {axis!r} of size {self._shape[i]}")
         for n in new:
             if n != axis and n in self._names:
                 fail(f"cannot unflatten into {n!r}: the mesh already has an axis of that name")
@@ -813,137 +685,3 @@ class Mesh:
 
 def _rebuild(d: dict[str, Any]) -> Mesh:
     return Mesh.from_dict(d)
-
-
-def _resolve_sizes(axes: Mapping[str, object], total: int | None, what: str) -> dict[str, int]:
-    """Validate name -> size (at most one -1, inferred so the product is ``total``)."""
-    out: dict[str, int] = {}
-    infer: str | None = None
-    for name, size in axes.items():
-        check_axis_name(name)
-        s = check_int(size, f"size of axis {name!r}")
-        if s == -1:
-            if infer is not None:
-                fail(f"only one axis size may be -1, but {infer!r} and {name!r} both are")
-            infer = name
-        elif s < 1:
-            fail(f"size of axis {name!r} must be a positive int or -1, got {s}")
-        out[name] = s
-    arith = " x ".join(f"{n}={s}" for n, s in out.items())
-    known = math.prod(s for s in out.values() if s != -1)
-    if infer is not None:
-        if total is None:
-            fail(f"axis {infer!r} has size -1, which needs num_devices to infer it from")
-        if total % known:
-            fail(
-                f"cannot infer axis {infer!r}: {arith} leaves {total} / {known}, "
-                f"which is not a whole number ({what})"
-            )
-        out[infer] = total // known
-    elif total is not None and known != total:
-        fail(
-            f"axis sizes {arith} = {known} devices, but {what} has {total}; make the product "
-            f"equal {total}"
-        )
-    check_size(tuple(out.values()))
-    return out
-
-
-def make_mesh(
-    axes: Mapping[str, int],
-    num_devices: int | None = None,
-    *,
-    devices_per_process: int | None = None,
-    dcn_axes: Mapping[str, int] | None = None,
-    axis_types: Sequence[str] | None = None,
-) -> Mesh:
-    """Build a mesh from ``{name: size}``.
-
-    One size may be -1 and is inferred from ``num_devices`` (as MaxText and torchtitan allow).
-    With ``dcn_axes`` (JAX ``create_hybrid_device_mesh``): ``axes`` is the part of the mesh inside
-    one process and ``dcn_axes`` (name -> size, names from ``axes``) how processes tile it; axis i
-    of the result has size ``axes[i] * dcn_axes.get(i, 1)``, each process's devices form one
-    contiguous block, and ``devices_per_process`` is the product of ``axes``. One dcn size may be
-    -1 (MaxText's ``dcn_data_parallelism: -1``): the number of processes is ``num_devices`` over
-    the in-process product (or ``devices_per_process``), and the -1 axis takes what is left.
-    """
-    if not isinstance(axes, Mapping) or not axes:
-        fail(f"make_mesh() takes a non-empty mapping axis name -> size, got {short(axes)}")
-    if num_devices is not None:
-        num_devices = check_int(num_devices, "num_devices", minimum=1)
-    if dcn_axes is None:
-        sizes = _resolve_sizes(axes, num_devices, f"num_devices={num_devices}")
-        return Mesh(
-            tuple(sizes.values()),
-            tuple(sizes),
-            axis_types=axis_types,
-            devices_per_process=devices_per_process,
-        )
-    if not isinstance(dcn_axes, Mapping):
-        fail(f"dcn_axes must be a mapping axis name -> number of processes, got {short(dcn_axes)}")
-    for n in dcn_axes:
-        if n not in axes:
-            fail(
-                f"dcn axis {short(n)} is not one of the mesh axes {tuple(axes)}; dcn_axes must "
-                "name axes of `axes`"
-            )
-    dcn_raw = {n: check_int(dcn_axes.get(n, 1), f"dcn size of axis {n!r}") for n in axes}
-    if -1 in dcn_raw.values():
-        # MaxText's dcn_*_parallelism: -1: the number of processes is num_devices over the
-        # devices each process holds, and the -1 axis takes what the other dcn axes leave.
-        if num_devices is None:
-            fail(
-                "a dcn axis of size -1 is inferred from num_devices; pass num_devices (e.g. "
-                "len(jax.devices())) or give every dcn size"
-            )
-        if devices_per_process is not None:
-            in_process = check_int(
-                devices_per_process, "devices_per_process", minimum=1, maximum=MAX_DEVICES
-            )
-        elif -1 in axes.values():
-            fail(
-                "both axes and dcn_axes have a size -1, so the devices per process are "
-                "unknown; pass devices_per_process (e.g. jax.local_device_count()) or give "
-                "the in-process sizes"
-            )
-        else:
-            in_process = math.prod(_resolve_sizes(axes, None, "the in-process axes").values())
-        if num_devices % in_process:
-            fail(
-                f"num_devices={num_devices} is not a multiple of the {in_process} devices each "
-                "process holds, so the number of processes cannot be inferred"
-            )
-        procs = num_devices // in_process
-        dcn = _resolve_sizes(dcn_raw, procs, f"the {procs} processes")
-    else:
-        dcn = {n: check_int(v, f"dcn size of axis {n!r}", minimum=1) for n, v in dcn_raw.items()}
-    n_proc = math.prod(dcn.values())
-    per_proc_total = None
-    if num_devices is not None:
-        if num_devices % n_proc:
-            fail(
-                f"num_devices={num_devices} is not a multiple of the {n_proc} processes that "
-                f"dcn_axes {dict(dcn_axes)} asks for"
-            )
-        per_proc_total = num_devices // n_proc
-    ici = _resolve_sizes(
-        axes, per_proc_total, f"each of the {n_proc} processes (num_devices={num_devices})"
-    )
-    per_proc = math.prod(ici.values())
-    if (
-        devices_per_process is not None
-        and check_int(devices_per_process, "devices_per_process", minimum=1) != per_proc
-    ):
-        fail(
-            f"devices_per_process={devices_per_process} but axes {ici} put {per_proc} devices "
-            "on each process; leave devices_per_process out or make them agree"
-        )
-    shape = tuple(ici[n] * dcn[n] for n in ici)
-    check_size(shape)
-    proc = np.arange(n_proc, dtype=np.int64).reshape(tuple(dcn.values())) * per_proc
-    local = np.arange(per_proc, dtype=np.int64).reshape(tuple(ici.values()))
-    nd = len(shape)
-    grid = np.add.outer(proc, local)  # axes: dcn axes..., then in-process axes...
-    interleave = [k for i in range(nd) for k in (i, nd + i)]
-    ids = grid.transpose(interleave).reshape(shape)
-    return Mesh(shape, tuple(ici), ids, axis_types=axis_types, devices_per_process=per_proc)

@@ -1,0 +1,178 @@
+"""Reading a mesh's input as a person gives it: device ids as nested lists, numpy arrays or
+ranges (checked for shape, nesting depth, integer type and range before numpy sees them, so
+hostile input is refused by name), and axis sizes with one -1 to infer. No framework."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._validate import check_axis_name, check_int, check_size, fail
+from .messages import short
+
+__all__ = ["check_nesting", "ids_array", "is_arange", "resolve_sizes"]
+
+
+def check_nesting(value: object, shape: tuple[int, ...], depth: int = 0) -> None:
+    """Nested lists of ids must have ``shape``: checked top-down before numpy sees them, so a
+    huge, deep or ragged input fails after at most ``prod(shape)`` steps."""
+    if not isinstance(value, (list, tuple)):
+        return  # a scalar where a list belongs, or an ndarray: numpy's shape check says so
+    if depth == len(shape):
+        fail(
+            f"device_ids nest deeper than the mesh's {len(shape)} dims: {short(value)} stands "
+            "where one id belongs"
+        )
+    if len(value) != shape[depth]:
+        seen = str(shape[:depth] + (len(value),))
+        if value and isinstance(value[0], (list, tuple)):
+            seen = seen.rstrip(",)") + ", ...)"
+        fail(
+            f"device_ids has shape {seen} but the mesh shape is {shape}; give one id per "
+            "device as an array of the mesh's shape, or a flat list of "
+            f"{math.prod(shape)} ids read row-major"
+        )
+    lengths = {len(v) for v in value if isinstance(v, (list, tuple))}
+    if len(lengths) > 1 or (
+        lengths and len(lengths) == 1 and any(not isinstance(v, (list, tuple)) for v in value)
+    ):
+        fail(
+            f"device_ids {short(value)} is not a rectangular array of ints (rows of different "
+            "lengths)"
+        )
+    for v in value:
+        check_nesting(v, shape, depth + 1)
+
+
+def row_major(value: object, shape: tuple[int, ...]) -> object:
+    """A flat list, tuple or 1-D array of ``prod(shape)`` ids, for a mesh of several dims,
+    as an array of ``shape`` (row-major); anything else as it is."""
+    if len(shape) < 2:
+        return value
+    size = math.prod(shape)
+    if isinstance(value, np.ndarray):
+        return value.reshape(shape) if value.ndim == 1 and value.size == size else value
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == size
+        and not any(isinstance(v, (list, tuple, np.ndarray)) for v in value)
+    ):
+        flat = np.array(value)
+        if flat.ndim == 1:
+            return flat.reshape(shape)
+    return value
+
+
+def first_chain(value: object, shape: tuple[int, ...]) -> None:
+    """O(ndim) check along the first element of each level, so that a list far larger than the
+    mesh (a flat list of millions for a 4-device mesh) is refused before numpy copies it."""
+    item = value
+    for n in shape:
+        if not isinstance(item, (list, tuple)):
+            return
+        if len(item) != n:
+            check_nesting(value, shape)  # raises, naming the offending shape
+            return
+        if not item:
+            return
+        item = item[0]
+
+
+def ids_array(device_ids: object, shape: tuple[int, ...]) -> np.ndarray:
+    """Validate user device ids (ndarray or nested lists) into a fresh int64 array of ``shape``.
+
+    Linear in the number of ids: numpy reads the nesting (a ragged or too-deep input is walked
+    again, in Python, only to name what is wrong), and distinctness is a count of each id, not a
+    sort, whenever the ids are compact (max id < 4 * size + 1024). A flat sequence of exactly
+    ``prod(shape)`` ids is read row-major, as Keras's ``DeviceMesh`` reads its devices."""
+    device_ids = row_major(device_ids, shape)
+    first_chain(device_ids, shape)
+    try:
+        arr = np.array(device_ids)
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        check_nesting(device_ids, shape)
+        fail(f"device_ids {short(device_ids)} is not a rectangular array of ints ({exc})")
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        if arr.size == 0 and arr.dtype.kind == "f":
+            arr = arr.astype(np.int64)
+        else:
+            if arr.dtype == object:
+                check_nesting(device_ids, shape)
+            fail(f"device_ids must be ints, got {short(device_ids)} (dtype {arr.dtype})")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        fail(f"device_ids {short(device_ids)} holds values larger than int64")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.shape != shape:
+        check_nesting(device_ids, shape)
+        fail(
+            f"device_ids has shape {arr.shape} but the mesh shape is {shape}; give one id per "
+            "device as an array of the mesh's shape, or a flat list of "
+            f"{math.prod(shape)} ids read row-major"
+        )
+    flat = arr.ravel()
+    lo, hi = int(flat.min()), int(flat.max())
+    if lo < 0:
+        fail(f"device_ids must be >= 0 (logical positions in the global device order), got {lo}")
+    if hi < 4 * flat.size + 1024:
+        seen = np.zeros(hi + 1, dtype=np.bool_)
+        seen[flat] = True
+        if int(np.count_nonzero(seen)) != flat.size:
+            counts = np.bincount(flat)
+            fail(
+                f"device_ids must be distinct, but {int(np.argmax(counts > 1))} appears more "
+                "than once"
+            )
+    else:
+        ordered = np.sort(flat)
+        dup = ordered[1:][ordered[1:] == ordered[:-1]]
+        if dup.size:
+            fail(f"device_ids must be distinct, but {int(dup[0])} appears more than once")
+    return arr
+
+
+def is_arange(flat: np.ndarray) -> bool:
+    """``flat == arange(flat.size)``, looking at a short prefix first so that a permuted array
+    is told apart without a full pass."""
+    n = flat.size
+    if n == 0 or int(flat[0]) != 0 or int(flat[-1]) != n - 1:
+        return n == 0
+    head = min(n, 1024)
+    if not np.array_equal(flat[:head], np.arange(head)):
+        return False
+    return bool(np.array_equal(flat, np.arange(n)))
+
+
+def resolve_sizes(axes: Mapping[str, object], total: int | None, what: str) -> dict[str, int]:
+    """Validate name -> size (at most one -1, inferred so the product is ``total``)."""
+    out: dict[str, int] = {}
+    infer: str | None = None
+    for name, size in axes.items():
+        check_axis_name(name)
+        s = check_int(size, f"size of axis {name!r}")
+        if s == -1:
+            if infer is not None:
+                fail(f"only one axis size may be -1, but {infer!r} and {name!r} both are")
+            infer = name
+        elif s < 1:
+            fail(f"size of axis {name!r} must be a positive int or -1, got {s}")
+        out[name] = s
+    arith = " x ".join(f"{n}={s}" for n, s in out.items())
+    known = math.prod(s for s in out.values() if s != -1)
+    if infer is not None:
+        if total is None:
+            fail(f"axis {infer!r} has size -1, which needs num_devices to infer it from")
+        if total % known:
+            fail(
+                f"cannot infer axis {infer!r}: {arith} leaves {total} / {known}, "
+                f"which is not a whole number ({what})"
+            )
+        out[infer] = total // known
+    elif total is not None and known != total:
+        fail(
+            f"axis sizes {arith} = {known} devices, but {what} has {total}; make the product "
+            f"equal {total}"
+        )
+    check_size(tuple(out.values()))
+    return out
