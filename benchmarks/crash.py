@@ -1,6 +1,6 @@
 """Crash trials: a save killed with SIGKILL at a random moment, ``--trials`` times per engine
 (one process; every process of a 4-process torchrun and mpirun save). Each trial starts
-tests/checkpoint_crash_worker.py (it saves generation after generation into one path), waits
+tests/workers/checkpoint_crash_worker.py (it saves generation after generation into one path), waits
 for its first save, then a random delay in [0, window), kills the whole job and reads the path
 back: it must hold the last save that returned (``previous``) or the one in flight, committed
 (``new``), whole and bit-exact. After the trials one more save must leave no file of the killed
@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.crashing import leftovers_after_a_save, trial
+from tests.support.crashing import leftovers_after_a_save, trial
 
 WINDOW = {"single": 0.6, "torchrun": 3.0, "mpirun": 3.0}
 

@@ -1,4 +1,4 @@
-"""Time to exit under each launcher's faults: 4 processes of tests/verify_worker.py, where
+"""Time to exit under each launcher's faults: 4 processes of tests/workers/verify_worker.py, where
 process 1 is killed during set-up (die), never comes to the check (stuck: sleeps 40 s),
 never starts the runtime (never: sleeps 40 s first; never0: process 0, JAX's coordinator) or
 builds a different mesh (disagree); save-die and save-stuck are the first two during a
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.launch import run_bounded, run_ranks_timed
-from tests.test_verify import WORKER, base_env, jax_envs, lines, mlx_command, torch_envs
+from tests.support.launch import run_bounded, run_ranks_timed
+from tests.support.verify import WORKER, base_env, jax_envs, lines, mlx_command, torch_envs
 
 N = 4
 NAMES = {

@@ -1,9 +1,9 @@
-"""The parsers of untrusted input under the grammar fuzzer of tests/grammar.py (hypothesis
+"""The parsers of untrusted input under the grammar fuzzer of tests/support/grammar.py (hypothesis
 strategies built from each grammar: mesh text, mesh JSON, mesh dicts, config TOML, config JSON,
 config dicts, checkpoint manifests, safetensors headers, DCP .metadata pickles; --count inputs
-per family), the mutation fuzzer of tests/fuzzing.py, and mutations of real checkpoints'
+per family), the mutation fuzzer of tests/support/fuzzing.py, and mutations of real checkpoints'
 files (a unimesh save's manifest and data file, torch's own DCP .metadata and .distcp file),
-each opened and read whole (tests/checkpoint_grammar.py).
+each opened and read whole (tests/support/checkpoint_grammar.py).
 
     python benchmarks/fuzz.py [--count 100000] [--seed 0] [--memory-count 5000]
     python benchmarks/fuzz.py --families "mesh text,config toml" --count 1000
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests import fuzzing, grammar
+from tests.support import fuzzing, grammar
 
 LIMIT_MS = 50.0
 
@@ -70,7 +70,7 @@ def main() -> int:
             print("  FAILURE", line)
         bad |= bool(run.failures) or run.slowest_ms_per_100kb > LIMIT_MS
     if args.checkpoints:  # mutations of real checkpoints' files (issue 37)
-        from tests.checkpoint_grammar import mutate_checkpoints
+        from tests.support.checkpoint_grammar import mutate_checkpoints
 
         run = mutate_checkpoints(args.count, args.seed)
         print(f"checkpoint mutations {run.count:,} inputs in {run.seconds:.0f} s; outcomes:")

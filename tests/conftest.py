@@ -81,7 +81,7 @@ def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def docs_html(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The docs built once with Sphinx, warnings as errors (each test that reads the site
     shares this build)."""
-    from .launch import run_bounded
+    from .support.launch import run_bounded
 
     if os.environ.get("CI") is None:
         for module in ("sphinx", "myst_parser", "furo", "sphinx_copybutton"):
@@ -121,7 +121,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     import tempfile
 
-    from .launch import run_bounded
+    from .support.launch import run_bounded
 
     marker = pyfuncitem.get_closest_marker("timeout")
     limit = float(marker.args[0]) if marker and marker.args else 300.0
@@ -168,8 +168,8 @@ if os.environ.get("UNIMESH_LAUNCH_LOG"):
 
 
 # -- what a run leaves behind (issue 51, item 5): checked when the session ends -----------------
-#: temporary folders the launchers and unimesh's MLX sign-ins make (tests/launch.py gives each
-#: launch a TMPDIR of its own, so none should be left in the real one)
+#: temporary folders the launchers and unimesh's MLX sign-ins make (tests/support/launch.py
+#: gives each launch a TMPDIR of its own, so none should be left in the real one)
 _LEFT = ("torchelastic_", "ompi.", "unimesh-launch-", "unimesh-ranks-", "unimesh-mlx-")
 _BEFORE: set[str] = set()
 
@@ -186,7 +186,7 @@ def _live_descendants() -> list[tuple[int, str]]:
     resource tracker; OpenMPI's singleton daemon, which MLX's ``mx.distributed.init`` starts
     in a process not launched by mpirun, and which exits when its pipe to this process
     closes)."""
-    from .launch import _children
+    from .support.launch import _children
 
     children = _children()
     found, todo = [], list(children.get(os.getpid(), []))
@@ -217,7 +217,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     alive = _live_descendants()
     if not left and not alive:
         return
-    from .launch import kill_tree
+    from .support.launch import kill_tree
 
     for pid, _ in alive:
         kill_tree(pid)

@@ -224,3 +224,33 @@ def test_the_core_names_no_backend():
             if hit and rel not in FILE_FORMATS:
                 found.append(f"{rel}:{node.lineno}: {value!r}")
     assert not found, found
+
+
+def test_tests_import_no_other_test_module_and_keep_their_helpers_in_support():
+    """The tests' floor plan: ``test_*.py`` files at the top of ``tests/``, the scripts they
+    launch in ``tests/workers/``, what both share in ``tests/support/``; no test module imports
+    another (a helper two tests need lives in support), and no worker or helper sits beside
+    the tests."""
+    tests = ROOT / "tests"
+    loose = sorted(
+        p.name
+        for p in tests.glob("*.py")
+        if not p.name.startswith("test_") and p.name not in ("__init__.py", "conftest.py")
+    )
+    assert not loose, (
+        f"helpers or workers beside the tests (move them to support/ or workers/): {loose}"
+    )
+    found = []
+    for f in sorted([*tests.glob("*.py"), *(tests / "support").glob("*.py"),
+                     *(tests / "workers").glob("*.py")]):  # fmt: skip
+        for node in ast.walk(ast.parse(f.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(a.name for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.split(".")[-1].startswith("test_"):
+                    found.append(f"{f.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not found, found
+    assert sorted(p.name for p in (tests / "workers").glob("*_worker.py"))

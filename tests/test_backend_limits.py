@@ -17,7 +17,7 @@ import pytest
 import unimesh
 from unimesh import Layout, Mesh, P, UnimeshError, UnsupportedError
 
-from .torch_fake import fake_torch_world
+from .support.torch_fake import fake_torch_world
 
 FRAMEWORK = {"jax": "jax", "keras": "keras", "tensorflow": "tensorflow", "torch": "torch",
              "mlx": "mlx.core"}  # fmt: skip

@@ -14,7 +14,7 @@ import unimesh
 from unimesh import Layout, P
 from unimesh.visual import PALETTE
 
-from .browser import chromium, measure, screenshot
+from .support.browser import chromium, measure, screenshot
 
 #: For every table and code block in the page's content column: its right edge, or that of
 #: the box it scrolls in, against the column's.

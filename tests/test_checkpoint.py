@@ -21,7 +21,7 @@ from unimesh import CheckpointError, Layout, Mesh, P
 from unimesh.checkpoint.format import DTYPES, Box, parse_manifest, read_header
 from unimesh.checkpoint.runs import pieces, runs
 
-from .strategies import meshes, specs
+from .support.strategies import meshes, specs
 
 
 # -- the planner --------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from .crashing import leftovers_after_a_save, trial
-from .launch import require_mpirun
+from .support.crashing import leftovers_after_a_save, trial
+from .support.launch import require_mpirun
 
 ENV = {
     **{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")},

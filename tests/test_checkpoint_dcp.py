@@ -29,10 +29,9 @@ import pytest
 import unimesh
 from unimesh import CheckpointError
 
-from .launch import worker_output
+from .support.launch import WORKERS, worker_output
 
-HERE = Path(__file__).parent
-WORKER = HERE / "dcp_worker.py"
+WORKER = WORKERS / "dcp_worker.py"
 LIMIT = 300
 RANKS = {"jax": 1, "torch": 4, "mlx": 4}
 

@@ -17,7 +17,8 @@ import pytest
 
 import unimesh
 
-from .test_verify import GONE_BOUND, WORKER, N, lines, run_ranks_timed, torch_envs
+from .support.launch import run_ranks_timed
+from .support.verify import GONE_BOUND, WORKER, N, lines, torch_envs
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from .launch import worker_output
+from .support.launch import worker_output
 
 HERE = Path(__file__).parent
-WORKER = HERE / "checkpoint_matrix.py"
+WORKER = HERE / "support" / "checkpoint_matrix.py"
 LIMIT = 300
 pytestmark = pytest.mark.timeout(8 * LIMIT)
 FRAMEWORKS = ("torch", "jax", "mlx", "keras")

@@ -18,10 +18,9 @@ import pytest
 import unimesh
 from unimesh import CheckpointError
 
-from .launch import worker_output
+from .support.launch import WORKERS, worker_output
 
-HERE = Path(__file__).parent
-WORKER = HERE / "model_worker.py"
+WORKER = WORKERS / "model_worker.py"
 LIMIT = 300
 
 

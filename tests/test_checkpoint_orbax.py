@@ -19,10 +19,9 @@ import pytest
 import unimesh
 from unimesh import CheckpointError
 
-from .launch import need, worker_output
+from .support.launch import WORKERS, need, worker_output
 
-HERE = Path(__file__).parent
-WORKER = HERE / "orbax_worker.py"
+WORKER = WORKERS / "orbax_worker.py"
 LIMIT = 300
 RANKS = {"jax": 1, "torch": 4, "mlx": 4}
 SAVED = "UNIMESH_TEST_ORBAX_SAVED"

@@ -20,10 +20,10 @@ import pytest
 import unimesh
 from unimesh import CheckpointError
 
-from .launch import free_port, kill_tree, need, run_worker
+from .support.launch import WORKERS, free_port, kill_tree, need, run_worker
 
-HERE = Path(__file__).parent
-WORKER = HERE / "s3_worker.py"
+SUPPORT = Path(__file__).parent / "support"
+WORKER = WORKERS / "s3_worker.py"
 LIMIT = 300
 ENDPOINT = "FSSPEC_S3_ENDPOINT_URL"
 
@@ -114,11 +114,11 @@ def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint(
     s3: dict[str, str], tmp_path: Path
 ) -> None:
     pytest.importorskip("ml_dtypes")
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(SUPPORT))
     try:
         from checkpoint_matrix import data
     finally:
-        sys.path.remove(str(HERE))
+        sys.path.remove(str(SUPPORT))
     import fsspec
 
     url = "s3://ckpts/killed"

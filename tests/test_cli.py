@@ -12,18 +12,7 @@ import pytest
 
 import unimesh
 
-
-def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m unimesh ARGS`` (``python -c CODE`` when args start with ``-c``)."""
-    command = list(args) if args[:1] == ("-c",) else ["-m", "unimesh", *args]
-    return subprocess.run(
-        [sys.executable, *command],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        check=False,
-        env=env,
-    )
+from .support.launch import run_cli as run
 
 
 def row(out: str, name: str) -> str:

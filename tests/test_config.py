@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import AxisRules, Config, ConfigError, LayoutMap, Mesh, P, load_config
 
-from .strategies import meshes, specs
+from .support.strategies import meshes, specs
 
 TOML = """
 mesh = "dp=2,tp=4"

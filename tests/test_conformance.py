@@ -14,7 +14,7 @@ import pytest
 
 import unimesh
 
-from .launch import require_mpirun, run_bounded, run_ranks
+from .support.launch import require_mpirun, run_bounded, run_ranks
 
 LIMIT = 600  # one suite run (JAX in process: about 110 s here); our kill comes before pytest's
 IN_PROCESS = ("jax", "keras", "tensorflow")

@@ -13,8 +13,8 @@ import pytest
 
 import unimesh
 
-from .launch import require_mpirun, run_bounded
-from .test_cli import run
+from .support.launch import require_mpirun, run_bounded
+from .support.launch import run_cli as run
 
 LIMIT = 240
 CASES = [("dp=2,tp=2", "dp,tp"), ("dp=2,tp=2;ids=3,1,2,0", "tp,None"), ("a=4", "a")]

@@ -18,7 +18,7 @@ import pytest
 import unimesh
 from unimesh import P
 
-from .launch import run_bounded
+from .support.launch import run_bounded
 
 DOCS = Path(__file__).parents[1] / "docs"
 X = np.arange(32.0).reshape(8, 4)

@@ -412,9 +412,9 @@ def test_bad_input(
 
 
 def test_the_whole_catalogue_is_large_and_covers_every_backend() -> None:
-    from . import test_errors
+    from .support import error_cases
 
-    assert len(CASES) + len(test_errors.CASES) >= 80
+    assert len(CASES) + len(error_cases.CASES) >= 80
     assert len({c[0] for c in CASES}) == len(CASES)
     covered = {c[1] for c in CASES}
     assert {"jax", "keras", "tensorflow", "torch", "mlx"} <= covered

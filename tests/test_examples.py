@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from .launch import require_mpirun, run_bounded
+from .support.launch import WORKERS, require_mpirun, run_bounded
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
-WORKER = Path(__file__).with_name("examples_worker.py")
+WORKER = WORKERS / "examples_worker.py"
 NAMES = ["mlp_step", "fsdp_step", "tp_sp_block", "moe_layer", "pipeline"]
 LIMIT = 180
 #: one launch runs every example of a launcher (examples_worker.py), each example its own test

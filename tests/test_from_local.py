@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import ConversionError, Layout, LayoutError, Mesh, P, UnsupportedError
 
-from .strategies import meshes, specs
-from .torch_fake import fake_torch_world
+from .support.strategies import meshes, specs
+from .support.torch_fake import fake_torch_world
 
 jax = pytest.importorskip("jax")
 if len(jax.devices()) < 8:  # pragma: no cover - XLA_FLAGS came too late

@@ -1,5 +1,5 @@
 """Hostile input: the parsers of mesh strings, mesh JSON/dicts and config files under a
-mutation fuzzer (tests/fuzzing.py; benchmarks/fuzz.py runs 100,000+ inputs)."""
+mutation fuzzer (tests/support/fuzzing.py; benchmarks/fuzz.py runs 100,000+ inputs)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import unimesh
 from unimesh import Config, Mesh
 
-from . import fuzzing
+from .support import fuzzing
 
 COUNT = int(os.environ.get("UNIMESH_FUZZ_COUNT", "3000"))
 

@@ -1,5 +1,5 @@
-"""Hostile input from the grammars (tests/grammar.py): hypothesis builds mesh text, mesh JSON,
-mesh dicts, config TOML, config JSON and config dicts production by production, with hostile
+"""Hostile input from the grammars (tests/support/grammar.py): hypothesis builds mesh text, mesh
+JSON, mesh dicts, config TOML, config JSON and config dicts production by production, with hostile
 alternatives at each; every input must give a result that round-trips or a UnimeshError with a
 message. benchmarks/fuzz.py runs the same families at 100,000 inputs each."""
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 import unimesh
 from unimesh import Config, Mesh
 
-from . import grammar
+from .support import grammar
 
 COUNT = int(os.environ.get("UNIMESH_GRAMMAR_COUNT", "250"))
 _SETTINGS = settings(
@@ -124,7 +124,7 @@ def test_checkpoint_readers(family: str) -> None:
 def test_mutations_of_real_checkpoints() -> None:
     """A unimesh save's manifest and data file (and torch's own DCP files where torch is
     installed), mutated byte by byte, opened and read: a result or a CheckpointError."""
-    from .checkpoint_grammar import mutate_checkpoints
+    from .support.checkpoint_grammar import mutate_checkpoints
 
     run = mutate_checkpoints(max(200, COUNT), seed=37)
     assert not run.failures, run.failures[:3]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import Layout, Mesh, MeshMismatchError, P, UnsupportedError
 
-from .strategies import meshes, specs
+from .support.strategies import meshes, specs
 
 jax = pytest.importorskip("jax")
 from jax.sharding import AxisType, NamedSharding

@@ -10,13 +10,14 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from .support.launch import WORKERS
+
 pytest.importorskip("jax")
 
-WORKER = Path(__file__).with_name("jax_worker.py")
+WORKER = WORKERS / "jax_worker.py"
 LIMIT = 120
 
 

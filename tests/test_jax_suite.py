@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from .launch import require_mpirun, run_bounded
+from .support.launch import WORKERS, require_mpirun, run_bounded
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
+SUPPORT = Path(__file__).parent / "support"
+sys.path.insert(0, str(SUPPORT))
 import jax_suite
 
-WORKER = HERE / "jax_suite_worker.py"
+WORKER = WORKERS / "jax_suite_worker.py"
 LIMIT = 300  # seconds for one run (about 20 s here)
 pytestmark = pytest.mark.timeout(3 * LIMIT + 120)
 
@@ -43,7 +43,7 @@ def _env() -> dict[str, str]:
         os.environ,
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
     )
 
 

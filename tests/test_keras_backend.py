@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import Layout, LayoutMap, Mesh, P, UnsupportedError
 
-from .strategies import meshes, specs
+from .support.strategies import meshes, specs
 
 keras = pytest.importorskip("keras")
 if keras.backend.backend() != "jax":  # pragma: no cover - KERAS_BACKEND came too late

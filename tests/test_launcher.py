@@ -77,7 +77,7 @@ def test_launchers_are_declared_by_the_backends():
     a framework's launcher when both mark the environment."""
     from unimesh.launchers import LauncherSign
 
-    from .refbackend import RefBackend
+    from .support.refbackend import RefBackend
 
     class Launched(RefBackend):
         name = "launched"
@@ -100,7 +100,7 @@ def test_launchers_are_declared_by_the_backends():
 
 
 def test_a_backend_with_malformed_launcher_signs_is_refused():
-    from .refbackend import RefBackend
+    from .support.refbackend import RefBackend
 
     class Bad(RefBackend):
         name = "badsigns"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from .launch import require_mpirun, run_bounded
+from .support.launch import WORKERS, require_mpirun, run_bounded
 
 pytest.importorskip("mlx.core")
 
-WORKER = Path(__file__).with_name("mlx_worker.py")
+WORKER = WORKERS / "mlx_worker.py"
 LIMIT = 120
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .launch import free_port, require_mpirun, run_bounded
+from .support.launch import WORKERS, free_port, require_mpirun, run_bounded
 
-HERE = Path(__file__).parent
-WORKER = HERE / "program_worker.py"
+SUPPORT = Path(__file__).parent / "support"
+WORKER = WORKERS / "program_worker.py"
 LIMIT = 300  # seconds for one launcher run (about 25 s here); the kill must come before pytest's
 pytestmark = pytest.mark.timeout(2 * LIMIT + 120)
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(2 * LIMIT + 120)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("jax")
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(SUPPORT))
     import program_cases
 
     import unimesh
@@ -118,7 +118,7 @@ def _run(
         os.environ,
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
         **(cross or {}),
     )
     rc, out = run_bounded(cmd, env, LIMIT)
@@ -202,7 +202,7 @@ def test_mlx_launch_ring_four_processes(reference: Path, tmp_path: Path) -> None
     _run(rc_out, 4, tmp_path, ("rules-only-when-traced", "compiled-forward-without-rules"))
 
 
-CHECKED = HERE / "checked_worker.py"
+CHECKED = WORKERS / "checked_worker.py"
 
 
 def _launch(launcher: str) -> list[str]:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from unimesh import Layout, Mesh, MeshSpecError, UnimeshError
 
-from .strategies import axes_of, meshes, specs
+from .support.strategies import axes_of, meshes, specs
 
 
 def ref_coords(mesh: Mesh) -> dict[int, dict[str, int]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .launch import free_port, require_mpirun, run_bounded, run_ranks
+from .support.launch import WORKERS, free_port, require_mpirun, run_bounded, run_ranks
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -33,7 +33,7 @@ def test_readme_example_runs_and_prints_what_it_shows():
 
 
 # -- the multi-process lines, run as written under their launchers ---------------------------
-WORKER = Path(__file__).with_name("readme_worker.py")
+WORKER = WORKERS / "readme_worker.py"
 LIMIT = 240  # twice what 8 ranks take on a loaded 2-core machine
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from unimesh import Layout, Mesh, Shard, StridedShard
 
-from .strategies import meshes, specs
+from .support.strategies import meshes, specs
 
 torch_utils = pytest.importorskip("torch.distributed.tensor._utils")
 placement_types = pytest.importorskip("torch.distributed.tensor.placement_types")

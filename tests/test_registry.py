@@ -29,7 +29,7 @@ from unimesh import (
 )
 from unimesh.registry import _REGISTRY
 
-from .refbackend import NativeLayout, NativeMesh, RefBackend
+from .support.refbackend import NativeLayout, NativeMesh, RefBackend
 
 MESH = Mesh((2, 2), ("dp", "tp"), [[1, 0], [3, 2]])
 

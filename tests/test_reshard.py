@@ -17,7 +17,7 @@ import unimesh
 from unimesh import Layout, Mesh, P
 from unimesh.moves import plan
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 import reshard_cases
 
 POOL = 8

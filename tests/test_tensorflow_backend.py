@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import Layout, Mesh, MeshMismatchError, P, UnsupportedError
 
-from .strategies import meshes, specs
+from .support.strategies import meshes, specs
 
 tf = pytest.importorskip("tensorflow")
 from tensorflow.experimental import dtensor

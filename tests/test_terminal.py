@@ -12,7 +12,7 @@ import pytest
 from unimesh.cli.demo import STEPS
 from unimesh.conformance.matrix import VERDICTS
 
-from .terminal import Screen, run_in_terminal
+from .support.terminal import Screen, run_in_terminal
 
 pytest.importorskip("pyte")
 

@@ -13,7 +13,7 @@ import pytest
 import unimesh
 from unimesh import Layout, Mesh, P
 
-from .torch_fake import fake_torch_world
+from .support.torch_fake import fake_torch_world
 
 MESHES = [
     Mesh((2, 4), ("dp", "tp")),

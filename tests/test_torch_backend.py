@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import unimesh
 from unimesh import Layout, Mesh, MeshMismatchError, P, UnsupportedError
 
-from .strategies import NAMES, meshes, specs
+from .support.strategies import NAMES, meshes, specs
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from .launch import run_bounded
+from .support.launch import WORKERS, run_bounded
 
 pytest.importorskip("torch.distributed")
 
-WORKER = Path(__file__).with_name("torch_worker.py")
+WORKER = WORKERS / "torch_worker.py"
 LIMIT = 120
 
 
@@ -66,7 +66,7 @@ def test_ranks_building_different_meshes_all_raise() -> None:
 def test_torch_compile_called_directly_compiles_a_program_made_before_dynamo_loaded() -> None:
     """torch.compile (not unimesh.compile) with fullgraph=True on a program made before
     torch._dynamo was imported: the program still reaches dynamo as one call."""
-    worker = Path(__file__).with_name("torch_compile_worker.py")
+    worker = WORKERS / "torch_compile_worker.py"
     rc, out = torchrun(4, worker=worker, limit=2 * LIMIT)  # compiling takes longer
     assert rc == 0, out[-6000:]
     assert sorted(int(r) for r in re.findall(r"RANK (\d+) OK", out)) == [0, 1, 2, 3], out[-6000:]

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 )
 from unimesh_torch import layout_map_from_plan, plan_from_layout_map
 
-from .torch_fake import fake_torch_world
+from .support.torch_fake import fake_torch_world
 
 
 class Attention(nn.Module):

@@ -5,7 +5,6 @@ process; a peer killed during set-up makes the others fail, saying so, within 60
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -17,40 +16,19 @@ import pytest
 
 import unimesh
 
-from .launch import free_port, require_mpirun, run_bounded, run_ranks_timed
-
-WORKER = str(Path(__file__).with_name("verify_worker.py"))
-N = 4
-LIMIT = 60  # the issue's bound: every process has answered within a minute
-CHECK_TIMEOUT = 15  # verify(timeout=...) in verify_worker.py
-# a gone or stuck peer is reported within the timeout plus 15 s (issue 17), twice the timeout
-# here, for a loaded 2-core machine
-GONE_BOUND = 2 * CHECK_TIMEOUT + 15
-INIT_TIMEOUT = 20  # initialize(timeout=...) in verify_worker.py
-NEVER_BOUND = 2 * INIT_TIMEOUT + 15
-
-
-def base_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("XLA_FLAGS", "KERAS_BACKEND", "UNIMESH_BACKEND")
-    }
-    env.update(
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-        **extra,
-    )
-    return env
-
-
-def lines(out: str) -> dict[int, str]:
-    """Each rank's VERIFY line (launchers may run two ranks' lines together)."""
-    return {
-        int(m[1]): m[0] for m in re.finditer(r"VERIFY rank (\d+) of \d+ (?:(?!VERIFY rank).)*", out)
-    }
-
+from .support.launch import free_port, run_bounded, run_ranks_timed
+from .support.verify import (
+    GONE_BOUND,
+    LIMIT,
+    NEVER_BOUND,
+    WORKER,
+    N,
+    base_env,
+    jax_envs,
+    lines,
+    mlx_command,
+    torch_envs,
+)
 
 #: the cases that share one launch per engine (verify_worker.py runs them one after another)
 SHARED = ("clean", "disagree", "small")
@@ -179,21 +157,6 @@ def test_torch_save_with_a_peer_gone(mode, tmp_path):
     plain_processes("torch", mode, envs, tmp_path, names=r"rank 1 did not arrive")
 
 
-def torch_envs() -> list[dict[str, str]]:
-    """N processes' torch.distributed variables (env://), rank 0's store on a free port."""
-    port = str(free_port())
-    return [
-        base_env(
-            RANK=str(r),
-            WORLD_SIZE=str(N),
-            LOCAL_RANK=str(r),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        for r in range(N)
-    ]
-
-
 @pytest.mark.parametrize("mode", ["clean", "disagree", "stuck", "never"])
 def test_torch_under_torchrun(mode, tmp_path):
     """Under torchrun (its agent hosts the store): every rank that is not the stuck or
@@ -280,20 +243,6 @@ def test_jax_save_with_a_peer_gone(tmp_path):
     pytest.importorskip("jax")
     envs = [dict(env, CHECKPOINT_DIR=str(tmp_path / "ck")) for env in jax_envs()]
     plain_processes("jax", "save-die", envs, tmp_path, r"process 1 did not take part")
-
-
-def jax_envs() -> list[dict[str, str]]:
-    """N processes' jax.distributed variables, one coordinator on a free port."""
-    address = f"127.0.0.1:{free_port()}"
-    return [
-        base_env(
-            JAX_COORDINATOR_ADDRESS=address,
-            JAX_NUM_PROCESSES=str(N),
-            JAX_PROCESS_ID=str(r),
-            JAX_PLATFORMS="cpu",
-        )
-        for r in range(N)
-    ]
 
 
 def meet(procs: int, ids: list[int], counts: list[int] | None = None, timeout: float = 2.0):
@@ -394,33 +343,6 @@ def test_jax_coordinator_address_forms():
 
 
 # -- MLX --------------------------------------------------------------------------------------
-def mlx_command(launcher: str, mode: str) -> list[str]:
-    if launcher == "mpi":
-        return [
-            require_mpirun(),
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            str(N),
-            sys.executable,
-            WORKER,
-            "mlx",
-            mode,
-        ]
-    return [
-        str(Path(sys.executable).with_name("mlx.launch")),
-        "-n",
-        str(N),
-        "--backend",
-        "ring",
-        "--",
-        sys.executable,
-        WORKER,
-        "mlx",
-        mode,
-    ]
-
-
 def ring_codes(out: str) -> dict[int, int]:
     """mlx.launch exits 0 whatever its processes return; it reports each failed one."""
     return {

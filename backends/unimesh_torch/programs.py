@@ -201,7 +201,7 @@ class TorchPrograms(TorchTranslator):
         """Not while dynamo traces the program's Python (dynamo does not keep the tags the
         mode sets), but yes where aot_autograd traces it (``program_entry``): there it runs
         as Python, as in eager."""
-        return compiled._INSIDE[0] > 0 or not _torch().compiler.iscompiling()
+        return compiled._INSIDE[0] > 0 or not _torch().compiler.is_compiling()
 
     def vma_of(self, x: Any) -> frozenset[str]:
         return getattr(x, VMA, NONE)
@@ -242,7 +242,7 @@ class TorchPrograms(TorchTranslator):
             have = self.from_native(arg)
             if have == layout:
                 return arg.to_local(), False
-            if not torch.compiler.iscompiling():  # unimesh.reshard: only the missing pieces,
+            if not torch.compiler.is_compiling():  # unimesh.reshard: only the missing pieces,
                 # from any mesh, right where redistribute is not (uneven blocks), differentiable
                 import unimesh
 
@@ -270,7 +270,7 @@ class TorchPrograms(TorchTranslator):
         torch = _torch()
 
         native = self._native_layout(layout)  # a new world empties the spec cache too
-        if torch.compiler.iscompiling():  # what dynamo traces (a cached spec is guarded by id)
+        if torch.compiler.is_compiling():  # what dynamo traces (a cached spec is guarded by id)
             from torch.distributed.tensor import DTensor
 
             return DTensor.from_local(

@@ -1,7 +1,7 @@
 """One process of a real run of the shard_map programs of program_cases.py (torchrun, mpirun or
 mlx.launch). Started by tests/test_programs.py.
 
-    python tests/program_worker.py BACKEND REFERENCE.npz OUT_DIR
+    python tests/workers/program_worker.py BACKEND REFERENCE.npz OUT_DIR
 
 Every process runs every case with unimesh.value_and_grad, compares the loss and each gradient
 with JAX's (from REFERENCE.npz) to 1e-5 (relative where they exceed 1), and writes
@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import _support  # noqa: F401 - tests/support on sys.path, before its modules are imported
 import numpy as np
 import program_cases
 import reshard_cases

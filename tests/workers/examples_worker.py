@@ -1,5 +1,5 @@
 """Every example program named on the command line, one after another in this process (one
-launch for all of them): ``python tests/examples_worker.py NAME[,NAME...] -- EXAMPLE ARGS``.
+launch for all of them): ``python tests/workers/examples_worker.py NAME[,NAME...] -- EXAMPLE ARGS``.
 
 Each example's ``main()`` runs with ``sys.argv`` set to its own command line; what it prints is
 captured and printed again with ``[NAME] `` before each line, then ``[NAME] EXIT code`` (its
@@ -16,7 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-EXAMPLES = Path(__file__).parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """One rank of a real torch run (torchrun, gloo). Started by tests/test_torch_multiprocess.py.
 
-    torchrun --standalone --nproc-per-node N tests/torch_worker.py MESH_SPEC [crash]
+    torchrun --standalone --nproc-per-node N tests/workers/torch_worker.py MESH_SPEC [crash]
 
 Each check compares what torch does on this rank with the neutral answer; the rank prints one
 line per check and a final ``RANK r OK n`` line, and exits non-zero on the first failure.
@@ -13,6 +13,7 @@ import math
 import os
 import sys
 
+import _support  # noqa: F401 - tests/support on sys.path, before its modules are imported
 import torch
 import torch.distributed as dist
 from torch import nn

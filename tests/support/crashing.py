@@ -14,9 +14,9 @@ import numpy as np
 
 import unimesh
 
-from .launch import kill_tree
+from .launch import WORKERS, kill_tree
 
-WORKER = str(Path(__file__).with_name("checkpoint_crash_worker.py"))
+WORKER = str(WORKERS / "checkpoint_crash_worker.py")
 
 
 def command(engine: str, path: Path, logs: Path, processes: int = 4) -> list[str]:

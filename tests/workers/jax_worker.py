@@ -1,7 +1,7 @@
 """One process of a real multi-process JAX run (jax.distributed over gloo CPU collectives, 2 CPU
 devices each). Started by tests/test_jax_multiprocess.py:
 
-    python tests/jax_worker.py 127.0.0.1:PORT NUM_PROCESSES PROCESS_ID
+    python tests/workers/jax_worker.py 127.0.0.1:PORT NUM_PROCESSES PROCESS_ID
 
 It checks the neutral answers against JAX's own on this process, prints one line per check and
 ``PROCESS i OK n``, and exits non-zero on the first failure.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 
+import _support  # noqa: F401 - tests/support on sys.path, before its modules are imported
 import jax
 import numpy as np
 
@@ -114,7 +115,7 @@ check(total == float(rows.sum()), f"a sum over the whole batch from per-process 
 
 # unimesh.reshard across processes: JAX's compiled reshard on one device list, and the plan's
 # pieces over JAX's collectives (ppermute between processes) onto another device list or a
-# sub-mesh; every block bit for bit, bytes received the minimum (tests/reshard_cases.py)
+# sub-mesh; every block bit for bit, bytes received the minimum (tests/support/reshard_cases.py)
 import reshard_cases
 
 mine_ids = {i for i, d in enumerate(devs) if d.process_index == pid}

@@ -1,7 +1,7 @@
 """One process of a checked-mode run (torchrun, mpirun or mlx.launch). Started by
 tests/test_programs.py.
 
-    python tests/checked_worker.py BACKEND MODE OUT_DIR
+    python tests/workers/checked_worker.py BACKEND MODE OUT_DIR
 
 MODE: ``clean`` (every process agrees: the result must be right), ``shape`` (process 1 sums an
 array of another shape), ``axes`` (process 1 sums over another axis). With

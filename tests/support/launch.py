@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,10 @@ def run_bounded(
     return proc.returncode, out
 
 
-RANK_LOG = Path(__file__).with_name("rank_log")
+RANK_LOG = Path(__file__).resolve().parents[1] / "rank_log"
+#: the scripts the tests launch, and the modules they share with the tests
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
+SUPPORT = Path(__file__).resolve().parent
 
 
 def is_launcher(cmd: list[str]) -> bool:
@@ -230,3 +234,16 @@ def need(*modules: str) -> None:
             found = False
         if not found:
             pytest.skip(f"{name} is not installed")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m unimesh ARGS`` (``python -c CODE`` when args start with ``-c``)."""
+    command = list(args) if args[:1] == ("-c",) else ["-m", "unimesh", *args]
+    return subprocess.run(
+        [sys.executable, *command],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+        env=env,
+    )

@@ -1,8 +1,8 @@
 """One rank of a real MLX run, under mpirun (MPI backend) or mlx.launch (ring backend).
 Started by tests/test_mlx_multiprocess.py:
 
-    mpirun --allow-run-as-root --oversubscribe -np 4 python tests/mlx_worker.py mpi
-    mlx.launch -n 4 --backend ring -- python tests/mlx_worker.py ring
+    mpirun --allow-run-as-root --oversubscribe -np 4 python tests/workers/mlx_worker.py mpi
+    mlx.launch -n 4 --backend ring -- python tests/workers/mlx_worker.py ring
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 
+import _support  # noqa: F401 - tests/support on sys.path, before its modules are imported
 import mlx.core as mx
 import numpy as np
 from worker_checks import Checks

@@ -1,11 +1,11 @@
 """Runs the cases of jax_suite.py (JAX's own shard_map tests, ported). Started by
 tests/test_jax_suite.py.
 
-    python tests/jax_suite_worker.py reference OUT_DIR
+    python tests/workers/jax_suite_worker.py reference OUT_DIR
         JAX's own run of every case (jax.shard_map, jax.lax, check_vma, float64 on 8 CPU
         devices) into OUT_DIR/reference.npz, then the ported run on unimesh's JAX backend in
         the same process, compared: OUT_DIR/jax-rank-0.json
-    python tests/jax_suite_worker.py BACKEND OUT_DIR     (under torchrun or mpirun, 4 processes)
+    python tests/workers/jax_suite_worker.py BACKEND OUT_DIR   (torchrun or mpirun, 4 processes)
         every case through unimesh on BACKEND in float64, compared with OUT_DIR/reference.npz:
         OUT_DIR/BACKEND-rank-R.json, {case: null (agrees) or what differs}
 
@@ -22,6 +22,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import _support  # noqa: F401 - tests/support on sys.path, before its modules are imported
 import numpy as np
 
 TOL = {"mlx": 1e-6}

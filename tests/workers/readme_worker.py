@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 FRAMEWORKS = ("torch", "jax", "mlx")
 
 

@@ -1,10 +1,10 @@
 """Grammars over what a checkpoint reader is handed (issue 37, item 1): unimesh manifests,
 safetensors headers and torch DCP ``.metadata`` pickles (written opcode by opcode, so that
 torch is not needed and any global can be named), each valid by construction and then
-damaged, for tests/grammar.py's driver (benchmarks/fuzz.py runs 100,000 of each).
+damaged, for tests/support/grammar.py's driver (benchmarks/fuzz.py runs 100,000 of each).
 
 Each family's parser must answer with its result or a CheckpointError, evaluate nothing (the
-audit hook of tests/fuzzing.py watches) and stay within the time and memory bounds."""
+audit hook of tests/support/fuzzing.py watches) and stay within the time and memory bounds."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import _support  # noqa: F401 - tests/support on sys.path, before its modules are imported
 import numpy as np
 from checkpoint_matrix import LOAD, arrays_of, data
 

@@ -2,7 +2,7 @@
 compiles as one graph when the user calls ``torch.compile(..., fullgraph=True)`` directly (not
 ``unimesh.compile``), and gives the eager program's values.
 
-    torchrun --standalone --nproc-per-node 4 tests/torch_compile_worker.py
+    torchrun --standalone --nproc-per-node 4 tests/workers/torch_compile_worker.py
 """
 
 from __future__ import annotations
