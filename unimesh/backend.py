@@ -366,11 +366,13 @@ class Backend:
                 continue
         return None
 
+    # -- helpers: the core calls these; a backend uses them and does not override them ----------
     def supports(self, capability: str) -> bool:
+        """Helper. Whether ``capability`` is one of :attr:`capabilities`."""
         return capability in self.capabilities
 
     def require(self, capability: str, detail: str = "") -> None:
-        """Raise :class:`UnsupportedError` unless this backend has ``capability``."""
+        """Helper. Raise :class:`UnsupportedError` unless this backend has ``capability``."""
         if capability not in self.capabilities:
             what = CAPABILITIES.get(capability, capability)
             raise UnsupportedError(
@@ -382,7 +384,8 @@ class Backend:
             )
 
     def request_devices(self, count: int, processes: int = 1) -> int:
-        """:meth:`prepare_devices` for ``count`` devices over ``processes`` processes, refused
+        """Helper (not a hook: override :meth:`prepare_devices`, which this wraps).
+        :meth:`prepare_devices` for ``count`` devices over ``processes`` processes, refused
         with :class:`UnsupportedError` before any framework work when one process would have to
         simulate more than :attr:`max_simulated_devices` (a million simulated devices never
         finish starting). Returns how many devices meshes may use."""
@@ -400,7 +403,7 @@ class Backend:
         return self.prepare_devices(count)
 
     def reject_options(self, options: dict[str, Any], accepted: str = "") -> None:
-        """Raise :class:`UnsupportedError` naming any option this backend does not take."""
+        """Helper. Raise :class:`UnsupportedError` naming any option this backend does not take."""
         if options:
             takes = f"; it takes {accepted}" if accepted else ""
             raise UnsupportedError(
@@ -408,6 +411,7 @@ class Backend:
                 backend=self.name,
             )
 
+    # -- facts a backend may refine --------------------------------------------------------------
     def owns(self, obj: object) -> bool:
         """True when ``obj``'s type comes from one of :attr:`native_modules` (no import)."""
         roots = self.native_modules or (self.framework,)
@@ -443,17 +447,42 @@ class Backend:
 
     # == layer 1, translator (required) ==========================================================
     def mesh_to_native(self, mesh: Mesh, **options: Any) -> Any:
-        """Neutral :class:`~unimesh.Mesh` -> the framework's mesh object (``mesh``)."""
+        """Neutral :class:`~unimesh.Mesh` -> the framework's mesh object (``mesh``).
+
+        Args:
+            mesh: the neutral mesh; its device ids are logical (``process_devices`` says which
+                this process holds).
+            options: the caller's framework options (refuse unknown ones with
+                :meth:`reject_options`).
+
+        Returns:
+            The framework's mesh object (``jax.sharding.Mesh``, torch ``DeviceMesh``, ...)."""
         return self._missing("mesh_to_native")
 
     def from_native(self, obj: Any) -> Mesh | Layout | LayoutMap:
-        """A native object this backend :meth:`owns` -> Mesh, Layout or LayoutMap (``mesh``)."""
+        """A native object this backend :meth:`owns` -> Mesh, Layout or LayoutMap (``mesh``).
+
+        Args:
+            obj: a framework mesh, sharding/layout or layout map (a distributed array where
+                the framework's array carries its layout, as a DTensor does).
+
+        Returns:
+            The neutral :class:`~unimesh.Mesh`, :class:`~unimesh.Layout` or
+            :class:`~unimesh.LayoutMap`; :class:`~unimesh.ConversionError` for anything else."""
         out: Mesh | Layout | LayoutMap = self._missing("from_native")
         return out
 
     def layout_to_native(self, layout: Layout, **options: Any) -> Any:
         """Neutral :class:`~unimesh.Layout` -> the framework's sharding/layout object
-        (``layout``)."""
+        (``layout``).
+
+        Args:
+            layout: the neutral layout (the core has checked it against the backend's
+                features and ``max_mesh_axes``).
+            options: the caller's framework options.
+
+        Returns:
+            The framework's object (``NamedSharding``, DTensor placements, ``TensorLayout``)."""
         return self._missing("layout_to_native")
 
     def layout_map_to_native(self, layout_map: LayoutMap, **options: Any) -> Any:
@@ -463,12 +492,28 @@ class Backend:
 
     def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
         """A native distributed array whose shards are ``layout``'s reference blocks
-        (``distribute``, with :meth:`local_shards`)."""
+        (``distribute``, with :meth:`local_shards`).
+
+        Args:
+            array: the global value (numpy, or the framework's own array), whole on every
+                process.
+            layout: where each block goes (:meth:`Layout.shard_slices` names each block).
+            options: the caller's framework options.
+
+        Returns:
+            The framework's distributed array."""
         return self._missing("distribute")
 
     def local_shards(self, array: Any) -> dict[int, Any]:
-        """This process's shards of a native distributed array, as numpy arrays keyed by
-        logical device id (the inverse view of :meth:`distribute`, for checks)."""
+        """This process's shards of a native distributed array (the inverse view of
+        :meth:`distribute`; what a checkpoint save writes).
+
+        Args:
+            array: a distributed array of this framework.
+
+        Returns:
+            ``{logical device id: block}`` for each device of this process, each block numpy
+            or array-like in the layout's block shape."""
         out: dict[int, Any] = self._missing("local_shards")
         return out
 
@@ -485,27 +530,18 @@ class Backend:
         block's shape against ``layout``). ``dtype`` (None, or the user's) is for a process
         with no blocks. ``blocks`` may read each block when it is first asked for (a
         checkpoint load does): take each once, and do not hold host copies longer than the
-        transfer needs."""
+        transfer needs.
+
+        Args:
+            blocks: ``{logical device id: numpy block}`` for each device of this process.
+            layout: the layout the result has.
+            shape: the global shape.
+            dtype: the dtype where the process has no block (None: the blocks').
+            options: the caller's framework options.
+
+        Returns:
+            The framework's distributed array, without a gather."""
         return self._missing("from_local")
-
-    def compile(self, fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
-        """``fn`` compiled by the framework's own compiler (:func:`unimesh.compile`), taking
-        and returning what ``fn`` takes and returns; ``options`` go to that compiler."""
-        missing: Callable[..., Any] = self._missing("compile")
-        return missing
-
-    def program_entry(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """A :func:`unimesh.shard_map` program as the function a user calls, as the
-        framework's compiler should meet it inside a compiled step; by default ``fn`` itself.
-        torch gives one that ``torch.compile`` traces as a single call
-        (``torch._dynamo.nonstrict_trace``), so that unimesh's own Python never cuts its
-        graph."""
-        return fn
-
-    def stop_gradient(self, x: Any) -> Any:
-        """``x`` with no gradient through it, in the framework's own autodiff
-        (:func:`unimesh.stop_gradient`)."""
-        return self._missing("stop_gradient")
 
     # == models (optional): unimesh.save / unimesh.load of a framework's model object ==========
     def model_state(self, model: Any) -> dict[str, Any] | None:
@@ -539,7 +575,14 @@ class Backend:
         (a :class:`unimesh.runtime.Launch`, or None) carries the coordinator address, process
         count and process id the user gave, which win over the environment. Returns (this
         process's index, the number of processes); the default is one process, and takes no
-        launch parameters."""
+        launch parameters.
+
+        Args:
+            timeout: seconds to wait for every peer.
+            launch: the user's launch parameters, or None (the environment's).
+
+        Returns:
+            ``(process index, process count)``."""
         if launch is not None:
             raise UnsupportedError(
                 f"the {self.name} backend starts no multi-process runtime, so it takes no "
@@ -553,7 +596,15 @@ class Backend:
     def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
         """Every process's ``payload``, in process order, through the framework's collective;
         :class:`~unimesh.MeshMismatchError` saying a peer is gone if one does not take part
-        within ``timeout`` seconds (used by :func:`unimesh.verify`). Default: one process."""
+        within ``timeout`` seconds (used by :func:`unimesh.verify` and the checkpoint save's
+        agreements). Default: one process.
+
+        Args:
+            payload: this process's bytes.
+            timeout: seconds to wait for every peer.
+
+        Returns:
+            Every process's payload, in process order."""
         return [payload]
 
     def launcher(self, processes: int) -> tuple[list[str], dict[str, str]] | None:
@@ -718,6 +769,25 @@ class Backend:
         """Every parameter of ``model`` laid out as ``resolve(path, shape)`` says
         (``shard_params``; :func:`unimesh.shard_params`)."""
         return self._missing("shard_params")
+
+    def compile(self, fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+        """``fn`` compiled by the framework's own compiler (:func:`unimesh.compile`), taking
+        and returning what ``fn`` takes and returns; ``options`` go to that compiler."""
+        missing: Callable[..., Any] = self._missing("compile")
+        return missing
+
+    def program_entry(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A :func:`unimesh.shard_map` program as the function a user calls, as the
+        framework's compiler should meet it inside a compiled step; by default ``fn`` itself.
+        torch gives one that ``torch.compile`` traces as a single call
+        (``torch._dynamo.nonstrict_trace``), so that unimesh's own Python never cuts its
+        graph."""
+        return fn
+
+    def stop_gradient(self, x: Any) -> Any:
+        """``x`` with no gradient through it, in the framework's own autodiff
+        (:func:`unimesh.stop_gradient`)."""
+        return self._missing("stop_gradient")
 
     def describe_native(self, native: Any) -> str:
         """How ``unimesh convert`` prints a native mesh or layout: ``repr`` unless the
