@@ -79,6 +79,18 @@ def capability_names() -> str:
     return "\n".join(lines) + "\n"
 
 
+def hooks_table() -> str:
+    """The contract, one row per hook (``unimesh.backend.HOOKS``): its layer, whether it is
+    required, the capability it gives and what it promises."""
+    from unimesh.backend import HOOKS
+
+    lines = ["| hook | layer | required | gives | promise |", "| --- | --- | --- | --- | --- |"]
+    for h in HOOKS:
+        gives = f"`{h.capability}`" if h.capability else ""
+        lines.append(f"| `{h.name}` | {h.layer} | {h.required} | {gives} | {_cell(h.promise)} |")
+    return "\n".join(lines) + "\n"
+
+
 def collectives_table() -> str:
     """Per backend, which primitives of the per-process engine are the framework's own and
     which the engine builds (from ``ProcessBackend.native_primitives``)."""
@@ -189,6 +201,7 @@ def generate(docs: Path) -> None:
         "api-table.md": api_table(),
         "collectives-table.md": collectives_table(),
         "capability-names.md": capability_names(),
+        "hooks-table.md": hooks_table(),
     }
     data = docs / "_data"
     tables["capabilities-table.md"] = capability_table(

@@ -416,8 +416,15 @@ def test_writing_a_backend_starts_from_a_backend_that_runs_and_names_every_hook(
         assert unimesh.get_backend("dict").layers() == ("translator",)
     finally:
         unimesh.unregister_backend("dict")
+    sys.path.insert(0, str(DOCS))
+    try:
+        from _gen import hooks_table
+    finally:
+        sys.path.remove(str(DOCS))
+    assert "{include} _generated/hooks-table.md" in text
+    table = hooks_table()
     for layer in unimesh.LAYERS:
         for hook in layer.all_hooks:
-            assert f"`{hook}" in text, hook
+            assert f"| `{hook}` | {layer.name} |" in table, hook
     for feature in unimesh.FEATURES:
         assert f"`{feature}`" in text, feature

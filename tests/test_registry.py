@@ -448,3 +448,38 @@ def test_a_process_backend_whose_init_skips_the_engine_is_refused_naming_the_fix
     )
     unimesh.register_backend(calling())
     unimesh.unregister_backend("pcall")
+
+
+def test_the_contract_table_names_every_hook_once_and_nothing_else():
+    """``unimesh.backend.HOOKS`` is the contract: every public method of ``Backend`` and of the
+    per-process engine is a row of it or a named helper, each row names a method that exists,
+    no hook is named twice, and ``LAYERS`` and the engine's required set are read off it."""
+    from unimesh.backend import HELPERS, HOOKS, LAYERS, Backend
+    from unimesh.spmd import ENGINE_REQUIRED, ProcessBackend
+
+    names = [h.name for h in HOOKS]
+    assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]
+    public = {
+        n
+        for cls in (Backend, ProcessBackend)
+        for n, v in vars(cls).items()
+        if not n.startswith("_") and (callable(v) or isinstance(v, (property, classmethod)))
+    }
+    assert public - set(names) - HELPERS == set(), "methods neither in HOOKS nor HELPERS"
+    assert set(names) - public == set(), "rows of HOOKS no class defines"
+    assert not set(names) & HELPERS
+    for h in HOOKS:
+        assert h.layer in ("translator", "runtime", "programs", "engine"), h
+        assert (
+            h.required == "yes" or h.required == "no" or h.required.startswith(("with ", "lazy"))
+        ), h
+        owner = ProcessBackend if h.layer == "engine" else Backend
+        assert h.name in vars(owner) or h.name in vars(Backend), h
+    for layer in LAYERS:
+        assert sorted(layer.all_hooks) == sorted(h.name for h in HOOKS if h.layer == layer.name)
+    assert (
+        tuple(h.name for h in HOOKS if h.layer == "engine" and h.required == "yes")
+        == ENGINE_REQUIRED
+    )
+    # the per-process author's count, reported in the house issue's note
+    assert len(HOOKS) == 69

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .backend import Backend
+from .backend import HOOKS, Backend
 from .errors import MeshMismatchError
 from .groups import Group, GroupComm
 from .layout import Layout
@@ -48,19 +48,10 @@ _PRIMITIVE_HOOK: dict[str, str] = {
     p: ("split_group" if p == "split" else f"group_{p}") for p in PRIMITIVES
 }
 
-#: What a :class:`ProcessBackend` implements for the engine to give it ``shard_map``.
-ENGINE_REQUIRED: tuple[str, ...] = (
-    "process_index",
-    "world_group",
-    "group_all_reduce",
-    "group_all_gather",
-    "as_array",
-    "moveaxis",
-    "take",
-    "reduce_stack",
-    "zeros_like",
-    "local_block",
-    "wrap_result",
+#: What a :class:`ProcessBackend` implements for the engine to give it ``shard_map`` (the
+#: required rows of the engine in :data:`unimesh.backend.HOOKS`).
+ENGINE_REQUIRED: tuple[str, ...] = tuple(
+    h.name for h in HOOKS if h.layer == "engine" and h.required == "yes"
 )
 
 _REQUIRED_PRIMITIVES = frozenset({"all_reduce", "all_gather"})
