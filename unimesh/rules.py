@@ -428,10 +428,12 @@ class Resolver:
         names = axes(name) if callable(axes) else axes.get(name)
         return None if names is None else Layout(self.mesh, self.rules.spec(names, self.mesh))
 
-    def unmatched(self, names: list[str], strict: bool, what: str, whose: str) -> None:
+    def unmatched(
+        self, names: list[str], strict: bool, what: str, whose: str, stacklevel: int = 3
+    ) -> None:
         """Refuse (or, not ``strict``, warn of) rule keys that match none of ``names``;
         ``what`` is what a name is (``parameter of the model``), ``whose`` what the names
-        are (``The model's parameter paths``)."""
+        are (``The model's parameter paths``); a warning points ``stacklevel`` frames up."""
         import difflib
 
         rules, logical_axes = self.rules, self.logical_axes
@@ -480,4 +482,4 @@ class Resolver:
             _lfail(text)
         import warnings
 
-        warnings.warn(text, UserWarning, stacklevel=3)
+        warnings.warn(text, UserWarning, stacklevel=stacklevel)

@@ -25,7 +25,8 @@ from typing import Any
 from unimesh import ConversionError
 from unimesh.messages import short
 
-from .programs import RULES, tracer_probe
+from . import programs
+from .programs import RULES
 from .translate import MLXArray
 
 
@@ -76,7 +77,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
                 leaves.append(kind[1])
         return optree.tree_unflatten(treedef, leaves)
 
-    probe = tracer_probe()
+    probe = programs.tracer_probe()
 
     #: positional MLXArray arguments: (id of each layout, shape) -> trace, without flattening
     #: (each trace holds its layouts, so an id found here is that layout's)

@@ -21,8 +21,8 @@ from unimesh import UnimeshError
 
 from .runtime import _torch
 
-__all__ = ["compile_step", "compiling", "funcol", "mark_entries", "program_entry", "real_mesh",
-           "surfacing", "traced_permute"]  # fmt: skip
+__all__ = ["compile_step", "compiling", "funcol", "in_twin", "mark_entries", "program_entry",
+           "real_mesh", "surfacing", "traced_permute"]  # fmt: skip
 
 
 #: the UnimeshError a program's twin raised while torch.compile traced it (see ``surfacing``)
@@ -128,6 +128,11 @@ def _plain(x: Any, depth: int) -> bool:
     return False
 
 
+def in_twin() -> bool:
+    """Whether a program's nonstrict_trace twin is running (traced by aot_autograd)."""
+    return _INSIDE[0] > 0
+
+
 def compiling() -> bool:
     """Whether dynamo or aot_autograd traces this call: collectives are then torch's
     functional collectives (graph nodes naming their group by a string), not the c10d
@@ -219,7 +224,7 @@ def compile_step(fn: Any, options: dict[str, Any]) -> Any:
 
 
 def traced_permute(x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
-    """``group_permute`` as ``collectives.permute_tensor``, which takes a whole permutation (each
+    """``group_permute`` as ``funcol.permute_tensor``, which takes a whole permutation (each
     rank sends to one and receives from one, in the group's ranks): a member that sends
     nothing is paired with one that receives nothing, and what that one gets is zeros."""
     collectives = funcol()

@@ -201,7 +201,7 @@ class TorchPrograms(TorchTranslator):
         """Not while dynamo traces the program's Python (dynamo does not keep the tags the
         mode sets), but yes where aot_autograd traces it (``program_entry``): there it runs
         as Python, as in eager."""
-        return compiled._INSIDE[0] > 0 or not _torch().compiler.is_compiling()
+        return compiled.in_twin() or not _torch().compiler.is_compiling()
 
     def vma_of(self, x: Any) -> frozenset[str]:
         return getattr(x, VMA, NONE)

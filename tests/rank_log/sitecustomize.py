@@ -1,5 +1,5 @@
-"""Put on PYTHONPATH by tests/launch.py: a launched rank's stdout and stderr go to a file of its
-own, ``$UNIMESH_TEST_RANK_LOG/rank-N.log``, so that ranks sharing the launcher's pipe cannot
+"""Put on PYTHONPATH by tests/support/launch.py: a launched rank's stdout and stderr go to a file
+of its own, ``$UNIMESH_TEST_RANK_LOG/rank-N.log``, so that ranks sharing the launcher's pipe cannot
 interleave inside a line (torchrun runs ranks with ``python -u``, where ``print`` writes the text
 and its newline in two calls). The rank is the launcher's own variable: ``RANK`` (torchrun),
 ``OMPI_COMM_WORLD_RANK`` (mpirun), ``MLX_RANK`` (mlx.launch). A process without one (the

@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..messages import short
@@ -37,6 +37,7 @@ __all__ = [
     "HF_SHARDING_KEY",
     "INDEX",
     "SINGLE",
+    "check_sizes",
     "index_files",
     "parse_index",
     "read_files",
@@ -216,6 +217,13 @@ def _shards(tensors: list[Tensor], max_shard: int) -> list[list[Tensor]]:
     return shards
 
 
+def check_sizes(max_shard_bytes: Any, window: Any) -> None:
+    """Refuse a shard size or slab window that is not a positive int of bytes."""
+    for value, what in ((max_shard_bytes, "max_shard_bytes"), (window, "window")):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 62:
+            raise CheckpointError(f"{what} must be a positive int of bytes, got {value!r}")
+
+
 def write_safetensors(
     ckpt: Checkpoint,
     dst: str | os.PathLike[str],
@@ -231,9 +239,7 @@ def write_safetensors(
     tensor is read and written in C-order slabs of at most ``window`` bytes. Files are written
     under temporary names and renamed, the index last. ``progress(bytes done, total)`` is
     called as it goes. Returns the files written."""
-    for value, what in ((max_shard_bytes, "max_shard_bytes"), (window, "window")):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 62:
-            raise CheckpointError(f"{what} must be a positive int of bytes, got {value!r}")
+    check_sizes(max_shard_bytes, window)
     out = Path(dst)
     if out.resolve() == ckpt.path.resolve():
         raise CheckpointError(f"convert would write into its source {ckpt.path}: give another DST")

@@ -163,7 +163,7 @@ def _by_rule(
         out[name] = layout if layout is not None else Layout(rules_of.mesh, PartitionSpec())
     try:
         rules_of.unmatched(ckpt.names, strict, "tensor of the checkpoint",
-                           "The checkpoint's tensor names")  # fmt: skip
+                           "The checkpoint's tensor names", stacklevel=5)  # fmt: skip
     except UnimeshError as exc:
         raise CheckpointError(str(exc)) from None
     return out

@@ -53,11 +53,12 @@ def scatter_read(
     out: np.ndarray,
     where: tuple[slice, ...],
     what: str,
+    tensor: str = "",
 ) -> None:
     """Read the file's byte ``runs`` (row-major order of the region) straight into the region
     ``where`` of the C-order array ``out``: its contiguous stretches become the iovecs of
-    ``preadv`` calls, so nothing is staged in between. ``what`` names the file and tensor in
-    the error of a truncated file."""
+    ``preadv`` calls, so nothing is staged in between. ``what`` names the file, ``tensor`` the
+    tensor, in the error of a truncated file."""
     mem = out.reshape(-1).view(np.uint8).data
     found = iter(stretches(out, where))
     at, left = next(found)
@@ -67,7 +68,7 @@ def scatter_read(
         if length <= left:  # the common case: the run lands in one stretch, one call
             view = mem[at : at + length]
             if os.preadv(fd, [view], offset) != length:
-                read_full(fd, [view], offset, what)  # the rest, or truncated
+                read_full(fd, [view], offset, what, tensor)  # the rest, or truncated
             at, left = at + length, left - length
             continue
         iov: list[memoryview] = []
@@ -79,7 +80,7 @@ def scatter_read(
             iov.append(mem[at : at + take])
             at, left, length, size = at + take, left - take, length - take, size + take
             if len(iov) == _IOV_MAX or not length:
-                read_full(fd, iov, offset, what)
+                read_full(fd, iov, offset, what, tensor)
                 offset, iov, size = offset + size, [], 0
 
 
@@ -103,7 +104,7 @@ def stretches(out: np.ndarray, where: tuple[slice, ...]) -> Iterator[tuple[int, 
         yield first, length
 
 
-def read_full(fd: int, iov: list[memoryview], offset: int, what: str) -> None:
+def read_full(fd: int, iov: list[memoryview], offset: int, what: str, tensor: str = "") -> None:
     """``preadv`` until every buffer of ``iov`` is full (a call may return fewer bytes than
     asked, e.g. past 2 GiB); the file ending first is a truncated checkpoint."""
     want = sum(len(m) for m in iov)
@@ -111,7 +112,8 @@ def read_full(fd: int, iov: list[memoryview], offset: int, what: str) -> None:
     while iov:
         got = os.preadv(fd, iov, offset)
         if got <= 0:
-            raise CheckpointError(f"{what} is truncated (needs bytes {end - want}..{end})")
+            needs = f"tensor {tensor!r} needs" if tensor else "needs"
+            raise CheckpointError(f"{what} is truncated ({needs} bytes {end - want}..{end})")
         offset += got
         while iov and got >= len(iov[0]):
             got -= len(iov[0])

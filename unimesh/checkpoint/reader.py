@@ -142,13 +142,17 @@ class Checkpoint:
             self.storage, self.file = open_storage(where.parent), where.name
         #: the checkpoint's place: a Path, or a Url in object storage
         self.path: Any = self.storage.where
-        for opener in OPENERS:
-            if (not opener.local or self.storage.local is not None) and opener.found(self):
-                self.kind = opener.kind
-                opened = opener.open(self)
-                break
-        else:
-            raise CheckpointError(self._not_found())
+        try:
+            for opener in OPENERS:
+                if (not opener.local or self.storage.local is not None) and opener.found(self):
+                    self.kind = opener.kind
+                    opened = opener.open(self)
+                    break
+            else:
+                raise CheckpointError(self._not_found())
+        except BaseException:
+            self.storage.close()
+            raise
         self.tensors = opened.tensors
         #: names of entries that are not tensors (DCP's pickled objects), which are not read
         self.objects = list(opened.objects)
@@ -160,14 +164,14 @@ class Checkpoint:
         text = (
             f"{self.path} is not a checkpoint: it has no {MANIFEST} (a unimesh save that did "
             "not finish leaves none; the previous checkpoint is kept until one does), no "
-            f"{hf.INDEX}, no {hf.SINGLE}"
+            f"{hf.INDEX}"
         )
         if self.storage.local is not None:
-            return f"{text} and no torch DCP {METADATA}"
+            return f"{text}, no {hf.SINGLE} and no torch DCP {METADATA}"
         return (
-            f"{text}. In object storage unimesh reads its own checkpoints and Hugging Face "
-            "safetensors; copy torch DCP and Orbax checkpoints locally (or read Orbax's from "
-            "its store with Orbax)"
+            f"{text} and no {hf.SINGLE}. In object storage unimesh reads its own checkpoints "
+            "and Hugging Face safetensors; copy torch DCP and Orbax checkpoints locally (or "
+            "read Orbax's from its store with Orbax)"
         )
 
     @property
@@ -290,7 +294,7 @@ class Checkpoint:
             where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
             self.bytes_read += piece.nbytes
             if not box.strides:  # straight into ``out``
-                self.storage.read_into(box.file, piece.runs, out, where)
+                self.storage.read_into(box.file, piece.runs, out, where, t.name)
                 continue
             # a strided box (a DCP chunk of a transposed tensor): read whole, then viewed
             data = self.storage.read(box.file, box.start, box.end)
@@ -378,6 +382,7 @@ def to_safetensors(
     ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_bytes`` each with
     ``model.safetensors.index.json`` (:func:`.huggingface.write_safetensors`). Returns the
     files written."""
+    hf.check_sizes(max_shard_bytes, window)  # before the source is opened
     with open_checkpoint(src) as ckpt:
         return hf.write_safetensors(
             ckpt, dst, max_shard_bytes=max_shard_bytes, window=window, progress=progress

@@ -95,10 +95,16 @@ class Storage:
         return self.read(name, 0, size)
 
     def read_into(
-        self, name: str, runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
+        self,
+        name: str,
+        runs: list[tuple[int, int]],
+        out: np.ndarray,
+        where: tuple[slice, ...],
+        tensor: str = "",
     ) -> None:
         """The byte ``runs`` ``(offset, length)`` of ``name``, in the row-major order of the
-        region ``where`` of the C-order array ``out``, written into that region."""
+        region ``where`` of the C-order array ``out``, written into that region (``tensor``
+        names what is read, in errors)."""
         raise NotImplementedError
 
     def mkdir(self) -> None:
@@ -144,8 +150,15 @@ class LocalDir(Storage):
     def is_link(self, name: str) -> bool:
         return (self.root / name).is_symlink()
 
+    def _checked(self, name: str) -> Path:
+        path = self.root / name
+        if path.is_symlink() or not path.is_file():
+            raise CheckpointError(f"{self.root}: data file {name!r} is missing or not a file")
+        return path
+
     def size(self, name: str) -> int:
-        return os.fstat(self.fd(name)).st_size
+        fd = self._fds.get(name)
+        return os.fstat(fd).st_size if fd is not None else self._checked(name).stat().st_size
 
     def read_file(self, name: str, cap: int, what: str) -> bytes:
         with open(self.root / name, "rb") as f:  # not kept open: read once
@@ -164,29 +177,40 @@ class LocalDir(Storage):
         At most 64 are kept; :meth:`close` closes them."""
         fd = self._fds.get(name)
         if fd is None:
-            path = self.root / name
-            if path.is_symlink() or not path.is_file():
-                raise CheckpointError(f"{self.where}: data file {name!r} is missing or not a file")
+            path = self._checked(name)
             if len(self._fds) >= _OPEN:
                 os.close(self._fds.pop(next(iter(self._fds))))
             fd = self._fds[name] = os.open(path, os.O_RDONLY)
         return fd
 
     def read(self, name: str, start: int, end: int) -> bytes:
-        fd, parts, at = self.fd(name), [], start
-        while at < end:
-            got = os.pread(fd, end - at, at)
-            if not got:
-                break
-            parts.append(got)
-            at += len(got)
+        """Through the descriptor data reads keep open, else a descriptor of its own (a
+        header read or a checksum does not keep the file open)."""
+        kept = self._fds.get(name)
+        fd = kept if kept is not None else os.open(self._checked(name), os.O_RDONLY)
+        parts, at = [], start
+        try:
+            while at < end:
+                got = os.pread(fd, end - at, at)
+                if not got:
+                    break
+                parts.append(got)
+                at += len(got)
+        finally:
+            if kept is None:
+                os.close(fd)
         self.bytes_read += at - start
         return b"".join(parts)
 
     def read_into(
-        self, name: str, runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
+        self,
+        name: str,
+        runs: list[tuple[int, int]],
+        out: np.ndarray,
+        where: tuple[slice, ...],
+        tensor: str = "",
     ) -> None:
-        scatter_read(self.fd(name), runs, out, where, f"{self.where}: data file {name!r}")
+        scatter_read(self.fd(name), runs, out, where, f"{self.root}: data file {name!r}", tensor)
         self.bytes_read += sum(n for _, n in runs)
 
     def mkdir(self) -> None:
@@ -281,7 +305,12 @@ class Remote(Storage):
         return data
 
     def read_into(
-        self, name: str, runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
+        self,
+        name: str,
+        runs: list[tuple[int, int]],
+        out: np.ndarray,
+        where: tuple[slice, ...],
+        tensor: str = "",
     ) -> None:
         """The runs as ranged requests made together, then copied into the region."""
         path = self._path(name)
