@@ -6,7 +6,7 @@ Importing this package does not import torch; the backend imports it on first us
 from __future__ import annotations
 
 from .backend import TorchBackend, TorchLayout, axis_mesh
-from .plan import layout_map_from_plan, plan_from_layout_map
+from .tp_plan import layout_map_from_plan, plan_from_layout_map
 
 __all__ = [
     "CheckpointReader",
