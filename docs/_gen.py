@@ -64,7 +64,7 @@ def capability_table(data: dict) -> str:
 def capability_names() -> str:
     """Each capability's name, its layer (or the capability a feature refines) and what it
     promises (``unimesh.CAPABILITIES``), so the matrix's rows read without the source."""
-    from unimesh.backend import DERIVED, FEATURES, LAYERS
+    from unimesh.contract import DERIVED, FEATURES, LAYERS
 
     lines = ["| capability | part of | what a backend that declares it does |"]
     lines.append("| --- | --- | --- |")
@@ -82,7 +82,7 @@ def capability_names() -> str:
 def hooks_table() -> str:
     """The contract, one row per hook (``unimesh.backend.HOOKS``): its layer, whether it is
     required, the capability it gives and what it promises."""
-    from unimesh.backend import HOOKS
+    from unimesh.contract import HOOKS
 
     lines = ["| hook | layer | required | gives | promise |", "| --- | --- | --- | --- | --- |"]
     for h in HOOKS:

@@ -24,8 +24,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from .contract import (
+    CAPABILITIES,
+    CONCEPTS,
+    DERIVED,
+    FEATURES,
+    HELPERS,
+    HOOKS,
+    LAYERS,
+    Hook,
+    Layer,
+)
+from .contract import capability_hooks as _CAPABILITY_HOOKS
+from .contract import hook_capability as _HOOK_CAPABILITY
 from .errors import UnsupportedError
 
 if TYPE_CHECKING:
@@ -47,239 +60,6 @@ __all__ = [
     "Hook",
     "Layer",
 ]
-
-
-class Layer(NamedTuple):
-    """One layer of the contract: each capability it gives, with the hooks that give it (all
-    of them must be implemented) and what it promises. (A NamedTuple: ``dataclasses`` would
-    add its import, and ``inspect``'s, to ``import unimesh``.)"""
-
-    name: str
-    required: bool
-    summary: str
-    hooks: dict[str, tuple[str, ...]]
-    promises: dict[str, str]
-    #: hooks of the layer that give no capability of their own (defaults that do nothing)
-    extra_hooks: tuple[str, ...] = ()
-
-    @property
-    def all_hooks(self) -> tuple[str, ...]:
-        """Every hook of the layer: those that give its capabilities, then the others."""
-        return (*(h for hooks in self.hooks.values() for h in hooks), *self.extra_hooks)
-
-
-class Hook(NamedTuple):
-    """One row of the contract (:data:`HOOKS`): a method a backend may implement, the layer it
-    belongs to, whether it is required, the capability it gives (with the other hooks of that
-    capability; empty where it refines one or has a default) and what it promises."""
-
-    name: str
-    layer: str
-    required: str
-    capability: str
-    promise: str
-
-
-_T, _R, _P, _E = "translator", "runtime", "programs", "engine"
-
-#: The contract in one table: every hook of :class:`Backend` (layers ``translator``,
-#: ``runtime``, ``programs``) and of :class:`unimesh.spmd.ProcessBackend`'s engine (layer
-#: ``engine``), once, in the order of ``backend.py``'s and ``spmd.py``'s sections. ``required``
-#: is ``yes``, ``no`` (a default that does nothing or the obvious), or ``with X`` (needed for X).
-#: :data:`LAYERS`, ``Backend.layers()``, ``contract_problems()``, ``unimesh backends`` and the
-#: guide's hook table read it.
-HOOKS: tuple[Hook, ...] = (
-    Hook("mesh_to_native", _T, "yes", "mesh", "Mesh -> the framework's mesh object"),
-    Hook("from_native", _T, "yes", "mesh", "the framework's mesh/layout/map -> the neutral one"),
-    Hook("layout_to_native", _T, "no", "layout", "Layout -> the framework's sharding/layout"),
-    Hook("layout_map_to_native", _T, "no", "layout_map", "LayoutMap -> the framework's map"),
-    Hook("distribute", _T, "no", "distribute", "a global array laid out as a distributed one"),
-    Hook("local_shards", _T, "with distribute", "distribute", "this process's blocks, by device"),
-    Hook("from_local", _T, "no", "from_local", "a distributed array from this process's blocks"),
-    Hook("owns", _T, "no", "", "whether an object is this framework's (by type, no import)"),
-    Hook("describe_native", _T, "no", "", "how `unimesh convert` prints a native object"),
-    Hook("native_code", _T, "no", "", "the native Python that builds a mesh (for porting)"),
-    Hook("native_layout_code", _T, "no", "", "the native Python that builds a layout"),
-    Hook("demo_compute", _T, "no", "", "`unimesh demo`'s check: a sharded matmul, whole"),
-    Hook("model_state", _T, "no", "", "a model object's named arrays (save/load of a model)"),
-    Hook("model_assign", _T, "with model_state", "", "loaded arrays written into a model"),
-    Hook("prepare_devices", _R, "no", "", "ask for N devices in this process, before start"),
-    Hook("process_devices", _R, "no", "", "the ids of a mesh's devices this process holds"),
-    Hook("initialize", _R, "with multi_process", "", "start the runtime: (process, count)"),
-    Hook("exchange", _R, "with multi_process", "", "every process's bytes, in process order"),
-    Hook("launcher", _R, "no", "", "the command that runs Python in N processes"),
-    Hook("axis_groups", _R, "no", "axis_groups", "each device's group along a mesh axis"),
-    Hook("device_processes", _R, "no", "", "reshard: the process of each device id"),
-    Hook("native_blocks", _R, "no", "", "reshard: this process's blocks, unconverted"),
-    Hook("exchange_pieces", _R, "with multi_process", "", "reshard: pieces sent and received"),
-    Hook("move_with_gradient", _R, "no", "", "reshard: the move, differentiable (reverse move)"),
-    Hook("place", _R, "no", "", "reshard: a piece on a device"),
-    Hook("concatenate", _R, "no", "", "reshard: pieces joined along a dim"),
-    Hook("combine", _R, "no", "", "reshard: two partial pieces reduced (sum, max, ...)"),
-    Hook("empty_block", _R, "no", "", "reshard: an empty block of a dtype"),
-    Hook("writable_block", _R, "no", "", "reshard: a block the pieces are written into"),
-    Hook("check_reshard", _R, "no", "", "reshard: the framework's own refusals, before moving"),
-    Hook("native_reshard", _R, "no", "", "reshard: the framework's verb (a tracer, one list)"),
-    Hook("export_block", _R, "no", "", "reshard across frameworks: a block out (DLPack)"),
-    Hook("import_block", _R, "no", "", "reshard across frameworks: a block in (DLPack)"),
-    Hook("shard_map", _P, "no", "shard_map", "per-shard programs (the engine gives it)"),
-    Hook("full_array", _P, "with shard_map", "shard_map", "a distributed array whole, numpy"),
-    Hook("context_mesh", _P, "no", "", "the mesh the framework's own context sets"),
-    Hook("value_and_grad", _P, "no", "grad", "(value, grads) by the framework's autodiff"),
-    Hook("shard_params", _P, "no", "shard_params", "a model's parameters laid out by rule"),
-    Hook("param_paths", _P, "no", "", "each parameter's path and shape, before placing"),
-    Hook("compile", _P, "no", "", "a step compiled by the framework's compiler"),
-    Hook("program_entry", _P, "no", "", "a program as the compiler should meet it"),
-    Hook("stop_gradient", _P, "no", "", "a value with no gradient through it"),
-    Hook("process_index", _E, "yes", "", "this process's logical device id"),
-    Hook("world_group", _E, "yes", "", "a handle for the group of every process"),
-    Hook("split_group", _E, "with split", "", "this process's group of a row of the mesh"),
-    Hook("group_cache_key", _E, "no", "", "groups are kept while this value is unchanged"),
-    Hook("group_all_reduce", _E, "yes", "", "sum/max/min over the members"),
-    Hook("group_all_gather", _E, "yes", "", "the members' x stacked on a new dim 0"),
-    Hook("group_reduce_scatter", _E, "with reduce_scatter", "", "the sum of my index's slices"),
-    Hook("group_all_to_all", _E, "with all_to_all", "", "y[j] is member j's x[my index]"),
-    Hook("group_permute", _E, "with permute", "", "member sources[i]'s x on member i"),
-    Hook("group_broadcast", _E, "with broadcast", "", "member root's x on every member"),
-    Hook("as_array", _E, "yes", "", "array glue: a framework array from a value"),
-    Hook("moveaxis", _E, "yes", "", "array glue: moveaxis"),
-    Hook("take", _E, "yes", "", "array glue: x[index list] along dim 0"),
-    Hook("reduce_stack", _E, "yes", "", "array glue: sum/max/min over dim 0"),
-    Hook("zeros_like", _E, "yes", "", "array glue: zeros"),
-    Hook("to_host", _E, "no", "", "an array as numpy (checked mode)"),
-    Hook("after", _E, "lazy frameworks", "", "x computed after done (program order)"),
-    Hook("custom_vjp", _E, "with grad", "", "a function of one array with a given transpose"),
-    Hook("needs_grad", _E, "no", "", "False lets the engine skip its gradient wrappers"),
-    Hook("vma_mode", _E, "with check_vma", "", "a mode tagging every operation's varying axes"),
-    Hook("vma_of", _E, "with check_vma", "", "the mesh axes a value varies along"),
-    Hook("tag", _E, "with check_vma", "", "a value tagged with the axes it varies along"),
-    Hook("vma_watched", _E, "no", "", "whether vma_mode can watch what is about to run"),
-    Hook("unwatched", _E, "no", "", "fn(x) outside vma_mode, its result tagged"),
-    Hook("local_block", _E, "yes", "", "this process's block of an argument"),
-    Hook("wrap_result", _E, "yes", "", "this process's block as a distributed array"),
-    Hook("prepare_program", _E, "no", "", "once per program, by every process"),
-)
-
-#: Backend methods that are no hook: the core's helpers a backend calls (never overrides), the
-#: class-level questions about the contract, and the engine's services.
-HELPERS: frozenset[str] = frozenset(
-    {
-        "supports", "require", "reject_options", "request_devices", "implements", "layers",
-        "contract_problems", "instance_problems", "available", "framework_version",
-        "install_hint", "pip_extra", "axis_env", "forget_pending",
-    }
-)  # fmt: skip
-
-#: What each layer is, and what each capability its hooks give promises.
-_LAYER_FACTS: dict[str, tuple[bool, str, dict[str, str]]] = {
-    _T: (
-        True,
-        "neutral objects <-> the framework's objects",
-        {
-            "mesh": "Mesh <-> the framework's mesh object (to_native / from_native)",
-            "layout": "Layout <-> the framework's sharding/layout object",
-            "layout_map": "LayoutMap -> the framework's layout map",
-            "distribute": "distribute(array, layout) gives a native distributed array",
-            "from_local": "from_local(blocks, layout, shape) builds one from this process's blocks",
-        },
-    ),
-    _R: (
-        False,
-        "processes, devices and communication groups",
-        {"axis_groups": "a communication group per mesh axis"},
-    ),
-    _P: (
-        False,
-        "per-shard programs, their gradients and sharded models",
-        {
-            "shard_map": "unimesh.shard_map runs per-shard functions",
-            "grad": "unimesh.value_and_grad differentiates programs (the global function's "
-            "gradient)",
-            "shard_params": "unimesh.shard_params lays out a model's parameters by rule",
-        },
-    ),
-}
-
-
-def _layer(name: str) -> Layer:
-    required, summary, promises = _LAYER_FACTS[name]
-    rows = [h for h in HOOKS if h.layer == name]
-    hooks = {cap: tuple(h.name for h in rows if h.capability == cap) for cap in promises}
-    return Layer(name, required, summary, hooks, promises,
-                 tuple(h.name for h in rows if not h.capability))  # fmt: skip
-
-
-#: The layers of the contract, in the order a backend grows (read off :data:`HOOKS`).
-LAYERS: tuple[Layer, ...] = (_layer(_T), _layer(_R), _layer(_P))
-
-#: Refinements a backend declares in :attr:`Backend.features`: what each promises, and the
-#: capability (or, for ``multi_process``, the runtime hooks) it needs.
-FEATURES: dict[str, tuple[str, str]] = {
-    "uneven_shards": (
-        "layouts whose sharded dims do not divide evenly (torch.chunk blocks)",
-        "layout",
-    ),
-    "tuple_axes": ("one tensor dim split over several mesh axes (P(('dp', 'tp')))", "layout"),
-    "partial": ("pending reductions (P(..., partial={axis: op}))", "layout"),
-    "axis_types": ("auto / explicit / manual axis types round-trip", "mesh"),
-    "multi_process": ("meshes spanning several processes", "initialize+exchange"),
-}
-
-#: Capabilities that follow from others, with what each promises and the capabilities it needs
-#: (a backend gets them by having those; nothing more to implement).
-DERIVED: dict[str, tuple[str, tuple[str, ...]]] = {
-    "checkpoint": (
-        (
-            "unimesh.save / unimesh.load of its distributed arrays, onto any layout "
-            "(follows from distribute and from_local)"
-        ),
-        ("distribute", "from_local"),
-    ),
-    "reshard": (
-        (
-            "unimesh.reshard moves its distributed arrays to any layout on any mesh, each "
-            "process receiving only what it lacks (follows from distribute and from_local; "
-            "the reshard transport hooks move the pieces between processes)"
-        ),
-        ("distribute", "from_local"),
-    ),
-}
-
-#: Every capability, with what it promises: the layers' hook capabilities, the features, then
-#: the derived capabilities.
-CAPABILITIES: dict[str, str] = {
-    **{cap: text for layer in LAYERS for cap, text in layer.promises.items()},
-    **{name: text for name, (text, _) in FEATURES.items()},
-    **{name: text for name, (text, _) in DERIVED.items()},
-}
-
-#: capability -> the hooks that give it, over every layer
-_CAPABILITY_HOOKS: dict[str, tuple[str, ...]] = {
-    cap: hooks for layer in LAYERS for cap, hooks in layer.hooks.items()
-}
-_HOOK_CAPABILITY: dict[str, str] = {
-    hook: cap for cap, hooks in _CAPABILITY_HOOKS.items() for hook in hooks
-}
-
-#: The concepts a backend maps to native APIs (:attr:`Backend.native_api`), with the neutral API
-#: of each; the docs' cross-framework table is generated from these declarations.
-CONCEPTS: dict[str, str] = {
-    "mesh": "unimesh.Mesh",
-    "layout": "unimesh.Layout (mesh + PartitionSpec)",
-    "layout_map": "unimesh.LayoutMap",
-    "distribute": "unimesh.distribute(array, layout)",
-    "axis_groups": "Mesh.groups(axis)",
-    "shard_map": "unimesh.shard_map(f, mesh, in_specs, out_specs)",
-    "psum": "unimesh.psum(x, axis)",
-    "all_gather": "unimesh.all_gather(x, axis)",
-    "psum_scatter": "unimesh.psum_scatter(x, axis)",
-    "all_to_all": "unimesh.all_to_all(x, axis, split_axis, concat_axis)",
-    "ppermute": "unimesh.ppermute(x, axis, perm)",
-    "value_and_grad": "unimesh.value_and_grad(fn, argnums)",
-    "axis_index": "unimesh.axis_index(axis)",
-    "shard_params": "unimesh.shard_params(model, rules)",
-    "launch": "Backend.launcher(n) / unimesh check",
-}
 
 
 class Backend:

@@ -12,7 +12,7 @@ from typing import Any
 from .runtime import _dist, _torch
 
 __all__ = ["BLOCK", "LEAF", "NONE", "OPS", "VMA", "dtensor", "from_local_function",
-           "vjp_function", "vma_mode"]  # fmt: skip
+           "move_function", "vjp_function", "vma_mode"]  # fmt: skip
 
 VMA = "_unimesh_vma"  # the attribute of a tensor holding its check_vma tag
 LEAF = "_unimesh_leaf"  # on a DTensor value_and_grad made: the plain leaf of its local block
@@ -175,3 +175,42 @@ def from_local_function() -> Any:
             return ct, None
 
     return FromLocal
+
+
+@functools.cache
+def move_function() -> Any:
+    """The ``torch.autograd.Function`` of a reshard's move (``move_with_gradient``)."""
+    torch = _torch()
+    from torch.autograd.function import once_differentiable
+
+    class Move(torch.autograd.Function):  # type: ignore[misc,name-defined]
+        """A reshard's move of this rank's blocks; its backward is the reverse move."""
+
+        @staticmethod
+        def forward(ctx: Any, meta: Any, anchor: Any, *blocks: Any) -> Any:
+            devices, forward, _, box = meta
+            out = forward(dict(zip(devices, blocks)))
+            box["out"] = sorted(out)
+            ctx.meta = meta
+            ctx.shapes = [(out[d].shape, out[d].dtype, out[d].device) for d in box["out"]]
+            ctx.anchor = (anchor.dtype, anchor.device)
+            kept = {id(b) for b in blocks}
+            return tuple(
+                out[d].view_as(out[d]) if id(out[d]) in kept else out[d] for d in box["out"]
+            )
+
+        @staticmethod
+        @once_differentiable  # the reverse move is not itself recorded: no double backward
+        def backward(ctx: Any, *grads: Any) -> Any:
+            devices, _, backward, box = ctx.meta
+            torch = _torch()
+            cts = {
+                d: g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                for d, g, (shape, dtype, device) in zip(box["out"], grads, ctx.shapes)
+            }
+            with torch.no_grad():
+                got = backward(cts)
+            dtype, device = ctx.anchor
+            return (None, torch.zeros(0, dtype=dtype, device=device), *(got[d] for d in devices))
+
+    return Move

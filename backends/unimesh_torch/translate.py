@@ -24,7 +24,8 @@ from unimesh import (
 from unimesh.messages import short
 from unimesh.placements import from_torch_placement
 
-from .runtime import _BUILD_LOCK, TorchRuntime, _dist, _torch
+from .runtime import _BUILD_LOCK, _dist, _torch
+from .transport import TorchTransport
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -55,7 +56,7 @@ def _non_increasing_axes(mesh: Mesh, axes: tuple[str, ...]) -> list[str]:
     return bad
 
 
-class TorchTranslator(TorchRuntime):
+class TorchTranslator(TorchTransport):
     """The translator layer (and ``axis_groups``, the groups of a translated DeviceMesh)."""
 
     # -- meshes --------------------------------------------------------------------------------
@@ -415,97 +416,6 @@ class TorchTranslator(TorchRuntime):
         return {_dist().get_rank(): to_host(array.to_local().detach().cpu())}
 
     # -- live reshard: unimesh.reshard's transport on torch.distributed ------------------------
-    def device_processes(self, device_ids: Any) -> list[int]:
-        """A mesh's device id is a global rank: each device is its own process."""
-        return [int(d) for d in device_ids]
-
-    def native_blocks(self, array: Any) -> dict[int, Any]:
-        """``{rank: the DTensor's local tensor}`` (none when the rank is outside its mesh)."""
-        if array.device_mesh.get_coordinate() is None:
-            return {}
-        return {_dist().get_rank(): array.to_local()}
-
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
-        """One message per pair of ranks each way (the pieces for a rank packed into one
-        buffer, as bytes), on the default process group: ``batch_isend_irecv``."""
-        torch = _torch()
-        if not sends and not receives:
-            return {}
-        device = torch.device(self._device_type(None))
-        outgoing = {
-            q: torch.cat([p.contiguous().reshape(-1) for p in ps]) for q, ps in sends.items()
-        }
-        counts = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
-        got = _p2p(outgoing, counts, dtype, device)
-        from unimesh.moves import unpack
-
-        return {q: unpack(got[q], receives[q]) for q in receives}
-
-    def move_with_gradient(
-        self, blocks: Any, forward: Any, backward: Any, like: Any
-    ) -> dict[int, Any]:
-        """Under autograd (``like`` requires grad), one ``autograd.Function``: its backward
-        is the reverse move of the cotangents. A zero-size leaf of its own is an input too,
-        so that a rank holding no source block (it only receives) runs the backward its
-        senders wait for (``DTensor.to_local``'s backward fails on a rank outside the
-        DTensor's mesh)."""
-        torch = _torch()
-        if not (getattr(like, "requires_grad", False) and torch.is_grad_enabled()):
-            return dict(forward(blocks))
-        devices = sorted(blocks)
-        anchor = torch.zeros(0, dtype=like.dtype, requires_grad=True)
-        box: dict[str, Any] = {}
-        outs = _Move.apply((devices, forward, backward, box), anchor, *(blocks[d] for d in devices))
-        return dict(zip(box["out"], outs))
-
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        if op in ("sum", "avg"):
-            return a + b if op == "sum" else a / b
-        return _torch().maximum(a, b) if op == "max" else _torch().minimum(a, b)
-
-    def export_block(self, block: Any) -> Any:
-        """The block detached (DLPack carries no autograd; no gradient crosses frameworks)."""
-        return block.detach()
-
-    def import_block(self, block: Any, device_id: int | None) -> Any:
-        """``torch.from_dlpack``: the other framework's memory, shared (no copy)."""
-        return _torch().from_dlpack(block)
-
-    def writable_block(self, dtype: Any, shape: tuple[int, ...], device_id: int) -> Any:
-        """``torch.empty``: each piece is copied in as it arrives (no join, no waiting piece)."""
-        torch = _torch()
-        return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
-
-    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        torch = _torch()
-        return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
-
-    def check_reshard(
-        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
-    ) -> None:
-        """Under autograd, every rank that sends must hold a target block too: a rank outside
-        the target mesh gets an empty result that no loss reaches, so it would never run the
-        backward its peers wait for."""
-        torch = _torch()
-        if not (getattr(array, "requires_grad", False) and torch.is_grad_enabled()):
-            return
-        _no_gradient_of_max(self.name, source)
-        outside = sorted(
-            set(source.mesh.device_ids.ravel().tolist())
-            - set(target.mesh.device_ids.ravel().tolist())
-        )
-        if outside:
-            raise UnsupportedError(
-                f"reshard() of a DTensor that requires grad from {source!r} to {target!r}: "
-                f"ranks {outside} hold source blocks but no target block, so they could not "
-                "take part in the backward; reshard onto a mesh with every source rank, or "
-                "under torch.no_grad()",
-                backend=self.name,
-            )
-
-    def concatenate(self, parts: Any, axis: int) -> Any:
-        return _torch().cat(list(parts), dim=axis)
-
     def native_code(self, mesh: Mesh) -> str:
         """``init_device_mesh`` where the ranks are in the default order, else ``DeviceMesh``
         over the rank tensor; every rank runs it."""
@@ -562,93 +472,6 @@ class TorchTranslator(TorchRuntime):
             torch.from_numpy(weight), device_mesh, [Replicate()] * device_mesh.ndim
         )
         return (array @ w).full_tensor().numpy()
-
-
-def _p2p(
-    outgoing: dict[int, Any], incoming: dict[int, int], dtype: Any, device: Any
-) -> dict[int, Any]:
-    """Flat tensors to and from each peer rank (``incoming``: element counts), as bytes, in
-    one ``batch_isend_irecv``."""
-    torch, dist = _torch(), _dist()
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    ops, inbox = [], {}
-    for q in sorted(set(outgoing) | set(incoming)):
-        if q in outgoing:
-            flat = outgoing[q].detach().contiguous()
-            ops.append(dist.P2POp(dist.isend, flat.view(torch.uint8), q))
-        if q in incoming:
-            inbox[q] = torch.empty(incoming[q] * itemsize, dtype=torch.uint8, device=device)
-            ops.append(dist.P2POp(dist.irecv, inbox[q], q))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return {q: buffer.view(dtype) for q, buffer in inbox.items()}
-
-
-def _no_gradient_of_max(backend: str, source: Layout) -> None:
-    """Refuse a pending max or min under autodiff: its gradient is not a move."""
-    ops = sorted(set(source.spec.partial.values()) & {"max", "min"})
-    if ops:
-        raise UnsupportedError(
-            f"reshard() of {source!r} under autodiff: the gradient of a pending {ops[0]} is "
-            "not a move; reduce it outside the differentiated code (or under torch.no_grad())",
-            backend=backend,
-            capability="grad",
-        )
-
-
-def _move_function() -> Any:
-    torch = _torch()
-    from torch.autograd.function import once_differentiable
-
-    class Move(torch.autograd.Function):  # type: ignore[misc,name-defined]
-        """A reshard's move of this rank's blocks; its backward is the reverse move."""
-
-        @staticmethod
-        def forward(ctx: Any, meta: Any, anchor: Any, *blocks: Any) -> Any:
-            devices, forward, _, box = meta
-            out = forward(dict(zip(devices, blocks)))
-            box["out"] = sorted(out)
-            ctx.meta = meta
-            ctx.shapes = [(out[d].shape, out[d].dtype, out[d].device) for d in box["out"]]
-            ctx.anchor = (anchor.dtype, anchor.device)
-            kept = {id(b) for b in blocks}
-            return tuple(
-                out[d].view_as(out[d]) if id(out[d]) in kept else out[d] for d in box["out"]
-            )
-
-        @staticmethod
-        @once_differentiable  # the reverse move is not itself recorded: no double backward
-        def backward(ctx: Any, *grads: Any) -> Any:
-            devices, _, backward, box = ctx.meta
-            torch = _torch()
-            cts = {
-                d: g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
-                for d, g, (shape, dtype, device) in zip(box["out"], grads, ctx.shapes)
-            }
-            with torch.no_grad():
-                got = backward(cts)
-            dtype, device = ctx.anchor
-            return (None, torch.zeros(0, dtype=dtype, device=device), *(got[d] for d in devices))
-
-    return Move
-
-
-class _LazyFunction:
-    """A ``torch.autograd.Function`` subclass made by ``build`` on first use (torch is not
-    imported at module import)."""
-
-    def __init__(self, build: Any) -> None:
-        self._build = build
-        self._cls: Any = None
-
-    def apply(self, *args: Any) -> Any:
-        if self._cls is None:
-            self._cls = self._build()
-        return self._cls.apply(*args)
-
-
-_Move = _LazyFunction(_move_function)
 
 
 def global_stride(

@@ -1,0 +1,147 @@
+"""The torch backend's reshard transport (``unimesh.reshard``'s runtime hooks): the pieces a
+plan of ``unimesh.moves`` names, sent and received in one ``batch_isend_irecv`` per round on
+the default process group, written into the target blocks as they arrive; the move under
+autograd as one ``autograd.Function`` whose backward is the reverse move; DLPack handoffs to
+and from another framework."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from unimesh import Layout, UnsupportedError
+
+from .autograd import move_function
+from .runtime import TorchRuntime, _dist, _torch
+
+__all__ = ["TorchTransport"]
+
+
+class TorchTransport(TorchRuntime):
+    """The reshard transport, over the runtime (a rank is a device)."""
+
+    def device_processes(self, device_ids: Any) -> list[int]:
+        """A mesh's device id is a global rank: each device is its own process."""
+        return [int(d) for d in device_ids]
+
+    def native_blocks(self, array: Any) -> dict[int, Any]:
+        """``{rank: the DTensor's local tensor}`` (none when the rank is outside its mesh)."""
+        if array.device_mesh.get_coordinate() is None:
+            return {}
+        return {_dist().get_rank(): array.to_local()}
+
+    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
+        """One message per pair of ranks each way (the pieces for a rank packed into one
+        buffer, as bytes), on the default process group: ``batch_isend_irecv``."""
+        torch = _torch()
+        if not sends and not receives:
+            return {}
+        device = torch.device(self._device_type(None))
+        outgoing = {
+            q: torch.cat([p.contiguous().reshape(-1) for p in ps]) for q, ps in sends.items()
+        }
+        counts = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
+        got = _p2p(outgoing, counts, dtype, device)
+        from unimesh.moves import unpack
+
+        return {q: unpack(got[q], receives[q]) for q in receives}
+
+    def move_with_gradient(
+        self, blocks: Any, forward: Any, backward: Any, like: Any
+    ) -> dict[int, Any]:
+        """Under autograd (``like`` requires grad), one ``autograd.Function``: its backward
+        is the reverse move of the cotangents. A zero-size leaf of its own is an input too,
+        so that a rank holding no source block (it only receives) runs the backward its
+        senders wait for (``DTensor.to_local``'s backward fails on a rank outside the
+        DTensor's mesh)."""
+        torch = _torch()
+        if not (getattr(like, "requires_grad", False) and torch.is_grad_enabled()):
+            return dict(forward(blocks))
+        devices = sorted(blocks)
+        anchor = torch.zeros(0, dtype=like.dtype, requires_grad=True)
+        box: dict[str, Any] = {}
+        outs = move_function().apply(
+            (devices, forward, backward, box), anchor, *(blocks[d] for d in devices)
+        )
+        return dict(zip(box["out"], outs))
+
+    def combine(self, op: str, a: Any, b: Any) -> Any:
+        if op in ("sum", "avg"):
+            return a + b if op == "sum" else a / b
+        return _torch().maximum(a, b) if op == "max" else _torch().minimum(a, b)
+
+    def export_block(self, block: Any) -> Any:
+        """The block detached (DLPack carries no autograd; no gradient crosses frameworks)."""
+        return block.detach()
+
+    def import_block(self, block: Any, device_id: int | None) -> Any:
+        """``torch.from_dlpack``: the other framework's memory, shared (no copy)."""
+        return _torch().from_dlpack(block)
+
+    def writable_block(self, dtype: Any, shape: tuple[int, ...], device_id: int) -> Any:
+        """``torch.empty``: each piece is copied in as it arrives (no join, no waiting piece)."""
+        torch = _torch()
+        return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
+
+    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+        torch = _torch()
+        return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
+
+    def check_reshard(
+        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
+    ) -> None:
+        """Under autograd, every rank that sends must hold a target block too: a rank outside
+        the target mesh gets an empty result that no loss reaches, so it would never run the
+        backward its peers wait for."""
+        torch = _torch()
+        if not (getattr(array, "requires_grad", False) and torch.is_grad_enabled()):
+            return
+        _no_gradient_of_max(self.name, source)
+        outside = sorted(
+            set(source.mesh.device_ids.ravel().tolist())
+            - set(target.mesh.device_ids.ravel().tolist())
+        )
+        if outside:
+            raise UnsupportedError(
+                f"reshard() of a DTensor that requires grad from {source!r} to {target!r}: "
+                f"ranks {outside} hold source blocks but no target block, so they could not "
+                "take part in the backward; reshard onto a mesh with every source rank, or "
+                "under torch.no_grad()",
+                backend=self.name,
+            )
+
+    def concatenate(self, parts: Any, axis: int) -> Any:
+        return _torch().cat(list(parts), dim=axis)
+
+
+def _p2p(
+    outgoing: dict[int, Any], incoming: dict[int, int], dtype: Any, device: Any
+) -> dict[int, Any]:
+    """Flat tensors to and from each peer rank (``incoming``: element counts), as bytes, in
+    one ``batch_isend_irecv``."""
+    torch, dist = _torch(), _dist()
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    ops, inbox = [], {}
+    for q in sorted(set(outgoing) | set(incoming)):
+        if q in outgoing:
+            flat = outgoing[q].detach().contiguous()
+            ops.append(dist.P2POp(dist.isend, flat.view(torch.uint8), q))
+        if q in incoming:
+            inbox[q] = torch.empty(incoming[q] * itemsize, dtype=torch.uint8, device=device)
+            ops.append(dist.P2POp(dist.irecv, inbox[q], q))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return {q: buffer.view(dtype) for q, buffer in inbox.items()}
+
+
+def _no_gradient_of_max(backend: str, source: Layout) -> None:
+    """Refuse a pending max or min under autodiff: its gradient is not a move."""
+    ops = sorted(set(source.spec.partial.values()) & {"max", "min"})
+    if ops:
+        raise UnsupportedError(
+            f"reshard() of {source!r} under autodiff: the gradient of a pending {ops[0]} is "
+            "not a move; reduce it outside the differentiated code (or under torch.no_grad())",
+            backend=backend,
+            capability="grad",
+        )
