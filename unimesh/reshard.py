@@ -59,8 +59,8 @@ def reshard(
     """
     import optree
 
-    from .convert import _placing_backend, to_native
-    from .registry import get_backend, owner_of
+    from .convert import _placing_backend, layout_of, to_native
+    from .registry import get_backend
 
     if stats is not None and not isinstance(stats, dict):
         raise LayoutError(f"reshard(stats=...) takes a dict to fill, got {short(stats)}")
@@ -73,12 +73,13 @@ def reshard(
     paths = ["/".join(str(k) for k in p) for p in optree.treespec_paths(treedef)]
     targets = _targets(x, target, treedef, paths, leaves)
     jobs: list[tuple[str, Any, tuple[int, ...], Layout | None, Layout, tuple[Any, Any]]] = []
-    sources = [None if isinstance(leaf, Layout) else _layout_of(leaf) for leaf in leaves]
+    # (owning backend, layout) of each distributed array, None for anything else
+    found = [None if isinstance(leaf, Layout) else layout_of(leaf) for leaf in leaves]
     # a host array in the tree goes to the framework of the tree's distributed arrays
     placing = backend
     if placing is None:
-        placing = next((owner_of(x) for x, s in zip(leaves, sources) if s is not None), None)
-    for path, leaf, want, source in zip(paths, leaves, targets, sources):
+        placing = next((f[0] for f in found if f is not None), None)
+    for path, leaf, want, owned in zip(paths, leaves, targets, found):
         name = f"array {path!r}" if path else "the array"
         if isinstance(leaf, Layout):
             raise LayoutError(
@@ -87,7 +88,7 @@ def reshard(
             )
         shape = tuple(int(n) for n in leaf.shape)
         _check_target(want, shape, name)
-        if source is None:  # not distributed: a framework's tracer (moved by its own verb),
+        if owned is None:  # not distributed: a framework's tracer (moved by its own verb),
             # else laid out as distribute() lays it out
             owner = _owner(leaf)
             if (
@@ -99,7 +100,7 @@ def reshard(
             be = _placing_backend(placing if owner is None else owner, "distribute", want, shape)
             jobs.append((name, leaf, shape, None, want, (be, owner)))
             continue
-        be = owner_of(leaf)
+        be, source = owned
         to = be if backend is None else get_backend(backend)
         # the target on its framework, and its mesh on the job's devices, before any move
         _placing_backend(to, "from_local", want, shape)
@@ -121,8 +122,8 @@ def reshard(
             )
         jobs.append((name, leaf, shape, source, want, (be, to)))
     out = []
-    for _name, leaf, shape, source, want, (be, to) in jobs:
-        if source is None:
+    for _name, leaf, shape, origin, want, (be, to) in jobs:
+        if origin is None:
             moved = None if to is None else to.native_reshard(leaf, None, want, shape)
             if moved is not None:  # a tracer: the framework's own differentiable move
                 out.append(moved[0])
@@ -131,9 +132,9 @@ def reshard(
 
             out.append(distribute(leaf, want, be))
         elif to.name == be.name:
-            out.append(_move(be, leaf, shape, source, want, stats))
+            out.append(_move(be, leaf, shape, origin, want, stats))
         else:
-            out.append(_handoff(be, to, leaf, shape, source, want, stats))
+            out.append(_handoff(be, to, leaf, shape, origin, want, stats))
     return optree.tree_unflatten(treedef, out)
 
 
@@ -193,13 +194,6 @@ def _owner(leaf: Any) -> Backend | None:
         return owner_of(leaf)
     except ConversionError:
         return None
-
-
-def _layout_of(leaf: Any) -> Layout | None:
-    from .convert import layout_of
-
-    found = layout_of(leaf)
-    return None if found is None else found[1]
 
 
 def _ids(*layouts: Layout) -> list[int]:
