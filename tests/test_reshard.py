@@ -327,3 +327,17 @@ def test_unimesh_show_prints_the_plan_beside_gather_and_slice(
     assert rows[-1].split("│")[3].strip() == "256" and rows[-1].split("│")[7].strip() == "512"
     assert main(["show", "dp=2,tp=2", "--reshard-to", "dp"]) == 2
     assert "--reshard-to needs --layout and --shape" in capsys.readouterr().err
+
+
+def test_layout_of_names_the_owner_and_layout_of_a_distributed_array_and_nothing_else():
+    """``unimesh.layout_of`` (which reshard and load read every array through): a jax.Array
+    laid out on a mesh gives JAX's backend and the Layout ``from_native`` reads off its
+    sharding; a host array, a Layout, a mesh, None, other objects and a jax.Array on one
+    device (no mesh sharding) give None, never an error."""
+    jax = pytest.importorskip("jax")
+    lay = Layout(Mesh.from_string("x=4,y=2"), P("x", "y"))
+    arr = unimesh.distribute(np.zeros((8, 4), np.float32), lay, "jax")
+    be, got = unimesh.layout_of(arr)
+    assert be.name == "jax" and got == lay == unimesh.from_native(arr.sharding)
+    for other in (np.zeros(3), lay, lay.mesh, None, "x", 3, [arr], jax.numpy.zeros(2)):
+        assert unimesh.layout_of(other) is None, other
