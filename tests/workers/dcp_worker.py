@@ -26,7 +26,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import _support  # noqa: F401 - tests/support on sys.path
 import numpy as np
+from worker_checks import leave_gloo
 
 
 def _reference(out: Path) -> dict[str, np.ndarray]:
@@ -122,9 +124,8 @@ def save(out: Path) -> None:
     if rank == 0:
         (out / "placements.json").write_text(json.dumps({k: repr(v) for k, v in
                                                          placements.items()}))  # fmt: skip
-    dist.barrier()
     print(f"rank {rank}: saved", flush=True)
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 # the load targets: another mesh, other specs (never the saver's dp=2 x tp=2 FSDP-over-TP)
@@ -273,7 +274,7 @@ def dcp_load(out: Path) -> None:
     report = {"errors": errors, "read": reader.bytes_read, "held": held}
     (out / f"dcp-load-rank-{rank}.json").write_text(json.dumps(report))
     print(f"rank {rank}: dcp.load done", flush=True)
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 if __name__ == "__main__":

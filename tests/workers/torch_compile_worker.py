@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import sys
 
+import _support  # noqa: F401 - tests/support on sys.path
 import numpy as np
 import torch
+from worker_checks import leave_gloo
 
 import unimesh
 from unimesh import Layout, P
@@ -50,7 +52,7 @@ def main() -> None:
         f"compiled max error {np.abs(got - want).max():.2e}",
         flush=True,
     )
-    torch.distributed.destroy_process_group()
+    leave_gloo()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from unimesh_torch import axis_mesh
-from worker_checks import Checks
+from worker_checks import Checks, leave_gloo
 
 import unimesh
 from unimesh import Layout, Mesh, P, UnsupportedError
@@ -214,9 +214,8 @@ def main() -> None:
     except unimesh.LayoutError as exc:
         check("'weight'" in str(exc), f"shard_params names the parameter: {exc}")
 
-    dist.barrier()
     check.done(f"RANK {rank}")
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 if __name__ == "__main__":
