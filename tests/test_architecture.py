@@ -124,6 +124,26 @@ def test_backends_and_the_command_line_use_only_the_public_core():
     assert not private, private
 
 
+def test_no_module_imports_a_private_name_of_another():
+    """A name one module takes from another of ours (core or backend) is public in its home:
+    private names stay inside their module (imports from the standard library or a framework,
+    as ``re._parser``, are theirs to name)."""
+    ours = set(PACKAGES)
+    found = []
+    for f in [p for root in PACKAGES.values() for p in root.rglob("*.py")]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+                continue
+            if node.level == 0 and (node.module or "").split(".")[0] not in ours:
+                continue
+            names = [a.name for a in node.names if _private(a.name)]
+            if names:
+                found.append(
+                    f"{f.relative_to(ROOT)}: from {'.' * node.level}{node.module} import {names}"
+                )
+    assert not found, found
+
+
 def _all_imports(path: Path) -> list[tuple[str, ast.stmt]]:
     """Every import in ``path`` that runs at some point, function-level ones included
     (``if TYPE_CHECKING:`` blocks never run), as (module, statement)."""

@@ -53,8 +53,8 @@ def test_installed_backends_load_without_their_framework():
     out = _run(
         "import json, sys\n"
         "import unimesh\n"
-        "from unimesh.registry import _REGISTRY\n"
-        "loaded = [b.name for b in _REGISTRY.all_loaded()]\n"
+        "from unimesh.registry import REGISTRY\n"
+        "loaded = [b.name for b in REGISTRY.all_loaded()]\n"
         "print(json.dumps({'loaded': loaded, 'all': sorted(sys.modules)}))\n"
     )
     roots = {name.split(".")[0] for name in out["all"]}

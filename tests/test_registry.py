@@ -27,7 +27,7 @@ from unimesh import (
     P,
     UnsupportedError,
 )
-from unimesh.registry import _REGISTRY
+from unimesh.registry import REGISTRY
 
 from .support.refbackend import NativeLayout, NativeMesh, RefBackend
 
@@ -176,7 +176,7 @@ def test_env_var_and_detection(monkeypatch, ref):
         unimesh.get_backend()
     monkeypatch.delenv("UNIMESH_BACKEND")
     unimesh.unregister_backend("ref")  # numpy is always imported: keep ref out of detection
-    for be in _REGISTRY.all_loaded():  # hide frameworks other tests imported (restored after)
+    for be in REGISTRY.all_loaded():  # hide frameworks other tests imported (restored after)
         monkeypatch.delitem(sys.modules, be.framework, raising=False)
     fw_a, fw_b = "unimesh_fake_fw_a", "unimesh_fake_fw_b"
     a = unimesh.register_backend(make_backend("fa", fw_a))
@@ -262,8 +262,8 @@ def test_entry_point_discovery_is_lazy(tmp_path: Path) -> None:
             except unimesh.UnimeshError as exc:
                 out[name] = [type(exc).__name__, str(exc)]
         # pluggy's plugin manager loaded the entry point, and its hook answered
-        from unimesh.registry import _REGISTRY
-        pm = _REGISTRY.pm
+        from unimesh.registry import REGISTRY
+        pm = REGISTRY.pm
         out["plugin"] = pm.get_plugin("fake").__name__
         out["dists"] = [d.project_name for _, d in pm.list_plugin_distinfo()]
         out["hook"] = sorted(b.name for b in pm.hook.unimesh_backend())

@@ -31,7 +31,7 @@ from .errors import ConfigError, LayoutError, UnimeshError
 from .layout import Layout
 from .mesh import Mesh
 from .messages import short
-from .rules import AxisRules, LayoutMap, _is_regex
+from .rules import AxisRules, LayoutMap, is_regex
 from .spec import PartitionSpec
 
 __all__ = ["Config", "load_config"]
@@ -123,7 +123,7 @@ class Config:
             if not isinstance(pattern, str):
                 raise ConfigError(f"[layout] keys are pattern strings, got {short(pattern)}")
             try:
-                regex = _is_regex(pattern)  # a key RE2 cannot take is a config error
+                regex = is_regex(pattern)  # a key RE2 cannot take is a config error
             except LayoutError as exc:
                 raise ConfigError(f"config [layout]: {exc}") from None
             memo = _memo_key(spec)

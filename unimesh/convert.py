@@ -13,7 +13,7 @@ from .errors import ConversionError, LayoutError, UnimeshError, UnsupportedError
 from .layout import Layout
 from .mesh import Mesh
 from .messages import short
-from .registry import _REGISTRY, get_backend, owner_of
+from .registry import REGISTRY, get_backend, owner_of
 from .rules import LayoutMap
 from .spec import PartitionSpec
 
@@ -108,7 +108,7 @@ def from_native(obj: Any) -> Any:
 
     if isinstance(obj, (Mesh, Layout, LayoutMap)):
         return obj
-    loaded = _REGISTRY.all_loaded()
+    loaded = REGISTRY.all_loaded()
     for be in loaded:
         if be.owns(obj):
             return be.from_native(obj)
@@ -191,7 +191,7 @@ def from_local(
             f"global_shape {shape} has {len(shape)} dims, but {layout.spec!r} names "
             f"{len(layout.spec)}"
         )
-    be = _placing_backend(backend, "from_local", layout, shape)
+    be = placing_backend(backend, "from_local", layout, shape)
     mine = tuple(be.process_devices(layout.mesh))
     lo, hi = layout.shard_bounds(shape, list(mine))  # each local device's block, once
     blocks = _local_blocks(local, layout, shape, mine, lo, hi)
@@ -283,11 +283,11 @@ def from_blocks(
     """:func:`from_local` for a caller that built ``blocks`` itself, one per device of this
     process with the shape the layout gives it (a checkpoint load): the backend and layout are
     checked, the blocks handed over untouched, each taken when the backend asks for it."""
-    be = _placing_backend(backend, "from_local", layout, shape)
+    be = placing_backend(backend, "from_local", layout, shape)
     return be.from_local(blocks, layout, shape, None)
 
 
-def _placing_backend(
+def placing_backend(
     backend: str | Backend | None, capability: str, layout: Layout, shape: tuple[int, ...]
 ) -> Backend:
     """The backend that lays out an array of ``shape`` as ``layout`` (``capability``:
@@ -332,5 +332,5 @@ def distribute(
             f"distribute() lays out arrays of numbers or bools; got one of dtype {dtype} "
             f"({short(array)}); convert it first, e.g. np.asarray(x, np.float32)"
         )
-    be = _placing_backend(backend, "distribute", layout, tuple(shape))
+    be = placing_backend(backend, "distribute", layout, tuple(shape))
     return be.distribute(array, layout, **options)

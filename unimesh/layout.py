@@ -18,7 +18,7 @@ from .errors import LayoutError
 from .mesh import Mesh
 from .messages import close_match, short
 from .placements import Placement, spec_from_placements, to_placements
-from .spec import PartitionSpec, _axes_of, _lfail
+from .spec import PartitionSpec, entry_axes, layout_fail
 
 __all__ = ["Layout"]
 
@@ -52,14 +52,16 @@ class Layout:
 
     def __init__(self, mesh: Mesh, spec: PartitionSpec | Sequence[object]) -> None:
         if not isinstance(mesh, Mesh):
-            _lfail(f"Layout() needs a unimesh.Mesh, got {short(mesh)} ({type(mesh).__name__})")
+            layout_fail(f"Layout() needs a unimesh.Mesh, got {short(mesh)} ({type(mesh).__name__})")
         if not isinstance(spec, PartitionSpec):
             if isinstance(spec, (str, bytes)) or not isinstance(spec, (tuple, list)):
-                _lfail(f"Layout() needs a PartitionSpec (or a tuple of entries), got {short(spec)}")
+                layout_fail(
+                    f"Layout() needs a PartitionSpec (or a tuple of entries), got {short(spec)}"
+                )
             spec = PartitionSpec(*spec)
         for ax in spec.axes() + tuple(spec.partial):
             if ax not in mesh.axis_names:
-                _lfail(
+                layout_fail(
                     f"spec {spec!r} names axis {ax!r}"
                     f"{close_match(ax, mesh.axis_names)}, which is not in {mesh!r}; "
                     f"the axes are {mesh.axis_names}"
@@ -121,13 +123,13 @@ class Layout:
         ):
             return global_shape  # the common case, checked without building messages
         if isinstance(global_shape, (str, bytes)) or not isinstance(global_shape, Sequence):
-            _lfail(f"global_shape must be a tuple of ints, got {short(global_shape)}")
+            layout_fail(f"global_shape must be a tuple of ints, got {short(global_shape)}")
         shape = tuple(
             check_int(s, f"global_shape entry {short(s)}", minimum=0, cls=LayoutError)
             for s in global_shape
         )
         if len(shape) < len(self._spec):
-            _lfail(
+            layout_fail(
                 f"spec {self._spec!r} has {len(self._spec)} entries but the tensor shape "
                 f"{shape} has only {len(shape)} dims"
             )
@@ -158,7 +160,7 @@ class Layout:
             part = pos[at : at + _ROWS]
             for d, entry in enumerate(self._spec):
                 lo, hi = starts[at : at + _ROWS, d], stops[at : at + _ROWS, d]
-                for ax in _axes_of(entry):
+                for ax in entry_axes(entry):
                     i = mesh.axis_names.index(ax)
                     coord = (part // math.prod(mesh.shape[i + 1 :])) % mesh.shape[i]
                     lo, hi = _chunk(lo, hi, mesh.shape[i], coord)
@@ -208,7 +210,7 @@ class Layout:
 
     def shard_counts(self) -> tuple[int, ...]:
         """How many blocks each dim named by the spec is cut into (1 where replicated)."""
-        return tuple(math.prod(self._mesh.axis_size(a) for a in _axes_of(e)) for e in self._spec)
+        return tuple(math.prod(self._mesh.axis_size(a) for a in entry_axes(e)) for e in self._spec)
 
     def is_even(self, global_shape: Sequence[int]) -> bool:
         """True when every sharded dim divides evenly (what JAX, Keras and DTensor-TF require)."""

@@ -11,7 +11,7 @@ from ._validate import check_int
 from .errors import LayoutError
 from .mesh import Mesh
 from .messages import short
-from .spec import REDUCE_OPS, Entry, PartitionSpec, _axes_of, _lfail
+from .spec import REDUCE_OPS, Entry, PartitionSpec, entry_axes, layout_fail
 
 __all__ = [
     "Partial",
@@ -108,7 +108,7 @@ def to_placements(mesh: Mesh, spec: PartitionSpec) -> tuple[Placement, ...]:
     """
     out: list[Placement] = [Replicate()] * mesh.ndim
     for d, entry in enumerate(spec):
-        axes = _axes_of(entry)
+        axes = entry_axes(entry)
         idx = [mesh.axis_names.index(a) for a in axes]
         for j, m in enumerate(idx):
             sf = math.prod(mesh.shape[i] for i in idx[:j] if i > m)
@@ -137,7 +137,7 @@ def from_torch_placement(p: object) -> Placement | None:
         return Replicate()
     if name == "Partial":
         return Partial(str(p.reduce_op))  # type: ignore[attr-defined]
-    _lfail(
+    layout_fail(
         f"torch placement {short(p)} ({cls.__module__}.{name}) has no PartitionSpec "
         "equivalent; only Shard, _StridedShard, Replicate and Partial do"
     )
@@ -154,12 +154,12 @@ def spec_from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int)
     Placements no PartitionSpec can express raise :class:`LayoutError`.
     """
     if not isinstance(mesh, Mesh):
-        _lfail(f"from_placements() needs a unimesh.Mesh, got {short(mesh)}")
+        layout_fail(f"from_placements() needs a unimesh.Mesh, got {short(mesh)}")
     nd = check_int(ndim, "ndim", minimum=0, cls=LayoutError)
     if isinstance(placements, (str, bytes)) or not isinstance(placements, Sequence):
-        _lfail(f"placements must be a sequence, got {short(placements)}")
+        layout_fail(f"placements must be a sequence, got {short(placements)}")
     if len(placements) != mesh.ndim:
-        _lfail(
+        layout_fail(
             f"got {len(placements)} placements for a mesh of {mesh.ndim} axes "
             f"{mesh.axis_names}; give one per mesh axis"
         )
@@ -171,7 +171,7 @@ def spec_from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int)
             continue
         if isinstance(p, Partial):
             if p.op not in REDUCE_OPS:
-                _lfail(
+                layout_fail(
                     f"Partial op {p.op!r} on axis {mesh.axis_names[m]!r} is not one of {REDUCE_OPS}"
                 )
             partial[mesh.axis_names[m]] = p.op
@@ -181,7 +181,7 @@ def spec_from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int)
         elif isinstance(p, Shard):
             sf = 1
         else:
-            _lfail(
+            layout_fail(
                 f"placement {short(p)} on axis {mesh.axis_names[m]!r} is not a Shard, "
                 "StridedShard, Replicate or Partial"
             )
@@ -189,7 +189,7 @@ def spec_from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int)
         if dim < 0:
             dim += nd
         if not 0 <= dim < nd:
-            _lfail(
+            layout_fail(
                 f"placement {p!r} on axis {mesh.axis_names[m]!r} shards dim {p.dim}, "
                 f"out of range for a tensor of {nd} dims"
             )
@@ -206,7 +206,7 @@ def spec_from_placements(mesh: Mesh, placements: Sequence[Placement], ndim: int)
                 if pos < len(order):
                     prefix *= mesh.shape[order[pos]]
             else:
-                _lfail(
+                layout_fail(
                     f"placements {tuple(placements)!r} have no PartitionSpec equivalent: "
                     f"no order of the axes sharding dim {dim} gives axis "
                     f"{mesh.axis_names[m]!r} split_factor {sf}"

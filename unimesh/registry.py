@@ -252,36 +252,36 @@ def _validated(backend: object) -> Backend:
     return backend
 
 
-_REGISTRY = _Registry()
+REGISTRY = _Registry()
 
 
 # -- public calls ---------------------------------------------------------------------------------
 def backends() -> list[str]:
     """Names of the installed (entry points) and registered backends. Imports no framework."""
-    return _REGISTRY.names()
+    return REGISTRY.names()
 
 
 def refresh_backends() -> None:
     """Forget the cached entry points, e.g. after pip-installing a backend in this process."""
-    _REGISTRY.refresh()
+    REGISTRY.refresh()
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
     """Register a :class:`Backend` instance in this process (tests, notebooks) and return it."""
-    _REGISTRY.register(backend, replace)
+    REGISTRY.register(backend, replace)
     return backend
 
 
 def unregister_backend(name: str) -> None:
     """Forget a backend registered or loaded in this process."""
-    _REGISTRY.unregister(name)
+    REGISTRY.unregister(name)
 
 
 def load_backend(name: str) -> Backend:
     """The backend named ``name`` as its plugin declares it, whether or not its framework is
     installed: for its facts (extra, launcher, native code), never for work. Imports the plugin
     module, not the framework."""
-    return _REGISTRY.load(name)
+    return REGISTRY.load(name)
 
 
 def _check_available(backend: Backend) -> Backend:
@@ -308,7 +308,7 @@ def get_backend(name: str | Backend | None = None) -> Backend:
         env = os.environ.get(ENV_VAR, "").strip()
         if env:
             try:
-                return _check_available(_REGISTRY.load(env))
+                return _check_available(REGISTRY.load(env))
             except BackendNotFoundError as exc:
                 raise BackendNotFoundError(f"{ENV_VAR}={env!r}: {exc}") from exc
         return _detect()
@@ -317,11 +317,11 @@ def get_backend(name: str | Backend | None = None) -> Backend:
             f"backend must be a name (str) or a Backend, got {short(name)}; installed backends: "
             f"{backends()}"
         )
-    return _check_available(_REGISTRY.load(name))
+    return _check_available(REGISTRY.load(name))
 
 
 def _detect() -> Backend:
-    loaded = _REGISTRY.all_loaded()
+    loaded = REGISTRY.all_loaded()
     live = [b for b in loaded if b.framework in sys.modules]
     live = [b for b in live if not any(b.framework in o.wraps for o in live if o is not b)]
     if len(live) == 1:
@@ -330,7 +330,7 @@ def _detect() -> Backend:
     if not live:
         launcher = find_launcher(loaded, os.environ)
         if launcher is not None and launcher.backend in names:
-            return _check_available(_REGISTRY.load(launcher.backend))
+            return _check_available(REGISTRY.load(launcher.backend))
         raise BackendNotFoundError(
             "no backend given and none detected: no installed backend's framework is imported "
             f"yet. Pass backend=NAME or set {ENV_VAR}; installed backends: {names or 'none'}"
@@ -343,7 +343,7 @@ def _detect() -> Backend:
 
 def owner_of(obj: Any) -> Backend:
     """The loaded backend whose framework made ``obj`` (no import), else ConversionError."""
-    loaded = _REGISTRY.all_loaded()
+    loaded = REGISTRY.all_loaded()
     owners = [be for be in loaded if be.owns(obj)]
     # a backend that wraps another (keras over jax) yields to the framework's own backend
     owners = [b for b in owners if not any(o is not b and o.framework in b.wraps for o in owners)]

@@ -59,7 +59,7 @@ def reshard(
     """
     import optree
 
-    from .convert import _placing_backend, layout_of, to_native
+    from .convert import layout_of, placing_backend, to_native
     from .registry import get_backend
 
     if stats is not None and not isinstance(stats, dict):
@@ -97,13 +97,13 @@ def reshard(
                 and owner.name != get_backend(backend).name
             ):
                 owner = None  # another framework's: distribute converts it
-            be = _placing_backend(placing if owner is None else owner, "distribute", want, shape)
+            be = placing_backend(placing if owner is None else owner, "distribute", want, shape)
             jobs.append((name, leaf, shape, None, want, (be, owner)))
             continue
         be, source = owned
         to = be if backend is None else get_backend(backend)
         # the target on its framework, and its mesh on the job's devices, before any move
-        _placing_backend(to, "from_local", want, shape)
+        placing_backend(to, "from_local", want, shape)
         to_native(want, to)
         _itemsize(leaf)
         try:

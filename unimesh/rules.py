@@ -14,7 +14,7 @@ from ._pyregex import RegexRefused, check_path, to_re2
 from .layout import Layout
 from .mesh import Mesh
 from .messages import short
-from .spec import Entry, PartitionSpec, _axes_of, _entry, _lfail
+from .spec import Entry, PartitionSpec, entry_axes, layout_fail, parse_entry
 
 __all__ = ["AxisRules", "LayoutMap", "Resolver"]
 
@@ -24,11 +24,11 @@ def _pairs(rules: object, what: str, form: str) -> list[tuple[Any, Any]]:
     if isinstance(rules, Mapping):
         return list(rules.items())
     if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
-        _lfail(f"{what}s must be a mapping or a list of {form} pairs, got {short(rules)}")
+        layout_fail(f"{what}s must be a mapping or a list of {form} pairs, got {short(rules)}")
     out = []
     for pair in rules:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-            _lfail(f"{what} {short(pair)} is not a {form} pair")
+            layout_fail(f"{what} {short(pair)} is not a {form} pair")
         out.append((pair[0], pair[1]))
     return out
 
@@ -49,7 +49,7 @@ def _re2() -> tuple[Any, Any]:
     return re2, _RE2_OPTIONS
 
 
-def _is_regex(key: str) -> str | None:
+def is_regex(key: str) -> str | None:
     """The RE2 form of ``key`` (None: a plain key, which only the exact lookup matches). A key
     is read in Python's regex syntax with Python's meaning (:mod:`unimesh._pyregex`) and
     handed to RE2, so a bad one is refused when the map is built. RE2 matches in time linear
@@ -61,7 +61,7 @@ def _is_regex(key: str) -> str | None:
     try:
         pattern = to_re2(key)
     except RegexRefused as exc:
-        _lfail(
+        layout_fail(
             f"LayoutMap key {short(key)} is not a regex unimesh can match: {exc.args[0]}. "
             "Keys are Python regexes without lookaround, backreferences, (?i) or Unicode \\b"
         )
@@ -76,7 +76,7 @@ def _is_regex(key: str) -> str | None:
             reason = exc.args[0] if exc.args else str(exc)
             if isinstance(reason, bytes):
                 reason = reason.decode("utf-8", "replace")
-        _lfail(
+        layout_fail(
             f"LayoutMap key {short(key)} is not a regex unimesh can match ({reason[:120]}); "
             "keys are Python regexes without lookaround, backreferences, (?i) or Unicode "
             "\\b, with repetition counts up to 1000"
@@ -132,7 +132,7 @@ def _utf8(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        _lfail(
+        layout_fail(
             f"{what} {short(text)} is not valid Unicode text (character {exc.start} is a lone "
             "surrogate); use a str that encodes as UTF-8"
         )
@@ -156,7 +156,7 @@ class LayoutMap(MutableMapping[str, Layout]):
         self, mesh: Mesh, rules: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()
     ) -> None:
         if not isinstance(mesh, Mesh):
-            _lfail(f"LayoutMap() needs a unimesh.Mesh, got {short(mesh)}")
+            layout_fail(f"LayoutMap() needs a unimesh.Mesh, got {short(mesh)}")
         self._mesh = mesh
         self._rules: dict[str, Layout] = {}
         self._regexes: dict[str, str] = {}  # regex keys, in order -> their RE2 form
@@ -170,19 +170,21 @@ class LayoutMap(MutableMapping[str, Layout]):
 
     def __setitem__(self, key: str, value: Any) -> None:
         if not isinstance(key, str):
-            _lfail(f"LayoutMap keys are regex strings, got {short(key)}")
-        self._set(key, value, _is_regex(key))
+            layout_fail(f"LayoutMap keys are regex strings, got {short(key)}")
+        self._set(key, value, is_regex(key))
 
     def _set(self, key: str, value: Any, regex: str | None) -> None:
-        """``self[key] = value`` for a key already checked (``regex``: :func:`_is_regex`)."""
+        """``self[key] = value`` for a key already checked (``regex``: :func:`is_regex`)."""
         if key in self._rules:
-            _lfail(
+            layout_fail(
                 f"LayoutMap key {short(key)} is already set (to {self._rules[key].spec!r}); "
                 "Keras refuses a key twice too: del layout_map[key] first to replace it"
             )
         if isinstance(value, Layout):
             if value.mesh is not self._mesh and value.mesh != self._mesh:
-                _lfail(f"layout for {key!r} is on {value.mesh!r}, not this map's {self._mesh!r}")
+                layout_fail(
+                    f"layout for {key!r} is on {value.mesh!r}, not this map's {self._mesh!r}"
+                )
             layout = value
         else:
             layout = Layout(self._mesh, value)
@@ -207,7 +209,7 @@ class LayoutMap(MutableMapping[str, Layout]):
     def key_for(self, path: str) -> str | None:
         """The key (as written) whose rule gives ``path`` its layout, or None."""
         if not isinstance(path, str):
-            _lfail(f"LayoutMap lookups take a str path, got {short(path)}")
+            layout_fail(f"LayoutMap lookups take a str path, got {short(path)}")
         if path in self._rules:
             return path
         _utf8(path, "LayoutMap path")
@@ -215,7 +217,7 @@ class LayoutMap(MutableMapping[str, Layout]):
             return None
         why = check_path(path)
         if why is not None:
-            _lfail(f"LayoutMap path {short(path)} cannot be matched: {why}")
+            layout_fail(f"LayoutMap path {short(path)} cannot be matched: {why}")
         keys = list(self._regexes)
         if self._matching is None:
             self._matching = _matchers([self._regexes[k] for k in keys])
@@ -227,7 +229,7 @@ class LayoutMap(MutableMapping[str, Layout]):
             else:
                 hits.extend(keys[offset + i] for i in matcher.match(path))
         if len(hits) > 1:
-            _lfail(
+            layout_fail(
                 f"path {path!r} matches more than one LayoutMap key: {hits[0]!r} and "
                 f"{hits[1]!r}; make the patterns exclusive"
             )
@@ -241,16 +243,18 @@ class LayoutMap(MutableMapping[str, Layout]):
         in ``params`` that no rule matches (say ``[n for n, _ in model.named_parameters()]``)
         gets a rule of its own splitting dim ``dim`` over ``axis``."""
         if not isinstance(axis, str) or axis not in self._mesh.axis_names:
-            _lfail(f"with_fsdp() axis {short(axis)} is not an axis of {self._mesh!r}")
+            layout_fail(f"with_fsdp() axis {short(axis)} is not an axis of {self._mesh!r}")
         if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim < 64:
-            _lfail(f"with_fsdp() dim must be an int in [0, 64), got {short(dim)}")
+            layout_fail(f"with_fsdp() dim must be an int in [0, 64), got {short(dim)}")
         if isinstance(params, (str, bytes)):
-            _lfail(f"with_fsdp() params is an iterable of parameter paths, got {short(params)}")
+            layout_fail(
+                f"with_fsdp() params is an iterable of parameter paths, got {short(params)}"
+            )
         out = LayoutMap(self._mesh)
         for key, layout in self._rules.items():
             entries = [*layout.spec, *([None] * (dim + 1 - len(layout.spec)))]
             if axis in layout.spec.axes():
-                _lfail(
+                layout_fail(
                     f"rule {key!r} already uses axis {axis!r} ({layout.spec!r}); with_fsdp() "
                     f"adds it to dim {dim}: leave it out of the rule or pick another axis"
                 )
@@ -260,10 +264,10 @@ class LayoutMap(MutableMapping[str, Layout]):
             out._set(key, PartitionSpec(*entries), self._regexes.get(key))
         for path in params:
             if not isinstance(path, str):
-                _lfail(f"with_fsdp() params are parameter paths (str), got {short(path)}")
+                layout_fail(f"with_fsdp() params are parameter paths (str), got {short(path)}")
             key = re.escape(path)
             if self.key_for(path) is None and key not in out:
-                out._set(key, PartitionSpec(*([None] * dim), axis), _is_regex(key))
+                out._set(key, PartitionSpec(*([None] * dim), axis), is_regex(key))
         return out
 
     def pop(self, key: str, *default: Any) -> Any:
@@ -323,8 +327,8 @@ class AxisRules:
         out: list[tuple[str, Entry]] = []
         for logical, target in _pairs(rules, "axis rule", "(logical name, mesh axes)"):
             if not isinstance(logical, str) or not logical:
-                _lfail(f"logical axis name {short(logical)} must be a non-empty str")
-            out.append((logical, _entry(target, f"rule for {logical!r}")))
+                layout_fail(f"logical axis name {short(logical)} must be a non-empty str")
+            out.append((logical, parse_entry(target, f"rule for {logical!r}")))
         self._rules = tuple(out)
 
     @property
@@ -348,20 +352,20 @@ class AxisRules:
         With ``mesh``, rules naming axes absent from it are an error.
         """
         if isinstance(logical_axes, str) or not isinstance(logical_axes, Sequence):
-            _lfail(f"logical_axes must be a tuple of logical names, got {short(logical_axes)}")
+            layout_fail(f"logical_axes must be a tuple of logical names, got {short(logical_axes)}")
         if mesh is not None and not isinstance(mesh, Mesh):
-            _lfail(f"mesh must be a unimesh.Mesh, got {short(mesh)}")
+            layout_fail(f"mesh must be a unimesh.Mesh, got {short(mesh)}")
         names: list[str | None] = []
         for name in logical_axes:
             if name is not None and not isinstance(name, str):
-                _lfail(f"logical axis {short(name)} must be a str or None")
+                layout_fail(f"logical axis {short(name)} must be a str or None")
             names.append(name)
         position: dict[str, int] = {}  # logical name -> its dim
         for i, name in enumerate(names):
             if name is None:
                 continue
             if name in position:
-                _lfail(
+                layout_fail(
                     f"logical axis {name!r} names more than one dim of {tuple(names)}; "
                     "give each dim its own logical name (flax refuses this too)"
                 )
@@ -370,7 +374,7 @@ class AxisRules:
             known = {logical for logical, _ in self._rules}
             for name in position:
                 if name not in known:
-                    _lfail(f"no rule for logical axis {name!r}; rules cover {sorted(known)}")
+                    layout_fail(f"no rule for logical axis {name!r}; rules cover {sorted(known)}")
         # flax's order: rule by rule, a rule applies when its logical name is a dim of the tensor,
         # that dim is still unassigned and none of its mesh axes is used yet.
         assigned: dict[int, Entry] = {}
@@ -379,11 +383,11 @@ class AxisRules:
             pos = position.get(logical)
             if pos is None:
                 continue
-            axes = _axes_of(target)
+            axes = entry_axes(target)
             if mesh is not None:
                 for a in axes:
                     if a not in mesh.axis_names:
-                        _lfail(
+                        layout_fail(
                             f"rule {logical!r} -> {target!r} names axis {a!r}, which is not "
                             f"in {mesh!r}"
                         )
@@ -406,18 +410,22 @@ class Resolver:
     def __init__(self, rules: Any, mesh: Any, logical_axes: Any, call: str) -> None:
         if isinstance(rules, LayoutMap):
             if mesh is not None and mesh != rules.mesh:
-                _lfail(f"the layout map is on {rules.mesh!r}, not on mesh={mesh!r}")
+                layout_fail(f"the layout map is on {rules.mesh!r}, not on mesh={mesh!r}")
             mesh = rules.mesh
         elif isinstance(rules, AxisRules):
             if not isinstance(mesh, Mesh):
-                _lfail(f"{call} with AxisRules needs mesh=unimesh.Mesh(...), got {short(mesh)}")
+                layout_fail(
+                    f"{call} with AxisRules needs mesh=unimesh.Mesh(...), got {short(mesh)}"
+                )
             if not callable(logical_axes) and not isinstance(logical_axes, dict):
-                _lfail(
+                layout_fail(
                     f"{call} with AxisRules needs logical_axes: a dict {{path: (logical axis "
                     f"names)}} or a function of the path, got {short(logical_axes)}"
                 )
         else:
-            _lfail(f"{call} takes a unimesh.LayoutMap or unimesh.AxisRules, got {short(rules)}")
+            layout_fail(
+                f"{call} takes a unimesh.LayoutMap or unimesh.AxisRules, got {short(rules)}"
+            )
         self.rules, self.mesh, self.logical_axes = rules, mesh, logical_axes
 
     def layout(self, name: str) -> Layout | None:
@@ -479,7 +487,7 @@ class Resolver:
             )
         text += "; fix the keys, or pass strict=False to only warn"
         if strict:
-            _lfail(text)
+            layout_fail(text)
         import warnings
 
         warnings.warn(text, UserWarning, stacklevel=stacklevel)

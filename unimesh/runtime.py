@@ -20,7 +20,7 @@ from .errors import (
 from .launchers import Launcher, find_launcher
 from .mesh import Mesh
 from .messages import short
-from .registry import _REGISTRY, ENV_VAR, get_backend
+from .registry import ENV_VAR, REGISTRY, get_backend
 
 __all__ = ["Launch", "Launcher", "detect_launcher", "fingerprint", "initialize", "verify"]
 
@@ -42,7 +42,7 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None
             f"detect_launcher() reads a mapping of environment variables (like os.environ), "
             f"got {short(environ)}"
         )
-    return find_launcher(_REGISTRY.all_loaded(), env)
+    return find_launcher(REGISTRY.all_loaded(), env)
 
 
 def _runtime_backend(backend: Any) -> Any:

@@ -18,21 +18,21 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 Entry = Union[None, str, tuple[str, ...]]  # noqa: UP007 - a runtime alias on Python 3.10
 
 
-def _lfail(message: str) -> NoReturn:
+def layout_fail(message: str) -> NoReturn:
     fail(message, LayoutError)
 
 
-def _entry(value: object, where: str) -> Entry:
+def parse_entry(value: object, where: str) -> Entry:
     """Normalise one spec entry: None, an axis name, or a tuple of names (``()`` -> None,
     ``("x",)`` -> ``"x"``)."""
     if value is None or isinstance(value, str):
         if isinstance(value, str) and not value:
-            _lfail(f"{where}: an axis name cannot be empty; use None for a replicated dim")
+            layout_fail(f"{where}: an axis name cannot be empty; use None for a replicated dim")
         return value
     if isinstance(value, (tuple, list)):
         for v in value:
             if not isinstance(v, str) or not v:
-                _lfail(
+                layout_fail(
                     f"{where}: {short(value)} must hold axis names (non-empty str), "
                     f"found {short(v)}"
                 )
@@ -40,7 +40,7 @@ def _entry(value: object, where: str) -> Entry:
         if not t:
             return None
         return t[0] if len(t) == 1 else t
-    _lfail(
+    layout_fail(
         f"{where}: {short(value)} ({type(value).__name__}) is not a spec entry; use None, "
         "an axis name, or a tuple of axis names"
     )
@@ -61,23 +61,23 @@ class PartitionSpec:
     _partial: tuple[tuple[str, str], ...]
 
     def __init__(self, *entries: object, partial: Mapping[str, str] | None = None) -> None:
-        ents = tuple(_entry(e, f"spec entry {i}") for i, e in enumerate(entries))
+        ents = tuple(parse_entry(e, f"spec entry {i}") for i, e in enumerate(entries))
         pend: list[tuple[str, str]] = []
         if partial is not None:
             if not isinstance(partial, Mapping):
-                _lfail(f"partial must be a mapping axis -> reduce op, got {short(partial)}")
+                layout_fail(f"partial must be a mapping axis -> reduce op, got {short(partial)}")
             for ax, op in partial.items():
                 if not isinstance(ax, str) or not ax:
-                    _lfail(f"partial axis {short(ax)} must be a non-empty axis name")
+                    layout_fail(f"partial axis {short(ax)} must be a non-empty axis name")
                 if op not in REDUCE_OPS:
-                    _lfail(
+                    layout_fail(
                         f"reduce op {short(op)} for partial axis {ax!r} is not one of {REDUCE_OPS}"
                     )
                 pend.append((ax, op))
         seen: set[str] = set()
-        for ax in [a for e in ents for a in _axes_of(e)] + [a for a, _ in pend]:
+        for ax in [a for e in ents for a in entry_axes(e)] + [a for a, _ in pend]:
             if ax in seen:
-                _lfail(
+                layout_fail(
                     f"axis {ax!r} appears more than once in the spec {_spec_repr(ents, pend)}; "
                     "a mesh axis can split one tensor dim (or be partial) only once"
                 )
@@ -99,7 +99,7 @@ class PartitionSpec:
 
     def axes(self) -> tuple[str, ...]:
         """Every mesh axis the spec shards over (not the partial ones), in order of appearance."""
-        return tuple(a for e in self._entries for a in _axes_of(e))
+        return tuple(a for e in self._entries for a in entry_axes(e))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -132,7 +132,7 @@ class PartitionSpec:
         from ._text import parse_spec_text
 
         if not isinstance(text, str):
-            _lfail(f"a spec string must be a str like 'dp,None', got {short(text)}")
+            layout_fail(f"a spec string must be a str like 'dp,None', got {short(text)}")
         return cls(*parse_spec_text(text))
 
     def __repr__(self) -> str:
@@ -149,7 +149,7 @@ def _rebuild_spec(entries: tuple[Entry, ...], partial: dict[str, str] | None) ->
 P = PartitionSpec
 
 
-def _axes_of(entry: Entry) -> tuple[str, ...]:
+def entry_axes(entry: Entry) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else entry

@@ -245,14 +245,14 @@ def _tensor_table(
     import numpy as np
     from rich.table import Table
 
-    from .spec import _axes_of
+    from .spec import entry_axes
 
     mesh = layout.mesh
     keep = min(len(shape), 2)
     # a device's block along dim d is fixed by its coordinates along the axes of spec entry d
     # (block k: those coordinates as the digits of k, the first axis major); the devices of
     # a cell are a slice of the id grid, so nothing is computed for all devices at once
-    entries = [_axes_of(layout.spec[d]) if d < len(layout.spec) else () for d in range(keep)]
+    entries = [entry_axes(layout.spec[d]) if d < len(layout.spec) else () for d in range(keep)]
     counts = [math.prod(mesh.axis_size(a) for a in axes) for axes in entries]
     nrows = counts[0] if keep else 1
     ncols = counts[1] if keep > 1 else 1

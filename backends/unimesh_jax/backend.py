@@ -9,7 +9,7 @@ from typing import ClassVar
 from unimesh.launchers import LauncherSign
 
 from .programs import JaxAxisEnv, JaxPrograms, key_path, use_mesh
-from .runtime import _JAX_ENV, global_devices, request_cpu_devices
+from .runtime import JAX_ENV, global_devices, request_cpu_devices
 
 __all__ = [
     "JaxAxisEnv",
@@ -32,7 +32,7 @@ class JaxBackend(JaxPrograms):
             any_set=("JAX_COORDINATOR_ADDRESS",),
             rank_var="JAX_PROCESS_ID",
             size_var="JAX_NUM_PROCESSES",
-            evidence=_JAX_ENV,
+            evidence=JAX_ENV,
         ),
     )
     extra = "jax"

@@ -13,7 +13,7 @@ from unimesh import ConversionError, LayoutError, Mesh
 from unimesh.messages import short
 from unimesh.program import AxisEnv
 
-from .runtime import _jax
+from .runtime import import_jax
 from .translate import JaxTranslator
 
 
@@ -38,7 +38,7 @@ class JaxAxisEnv(AxisEnv):
         """``x`` marked as varying along ``axes`` where JAX tracks it as equal there: a psum of
         a value equal along an axis is its size times the value on every backend, and JAX's
         own check would refuse the call instead."""
-        jax = _jax()
+        jax = import_jax()
         x = jax.numpy.asarray(x)
         aval = jax.typeof(x)
         kinds = getattr(aval, "manual_axis_type", None)  # JAX 0.10; older JAX: aval.vma
@@ -47,20 +47,20 @@ class JaxAxisEnv(AxisEnv):
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     def psum(self, x: Any, axes: tuple[str, ...]) -> Any:
-        return _jax().lax.psum(self._varying(x, axes), axes)
+        return import_jax().lax.psum(self._varying(x, axes), axes)
 
     def pmax(self, x: Any, axes: tuple[str, ...]) -> Any:
-        return _jax().lax.pmax(self._varying(x, axes), axes)
+        return import_jax().lax.pmax(self._varying(x, axes), axes)
 
     def pmin(self, x: Any, axes: tuple[str, ...]) -> Any:
-        return _jax().lax.pmin(self._varying(x, axes), axes)
+        return import_jax().lax.pmin(self._varying(x, axes), axes)
 
     def all_gather(
         self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
     ) -> Any:
         """``lax.all_gather``; ``invariant``: JAX knows the result is equal along ``axes``
         (``to="invarying"``), so an out_spec may leave those axes out, as after a psum."""
-        return _jax().lax.all_gather(
+        return import_jax().lax.all_gather(
             self._varying(x, axes),
             axes,
             axis=dim,
@@ -69,7 +69,7 @@ class JaxAxisEnv(AxisEnv):
         )
 
     def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
-        return _jax().lax.psum_scatter(
+        return import_jax().lax.psum_scatter(
             self._varying(x, axes), axes, scatter_dimension=dim, tiled=tiled
         )
 
@@ -79,7 +79,7 @@ class JaxAxisEnv(AxisEnv):
         """``lax.all_to_all``; untiled as the tiled one on the split dim moved to the front
         (JAX 0.10's transpose of an untiled all_to_all with split != concat fails with a
         cotangent shape error)."""
-        jax = _jax()
+        jax = import_jax()
         x = self._varying(x, axes)
         if tiled:
             return jax.lax.all_to_all(x, axes, split_axis, concat_axis, tiled=True)
@@ -103,18 +103,18 @@ class JaxAxisEnv(AxisEnv):
                 )
 
             perm = tuple((in_mesh_order(a), in_mesh_order(b)) for a, b in perm)
-        return _jax().lax.ppermute(self._varying(x, ordered), ordered, perm)
+        return import_jax().lax.ppermute(self._varying(x, ordered), ordered, perm)
 
     def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
         """A psum of the source's value and zeros elsewhere (``lax.pbroadcast`` has no CPU
         lowering in JAX 0.10); JAX differentiates it to a sum at the source."""
-        jax = _jax()
+        jax = import_jax()
         x = self._varying(x, axes)
         mine = jax.numpy.where(jax.lax.axis_index(axes) == source, x, jax.numpy.zeros_like(x))
         return jax.lax.psum(mine, axes)
 
     def axis_index(self, axes: tuple[str, ...]) -> Any:
-        return _jax().lax.axis_index(axes)
+        return import_jax().lax.axis_index(axes)
 
 
 @contextlib.contextmanager
@@ -123,7 +123,7 @@ def use_mesh(mesh: Mesh) -> Iterator[Any]:
     import unimesh
 
     native = unimesh.to_native(mesh, "jax")
-    with mesh, _jax().set_mesh(native):
+    with mesh, import_jax().set_mesh(native):
         yield native
 
 
@@ -131,11 +131,11 @@ class JaxPrograms(JaxTranslator):
     """The program layer: unimesh programs are ``jax.shard_map`` programs."""
 
     def stop_gradient(self, x: Any) -> Any:
-        return _jax().lax.stop_gradient(x)
+        return import_jax().lax.stop_gradient(x)
 
     def compile(self, fn: Any, options: dict[str, Any]) -> Any:
         """``jax.jit(fn, **options)``: a unimesh step's programs are ``jax.shard_map``."""
-        return _jax().jit(fn, **options)
+        return import_jax().jit(fn, **options)
 
     # -- programs --------------------------------------------------------------------------------
     def shard_map(self, body: Any, mesh: Mesh, ins: Any, outs: Any) -> Any:
@@ -143,7 +143,7 @@ class JaxPrograms(JaxTranslator):
         ``check_vma`` (on: JAX checks that an output is equal along the axes its spec leaves
         out; its refusal is raised as :class:`~unimesh.LayoutError`, JAX's words kept). Jit
         the result as usual."""
-        jax = _jax()
+        jax = import_jax()
         env = JaxAxisEnv(mesh)
         options: dict[str, Any] = {"check_vma": body.check_vma}
         if body.manual is not None:
@@ -177,7 +177,7 @@ class JaxPrograms(JaxTranslator):
 
         if "jax" not in sys.modules:
             return None
-        mesh = _jax().sharding.get_mesh()
+        mesh = import_jax().sharding.get_mesh()
         if mesh is None or getattr(mesh, "empty", True):
             return None
         found = self.from_native(mesh)
@@ -185,7 +185,7 @@ class JaxPrograms(JaxTranslator):
 
     def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
         """``jax.value_and_grad``; each gradient is placed like its argument."""
-        jax = _jax()
+        jax = import_jax()
         vg = jax.value_and_grad(fn, argnums=argnums, has_aux=has_aux)
 
         def placed(g: Any, a: Any) -> Any:
@@ -212,13 +212,13 @@ class JaxPrograms(JaxTranslator):
 
     def param_paths(self, model: Any) -> list[tuple[str, tuple[int, ...]]]:
         """Each leaf's key path (``a/b/0``) and shape."""
-        leaves = _jax().tree_util.tree_flatten_with_path(model)[0]
+        leaves = import_jax().tree_util.tree_flatten_with_path(model)[0]
         return [(key_path(path), tuple(np.shape(leaf))) for path, leaf in leaves]
 
     def shard_params(self, model: Any, resolve: Any) -> Any:
         """A new pytree whose leaves are placed by ``resolve(path, shape)``; a path joins the
         key entries with ``/`` (dict keys, attribute names, sequence indices)."""
-        jax = _jax()
+        jax = import_jax()
 
         def place(path: Any, leaf: Any) -> Any:
             host = np.asarray(leaf)

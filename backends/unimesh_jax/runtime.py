@@ -14,7 +14,7 @@ from unimesh.messages import first_line
 from .rendezvous import leave_without_peers, processes, rendezvous
 
 
-def _jax() -> Any:
+def import_jax() -> Any:
     import jax
 
     return jax
@@ -22,20 +22,20 @@ def _jax() -> Any:
 
 def global_devices() -> list[Any]:
     """JAX's devices in unimesh's logical order: by process, then by id within the process."""
-    return list(_device_array())
+    return list(device_array())
 
 
 _DEVICES: list[Any] = []  # [(device count, object array in logical order)]
 
 
-def _device_array() -> np.ndarray:
+def device_array() -> np.ndarray:
     """:func:`global_devices` as an object array, sorted once per device set (JAX's device
     list is fixed once its runtime has started)."""
-    count = _jax().device_count()
+    count = import_jax().device_count()
     if _DEVICES and _DEVICES[0][0] == count:
         cached: np.ndarray = _DEVICES[0][1]
         return cached
-    devs = sorted(_jax().devices(), key=lambda d: (d.process_index, d.id))
+    devs = sorted(import_jax().devices(), key=lambda d: (d.process_index, d.id))
     arr = np.fromiter(devs, dtype=object, count=len(devs))  # no per-object inspection
     _DEVICES[:] = [(count, arr)]
     return arr
@@ -52,7 +52,7 @@ def request_cpu_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
 
 
-_JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
 _EXCHANGES = [0]
@@ -61,7 +61,7 @@ _EXCHANGES = [0]
 def _absent(client: Any, key: str, others: range) -> list[int]:
     """Which of ``others`` have not set their part of the exchange ``key`` (asked without
     waiting; a service that is gone answers for none)."""
-    failed = _jax().errors.JaxRuntimeError
+    failed = import_jax().errors.JaxRuntimeError
     out = []
     for other in others:
         try:
@@ -99,7 +99,7 @@ class JaxRuntime(Backend):
         import os
 
         procs = os.environ.get("JAX_NUM_PROCESSES")
-        multi = all(os.environ.get(v) for v in _JAX_ENV)
+        multi = all(os.environ.get(v) for v in JAX_ENV)
         request_cpu_devices(max(1, count // int(procs)) if multi and procs else count)
         self.initialize(300.0)
         return len(global_devices())
@@ -115,21 +115,21 @@ class JaxRuntime(Backend):
         ``jax.distributed.initialize()`` does; no cluster found: one process."""
         import os
 
-        given: dict[str, str | None] = {v: os.environ.get(v) or None for v in _JAX_ENV}
+        given: dict[str, str | None] = {v: os.environ.get(v) or None for v in JAX_ENV}
         if launch is not None:
-            for var, value in zip(_JAX_ENV, launch):
+            for var, value in zip(JAX_ENV, launch):
                 if value is not None:
                     given[var] = str(value)
         missing = [v for v, value in given.items() if not value]
-        jax = _jax()
+        jax = import_jax()
         if jax.distributed.is_initialized():
             return int(jax.process_index()), int(jax.process_count())
         cluster = _detected_cluster() if missing else None
         if cluster is not None:
             return self._start_detected(cluster, given, timeout)
-        if len(missing) not in (0, len(_JAX_ENV)):
+        if len(missing) not in (0, len(JAX_ENV)):
             raise LaunchError(
-                f"a multi-process JAX run needs {', '.join(_JAX_ENV)} (or initialize("
+                f"a multi-process JAX run needs {', '.join(JAX_ENV)} (or initialize("
                 "coordinator_address=..., num_processes=..., process_id=...)); "
                 f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set (the others "
                 "are) and no cluster JAX detects (SLURM, Open MPI, Cloud TPU) is around: set "
@@ -179,7 +179,7 @@ class JaxRuntime(Backend):
     ) -> tuple[int, int]:
         """``jax.distributed.initialize`` with what is known; JAX's detection of ``cluster``
         fills in the rest."""
-        jax = _jax()
+        jax = import_jax()
         procs, pid = given["JAX_NUM_PROCESSES"], given["JAX_PROCESS_ID"]
         try:
             jax.distributed.initialize(

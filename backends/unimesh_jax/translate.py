@@ -21,7 +21,7 @@ from unimesh import (
 )
 from unimesh.messages import short
 
-from .runtime import JaxRuntime, _device_array, _jax, global_devices
+from .runtime import JaxRuntime, device_array, global_devices, import_jax
 
 #: host bytes of blocks in flight to their devices in one from_local, at most (see from_local)
 _STAGED = 32 << 20
@@ -46,7 +46,7 @@ def _axis_types(mesh: Mesh) -> tuple[Any, ...] | None:
 def _jax_spec(entries: tuple[Any, ...]) -> Any:
     """JAX's PartitionSpec of a spec's entries with no pending reductions (immutable, so
     shared; keyed by entries: P() and P(None) are equal, JAX's are not)."""
-    return _jax().sharding.PartitionSpec(*entries)
+    return import_jax().sharding.PartitionSpec(*entries)
 
 
 @functools.lru_cache(maxsize=256)
@@ -77,7 +77,7 @@ class JaxTranslator(JaxRuntime):
 
     # -- meshes --------------------------------------------------------------------------------
     def _devices_for(self, mesh: Mesh) -> np.ndarray:
-        devs = _device_array()
+        devs = device_array()
         top = int(mesh.device_ids.max())
         if top >= len(devs):
             raise MeshMismatchError(
@@ -87,8 +87,8 @@ class JaxTranslator(JaxRuntime):
                 f"{top + 1} before importing jax"
             )
         k = mesh.devices_per_process
-        local = _jax().local_device_count()
-        if k is not None and _jax().process_count() > 1 and k != local:
+        local = import_jax().local_device_count()
+        if k is not None and import_jax().process_count() > 1 and k != local:
             raise MeshMismatchError(
                 f"{mesh!r} says {k} devices per process, but each JAX process has {local}"
             )
@@ -113,7 +113,7 @@ class JaxTranslator(JaxRuntime):
                 return AbstractMesh(mesh.shape, mesh.axis_names)
             return AbstractMesh(mesh.shape, mesh.axis_names, axis_types=types)
         if mesh.size <= _CACHED_MESH_SIZE:
-            return _cached_mesh(self, mesh, _jax().device_count())
+            return _cached_mesh(self, mesh, import_jax().device_count())
         return self._build_mesh(mesh)
 
     def _build_mesh(self, mesh: Mesh) -> Any:
@@ -127,7 +127,7 @@ class JaxTranslator(JaxRuntime):
 
     def _mesh_from_native(self, jmesh: Any) -> Mesh:
         if jmesh.size <= _CACHED_MESH_SIZE:
-            return _cached_neutral(self, jmesh, _jax().device_count())
+            return _cached_neutral(self, jmesh, import_jax().device_count())
         return self._neutral_mesh(jmesh)
 
     def _neutral_mesh(self, jmesh: Any) -> Mesh:
@@ -147,8 +147,8 @@ class JaxTranslator(JaxRuntime):
                 f"{jmesh} holds device {exc}, which jax.devices() does not list"
             ) from exc
         dpp = None
-        if _jax().process_count() > 1:
-            dpp = _jax().local_device_count()
+        if import_jax().process_count() > 1:
+            dpp = import_jax().local_device_count()
         return Mesh(
             ids.shape, tuple(jmesh.axis_names), ids, axis_types=types, devices_per_process=dpp
         )
@@ -158,7 +158,7 @@ class JaxTranslator(JaxRuntime):
         partial = layout.spec.partial
         if not partial:
             return _jax_spec(tuple(layout.spec))
-        jp: Any = _jax().sharding.PartitionSpec
+        jp: Any = import_jax().sharding.PartitionSpec
 
         bad = {a: op for a, op in partial.items() if op != "sum"}
         if bad:
@@ -184,7 +184,7 @@ class JaxTranslator(JaxRuntime):
         """A ``NamedSharding`` on the converted mesh; partial sums become ``unreduced`` axes."""
         if not options and layout.mesh.size <= _CACHED_MESH_SIZE:
             key = tuple(layout.spec)  # P() and P(None) are equal, JAX's specs are not
-            return _cached_sharding(self, layout, key, _jax().device_count())
+            return _cached_sharding(self, layout, key, import_jax().device_count())
         from jax.sharding import NamedSharding
 
         return NamedSharding(self.mesh_to_native(layout.mesh, **options), self._spec(layout))
@@ -224,7 +224,7 @@ class JaxTranslator(JaxRuntime):
     def distribute(self, array: Any, layout: Layout, **options: Any) -> Any:
         """A global ``jax.Array`` with ``NamedSharding``; each addressable shard is the reference
         block. Built from per-device blocks, so it works across processes as well."""
-        jax = _jax()
+        jax = import_jax()
         self._placeable(layout)
         sharding = self.layout_to_native(layout, **options)
         host = np.asarray(array)
@@ -235,7 +235,7 @@ class JaxTranslator(JaxRuntime):
 
     def process_devices(self, mesh: Mesh) -> tuple[int, ...]:
         """The mesh's devices among ``jax.local_devices()``, as logical ids."""
-        jax = _jax()
+        jax = import_jax()
         local = set(jax.local_devices())
         mine = [i for i, d in enumerate(global_devices()) if d in local]
         ids = mesh.device_ids.ravel()
@@ -251,7 +251,7 @@ class JaxTranslator(JaxRuntime):
     ) -> Any:
         """``jax.make_array_from_single_device_arrays`` of each local device's block, put on
         that device."""
-        jax = _jax()
+        jax = import_jax()
         self._placeable(layout)
         sharding = self.layout_to_native(layout, **options)
         devices = global_devices()
@@ -336,7 +336,7 @@ class JaxTranslator(JaxRuntime):
 
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """``jax.jit`` of the matmul: XLA's sharding propagation does the rest."""
-        jax = _jax()
+        jax = import_jax()
         return jax.jit(lambda a, b: a @ b)(array, weight)
 
     def local_shards(self, array: Any) -> dict[int, Any]:
@@ -357,7 +357,7 @@ class JaxTranslator(JaxRuntime):
 
     def place(self, piece: Any, device_id: int) -> Any:
         """``jax.device_put`` onto the device: device to device, never through the host."""
-        jax = _jax()
+        jax = import_jax()
         device = global_devices()[device_id]
         if getattr(piece, "devices", None) is not None and piece.devices() == {device}:
             return piece
@@ -370,7 +370,7 @@ class JaxTranslator(JaxRuntime):
         moves every message with ``ppermute``, one permutation per distance between sender
         and receiver (each padded to that distance's longest message; pairs without a
         message take no part)."""
-        jax = _jax()
+        jax = import_jax()
         count = jax.process_count()
         if count == 1:
             return {}
@@ -426,7 +426,7 @@ class JaxTranslator(JaxRuntime):
     def import_block(self, block: Any, device_id: int | None) -> Any:
         """``jax.dlpack.from_dlpack`` (shared memory where JAX can; a cast where JAX keeps
         another dtype: int64 without x64), then on the device."""
-        got = _jax().dlpack.from_dlpack(block)
+        got = import_jax().dlpack.from_dlpack(block)
         return got if device_id is None else self.place(got, device_id)
 
     def combine(self, op: str, a: Any, b: Any) -> Any:
@@ -434,10 +434,10 @@ class JaxTranslator(JaxRuntime):
             return a
         if op in ("sum", "avg"):
             return a + b if op == "sum" else a / b
-        return _jax().numpy.maximum(a, b) if op == "max" else _jax().numpy.minimum(a, b)
+        return import_jax().numpy.maximum(a, b) if op == "max" else import_jax().numpy.minimum(a, b)
 
     def concatenate(self, parts: Any, axis: int) -> Any:
-        return _jax().numpy.concatenate(parts, axis=axis)
+        return import_jax().numpy.concatenate(parts, axis=axis)
 
     def native_reshard(
         self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
@@ -452,7 +452,7 @@ class JaxTranslator(JaxRuntime):
         cotangent goes back to the argument's sharding; under ``jit``
         ``with_sharding_constraint`` (XLA's reshard; the target must be on the jitted
         function's devices, JAX's own error otherwise)."""
-        jax = _jax()
+        jax = import_jax()
         if source is None:
             if not isinstance(array, jax.core.Tracer):
                 return None
@@ -477,17 +477,17 @@ class JaxTranslator(JaxRuntime):
         return moved, counted
 
     def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        return _jax().numpy.zeros(shape, dtype=dtype)
+        return import_jax().numpy.zeros(shape, dtype=dtype)
 
     def process_count(self) -> int:
-        return int(_jax().process_count())
+        return int(import_jax().process_count())
 
 
 @functools.lru_cache(maxsize=64)
 def _permuter(mesh: Any, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
     """The jitted ``shard_map`` over ``mesh`` (one device per process) applying one
     ``ppermute`` per permutation to its argument of the same position."""
-    jax = _jax()
+    jax = import_jax()
     spec = jax.sharding.PartitionSpec("_process")
 
     def body(*rows: Any) -> Any:
@@ -501,4 +501,4 @@ def _permuter(mesh: Any, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
 @functools.lru_cache(maxsize=64)
 def _identity(sharding: Any) -> Any:
     """The jitted identity whose output is laid out as ``sharding``."""
-    return _jax().jit(lambda a: a, out_shardings=sharding)
+    return import_jax().jit(lambda a: a, out_shardings=sharding)

@@ -13,7 +13,7 @@ import numpy as np
 from unimesh import ConversionError, Layout, LayoutError, Mesh, PartitionSpec, UnsupportedError
 from unimesh.messages import short
 
-from .runtime import _LAYERS, _mx, host_to_mx, mx_to_host
+from .runtime import LIVE_LAYERS, host_to_mx, import_mx, mx_to_host
 from .tracing import make_probe
 from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
 
@@ -46,39 +46,39 @@ class MLXPrograms(MLXTranslator):
         return _all_reduce(op)(x, group=_native_group(group))
 
     def group_all_gather(self, x: Any, group: Any) -> Any:
-        mx = _mx()
+        mx = import_mx()
         return mx.distributed.all_gather(mx.expand_dims(x, 0), group=_native_group(group))
 
     def as_array(self, value: Any) -> Any:
-        mx = _mx()
+        mx = import_mx()
         if isinstance(value, mx.array):
             return value
         return host_to_mx(value) if isinstance(value, (np.ndarray, np.generic)) else mx.array(value)
 
     def moveaxis(self, x: Any, source: int, destination: int) -> Any:
-        return _mx().moveaxis(x, source, destination)
+        return import_mx().moveaxis(x, source, destination)
 
     def take(self, x: Any, index: list[int]) -> Any:
-        mx = _mx()
+        mx = import_mx()
         return x[mx.array(index)] if len(index) > 1 else x[index[0] : index[0] + 1]
 
     def reduce_stack(self, x: Any, op: str) -> Any:
         """``op`` over dim 0 in ``x``'s dtype (``mx.sum`` widens small ints: int8 -> int32;
         MLX's ``all_sum`` and JAX's ``psum`` keep the dtype, wrapping as they do)."""
-        out = getattr(_mx(), op)(x, axis=0)
+        out = getattr(import_mx(), op)(x, axis=0)
         return out if out.dtype == x.dtype else out.astype(x.dtype)
 
     def zeros_like(self, x: Any) -> Any:
-        return _mx().zeros_like(x)
+        return import_mx().zeros_like(x)
 
     def to_host(self, x: Any) -> np.ndarray:
         return np.array(x)
 
     def after(self, x: Any, done: Any) -> Any:
-        return _mx().depends(x, done)
+        return import_mx().depends(x, done)
 
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
-        function = _mx().custom_function(fwd)
+        function = import_mx().custom_function(fwd)
 
         def transpose(primals: Any, cotangent: Any, output: Any) -> Any:
             RULES.transposed += 1
@@ -95,7 +95,7 @@ class MLXPrograms(MLXTranslator):
     def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
         """An :class:`MLXArray`'s local block (gathered and cut again when laid out
         otherwise), or a global array (numpy and lists become ``mx.array``)."""
-        mx = _mx()
+        mx = import_mx()
         if isinstance(arg, MLXArray):
             if arg.layout is layout or arg.layout == layout:
                 return arg.local, False
@@ -129,7 +129,7 @@ class MLXPrograms(MLXTranslator):
         argument's layout, or global arrays."""
         import optree
 
-        mx = _mx()
+        mx = import_mx()
 
         def run(*given: Any) -> Any:
             args = list(given)
@@ -209,7 +209,7 @@ class MLXPrograms(MLXTranslator):
             )
         if not isinstance(array, MLXArray):
             return np.array(array)
-        mx = _mx()
+        mx = import_mx()
         layout, shape = array.layout, array.shape
         if layout.spec.partial:
             raise UnsupportedError(
@@ -264,7 +264,7 @@ class MLXPrograms(MLXTranslator):
 
     def stop_gradient(self, x: Any) -> Any:
         local = x.local if isinstance(x, MLXArray) else x
-        stopped = _mx().stop_gradient(local)
+        stopped = import_mx().stop_gradient(local)
         return MLXArray(stopped, x.layout, x.shape) if isinstance(x, MLXArray) else stopped
 
     def model_state(self, model: Any) -> dict[str, Any] | None:
@@ -341,7 +341,7 @@ def tracer_probe() -> Any:
 @functools.cache
 def _all_reduce(op: str) -> Any:
     """``mx.distributed.all_sum`` (``all_max``, ``all_min``)."""
-    return getattr(_mx().distributed, "all_" + op)
+    return getattr(import_mx().distributed, "all_" + op)
 
 
 def _native_group(group: Any) -> Any:
@@ -404,7 +404,7 @@ def shard_linear(
         segments=segments,
         group=group.group if group.group is not None else native_mesh.world,
     )
-    _LAYERS.append(weakref.ref(layer))  # it holds the split group: released at exit too
+    LIVE_LAYERS.append(weakref.ref(layer))  # it holds the split group: released at exit too
     # the weight's global layout, which the layer itself does not record (for unimesh.save)
     layer._unimesh_layout = Layout(layout.mesh, PartitionSpec(*spec))
     layer._unimesh_segments = segments

@@ -20,8 +20,8 @@ from unimesh.spmd import ProcessBackend
 if TYPE_CHECKING:
     from .translate import AxisGroup
 
-_LIVE: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
-_LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but weakly referable
+LIVE_GROUPS: weakref.WeakSet[AxisGroup] = weakref.WeakSet()
+LIVE_LAYERS: list[weakref.ref[Any]] = []  # mlx Modules are dicts: unhashable, but weakly referable
 _REGISTERED = False
 _ENGINES: weakref.WeakSet[MLXRuntime] = weakref.WeakSet()  # their programs' pending results
 _CHECKS = [0]  # mesh checks so far (each a sign-in stage)
@@ -31,7 +31,7 @@ _STARTED: list[Any] = []  # the world group, once initialize() checked it
 _MX: Any = None
 
 
-def _mx() -> Any:
+def import_mx() -> Any:
     global _MX
     if _MX is None:
         import mlx.core as mx
@@ -52,7 +52,7 @@ def host_to_mx(value: Any) -> Any:
     turns float64 into float32 without a word; MLX's CPU holds float64, so it is kept (MLX's
     own float64 ``sin``/``exp`` are only float32-accurate: that is MLX's). A dtype MLX lacks
     (complex128, strings, objects) is a ConversionError naming it."""
-    mx = _mx()
+    mx = import_mx()
     host = np.asarray(value)
     name = str(host.dtype)
     if name == "bfloat16":  # ml_dtypes' bfloat16: the same bytes
@@ -68,7 +68,7 @@ def host_to_mx(value: Any) -> Any:
 def mx_to_host(x: Any) -> np.ndarray:
     """An ``mx.array`` as numpy of the same dtype (bfloat16 as ml_dtypes' bfloat16, over the
     same bytes: numpy has none of its own)."""
-    mx = _mx()
+    mx = import_mx()
     if x.dtype == mx.bfloat16:
         import ml_dtypes
 
@@ -81,9 +81,9 @@ def _release_groups() -> None:
     alive at MPI_Finalize makes every rank abort."""
     for engine in list(_ENGINES):
         engine.forget_pending()
-    for group in list(_LIVE):
+    for group in list(LIVE_GROUPS):
         group._group = None
-    for ref in _LAYERS:
+    for ref in LIVE_LAYERS:
         layer = ref()
         if layer is not None and "group" in vars(layer):
             vars(layer)["group"] = None
@@ -103,7 +103,7 @@ def _init_world() -> Any:
     registered after MLX's own, and exit hooks run last-registered first, so it runs before
     MPI is finalized."""
     global _REGISTERED
-    world = _mx().distributed.init()
+    world = import_mx().distributed.init()
     if not _REGISTERED:
         atexit.register(_release_groups)
         _REGISTERED = True
@@ -335,7 +335,7 @@ class MLXRuntime(ProcessBackend):
     def exchange(self, payload: bytes, timeout: float) -> list[bytes]:
         """``mx.distributed.all_gather`` of the lengths, then of the padded bytes, over the
         world group, under :func:`watchdog`."""
-        mx = _mx()
+        mx = import_mx()
         rank, world_size = self.initialize(timeout)
         if world_size == 1:
             return [payload]

@@ -22,7 +22,7 @@ from unimesh import (
 )
 from unimesh.messages import short
 
-from .runtime import _LIVE, MLXRuntime, _mx, host_to_mx, mx_to_host
+from .runtime import LIVE_GROUPS, MLXRuntime, host_to_mx, import_mx, mx_to_host
 
 
 class AxisGroup:
@@ -39,7 +39,7 @@ class AxisGroup:
         self.members = members
         self.world = world
         self._group = group
-        _LIVE.add(self)
+        LIVE_GROUPS.add(self)
 
     @property
     def emulated(self) -> bool:
@@ -57,14 +57,14 @@ class AxisGroup:
         return len(self.members)
 
     def _gathered(self, x: Any) -> Any:
-        mx = _mx()
+        mx = import_mx()
         every = mx.distributed.all_gather(mx.expand_dims(x, 0), group=self.world)
         return every[mx.array(list(self.members))]
 
     def _reduce(self, x: Any, collective: str, local: str) -> Any:
         """``mx.distributed.<collective>`` on the split group, or ``mx.<local>`` over the
         members' contributions gathered from the world group."""
-        mx = _mx()
+        mx = import_mx()
         if len(self.members) == 1:
             return x
         if self._group is not None:
@@ -82,7 +82,7 @@ class AxisGroup:
 
     def all_gather(self, x: Any) -> Any:
         """The members' arrays concatenated along axis 0, in the neutral member order."""
-        mx = _mx()
+        mx = import_mx()
         if len(self.members) == 1:
             return x
         if self._group is not None:
@@ -221,14 +221,14 @@ class MLXTranslator(MLXRuntime):
                 f"{mesh.size} python script.py (MPI) or mlx.launch -n {mesh.size} --backend ring "
                 "-- python script.py"
             )
-        return MLXMesh(mesh, world, _mx().default_device(), self)
+        return MLXMesh(mesh, world, import_mx().default_device(), self)
 
     def layout_to_native(self, layout: Layout, **options: Any) -> MLXLayout:
         """An :class:`MLXLayout`: which block of each global array this process holds."""
         return MLXLayout(self.mesh_to_native(layout.mesh, **options), layout)
 
     def from_native(self, obj: Any) -> Any:
-        mx = _mx()
+        mx = import_mx()
         if isinstance(obj, MLXMesh):
             return obj.mesh
         if isinstance(obj, MLXLayout):
@@ -258,7 +258,7 @@ class MLXTranslator(MLXRuntime):
     ) -> MLXArray:
         """An :class:`MLXArray` holding this process's block as it is (an ``mx.array`` is kept,
         anything else becomes one)."""
-        mx = _mx()
+        mx = import_mx()
         native = self.mesh_to_native(layout.mesh, **options)
         block = blocks[native.rank]
         local = block if isinstance(block, mx.array) else fresh(host_to_mx(block))
@@ -286,7 +286,7 @@ class MLXTranslator(MLXRuntime):
         and ``recv`` (:func:`_transport`)."""
         import math
 
-        mx = _mx()
+        mx = import_mx()
         packed = {q: mx.concatenate([p.reshape(-1) for p in ps]) for q, ps in sends.items()}
         totals = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
         got = _transport(self._world(), packed, totals, dtype)
@@ -317,7 +317,7 @@ class MLXTranslator(MLXRuntime):
         """An ``mx.custom_function`` whose gradient rule is the reverse move of the
         cotangents (every rank holds a block of every MLX mesh, so every rank that moved data
         forward runs it)."""
-        mx = _mx()
+        mx = import_mx()
         devices = sorted(blocks)
         if not devices:
             return dict(forward({}))
@@ -340,17 +340,17 @@ class MLXTranslator(MLXRuntime):
     def combine(self, op: str, a: Any, b: Any) -> Any:
         if op in ("sum", "avg"):
             return a + b if op == "sum" else a / b
-        return _mx().maximum(a, b) if op == "max" else _mx().minimum(a, b)
+        return import_mx().maximum(a, b) if op == "max" else import_mx().minimum(a, b)
 
     def import_block(self, block: Any, device_id: int | None) -> Any:
         """``mx.array`` of the block through DLPack: a copy (an ``mx.array`` owns its memory)."""
-        return _mx().array(block)
+        return import_mx().array(block)
 
     def concatenate(self, parts: Any, axis: int) -> Any:
-        return _mx().concatenate(list(parts), axis=axis)
+        return import_mx().concatenate(list(parts), axis=axis)
 
     def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        return _mx().zeros(shape, dtype=dtype)
+        return import_mx().zeros(shape, dtype=dtype)
 
     def native_code(self, mesh: Mesh) -> str:
         """``mx.distributed.init()`` and a ``world.split`` per mesh axis."""
@@ -412,7 +412,7 @@ class MLXTranslator(MLXRuntime):
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """This process's block times its rows of the weight, summed over the group of the
         axes that split the columns (``all_sum``), assembled whole."""
-        mx = _mx()
+        mx = import_mx()
         layout, shape = array.layout, array.shape
         cols = layout.shard_slices(shape, int(self._world().rank()))[1]
         partial = array.local @ mx.array(np.asarray(weight)[cols])
@@ -436,7 +436,7 @@ def _transport(
     MLX's ring backend links each rank to its neighbours only: there every rank learns the
     sizes of all messages (one small ``all_gather``) and each message is passed on from
     neighbour to neighbour, one hop at a time in an order all ranks share."""
-    mx = _mx()
+    mx = import_mx()
     me = int(group.rank())
     got: dict[int, Any] = {}
     if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:

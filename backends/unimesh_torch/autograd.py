@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from .runtime import _dist, _torch
+from .runtime import import_dist, import_torch
 
 __all__ = ["BLOCK", "LEAF", "NONE", "OPS", "VMA", "dtensor", "from_local_function",
            "move_function", "vjp_function", "vma_mode"]  # fmt: skip
@@ -23,7 +23,7 @@ NONE: frozenset[str] = frozenset()
 @functools.cache
 def vma_mode() -> Any:
     """The TorchFunctionMode class of :meth:`TorchBackend.vma_mode`."""
-    torch = _torch()
+    torch = import_torch()
     from torch.overrides import TorchFunctionMode
 
     tensor = torch.Tensor
@@ -117,16 +117,16 @@ def vma_mode() -> Any:
 
 
 OPS = {
-    "sum": lambda: _dist().ReduceOp.SUM,
-    "max": lambda: _dist().ReduceOp.MAX,
-    "min": lambda: _dist().ReduceOp.MIN,
+    "sum": lambda: import_dist().ReduceOp.SUM,
+    "max": lambda: import_dist().ReduceOp.MAX,
+    "min": lambda: import_dist().ReduceOp.MIN,
 }
 
 
 @functools.cache
 def vjp_function() -> Any:
     """One ``torch.autograd.Function`` running a forward and a backward given per call."""
-    torch = _torch()
+    torch = import_torch()
 
     class Vjp(torch.autograd.Function):  # type: ignore[name-defined,misc]
         @staticmethod
@@ -155,7 +155,7 @@ def from_local_function() -> Any:
     """``DTensor.from_local``'s autograd function for a spec built in advance: the gradient
     of the block is the cotangent's local tensor, laid out as the result (a Partial result's
     cotangent is made Replicate, as ``from_local`` does)."""
-    torch = _torch()
+    torch = import_torch()
     from torch.distributed.tensor import DTensor, Replicate
 
     class FromLocal(torch.autograd.Function):  # type: ignore[name-defined,misc]
@@ -180,7 +180,7 @@ def from_local_function() -> Any:
 @functools.cache
 def move_function() -> Any:
     """The ``torch.autograd.Function`` of a reshard's move (``move_with_gradient``)."""
-    torch = _torch()
+    torch = import_torch()
     from torch.autograd.function import once_differentiable
 
     class Move(torch.autograd.Function):  # type: ignore[misc,name-defined]
@@ -203,7 +203,7 @@ def move_function() -> Any:
         @once_differentiable  # the reverse move is not itself recorded: no double backward
         def backward(ctx: Any, *grads: Any) -> Any:
             devices, _, backward, box = ctx.meta
-            torch = _torch()
+            torch = import_torch()
             cts = {
                 d: g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
                 for d, g, (shape, dtype, device) in zip(box["out"], grads, ctx.shapes)

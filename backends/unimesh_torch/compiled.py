@@ -19,7 +19,7 @@ from typing import Any
 
 from unimesh import UnimeshError
 
-from .runtime import _torch
+from .runtime import import_torch
 
 __all__ = ["compile_step", "compiling", "funcol", "in_twin", "mark_entries", "program_entry",
            "real_mesh", "surfacing", "traced_permute"]  # fmt: skip
@@ -117,7 +117,7 @@ class _DynamoWatch:
 def _plain(x: Any, depth: int) -> bool:
     """Whether ``x`` is what a nonstrict_trace function takes: tensors, None, numbers and
     strings in dicts, lists and tuples (not namedtuples or other classes)."""
-    if isinstance(x, (_torch().Tensor, int, float, bool, str)) or x is None:
+    if isinstance(x, (import_torch().Tensor, int, float, bool, str)) or x is None:
         return True
     if depth > 50:
         return False
@@ -137,7 +137,7 @@ def compiling() -> bool:
     """Whether dynamo or aot_autograd traces this call: collectives are then torch's
     functional collectives (graph nodes naming their group by a string), not the c10d
     ones, which write in place into a tensor and carry the ProcessGroup object."""
-    return bool(_torch().compiler.is_compiling())
+    return bool(import_torch().compiler.is_compiling())
 
 
 def funcol() -> Any:
@@ -165,7 +165,7 @@ def program_entry(fn: Callable[..., Any]) -> Callable[..., Any]:
     at once if it is, else when ``torch._dynamo`` is imported (``_DynamoWatch``), by
     :func:`unimesh.compile` or at the first eager call after dynamo loads. Arguments
     nonstrict_trace refuses (a namedtuple) run the program eagerly (a graph break)."""
-    compiling = _torch().compiler.is_compiling
+    compiling = import_torch().compiler.is_compiling
     twin: list[Callable[..., Any]] = []
 
     def mark() -> None:
@@ -186,7 +186,7 @@ def program_entry(fn: Callable[..., Any]) -> Callable[..., Any]:
             twin.append(nonstrict_trace(traced))
             # arguments nonstrict_trace does not take: run eagerly, a clean graph break
             # (dynamo tracing the program's own Python fails and then skips its code)
-            twin.append(_torch().compiler.disable(fn))
+            twin.append(import_torch().compiler.disable(fn))
 
     def run(*args: Any) -> Any:
         if twin and compiling():
@@ -212,7 +212,7 @@ def compile_step(fn: Any, options: dict[str, Any]) -> Any:
     outside the graph, as torch.compile users take gradients (dynamo does not trace
     ``torch.autograd.grad``). Shapes are static unless ``dynamic`` is given (a program's
     blocks follow from its arguments' shapes)."""
-    torch = _torch()
+    torch = import_torch()
     mark_entries()
     # shapes specialize, as under jax.jit: a program's blocks and groups follow from them
     options = {"dynamic": False, **options}
@@ -242,5 +242,5 @@ def traced_permute(x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
     flat = collectives.permute_tensor(x.detach().contiguous().reshape(-1), src_dst, group.pg)
     out = flat.reshape(x.shape)
     if sources[group.members.index(group.rank)] is None:
-        return _torch().zeros_like(out)
+        return import_torch().zeros_like(out)
     return out

@@ -26,7 +26,7 @@ from torch.futures import Future
 from unimesh.checkpoint.reader import Checkpoint, open_checkpoint
 from unimesh.errors import CheckpointError
 
-from .translate import _from_host
+from .translate import from_host
 
 __all__ = ["CheckpointReader"]
 
@@ -113,7 +113,7 @@ class CheckpointReader(StorageReader):
             box = t.boxes[i]
             start = tuple(o + s for o, s in zip(box.offset, req.storage_offsets))
             stop = tuple(a + n for a, n in zip(start, req.lengths))
-            block = _from_host(ckpt.read_region(t, start, stop))
+            block = from_host(ckpt.read_region(t, start, stop))
             target = planner.resolve_tensor(req).detach()
             if tuple(target.shape) != tuple(block.shape):
                 raise CheckpointError(

@@ -25,7 +25,7 @@ from .autograd import (
     vma_mode,
 )
 from .compiled import compiling, funcol, real_mesh, traced_permute
-from .runtime import _dist, _torch
+from .runtime import import_dist, import_torch
 from .translate import TorchLayout, TorchTranslator, global_stride, to_host
 
 
@@ -44,13 +44,13 @@ class TorchPrograms(TorchTranslator):
         return x.detach()
 
     def process_index(self) -> int:
-        return int(_dist().get_rank())
+        return int(import_dist().get_rank())
 
     def world_group(self) -> Any:
-        return _TorchGroup(_dist().group.WORLD, tuple(range(_dist().get_world_size())))
+        return _TorchGroup(import_dist().group.WORLD, tuple(range(import_dist().get_world_size())))
 
     def group_cache_key(self) -> Any:
-        return _dist().group.WORLD
+        return import_dist().group.WORLD
 
     def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
         """The DeviceMesh's own group along ``axes`` (``get_group``; for several axes the
@@ -61,7 +61,7 @@ class TorchPrograms(TorchTranslator):
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            made: Any = _torch().compiler.disable(self._split_group)(mesh, axes, rows, row)
+            made: Any = import_torch().compiler.disable(self._split_group)(mesh, axes, rows, row)
         return made
 
     def _split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
@@ -76,25 +76,25 @@ class TorchPrograms(TorchTranslator):
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
         if compiling():
             return funcol().all_reduce(x.detach(), op, group.pg)
-        dist = _dist()
-        out = x.detach().clone(memory_format=_torch().contiguous_format)
+        dist = import_dist()
+        out = x.detach().clone(memory_format=import_torch().contiguous_format)
         dist.all_reduce(out, op=OPS[op](), group=group.pg)
         return out
 
     def group_all_gather(self, x: Any, group: Any) -> Any:
-        torch = _torch()
+        torch = import_torch()
         flat = x.detach().contiguous().reshape(-1)  # gloo gathers into one flat buffer
         if compiling():
             out = funcol().all_gather_tensor(flat, 0, group.pg).reshape((group.size, *x.shape))
             return out if group.order is None else out[group.order]
         out = torch.empty(group.size * flat.numel(), dtype=x.dtype, device=x.device)
-        dist = _dist()  # all_gather_into_tensor is deprecated from torch 2.13 on
+        dist = import_dist()  # all_gather_into_tensor is deprecated from torch 2.13 on
         getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=group.pg)
         out = out.reshape((group.size,) + tuple(x.shape))
         return out if group.order is None else out[group.order]
 
     def group_reduce_scatter(self, x: Any, group: Any) -> Any:
-        torch = _torch()
+        torch = import_torch()
         x = x.detach()
         if group.inverse is not None:
             x = x[group.inverse]
@@ -102,14 +102,14 @@ class TorchPrograms(TorchTranslator):
         if compiling():
             return funcol().reduce_scatter_tensor(flat, "sum", 0, group.pg).reshape(x.shape[1:])
         out = torch.empty(flat.numel() // group.size, dtype=x.dtype, device=x.device)
-        dist = _dist()  # reduce_scatter_tensor is deprecated from torch 2.13 on
+        dist = import_dist()  # reduce_scatter_tensor is deprecated from torch 2.13 on
         getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(
             out, flat, group=group.pg
         )
         return out.reshape(tuple(x.shape[1:]))
 
     def group_all_to_all(self, x: Any, group: Any) -> Any:
-        torch = _torch()
+        torch = import_torch()
         x = x.detach()
         if group.inverse is not None:
             x = x[group.inverse]
@@ -118,7 +118,7 @@ class TorchPrograms(TorchTranslator):
             out = funcol().all_to_all_single(x, None, None, group.pg)
             return out if group.order is None else out[group.order]
         out = torch.empty_like(x)
-        _dist().all_to_all_single(out, x, group=group.pg)
+        import_dist().all_to_all_single(out, x, group=group.pg)
         return out if group.order is None else out[group.order]
 
     def group_permute(self, x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
@@ -126,10 +126,10 @@ class TorchPrograms(TorchTranslator):
         (``batch_isend_irecv``; only the pairs of the permutation talk). While torch.compile
         traces, ``funcol.permute_tensor`` instead, which dynamo compiles (torch does not
         compile point-to-point ops)."""
-        torch = _torch()
+        torch = import_torch()
         if compiling():
             return traced_permute(x, group, sources)
-        dist = _dist()
+        dist = import_dist()
         peers = group.peers.get(sources)
         if peers is None:  # (whether it keeps its own, the rank it sends to, receives from)
             me = group.members.index(group.rank)
@@ -158,20 +158,20 @@ class TorchPrograms(TorchTranslator):
     def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
         if compiling():
             return funcol().broadcast(x.detach().contiguous(), group.members[root], group.pg)
-        out = x.detach().clone(memory_format=_torch().contiguous_format)
-        _dist().broadcast(out, src=group.members[root], group=group.pg)
+        out = x.detach().clone(memory_format=import_torch().contiguous_format)
+        import_dist().broadcast(out, src=group.members[root], group=group.pg)
         return out
 
     def as_array(self, value: Any) -> Any:
-        torch = _torch()
+        torch = import_torch()
         if isinstance(value, torch.Tensor):
             return value
         # numbers go where the collectives run: the GPU under NCCL
-        device = self._device_type(None) if _dist().is_initialized() else None
+        device = self._device_type(None) if import_dist().is_initialized() else None
         return torch.as_tensor(value, device=device)
 
     def moveaxis(self, x: Any, source: int, destination: int) -> Any:
-        return _torch().movedim(x, source, destination)
+        return import_torch().movedim(x, source, destination)
 
     def take(self, x: Any, index: list[int]) -> Any:
         return x[index]
@@ -183,13 +183,13 @@ class TorchPrograms(TorchTranslator):
         return x.sum(0, dtype=x.dtype)
 
     def zeros_like(self, x: Any) -> Any:
-        return _torch().zeros_like(x)
+        return import_torch().zeros_like(x)
 
     def to_host(self, x: Any) -> np.ndarray:
         return x.detach().cpu().numpy()  # type: ignore[no-any-return]
 
     def needs_grad(self, x: Any) -> bool:
-        return bool(x.requires_grad) and _torch().is_grad_enabled()
+        return bool(x.requires_grad) and import_torch().is_grad_enabled()
 
     def vma_mode(self, env: Any) -> Any:
         """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
@@ -201,7 +201,7 @@ class TorchPrograms(TorchTranslator):
         """Not while dynamo traces the program's Python (dynamo does not keep the tags the
         mode sets), but yes where aot_autograd traces it (``program_entry``): there it runs
         as Python, as in eager."""
-        return compiled.in_twin() or not _torch().compiler.is_compiling()
+        return compiled.in_twin() or not import_torch().compiler.is_compiling()
 
     def vma_of(self, x: Any) -> frozenset[str]:
         return getattr(x, VMA, NONE)
@@ -211,7 +211,7 @@ class TorchPrograms(TorchTranslator):
         return x
 
     def unwatched(self, fn: Any, x: Any, vma: frozenset[str] | None = None) -> Any:
-        with _torch()._C.DisableTorchFunction():
+        with import_torch()._C.DisableTorchFunction():
             out = fn(x)
         return out if vma is None else self.tag(out, vma)
 
@@ -223,7 +223,7 @@ class TorchPrograms(TorchTranslator):
         """A DTensor's local tensor (moved to ``layout`` first when it is laid out otherwise:
         by ``unimesh.reshard``, or under torch.compile by ``DTensor.redistribute``), or a
         global tensor (numpy and lists become tensors) for the engine to cut."""
-        torch = _torch()
+        torch = import_torch()
         from torch.distributed.tensor import DTensor
 
         if isinstance(arg, DTensor):
@@ -267,7 +267,7 @@ class TorchPrograms(TorchTranslator):
         """A DTensor of the layout's placements and the global shape: what
         ``DTensor.from_local(block, ..., run_check=False, shape=..., stride=...)`` makes, with
         its spec built once per (layout, shape, dtype) instead of per call."""
-        torch = _torch()
+        torch = import_torch()
 
         native = self._native_layout(layout)  # a new world empties the spec cache too
         if torch.compiler.is_compiling():  # what dynamo traces (a cached spec is guarded by id)
@@ -303,7 +303,7 @@ class TorchPrograms(TorchTranslator):
 
     def _native_layout(self, layout: Layout) -> TorchLayout:
         cache: dict[Layout, TorchLayout] = self._native_layouts
-        if self._world_group is not _dist().group.WORLD:  # a new world: rebuild everything
+        if self._world_group is not import_dist().group.WORLD:  # a new world: rebuild everything
             cache.clear()
             self._specs.clear()
         native = cache.get(layout)
@@ -330,7 +330,7 @@ class TorchPrograms(TorchTranslator):
         """
         import optree
 
-        torch = _torch()
+        torch = import_torch()
         from torch.distributed.tensor import DTensor
 
         def fresh_leaf(leaf: Any) -> tuple[Any, Any]:
@@ -411,14 +411,14 @@ class TorchPrograms(TorchTranslator):
 
     def param_paths(self, model: Any) -> list[tuple[str, tuple[int, ...]]]:
         """``named_parameters``' names and shapes."""
-        _module(_torch(), model)
+        _module(import_torch(), model)
         return [(path, tuple(p.shape)) for path, p in model.named_parameters()]
 
     def shard_params(self, model: Any, resolve: Any) -> Any:
         """Every parameter of an ``nn.Module`` becomes a DTensor parameter laid out as
         ``resolve(name, shape)`` says (names from ``named_parameters``; tied parameters stay
         tied). In place; returns the module."""
-        torch = _torch()
+        torch = import_torch()
         _module(torch, model)
         new: dict[int, Any] = {}
         for path, param in model.named_parameters():
@@ -434,7 +434,7 @@ class TorchPrograms(TorchTranslator):
     def model_state(self, model: Any) -> dict[str, Any] | None:
         """An ``nn.Module``'s state_dict: DTensors as they are (FSDP2 and TP layouts), plain
         tensors as numpy."""
-        torch = _torch()
+        torch = import_torch()
         if not isinstance(model, torch.nn.Module):
             return None
         from torch.distributed.tensor import DTensor
@@ -449,10 +449,10 @@ class TorchPrograms(TorchTranslator):
     def model_assign(self, model: Any, values: dict[str, Any]) -> None:
         """Copy each loaded value into the module's own parameter or buffer (shard by shard for
         a DTensor, in its layout)."""
-        torch = _torch()
+        torch = import_torch()
         from torch.distributed.tensor import DTensor
 
-        from .translate import _from_host
+        from .translate import from_host
 
         live = model.state_dict(keep_vars=True)
         with torch.no_grad():
@@ -461,7 +461,7 @@ class TorchPrograms(TorchTranslator):
                 if isinstance(into, DTensor):
                     into.to_local().copy_(value.to_local())
                 else:
-                    into.copy_(_from_host(value))
+                    into.copy_(from_host(value))
 
 
 def _module(torch: Any, model: Any) -> None:
@@ -482,12 +482,12 @@ class _TorchGroup:
         self.pg = pg
         self.members = members
         self.size = len(members)
-        self.ranks = tuple(int(r) for r in _dist().get_process_group_ranks(pg))
+        self.ranks = tuple(int(r) for r in import_dist().get_process_group_ranks(pg))
         if sorted(self.ranks) != sorted(members):  # pragma: no cover - a torch change
             raise MeshMismatchError(
                 f"torch's group has ranks {self.ranks}, unimesh expects {members}"
             )
-        self.rank = int(_dist().get_rank())
+        self.rank = int(import_dist().get_rank())
         self.peers: dict[tuple[int | None, ...], tuple[bool, int | None, int | None]] = {}
         if self.ranks == members:
             self.order: list[int] | None = None

@@ -12,7 +12,7 @@ from unimesh.messages import first_line, short
 from unimesh.spmd import ProcessBackend
 
 
-def _torch() -> Any:
+def import_torch() -> Any:
     import torch
 
     return torch
@@ -21,7 +21,7 @@ def _torch() -> Any:
 def _gather_texts(text: str, device: str) -> list[str]:
     """Every rank's ``text``, by fixed-size ``all_gather`` calls (gloo can abort at exit after
     ``all_gather_object``, so the byte strings travel padded to the longest one)."""
-    torch, dist = _torch(), _dist()
+    torch, dist = import_torch(), import_dist()
     world = dist.get_world_size()
     data = text.encode()
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
@@ -35,7 +35,7 @@ def _gather_texts(text: str, device: str) -> list[str]:
     return [bytes(t[: int(n.item())].tolist()).decode() for t, n in zip(every, sizes)]
 
 
-def _dist() -> Any:
+def import_dist() -> Any:
     import torch.distributed as dist
 
     return dist
@@ -44,7 +44,7 @@ def _dist() -> Any:
 _BROKEN = {"peer_gone": False}
 # held while a DeviceMesh is built or looked up: threads converting the same mesh at once get
 # one DeviceMesh, and its process groups are created once, in one order
-_BUILD_LOCK = threading.RLock()
+BUILD_LOCK = threading.RLock()
 
 
 _KEY = "unimesh"  # the store keys this backend writes: unimesh/joined/<rank>, unimesh/check/...
@@ -75,7 +75,7 @@ def _store(rank: int, world: int, timeout: float) -> Any:
     from datetime import timedelta
 
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = _dist().TCPStore(
+    store = import_dist().TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         world,
@@ -129,7 +129,7 @@ def _finish_process_group() -> None:
     The second barrier is queued only once that worker has let go of the first (it holds the
     queue's lock while it frees it) and starts with nothing in progress, so the work freed
     after it holds no tensors."""
-    dist = _dist()
+    dist = import_dist()
     if dist.is_initialized():
         if not _BROKEN["peer_gone"]:
             dist.barrier()
@@ -144,7 +144,7 @@ def _gpu_per_rank() -> int | None:
     ranks on one GPU, so four ranks on a one-GPU machine run on the CPU rather than fail."""
     import os
 
-    torch = _torch()
+    torch = import_torch()
     if not torch.cuda.is_available():
         return None
     return gpu_for_rank(
@@ -175,7 +175,7 @@ class TorchRuntime(ProcessBackend):
     _native_layouts: dict[Layout, Any]
 
     def _world(self) -> tuple[int, int]:
-        dist = _dist()
+        dist = import_dist()
         if not dist.is_available() or not dist.is_initialized():
             launcher = detect_launcher() if dist.is_available() else None
             if launcher is not None and launcher.name == "torchrun":
@@ -196,7 +196,7 @@ class TorchRuntime(ProcessBackend):
                     backend=self.name,
                 )
             return device_type
-        torch, dist = _torch(), _dist()
+        torch, dist = import_torch(), import_dist()
         pg_backend = str(dist.get_backend()).lower()
         if "nccl" in pg_backend and torch.cuda.is_available():
             return "cuda"
@@ -206,12 +206,12 @@ class TorchRuntime(ProcessBackend):
         """Before a collective group creation: every rank must be building the same mesh, or
         torch would hang. Raise MeshMismatchError on every rank instead (skipped under the fake
         process group, whose collectives carry no data)."""
-        dist = _dist()
+        dist = import_dist()
         if str(dist.get_backend()).lower() == "fake" or dist.get_world_size() == 1:
             return
         import hashlib
 
-        torch = _torch()
+        torch = import_torch()
         text = mesh.to_string()
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
         device = self._device_type(None)
@@ -256,7 +256,7 @@ class TorchRuntime(ProcessBackend):
         import os
         from datetime import timedelta
 
-        dist = _dist()
+        dist = import_dist()
         if launch is not None and not dist.is_initialized():
             address, procs, pid = launch
             if address is not None:
@@ -285,7 +285,7 @@ class TorchRuntime(ProcessBackend):
             gpu = _gpu_per_rank()
             kind = "gloo" if gpu is None else "cpu:gloo,cuda:nccl"
             if gpu is not None:
-                _torch().cuda.set_device(gpu)
+                import_torch().cuda.set_device(gpu)
             rank, world = _launch_numbers()
             try:
                 store = _store(rank, world, timeout)
@@ -316,7 +316,7 @@ class TorchRuntime(ProcessBackend):
         ``timeout`` instead of hanging), then fixed-size ``all_gather`` calls."""
         from datetime import timedelta
 
-        dist = _dist()
+        dist = import_dist()
         rank, world = self.initialize(timeout)
         if world == 1 or str(dist.get_backend()).lower() == "fake":
             return [payload] * world

@@ -24,7 +24,7 @@ from unimesh import (
 from unimesh.messages import short
 from unimesh.placements import from_torch_placement
 
-from .runtime import _BUILD_LOCK, _dist, _torch
+from .runtime import BUILD_LOCK, import_dist, import_torch
 from .transport import TorchTransport
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -89,8 +89,8 @@ class TorchTranslator(TorchTransport):
                 f"(torchrun --nproc-per-node {top + 1}) or use a smaller mesh"
             )
         dtype = self._device_type(device_type)
-        with _BUILD_LOCK:  # threads converting at once get one DeviceMesh, its groups made once
-            world_group = _dist().group.WORLD
+        with BUILD_LOCK:  # threads converting at once get one DeviceMesh, its groups made once
+            world_group = import_dist().group.WORLD
             if world_group is not self._world_group:
                 self._meshes.clear()
                 self._world_group = world_group
@@ -108,7 +108,7 @@ class TorchTranslator(TorchTransport):
                 from torch.distributed.device_mesh import DeviceMesh
 
                 self._agree(plain)
-                ids = _torch().from_numpy(plain.device_ids.astype(np.int32))
+                ids = import_torch().from_numpy(plain.device_ids.astype(np.int32))
                 native = DeviceMesh(
                     dtype, ids, mesh_dim_names=plain.axis_names, backend_override=override
                 )
@@ -170,7 +170,7 @@ class TorchTranslator(TorchTransport):
     def _check_pg_backend(self, name: str, axis: str) -> None:
         """A backend name torch can build a group with here (torch itself fails later, on
         every rank, with a bare assertion)."""
-        dist = _dist()
+        dist = import_dist()
         low = name.lower()
         available = getattr(dist, f"is_{low}_available", None)
         if low in ("gloo", "nccl", "mpi", "ucc", "xccl") and callable(available):
@@ -234,7 +234,7 @@ class TorchTranslator(TorchTransport):
     def _checked(
         self, native: Any, axes: tuple[str, ...], flat_name: str | None, target: Mesh, root: Mesh
     ) -> Any:
-        torch = _torch()
+        torch = import_torch()
         order = [root.axis_names.index(a) for a in axes]
         if order != sorted(order):
             raise UnsupportedError(
@@ -326,9 +326,9 @@ class TorchTranslator(TorchTransport):
     ) -> Any:
         """A DTensor (``torch.distributed.tensor.distribute_tensor``) whose local tensor on each
         rank is the reference block ``layout.shard_slices(shape, rank)``."""
-        torch = _torch()
+        torch = import_torch()
         if not torch.is_tensor(array):
-            array = _from_host(np.asarray(array))  # ml_dtypes' bfloat16 / float8 too
+            array = from_host(np.asarray(array))  # ml_dtypes' bfloat16 / float8 too
         if layout.spec.partial:
             raise UnsupportedError(
                 f"distribute() of a partial layout {layout.spec!r}: DTensor builds pending "
@@ -377,7 +377,7 @@ class TorchTranslator(TorchTransport):
         this rank's block (a tensor keeps its autograd graph; numpy is wrapped, not copied)."""
         from torch.distributed.tensor import DTensor
 
-        torch = _torch()
+        torch = import_torch()
         native = self.layout_to_native(layout, device_type=device_type, **options)
         rank, _ = self._world()
         block = blocks.get(rank)
@@ -391,7 +391,7 @@ class TorchTranslator(TorchTransport):
         elif isinstance(block, torch.Tensor):
             local = block
         else:
-            local = _from_host(np.asarray(block))
+            local = from_host(np.asarray(block))
         return DTensor.from_local(
             local,
             native.device_mesh,
@@ -406,14 +406,14 @@ class TorchTranslator(TorchTransport):
         if native_mesh.get_coordinate() is None:
             return {}
         group = native_mesh.get_group(axis)
-        return {_dist().get_rank(): tuple(_dist().get_process_group_ranks(group))}
+        return {import_dist().get_rank(): tuple(import_dist().get_process_group_ranks(group))}
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{rank: numpy block}``: this rank's local tensor of a DTensor (empty when the rank
         is outside its mesh)."""
         if array.device_mesh.get_coordinate() is None:
             return {}
-        return {_dist().get_rank(): to_host(array.to_local().detach().cpu())}
+        return {import_dist().get_rank(): to_host(array.to_local().detach().cpu())}
 
     # -- live reshard: unimesh.reshard's transport on torch.distributed ------------------------
     def native_code(self, mesh: Mesh) -> str:
@@ -464,7 +464,7 @@ class TorchTranslator(TorchTransport):
 
     def demo_compute(self, array: Any, weight: Any) -> Any:
         """DTensor matmul with a replicated weight, then ``full_tensor()``."""
-        torch = _torch()
+        torch = import_torch()
         from torch.distributed.tensor import Replicate, distribute_tensor
 
         device_mesh = array.device_mesh
@@ -504,14 +504,14 @@ def to_host(t: Any) -> np.ndarray:
     if name not in _ML_DTYPES:
         return t.numpy()  # type: ignore[no-any-return]
     ml = _ml_dtypes(name)
-    torch = _torch()
+    torch = import_torch()
     same = torch.int16 if t.element_size() == 2 else torch.uint8
     return t.contiguous().view(same).numpy().view(getattr(ml, name))  # type: ignore[no-any-return]
 
 
-def _from_host(a: np.ndarray) -> Any:
+def from_host(a: np.ndarray) -> Any:
     """numpy as a tensor; ml_dtypes' bfloat16 and float8 as torch's, over the same bytes."""
-    torch = _torch()
+    torch = import_torch()
     name = a.dtype.name
     if name not in _ML_DTYPES:
         return torch.as_tensor(a)
@@ -575,5 +575,5 @@ def axis_mesh(mesh: Mesh, axes: str | tuple[str, ...], *, device_type: str | Non
     be = unimesh.get_backend("torch")
     assert isinstance(be, TorchTranslator)
     be.mesh_to_native(mesh, device_type=device_type)
-    rank = _dist().get_rank()
+    rank = import_dist().get_rank()
     return be.mesh_to_native(mesh.submesh(axes, containing=rank), device_type=device_type)

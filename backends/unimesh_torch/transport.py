@@ -12,7 +12,7 @@ from typing import Any
 from unimesh import Layout, UnsupportedError
 
 from .autograd import move_function
-from .runtime import TorchRuntime, _dist, _torch
+from .runtime import TorchRuntime, import_dist, import_torch
 
 __all__ = ["TorchTransport"]
 
@@ -28,12 +28,12 @@ class TorchTransport(TorchRuntime):
         """``{rank: the DTensor's local tensor}`` (none when the rank is outside its mesh)."""
         if array.device_mesh.get_coordinate() is None:
             return {}
-        return {_dist().get_rank(): array.to_local()}
+        return {import_dist().get_rank(): array.to_local()}
 
     def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
         """One message per pair of ranks each way (the pieces for a rank packed into one
         buffer, as bytes), on the default process group: ``batch_isend_irecv``."""
-        torch = _torch()
+        torch = import_torch()
         if not sends and not receives:
             return {}
         device = torch.device(self._device_type(None))
@@ -54,7 +54,7 @@ class TorchTransport(TorchRuntime):
         so that a rank holding no source block (it only receives) runs the backward its
         senders wait for (``DTensor.to_local``'s backward fails on a rank outside the
         DTensor's mesh)."""
-        torch = _torch()
+        torch = import_torch()
         if not (getattr(like, "requires_grad", False) and torch.is_grad_enabled()):
             return dict(forward(blocks))
         devices = sorted(blocks)
@@ -68,7 +68,7 @@ class TorchTransport(TorchRuntime):
     def combine(self, op: str, a: Any, b: Any) -> Any:
         if op in ("sum", "avg"):
             return a + b if op == "sum" else a / b
-        return _torch().maximum(a, b) if op == "max" else _torch().minimum(a, b)
+        return import_torch().maximum(a, b) if op == "max" else import_torch().minimum(a, b)
 
     def export_block(self, block: Any) -> Any:
         """The block detached (DLPack carries no autograd; no gradient crosses frameworks)."""
@@ -76,15 +76,15 @@ class TorchTransport(TorchRuntime):
 
     def import_block(self, block: Any, device_id: int | None) -> Any:
         """``torch.from_dlpack``: the other framework's memory, shared (no copy)."""
-        return _torch().from_dlpack(block)
+        return import_torch().from_dlpack(block)
 
     def writable_block(self, dtype: Any, shape: tuple[int, ...], device_id: int) -> Any:
         """``torch.empty``: each piece is copied in as it arrives (no join, no waiting piece)."""
-        torch = _torch()
+        torch = import_torch()
         return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
 
     def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        torch = _torch()
+        torch = import_torch()
         return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
 
     def check_reshard(
@@ -93,7 +93,7 @@ class TorchTransport(TorchRuntime):
         """Under autograd, every rank that sends must hold a target block too: a rank outside
         the target mesh gets an empty result that no loss reaches, so it would never run the
         backward its peers wait for."""
-        torch = _torch()
+        torch = import_torch()
         if not (getattr(array, "requires_grad", False) and torch.is_grad_enabled()):
             return
         _no_gradient_of_max(self.name, source)
@@ -111,7 +111,7 @@ class TorchTransport(TorchRuntime):
             )
 
     def concatenate(self, parts: Any, axis: int) -> Any:
-        return _torch().cat(list(parts), dim=axis)
+        return import_torch().cat(list(parts), dim=axis)
 
 
 def _p2p(
@@ -119,7 +119,7 @@ def _p2p(
 ) -> dict[int, Any]:
     """Flat tensors to and from each peer rank (``incoming``: element counts), as bytes, in
     one ``batch_isend_irecv``."""
-    torch, dist = _torch(), _dist()
+    torch, dist = import_torch(), import_dist()
     itemsize = torch.empty(0, dtype=dtype).element_size()
     ops, inbox = [], {}
     for q in sorted(set(outgoing) | set(incoming)):

@@ -109,9 +109,9 @@ def arrays_of(framework: str, rank: int) -> dict[str, Any]:
         layout = Layout(mesh, specs[name])
         if framework == "torch":
             import torch
-            from unimesh_torch.translate import _from_host
+            from unimesh_torch.translate import from_host
 
-            full = _from_host(value) if value.dtype.name == "bfloat16" else torch.as_tensor(value)
+            full = from_host(value) if value.dtype.name == "bfloat16" else torch.as_tensor(value)
             arrays[name] = unimesh.distribute(full, layout, backend="torch")
         elif framework == "mlx":
             from unimesh_mlx.runtime import host_to_mx

@@ -136,7 +136,7 @@ def _seconds(seconds: float) -> str:
 
 
 @contextlib.contextmanager
-def _stderr_kept(kept: list[str]) -> Iterator[None]:
+def stderr_kept(kept: list[str]) -> Iterator[None]:
     """Send this process's file descriptor 2 to a file while the block runs (frameworks write
     their C++ log lines there, around Python), and append what was written to ``kept``."""
     sys.stderr.flush()
@@ -163,7 +163,7 @@ def _in_process_row(
     """The row of a backend run in this process; its time counts the framework's import
     (``imported`` seconds, spent before) as the launched rows count their launch."""
     t0 = time.perf_counter()
-    with _stderr_kept(log):
+    with stderr_kept(log):
         report = trial(backend, mesh, step)
     runs = f"1 ({report['count']} devices)" if "count" in report else "1"
     return _cells(backend.name, report, runs, imported + time.perf_counter() - t0)
@@ -333,7 +333,7 @@ def demo(args: argparse.Namespace) -> int:
                 progress.start_task(tasks[name])
                 progress.update(tasks[name], step=f"importing {plugins[name].framework}")
                 t0 = time.perf_counter()
-                with _stderr_kept(logs[name]), contextlib.suppress(ImportError, UnimeshError):
+                with stderr_kept(logs[name]), contextlib.suppress(ImportError, UnimeshError):
                     plugins[name].request_devices(max(8, mesh.size))  # its row says what failed
                 imported[name] = time.perf_counter() - t0
                 progress.stop_task(tasks[name])  # its clock waits with it

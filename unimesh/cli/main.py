@@ -184,11 +184,11 @@ def _convert(args: argparse.Namespace) -> int:
             f"{shlex.join([*launch[0], '-m', 'unimesh', *again])}; "
             "or add --code for the code to write"
         )
-    from .demo import _stderr_kept
+    from .demo import stderr_kept
 
     log: list[str] = []
     try:  # the frameworks' C++ log lines (TensorFlow's, XLA's) are kept unless it fails
-        with _stderr_kept(log):
+        with stderr_kept(log):
             if args.abstract:
                 native = to_native(mesh, backend, abstract=True)
             else:
