@@ -8,6 +8,19 @@ from __future__ import annotations
 
 from .backend import CAPABILITIES, CONCEPTS, FEATURES, LAYERS, Backend
 from .checkpoint import Checkpoint, SaveHandle, async_save, load, open_checkpoint, save
+from .collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pbroadcast,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    psum,
+    psum_scatter,
+)
 from .config import Config, load_config
 from .convert import distribute, from_local, from_native, layout_of, local_shards, to_native
 from .errors import (
@@ -28,25 +41,7 @@ from .errors import (
 from .layout import Layout
 from .mesh import Mesh, current_mesh
 from .mesh_utils import make_mesh
-from .parallel import (
-    all_gather,
-    all_to_all,
-    axis_index,
-    axis_size,
-    compile,
-    full_array,
-    grad,
-    pbroadcast,
-    pmax,
-    pmean,
-    pmin,
-    ppermute,
-    psum,
-    psum_scatter,
-    shard_map,
-    stop_gradient,
-    value_and_grad,
-)
+from .parallel import compile, full_array, grad, shard_map, stop_gradient, value_and_grad
 from .params import shard_params
 from .placements import Partial, Placement, Replicate, Shard, StridedShard
 from .registry import backends, get_backend, refresh_backends, register_backend, unregister_backend

@@ -1,17 +1,17 @@
 """``unimesh.reshard``: a live distributed array moved to another layout, on any mesh of the job's
 devices, moving only the bytes that must move.
 
-The move is a plan (:mod:`unimesh.moves`, pure arithmetic) handed to a transport: the backend's
-hooks of the ``reshard`` layer (:meth:`~unimesh.Backend.native_blocks`,
-:meth:`~unimesh.Backend.device_processes`, :meth:`~unimesh.Backend.exchange_pieces`,
-:meth:`~unimesh.Backend.place`, :meth:`~unimesh.Backend.concatenate`) and its ``from_local``.
+This module is the verb: trees and targets, every check before any byte moves, and the
+handoff of blocks between two frameworks (DLPack). The move itself is a plan
+(:mod:`unimesh.moves`, pure arithmetic) that :mod:`unimesh.transfer` carries out on the
+backend's hooks of the ``reshard`` layer, from its :meth:`~unimesh.Backend.native_blocks` to
+its ``from_local``.
 A backend may move an array its own compiled way where that is as cheap
 (:meth:`~unimesh.Backend.native_reshard`, JAX within one device set).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,8 +21,8 @@ from .backend import Backend
 from .errors import LayoutError, UnimeshError, UnsupportedError
 from .layout import Layout
 from .messages import short
-from .moves import Piece, plan, rounds, units
 from .rules import LayoutMap
+from .transfer import add_stats, device_ids, itemsize, move_blocks
 
 __all__ = ["reshard"]
 
@@ -105,7 +105,7 @@ def reshard(
         # the target on its framework, and its mesh on the job's devices, before any move
         placing_backend(to, "from_local", want, shape)
         to_native(want, to)
-        _itemsize(leaf)
+        itemsize(leaf)
         try:
             if to.name == be.name:
                 be.check_reshard(leaf, source, want, shape)
@@ -196,10 +196,6 @@ def _owner(leaf: Any) -> Backend | None:
         return None
 
 
-def _ids(*layouts: Layout) -> list[int]:
-    return sorted({d for lay in layouts for d in lay.mesh.device_ids.ravel().tolist()})
-
-
 def _moves_between_processes(be: Backend) -> bool:
     return type(be).exchange_pieces is not Backend.exchange_pieces or be.initialize(300.0)[1] == 1
 
@@ -214,13 +210,13 @@ def _check_handoff(
         to.import_block(None, None)  # its refusal, naming the backend
     there = _empty_there(be, to, leaf)
     theirs = there.dtype
-    if _itemsize(leaf) != _itemsize(there):
+    if itemsize(leaf) != itemsize(there):
         raise UnsupportedError(
             f"reshard() of {name} from {be.name} to {to.name}: its dtype {leaf.dtype} would "
             f"become {theirs} there, losing values; cast it first, or widen {to.name}'s types "
             "(JAX: jax.config.update('jax_enable_x64', True))"
         )
-    ids = _ids(source, target)
+    ids = device_ids(source, target)
     here, there = be.device_processes(ids), to.device_processes(ids)
     if here != there:
         bad = next(i for i, a, b in zip(ids, here, there) if a != b)
@@ -258,13 +254,13 @@ def _handoff(
     if moved is not None:  # in place already: every block crosses as it is
         blocks = cross(be.native_blocks(moved))
     elif _moves_between_processes(be):
-        blocks = cross(_moved(be, be.native_blocks(leaf), leaf, shape, source, target, stats))
+        blocks = cross(move_blocks(be, be.native_blocks(leaf), leaf, shape, source, target, stats))
     else:  # the blocks cross first, and the target's engine moves them
         held = cross(be.native_blocks(leaf))
         like = next(iter(held.values()), None)
         if like is None:
             like = _empty_there(be, to, leaf)
-        blocks = _moved(to, held, like, shape, source, target, stats)
+        blocks = move_blocks(to, held, like, shape, source, target, stats)
     return to.from_local(blocks, target, shape, dtype=_empty_there(be, to, leaf).dtype)
 
 
@@ -289,7 +285,7 @@ def _native(
     if native is None:
         return None
     moved, counted = native
-    _add(stats, counted)
+    add_stats(stats, counted)
     return moved
 
 
@@ -304,257 +300,5 @@ def _move(
     moved = _native(be, leaf, source, target, shape, stats)
     if moved is not None:
         return moved
-    out = _moved(be, be.native_blocks(leaf), leaf, shape, source, target, stats)
+    out = move_blocks(be, be.native_blocks(leaf), leaf, shape, source, target, stats)
     return be.from_local(out, target, shape, dtype=getattr(leaf, "dtype", None))
-
-
-def _moved(
-    be: Backend,
-    blocks: Mapping[int, Any],
-    like: Any,
-    shape: tuple[int, ...],
-    source: Layout,
-    target: Layout,
-    stats: dict[str, int] | None,
-) -> dict[int, Any]:
-    """This process's target blocks, on ``be``'s engine, from its source ``blocks`` (native
-    blocks of ``be``, of ``like``'s dtype), in the framework's autodiff where it records
-    (:meth:`~unimesh.Backend.move_with_gradient`): the gradient of the move is the reverse
-    move, the cotangent blocks resharded from ``target`` to ``source`` (a pending sum's
-    addends each get the whole cotangent, as the derivative of a sum says; an avg's, a
-    share)."""
-
-    kind = (like.dtype, _itemsize(like))  # not ``like``: autodiff keeps these closures
-
-    def forward(given: Mapping[int, Any]) -> dict[int, Any]:
-        return _plain(be, given, kind, shape, source, target, stats)
-
-    def backward(cotangents: Mapping[int, Any]) -> dict[int, Any]:
-        from .spec import PartitionSpec
-
-        ops = set(source.spec.partial.values())
-        if ops & {"max", "min"}:
-            raise UnsupportedError(
-                f"reshard() of {source!r}: the gradient of a pending {min(ops)} is not a "
-                "move; reduce it before the differentiated function",
-                backend=be.name,
-                capability="grad",
-            )
-        plain = Layout(source.mesh, PartitionSpec(*source.spec))
-        got = _plain(be, cotangents, kind, shape, target, plain, None)
-        if ops == {"avg"}:
-            n = math.prod(source.mesh.axis_size(a) for a in source.spec.partial)
-            got = {d: be.combine("avg", b, n) for d, b in got.items()}
-        return got
-
-    return be.move_with_gradient(blocks, forward, backward, like)
-
-
-def _plain(
-    be: Backend,
-    blocks: Mapping[int, Any],
-    kind: tuple[Any, int],
-    shape: tuple[int, ...],
-    source: Layout,
-    target: Layout,
-    stats: dict[str, int] | None,
-) -> dict[int, Any]:
-    """:func:`_moved` outside autodiff; ``kind``: the framework's dtype and its item size."""
-    ids = _ids(source, target)
-    process_of = np.zeros(max(ids) + 1, dtype=np.int64)
-    process_of[ids] = be.device_processes(ids)
-    me, _ = be.initialize(300.0)  # this process's index (the runtime is already up)
-    if not source.spec.partial:
-        return _blocks(be, blocks, source, target, shape, kind, process_of, me, stats)
-    # a pending reduction: each coordinate along the partial axes holds one addend of every
-    # block; each is moved as its own layout, then reduced on the target devices
-    (op,) = set(source.spec.partial.values())
-    parts = [
-        _blocks(be, {d: b for d, b in blocks.items() if d in addend.mesh.device_ids},
-                addend, target, shape, kind, process_of, me, stats)
-        for addend in _addends(source)
-    ]  # fmt: skip
-    out = {}
-    for t in parts[0]:
-        total = parts[0][t]
-        for more in parts[1:]:
-            total = be.combine("max" if op == "max" else "min" if op == "min" else "sum",
-                               total, more[t])  # fmt: skip
-        out[t] = be.combine("avg", total, len(parts)) if op == "avg" else total
-    return out
-
-
-def _addends(source: Layout) -> list[Layout]:
-    """A partial layout as one plain layout per coordinate along its partial axes, each over
-    the devices at that coordinate."""
-    from .mesh import Mesh
-    from .spec import PartitionSpec
-
-    mesh = source.mesh
-    axes = list(source.spec.partial)
-    keep = [a for a in mesh.axis_names if a not in axes]
-    spec = PartitionSpec(*source.spec)
-    out = []
-    for at in np.ndindex(*(mesh.axis_size(a) for a in axes)):
-        index = tuple(at[axes.index(a)] if a in axes else slice(None) for a in mesh.axis_names)
-        ids = np.asarray(mesh.device_ids)[index]
-        if keep:
-            sub = Mesh(tuple(mesh.axis_size(a) for a in keep), tuple(keep), device_ids=ids)
-        else:
-            sub = Mesh((1,), ("_addend",), device_ids=[int(ids)])
-        out.append(Layout(sub, spec))
-    return out
-
-
-def _blocks(
-    be: Backend,
-    blocks: Mapping[int, Any],
-    source: Layout,
-    target: Layout,
-    shape: tuple[int, ...],
-    kind: tuple[Any, int],
-    process_of: np.ndarray,
-    me: int,
-    stats: dict[str, int] | None,
-) -> dict[int, Any]:
-    """This process's target blocks, from its ``blocks`` laid out as ``source`` (``kind``:
-    their dtype and item size): the plan's pieces cut, exchanged and joined."""
-    dtype, itemsize = kind
-    the_plan = plan(source, target, shape, itemsize, process_of, me)
-    origin: dict[int, tuple[int, ...]] = {}
-    if blocks:
-        s_lo, _ = source.shard_bounds(shape, sorted(blocks))
-        origin = {d: tuple(s_lo[i].tolist()) for i, d in enumerate(sorted(blocks))}
-
-    def cut(device: int, start: tuple[int, ...], stop: tuple[int, ...]) -> Any:
-        o = origin[device]
-        return blocks[device][tuple(slice(a - b, c - b) for a, b, c in zip(start, o, stop))]
-
-    data: dict[int, Any] = {}
-    # target blocks the framework lets the core write into as pieces arrive (torch): no join
-    sinks: dict[int, Any] = {}
-    local = {id(p) for p in the_plan.local}
-    for t, (bounds, pieces) in the_plan.blocks.items():
-        if t in the_plan.kept or not pieces:
-            continue
-        size = tuple(b[-1] - b[0] for b in bounds)
-        block = be.writable_block(dtype, size, t)
-        if block is not None:
-            sinks[t] = block
-            for p in pieces:
-                if id(p) in local:  # held here: written now
-                    _write(block, bounds, p, be.place(cut(p.source, p.start, p.stop), t))
-    budget, count = rounds(source, target, shape, itemsize, process_of)
-    # per round, per peer: (piece, its rows to move) to send, and to receive
-    send_at: dict[int, dict[int, list[Piece]]] = {}
-    take_at: dict[int, dict[int, list[tuple[Piece, Piece]]]] = {}
-    for q, ps in the_plan.send.items():
-        for i, lo, hi, r in units(ps, itemsize, budget):
-            send_at.setdefault(r, {}).setdefault(q, []).append(_rows(ps[i], lo, hi))
-    for q, ps in the_plan.receive.items():
-        for i, lo, hi, r in units(ps, itemsize, budget):
-            take_at.setdefault(r, {}).setdefault(q, []).append((ps[i], _rows(ps[i], lo, hi)))
-    parts: dict[int, list[Any]] = {}
-    for r in range(count):  # every process makes the same calls (a transport may need it)
-        outgoing = {q: [cut(p.source, p.start, p.stop) for p in ps]
-                    for q, ps in send_at.get(r, {}).items()}  # fmt: skip
-        wanted = take_at.get(r, {})
-        shapes = {q: [run.shape for _, run in runs] for q, runs in wanted.items()}
-        got = be.exchange_pieces(outgoing, shapes, dtype)
-        del outgoing
-        for q, runs in wanted.items():
-            for (whole, run), arr in zip(runs, got[q]):
-                for t in whole.devices:
-                    if t in sinks:
-                        _write(sinks[t], the_plan.blocks[t][0], run, be.place(arr, t))
-                if any(t not in sinks for t in whole.devices):
-                    parts.setdefault(id(whole), []).append(arr)
-        del got
-    for key, arrs in parts.items():  # a piece cut into runs of rows is joined again
-        data[key] = arrs[0] if len(arrs) == 1 else be.concatenate(arrs, 0)
-    out = {}
-    for t, (bounds, pieces) in the_plan.blocks.items():
-        if t in the_plan.kept:
-            out[t] = blocks[t]
-        elif t in sinks:
-            out[t] = sinks[t]
-        else:
-            out[t] = _assemble(be, t, bounds, pieces, data, cut, dtype)
-    _add(stats, the_plan.stats())
-    return out
-
-
-def _write(block: Any, bounds: tuple[tuple[int, ...], ...], piece: Piece, arr: Any) -> None:
-    """``arr`` (the box of ``piece``) written into the target ``block`` whose per-dim
-    segment bounds are ``bounds``."""
-    index = tuple(slice(a - b[0], c - b[0]) for a, c, b in zip(piece.start, piece.stop, bounds))
-    block[index] = arr
-
-
-def _rows(piece: Piece, lo: int, hi: int) -> Piece:
-    """Rows ``lo:hi`` of ``piece`` (along its first dim; a 0-d piece whole)."""
-    if not piece.start or (lo == 0 and hi == piece.shape[0]):
-        return piece
-    start = (piece.start[0] + lo, *piece.start[1:])
-    stop = (piece.start[0] + hi, *piece.stop[1:])
-    return Piece(start, stop, piece.source, piece.devices)
-
-
-def _assemble(
-    be: Backend,
-    device: int,
-    bounds: tuple[tuple[int, ...], ...],
-    pieces: list[Any],
-    data: dict[int, Any],
-    cut: Any,
-    dtype: Any,
-) -> Any:
-    """The target block of ``device``: its pieces, put on it and joined in grid order."""
-    grid = [len(b) - 1 for b in bounds]
-    if not pieces:  # an empty block (this process may hold no block to take a dtype from)
-        shape = tuple(max(b[-1] - b[0], 0) if len(b) > 1 else 0 for b in bounds)
-        return be.place(be.empty_block(dtype, shape), device)
-    parts = []
-    for p in pieces:
-        arr = data[id(p)] if id(p) in data else cut(p.source, p.start, p.stop)
-        parts.append(be.place(arr, device))
-
-    def join(items: list[Any], dim: int) -> Any:
-        if dim == len(grid):
-            return items[0]
-        step = math.prod(grid[dim + 1 :])
-        rows = [join(items[i * step : (i + 1) * step], dim + 1) for i in range(grid[dim])]
-        return rows[0] if len(rows) == 1 else be.concatenate(rows, dim)
-
-    return join(parts, 0)
-
-
-def _add(stats: dict[str, int] | None, counted: Mapping[str, int]) -> None:
-    if stats is None:
-        return
-    for key in ("bytes_sent", "bytes_received", "bytes_copied"):
-        stats[key] = stats.get(key, 0) + int(counted.get(key, 0))
-
-
-def _itemsize(leaf: Any) -> int:
-    """Bytes per element of a framework's array: numpy's and torch's ``dtype.itemsize``,
-    TensorFlow's and MLX's ``dtype.size``, a dtype's name (Keras) through numpy."""
-    dtype = getattr(leaf, "dtype", None)
-    for name in ("itemsize", "size"):
-        size = getattr(dtype, name, None)
-        if isinstance(size, int) and size > 0:
-            return size
-    try:
-        return int(np.dtype(dtype).itemsize)
-    except TypeError:
-        pass
-    text = str(dtype).rsplit(".", 1)[-1]
-    try:
-        return int(np.dtype(text).itemsize)
-    except TypeError:
-        if text == "bfloat16":
-            return 2
-        raise LayoutError(
-            f"reshard() cannot tell the element size of dtype {dtype!r}; cast the array to a "
-            "numeric dtype numpy knows (float32, bfloat16, int64, bool, ...)"
-        ) from None

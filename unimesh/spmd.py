@@ -11,8 +11,9 @@ groups a framework cannot split (emulated over the world), and the gradient rule
 The engine's floor plan: this module holds the contract a per-process backend implements
 (:class:`ProcessBackend`) and runs a program (its blocks in, its results out);
 :mod:`unimesh.groups` holds the groups and the collectives on them (no gradient knowledge);
-:mod:`unimesh.vjp` the collectives with JAX's gradient rules, one class per rule set
-(``check_vma`` or not, chosen once per backend); :mod:`unimesh.checked` the checked mode.
+:mod:`unimesh.vjp` the collectives with their gradients (what both rule sets share) and
+:mod:`unimesh.vma` JAX's two rule sets, one class each (``check_vma`` or not, chosen once per
+backend); :mod:`unimesh.checked` the checked mode.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from .groups import Group, GroupComm
 from .layout import Layout
 from .mesh import Mesh
 from .program import Body, Program, SpecTree
-from .vjp import CheckVmaEnv, NoCheckVmaEnv, ProcessAxisEnv
+from .vjp import ProcessAxisEnv
+from .vma import CheckVmaEnv, NoCheckVmaEnv
 
 __all__ = ["ENGINE_REQUIRED", "PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
 
@@ -73,7 +75,7 @@ class ProcessBackend(Backend):
     #: primitives of :data:`PRIMITIVES` this backend implements; the engine builds the others
     native_primitives: ClassVar[frozenset[str]] = frozenset({"all_reduce", "all_gather"})
     #: whether :meth:`vma_mode` can watch the function's operations: JAX's check_vma rules
-    #: (:class:`unimesh.vjp.CheckVmaEnv`) instead of check_vma=False's
+    #: (:class:`unimesh.vma.CheckVmaEnv`) instead of check_vma=False's
     check_vma: ClassVar[bool] = False
     #: whether collectives run when their result is evaluated rather than when called (MLX):
     #: the engine then chains them (each one's input depends on the previous one's result), so

@@ -1,29 +1,15 @@
-"""The per-process engine's axis collectives with their gradient rules: JAX's two rule sets,
-one class each, chosen once per backend (``ProcessBackend.check_vma``).
+"""The per-process engine's axis collectives, each with its gradient: :class:`ProcessAxisEnv`,
+the base of JAX's two rule sets (:mod:`unimesh.vma`: ``check_vma=False`` and ``check_vma=True``),
+of which a backend is given one (``ProcessBackend.check_vma``).
 
-Gradients follow the global function the program computes:
-
-- :class:`CheckVmaEnv` (JAX's ``check_vma=True``), where the backend can watch every operation
-  the function runs (torch's ``TorchFunctionMode``): each value carries its ``vma``, the axes
-  along which it varies; where an invariant value meets a varying one, the engine inserts
-  ``pvary`` (identity forward, psum backward), so ``psum`` transposes to nothing, inputs need
-  no boundary reduction and an output must be invariant along the axes its spec leaves out
-  (checked, as JAX does);
-- :class:`NoCheckVmaEnv` (JAX's ``check_vma=False``) elsewhere (MLX has no such hook): every
-  collective transposes to its adjoint collective (``psum`` to ``psum``, ``all_gather`` to
-  ``psum_scatter``, ``all_to_all`` to the reverse ``all_to_all``, ``ppermute`` to the inverse
-  permutation, ``pbroadcast`` to a sum at the source); an input replicated over some axes gets
-  its gradient summed over them; an output replicated over some axes counts once (its
-  cotangent is divided by their size).
-
-Both give the numbers of ``jax.grad``; the check_vma rules move no more bytes than JAX. The
+The base holds what both share: the groups, the forward of every collective (the
 communication itself is :class:`~unimesh.groups.GroupComm`'s; checked mode is
-:func:`unimesh.checked.agree`.
+:func:`unimesh.checked.agree`), the custom-vjp cache, how an input enters a program and a
+result leaves it. A rule set overrides where the gradient differs.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,18 +25,18 @@ from .spec import PartitionSpec
 if TYPE_CHECKING:
     from .spmd import ProcessBackend
 
-__all__ = ["CheckVmaEnv", "NoCheckVmaEnv", "ProcessAxisEnv"]
+__all__ = ["Fn", "ProcessAxisEnv", "replicated_axes", "same"]
 
 Fn = Callable[[Any], Any]
 #: values that are not a framework's array: numbers, sequences and numpy
 _HOST_VALUES = (int, float, complex, list, tuple, np.ndarray, np.generic)
 
 
-def _same(v: Any) -> Any:
+def same(v: Any) -> Any:
     return v
 
 
-def _replicated_axes(layout: Layout) -> tuple[str, ...]:
+def replicated_axes(layout: Layout) -> tuple[str, ...]:
     """Mesh axes of size > 1 along which ``layout`` says the value is the same."""
     used = set(layout.spec.axes()) | set(layout.spec.partial)
     return tuple(
@@ -261,7 +247,7 @@ class ProcessAxisEnv(AxisEnv):
             )
             used = set(layout.spec.axes()) | set(layout.spec.partial)
             plan = self._in[layout] = (
-                _replicated_axes(layout),
+                replicated_axes(layout),
                 sharded,
                 frozenset(a for a in self.mesh.axis_names if a in used),
             )
@@ -343,204 +329,3 @@ class ProcessAxisEnv(AxisEnv):
     def _plain(self, fn: Fn, x: Any) -> Any:
         """``fn(x)``, run as the engine's own operation (the rule set says how)."""
         return fn(x)
-
-
-class NoCheckVmaEnv(ProcessAxisEnv):
-    """JAX's ``check_vma=False`` rules: every collective transposes to its adjoint; inputs
-    replicated over some axes sum their gradient over them; a replicated output counts once."""
-
-    check_vma = False
-
-    def __init__(self, be: ProcessBackend, comm: GroupComm) -> None:
-        super().__init__(be, comm)
-        self._out: dict[Layout, int] = {}
-
-    def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
-        x = self._array(x)
-        if not self.be.needs_grad(x):
-            return fwd(x)
-        return self._vjp(key, fwd, bwd)(x)
-
-    def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
-        fwd = self._reduction(axes, op)
-        if op == "sum":
-            comm, g = self.comm, self.comm.group(axes)
-            back: Fn = lambda ct: comm.all_reduce(ct, g, "sum")  # noqa: E731
-            key = ("psum", axes)
-        else:
-            back, key = self._no_derivative("p" + op, axes), ("p" + op, axes)
-        return lambda x: self._collective(key, x, axes, fwd, back)
-
-    def _all_gather(
-        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
-    ) -> Any:
-        comm = self.comm
-        return self._collective(
-            ("all_gather", axes, dim, tiled),
-            x,
-            axes,
-            lambda v: comm.all_gather_dim(v, axes, dim, tiled),
-            lambda ct: comm.reduce_scatter_dim(ct, axes, dim, tiled),
-        )
-
-    def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
-        comm, be = self.comm, self.be
-        g = comm.group(axes)
-
-        def back(ct: Any) -> Any:
-            total = comm.all_reduce(ct, g, "sum")
-            return total if g.index == source else be.after(be.zeros_like(total), total)
-
-        return self._collective(
-            ("pbroadcast", axes, source), x, axes, lambda v: comm.broadcast(v, g, source), back
-        )
-
-    def _edge(self, arg: Any, layout: Layout) -> Any:
-        replicated, _, _ = self._input_plan(layout)
-        block, distributed = self._block(arg, layout, replicated)
-        if not distributed or not replicated or not self.be.needs_grad(block):
-            return block
-        comm = self.comm
-        # identity; the gradient summed over the axes it is replicated on
-        edge = self._vjp(
-            ("replicated", replicated),
-            _same,
-            lambda ct: comm.all_reduce(ct, comm.group(replicated), "sum"),
-        )
-        return edge(block)
-
-    def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
-        """A result block; replicated over some axes, it counts once in the gradient."""
-        block = self.be.as_array(block)
-        copies = self._out.get(layout)
-        if copies is None:
-            copies = self._out[layout] = math.prod(
-                self.mesh.axis_size(a) for a in _replicated_axes(layout)
-            )
-        if copies == 1 or not self.be.needs_grad(block):
-            return block
-        # identity; the result counts once in the gradient
-        return self._vjp(("leave", copies), _same, lambda ct: ct / copies)(block)
-
-
-class CheckVmaEnv(ProcessAxisEnv):
-    """JAX's ``check_vma=True`` rules: values carry their ``vma`` (the backend tags them,
-    ``vma_mode``), ``pvary`` goes where an invariant value meets a varying one, ``psum``
-    transposes to nothing, and a result must be invariant along the axes its spec omits."""
-
-    check_vma = True
-
-    def pvary(self, x: Any, axes: frozenset[str] | set[str]) -> Any:
-        """``x`` as an operand varying along ``axes`` too (identity forward; the backward sums
-        the cotangent over them). Its callers tag the results they make from it, so over axes
-        of size 1 (nothing to sum) it is ``x`` itself, no graph node."""
-        ordered = self._mesh_order(axes)
-        if self.size(ordered) == 1:
-            return x
-        be, comm = self.be, self.comm
-        x = self._array(x)
-        vma = be.vma_of(x) | frozenset(ordered)
-        g = comm.group(ordered)
-        fn: Fn = _same
-        if be.needs_grad(x):
-            fn = self._vjp(("pvary", ordered), _same, lambda ct: comm.all_reduce(ct, g, "sum"))
-        return be.unwatched(fn, x, vma)
-
-    def _typed(
-        self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn, invariant: bool
-    ) -> Any:
-        """``fwd(x)`` with ``bwd`` as its transpose: the input made varying along ``axes``
-        (pvary where it is not); the result invariant along them (``invariant``) or varying.
-        Four crossings into the backend for a psum: vma_of, needs_grad, unwatched, and the
-        primitive."""
-        be = self.be
-        x = self._array(x)
-        have = be.vma_of(x)
-        grad = be.needs_grad(x)
-        missing = set(axes) - have
-        if missing:
-            if grad:
-                x = self.pvary(x, missing)
-            have = have | missing
-        vma = have - set(axes) if invariant else have
-        return be.unwatched(self._vjp(key, fwd, bwd) if grad else fwd, x, vma)
-
-    def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
-        return self._typed(key, x, axes, fwd, bwd, False)
-
-    def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
-        fwd = self._reduction(axes, op)
-        # the cotangent of an invariant result is whole: nothing to move
-        back = _same if op == "sum" else self._no_derivative("p" + op, axes)
-        key = ("t" + op, axes)
-        return lambda x: self._typed(key, x, axes, fwd, back, True)
-
-    def _all_gather(
-        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
-    ) -> Any:
-        comm = self.comm
-
-        def fwd(v: Any) -> Any:
-            return comm.all_gather_dim(v, axes, dim, tiled)
-
-        if invariant:
-            return self._typed(
-                ("ag_inv", axes, dim, tiled),
-                x,
-                axes,
-                fwd,
-                lambda ct: comm.own_block(ct, axes, dim, tiled),
-                True,
-            )
-        return self._typed(
-            ("all_gather", axes, dim, tiled),
-            x,
-            axes,
-            fwd,
-            lambda ct: comm.reduce_scatter_dim(ct, axes, dim, tiled),
-            False,
-        )
-
-    def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
-        comm, be = self.comm, self.be
-        g = comm.group(axes)
-        # the cotangent is whole on every device: the source keeps it
-        return self._typed(
-            ("pbroadcast", axes, source),
-            x,
-            axes,
-            lambda v: comm.broadcast(v, g, source),
-            lambda ct: ct if g.index == source else be.zeros_like(ct),
-            True,
-        )
-
-    def axis_index(self, axes: tuple[str, ...]) -> Any:
-        """An array tagged as varying along ``axes``."""
-        return self.be.tag(self.be.as_array(super().axis_index(axes)), frozenset(axes))
-
-    def _edge(self, arg: Any, layout: Layout) -> Any:
-        block, _ = self._block(arg, layout, ())
-        return self.be.tag(block, self._input_plan(layout)[2])
-
-    def _plain(self, fn: Fn, x: Any) -> Any:
-        return self.be.unwatched(fn, x)
-
-    def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
-        """A result block; it must not vary along the axes its out_spec omits (JAX's check)."""
-        block = self.be.as_array(block)
-        varies = self.be.vma_of(block) & set(_replicated_axes(layout))
-        if varies:
-            axes = self._mesh_order(varies)
-            raise LayoutError(
-                f"result {index} of the program varies along {axes} (it differs between "
-                f"devices there), but its out_spec {layout.spec!r} says it is the same "
-                f"along them: reduce it over {axes} (psum, pmean, all_gather with "
-                "to='invarying') or name the axes in the out_spec"
-            )
-        # an axis the out_spec names but the value is invariant along: the result holds one
-        # copy per device there, each counted in the gradient (JAX's implicit pvary at the
-        # boundary: its backward sums the copies' cotangents)
-        fans = self._input_plan(layout)[2] - self.be.vma_of(block)
-        if fans and self.be.needs_grad(block):
-            block = self.pvary(block, fans)
-        return block
