@@ -456,12 +456,13 @@ def test_the_contract_table_names_every_hook_once_and_nothing_else():
     no hook is named twice, and ``LAYERS`` and the engine's required set are read off it."""
     from unimesh.backend import HELPERS, HOOKS, LAYERS, Backend
     from unimesh.spmd import ENGINE_REQUIRED, ProcessBackend
+    from unimesh.transport import Transport
 
     names = [h.name for h in HOOKS]
     assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]
     public = {
         n
-        for cls in (Backend, ProcessBackend)
+        for cls in (Backend, Transport, ProcessBackend)
         for n, v in vars(cls).items()
         if not n.startswith("_") and (callable(v) or isinstance(v, (property, classmethod)))
     }
@@ -474,7 +475,7 @@ def test_the_contract_table_names_every_hook_once_and_nothing_else():
             h.required == "yes" or h.required == "no" or h.required.startswith(("with ", "lazy"))
         ), h
         owner = ProcessBackend if h.layer == "engine" else Backend
-        assert h.name in vars(owner) or h.name in vars(Backend), h
+        assert h.name in vars(owner) or h.name in vars(Backend) or h.name in vars(Transport), h
     for layer in LAYERS:
         assert sorted(layer.all_hooks) == sorted(h.name for h in HOOKS if h.layer == layer.name)
     assert (

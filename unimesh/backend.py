@@ -23,7 +23,7 @@ from the hooks the class implements, and a backend declares only its :attr:`Back
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .contract import (
@@ -36,10 +36,12 @@ from .contract import (
     LAYERS,
     Hook,
     Layer,
+    derive_capabilities,
+    problems,
 )
-from .contract import capability_hooks as _CAPABILITY_HOOKS
 from .contract import hook_capability as _HOOK_CAPABILITY
 from .errors import UnsupportedError
+from .transport import Transport
 
 if TYPE_CHECKING:
     from .launchers import LauncherSign
@@ -62,7 +64,7 @@ __all__ = [
 ]
 
 
-class Backend:
+class Backend(Transport):
     """Base class of a unimesh backend.
 
     The smallest backend sets :attr:`name` and :attr:`framework` and implements
@@ -127,14 +129,7 @@ class Backend:
         if "capabilities" in cls.__dict__:
             # written by hand: registration refuses it with the fix (contract_problems)
             type.__setattr__(cls, "_hand_written_capabilities", cls.__dict__["capabilities"])
-        caps = {
-            cap
-            for cap, hooks in _CAPABILITY_HOOKS.items()
-            if all(cls.implements(hook) for hook in hooks)
-        }
-        caps |= set(cls.features)
-        caps |= {cap for cap, (_, needs) in DERIVED.items() if caps.issuperset(needs)}
-        cls.capabilities = frozenset(caps)
+        cls.capabilities = derive_capabilities(cls.implements, cls.features)
 
     @classmethod
     def implements(cls, hook: str) -> bool:
@@ -159,45 +154,13 @@ class Backend:
     @classmethod
     def contract_problems(cls) -> list[str]:
         """What this class gets wrong about the contract (checked when it is registered), each
-        with its fix; empty when nothing."""
-        problems: list[str] = []
-        hand = cls.__dict__.get("_hand_written_capabilities")
-        if hand is not None:
-            problems.append(
-                f"sets capabilities={sorted(hand)} by hand: capabilities follow from the hooks "
-                "it implements; declare only `features` (some of "
-                f"{sorted(FEATURES)})"
-            )
-        for hook in ("mesh_to_native", "from_native"):
-            if not cls.implements(hook):
-                problems.append(f"implements no {hook}: the translator layer is required")
-        for cap, hooks in _CAPABILITY_HOOKS.items():
-            done = [h for h in hooks if cls.implements(h)]
-            if done and len(done) < len(hooks):
-                missing = [h for h in hooks if h not in done]
-                problems.append(
-                    f"implements {', '.join(done)} but not {', '.join(missing)}: "
-                    f"{cap!r} needs all of {', '.join(hooks)}"
-                )
-        unknown = sorted(set(cls.features) - set(FEATURES))
-        if unknown:
-            problems.append(
-                f"declares unknown features {unknown}; known features are {sorted(FEATURES)}"
-            )
-        for feature in sorted(set(cls.features) & set(FEATURES)):
-            needs = FEATURES[feature][1]
-            if needs == "initialize+exchange":
-                if not (cls.implements("initialize") and cls.implements("exchange")):
-                    problems.append(
-                        f"declares {feature!r} but implements no initialize and exchange "
-                        "(the runtime layer)"
-                    )
-            elif needs not in cls.capabilities:
-                problems.append(
-                    f"declares {feature!r}, a refinement of {needs!r}, which it does not "
-                    f"implement ({', '.join(_CAPABILITY_HOOKS[needs])})"
-                )
-        return problems
+        with its fix; empty when nothing (:func:`unimesh.contract.problems`)."""
+        return problems(
+            cls.implements,
+            cls.features,
+            cls.capabilities,
+            cls.__dict__.get("_hand_written_capabilities"),
+        )
 
     # -- facts, answered without importing the framework ----------------------------------------
     @property
@@ -478,123 +441,7 @@ class Backend:
         demo."""
         return None
 
-    # -- live reshard (unimesh.reshard): the transport a plan of unimesh.moves is handed to --
-    def device_processes(self, device_ids: Sequence[int]) -> list[int]:
-        """The process index of each logical device id. Default: one process holds them all."""
-        return [0] * len(device_ids)
-
-    def native_blocks(self, array: Any) -> dict[int, Any]:
-        """This process's blocks of a native distributed array, ``{device id: native block}``,
-        each on its device (no copy). Default: :meth:`local_shards` (numpy copies)."""
-        return self.local_shards(array)
-
-    def exchange_pieces(
-        self,
-        sends: Mapping[int, Sequence[Any]],
-        receives: Mapping[int, Sequence[tuple[int, ...]]],
-        dtype: Any,
-    ) -> dict[int, list[Any]]:
-        """Send ``sends[q]`` (native pieces, in order) to process ``q`` and receive
-        ``receives[q]`` (pieces of these shapes, of the framework's ``dtype``) from each
-        ``q``, on the framework's own transport; every process calls it with the matching
-        lists. Default: one process, nothing to exchange."""
-        if sends or receives:
-            raise UnsupportedError(
-                f"the {self.name} backend moves no data between processes; reshard within "
-                "this process's devices",
-                backend=self.name,
-                capability="multi_process",
-            )
-        return {}
-
-    def move_with_gradient(
-        self,
-        blocks: Mapping[int, Any],
-        forward: Callable[[Mapping[int, Any]], dict[int, Any]],
-        backward: Callable[[Mapping[int, Any]], dict[int, Any]],
-        like: Any,
-    ) -> dict[int, Any]:
-        """``forward(blocks)`` (this process's target blocks from its source ``blocks``), as
-        one step of the framework's autodiff where it records one: given the cotangents of
-        the target blocks, ``backward`` gives those of the source blocks (it moves data too,
-        so every process that took part in the forward must run it). ``like`` is the array
-        moved. Default: ``forward(blocks)``, outside any autodiff."""
-        return forward(blocks)
-
-    def place(self, piece: Any, device_id: int) -> Any:
-        """``piece`` on logical device ``device_id`` (a copy only where it lives elsewhere).
-        Default: as it is (one device per process)."""
-        return piece
-
-    def concatenate(self, parts: Sequence[Any], axis: int) -> Any:
-        """The framework's concatenate of native ``parts`` along ``axis``."""
-        import numpy as np
-
-        return np.concatenate(parts, axis=axis)
-
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        """Two native blocks reduced elementwise: ``sum``, ``max`` or ``min``; or ``avg``:
-        ``a`` divided by the count ``b`` (a partial source reduced on the way)."""
-        import numpy as np
-
-        if op == "avg":
-            return a / b
-        return a + b if op == "sum" else np.maximum(a, b) if op == "max" else np.minimum(a, b)
-
-    def writable_block(self, dtype: Any, shape: tuple[int, ...], device_id: int) -> Any:
-        """A new block of ``shape`` on the device that the core fills by item assignment
-        (``block[index] = piece``) as pieces arrive, so that no piece waits to be joined;
-        None (the default) for a framework whose arrays are immutable (the pieces are joined
-        with :meth:`concatenate` once all are there)."""
-        return None
-
-    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        """A block of ``shape`` (with a zero dim) of the framework's ``dtype``."""
-        import numpy as np
-
-        return np.empty(shape, dtype=np.dtype(dtype))
-
-    def export_block(self, block: Any) -> Any:
-        """A native block as another framework takes it (a DLPack producer): no gradient
-        crosses frameworks. Default: as it is."""
-        return block
-
-    def import_block(self, block: Any, device_id: int | None) -> Any:
-        """Another framework's block (a DLPack producer, from its :meth:`export_block`) as
-        this framework's, on logical device ``device_id`` (None: wherever it is; for its
-        dtype): no copy where DLPack can share the memory. Default: refused (the backend
-        takes no other framework's arrays)."""
-        raise UnsupportedError(
-            f"the {self.name} backend takes no other framework's arrays, so reshard(..., "
-            f"backend={self.name!r}) cannot hand it one; reshard on the array's own framework, "
-            "or go through unimesh.save and unimesh.load",
-            backend=self.name,
-            capability="reshard",
-        )
-
-    def check_reshard(
-        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
-    ) -> None:
-        """Refuse (``UnsupportedError``) a move this backend cannot make, before any array of
-        the call moves. Default: a move between processes needs :meth:`exchange_pieces`."""
-        if type(self).exchange_pieces is Backend.exchange_pieces and self.initialize(300.0)[1] > 1:
-            raise UnsupportedError(
-                f"the {self.name} backend moves no data between processes, so it cannot "
-                f"reshard {source!r} -> {target!r} across its {self.initialize(300.0)[1]} "
-                "processes; save and load through a checkpoint instead",
-                backend=self.name,
-                capability="multi_process",
-            )
-
-    def native_reshard(
-        self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
-    ) -> tuple[Any, dict[str, int]] | None:
-        """The framework's own move of ``array`` to ``target`` where it is as cheap as the
-        plan (JAX within one device set), with the bytes it moved; None to follow the plan.
-        ``source`` None: an array of this framework whose layout only its tracer knows (a JAX
-        tracer under ``jit`` or ``grad``); return it moved by the framework's own
-        differentiable verb, or None where it is a plain tensor that ``distribute`` lays out."""
-        return None
+    # -- live reshard: the transport hooks are :class:`unimesh.transport.Transport`'s ---------
 
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         """For each of this process's devices in the native mesh, the members of its

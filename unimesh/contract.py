@@ -6,6 +6,7 @@ capability promises (:data:`CAPABILITIES`) and the concepts a backend maps to na
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 __all__ = [
@@ -19,7 +20,9 @@ __all__ = [
     "Hook",
     "Layer",
     "capability_hooks",
+    "derive_capabilities",
     "hook_capability",
+    "problems",
 ]
 
 
@@ -234,6 +237,64 @@ capability_hooks: dict[str, tuple[str, ...]] = {
 hook_capability: dict[str, str] = {
     hook: cap for cap, hooks in capability_hooks.items() for hook in hooks
 }
+
+
+def derive_capabilities(
+    implements: Callable[[str], bool], features: Iterable[str]
+) -> frozenset[str]:
+    """A backend class's capabilities: each hook capability whose hooks it all implements,
+    its declared ``features``, and each derived capability whose needs those cover."""
+    caps = {cap for cap, hooks in capability_hooks.items() if all(map(implements, hooks))}
+    caps |= set(features)
+    caps |= {cap for cap, (_, needs) in DERIVED.items() if caps.issuperset(needs)}
+    return frozenset(caps)
+
+
+def problems(
+    implements: Callable[[str], bool],
+    features: Iterable[str],
+    capabilities: frozenset[str],
+    hand_written: Iterable[str] | None = None,
+) -> list[str]:
+    """What a backend class gets wrong about the contract, each with its fix: capabilities
+    written by hand, a missing required hook, a capability half implemented, a feature unknown
+    or without what it refines. ``implements(hook)``: whether the class overrides it."""
+    found: list[str] = []
+    if hand_written is not None:
+        found.append(
+            f"sets capabilities={sorted(hand_written)} by hand: capabilities follow from the "
+            f"hooks it implements; declare only `features` (some of {sorted(FEATURES)})"
+        )
+    for hook in ("mesh_to_native", "from_native"):
+        if not implements(hook):
+            found.append(f"implements no {hook}: the translator layer is required")
+    for cap, hooks in capability_hooks.items():
+        done = [h for h in hooks if implements(h)]
+        if done and len(done) < len(hooks):
+            missing = [h for h in hooks if h not in done]
+            found.append(
+                f"implements {', '.join(done)} but not {', '.join(missing)}: "
+                f"{cap!r} needs all of {', '.join(hooks)}"
+            )
+    declared = set(features)
+    unknown = sorted(declared - set(FEATURES))
+    if unknown:
+        found.append(f"declares unknown features {unknown}; known features are {sorted(FEATURES)}")
+    for feature in sorted(declared & set(FEATURES)):
+        needs = FEATURES[feature][1]
+        if needs == "initialize+exchange":
+            if not (implements("initialize") and implements("exchange")):
+                found.append(
+                    f"declares {feature!r} but implements no initialize and exchange "
+                    "(the runtime layer)"
+                )
+        elif needs not in capabilities:
+            found.append(
+                f"declares {feature!r}, a refinement of {needs!r}, which it does not "
+                f"implement ({', '.join(capability_hooks[needs])})"
+            )
+    return found
+
 
 #: The concepts a backend maps to native APIs (:attr:`Backend.native_api`), with the neutral API
 #: of each; the docs' cross-framework table is generated from these declarations.

@@ -10,16 +10,12 @@ from typing import Any
 import numpy as np
 
 from ._validate import (
-    MAX_DEVICES,
     as_tuple,
     check_axis_name,
-    check_axis_type,
     check_int,
-    check_ndim,
-    check_size,
     fail,
 )
-from .mesh_input import ids_array, is_arange, resolve_sizes
+from .mesh_input import check_mesh_dict, is_arange, mesh_fields, mesh_json, resolve_sizes
 from .messages import close_match, short
 
 __all__ = ["Mesh", "current_mesh"]
@@ -27,8 +23,6 @@ __all__ = ["Mesh", "current_mesh"]
 _CURRENT: contextvars.ContextVar[tuple[Mesh, ...]] = contextvars.ContextVar(
     "unimesh_current_mesh", default=()
 )
-
-_DICT_KEYS = ("axis_names", "shape", "device_ids", "axis_types", "devices_per_process")
 
 
 def current_mesh() -> Mesh | None:
@@ -70,48 +64,9 @@ class Mesh:
         axis_types: Sequence[str] | None = None,
         devices_per_process: int | None = None,
     ) -> None:
-        shape_t = tuple(
-            check_int(s, f"mesh shape entry {short(s)}", minimum=1)
-            for s in as_tuple(shape, "mesh shape")
+        shape_t, names, ids, types, dpp = mesh_fields(
+            shape, axis_names, device_ids, axis_types, devices_per_process
         )
-        if not shape_t:
-            fail("a mesh needs at least one axis; got shape ()")
-        check_ndim(len(shape_t))
-        names = tuple(check_axis_name(n) for n in as_tuple(axis_names, "axis_names"))
-        if len(names) != len(shape_t):
-            fail(
-                f"axis_names {names} has {len(names)} names but shape {shape_t} has "
-                f"{len(shape_t)} axes; give one name per axis"
-            )
-        seen: set[str] = set()
-        for name in names:  # linear, and the message stays short for 20,000 names
-            if name in seen:
-                fail(
-                    f"axis name {name!r} appears more than once in {short(names)}; axis names "
-                    "must be distinct"
-                )
-            seen.add(name)
-        check_size(shape_t)
-        ids: np.ndarray | None = None
-        if device_ids is not None:
-            ids = ids_array(device_ids, shape_t)
-            if is_arange(ids.ravel()):
-                ids = None  # the default order: keep it implicit (O(1) and equal by value)
-            else:
-                ids.flags.writeable = False
-        types: tuple[str, ...] | None = None
-        if axis_types is not None:
-            raw = as_tuple(axis_types, "axis_types")
-            if len(raw) != len(shape_t):
-                fail(f"axis_types {short(raw)} has {len(raw)} entries for {len(shape_t)} axes")
-            types = tuple(
-                check_axis_type(t, f"axis_types entry for {n!r}") for t, n in zip(raw, names)
-            )
-        dpp = None
-        if devices_per_process is not None:
-            dpp = check_int(
-                devices_per_process, "devices_per_process", minimum=1, maximum=MAX_DEVICES
-            )
         set_ = object.__setattr__
         set_(self, "_shape", shape_t)
         set_(self, "_names", names)
@@ -612,22 +567,9 @@ class Mesh:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Mesh:
         """Rebuild a mesh from :meth:`to_dict`'s output."""
-        if not isinstance(d, Mapping):
-            fail(f"Mesh.from_dict() takes a dict, got {short(d)} ({type(d).__name__})")
-        unknown = [k for k in d if k not in _DICT_KEYS]
-        if unknown:
-            fail(f"unknown mesh field {short(unknown[0])}; valid fields are {_DICT_KEYS}")
-        for key in ("axis_names", "shape"):
-            if key not in d:
-                fail(f"mesh dict {short(dict(d))} lacks the required field {key!r}")
-        shape = d["shape"]
-        if isinstance(shape, (list, tuple)):
-            # bound the size before device_ids (possibly huge nested lists) is turned into an array
-            check_size(
-                tuple(check_int(s, f"mesh shape entry {short(s)}", minimum=1) for s in shape)
-            )
+        check_mesh_dict(d)
         return cls(
-            shape,
+            d["shape"],
             d["axis_names"],
             d.get("device_ids"),
             axis_types=d.get("axis_types"),
@@ -643,21 +585,7 @@ class Mesh:
     @classmethod
     def from_json(cls, s: str | bytes) -> Mesh:
         """Rebuild a mesh from :meth:`to_json`'s output (plain JSON; nothing is evaluated)."""
-        import json
-
-        if not isinstance(s, (str, bytes, bytearray)):
-            fail(f"Mesh.from_json() takes a str, got {short(s)} ({type(s).__name__})")
-        if isinstance(s, str) and len(s) > 1 << 16:
-            from ._text import json_ids_fast
-
-            fast = json_ids_fast(s)
-            if fast is not None:
-                return cls.from_dict(fast)
-        try:
-            d = json.loads(s)
-        except (ValueError, RecursionError, UnicodeDecodeError) as exc:
-            fail(f"not valid mesh JSON: {short(s)} ({exc})")
-        return cls.from_dict(d)
+        return cls.from_dict(mesh_json(s))
 
     def to_string(self) -> str:
         """The short text form, e.g. ``dp=2,tp=4`` (plus ``;ids=...``, ``;types=...``,

@@ -1,18 +1,39 @@
-"""Reading a mesh's input as a person gives it: device ids as nested lists, numpy arrays or
-ranges (checked for shape, nesting depth, integer type and range before numpy sees them, so
-hostile input is refused by name), and axis sizes with one -1 to infer. No framework."""
+"""Reading a mesh's input as a person gives it, each bad value refused by name: the
+:class:`~unimesh.Mesh` constructor's arguments, its dict and JSON forms, device ids as nested
+lists, numpy arrays or ranges (checked for shape, nesting depth, integer type and range before
+numpy sees them, so hostile input fails fast), and axis sizes with one -1 to infer. No
+framework."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from ._validate import check_axis_name, check_int, check_size, fail
+from ._validate import (
+    MAX_DEVICES,
+    as_tuple,
+    check_axis_name,
+    check_axis_type,
+    check_int,
+    check_ndim,
+    check_size,
+    fail,
+)
 from .messages import short
 
-__all__ = ["check_nesting", "ids_array", "is_arange", "resolve_sizes"]
+__all__ = [
+    "DICT_KEYS",
+    "check_mesh_dict",
+    "check_nesting",
+    "ids_array",
+    "is_arange",
+    "mesh_fields",
+    "mesh_json",
+    "resolve_sizes",
+]
 
 
 def check_nesting(value: object, shape: tuple[int, ...], depth: int = 0) -> None:
@@ -176,3 +197,94 @@ def resolve_sizes(axes: Mapping[str, object], total: int | None, what: str) -> d
         )
     check_size(tuple(out.values()))
     return out
+
+
+#: the fields of :meth:`Mesh.to_dict`
+DICT_KEYS = ("axis_names", "shape", "device_ids", "axis_types", "devices_per_process")
+
+
+def mesh_fields(
+    shape: object,
+    axis_names: object,
+    device_ids: object,
+    axis_types: object,
+    devices_per_process: object,
+) -> tuple[tuple[int, ...], tuple[str, ...], np.ndarray | None, tuple[str, ...] | None, int | None]:
+    """:class:`~unimesh.Mesh`'s arguments checked, each refused by name: (shape, names, ids
+    or None for the default order, axis types or None, devices per process or None)."""
+    shape_t = tuple(
+        check_int(s, f"mesh shape entry {short(s)}", minimum=1)
+        for s in as_tuple(shape, "mesh shape")
+    )
+    if not shape_t:
+        fail("a mesh needs at least one axis; got shape ()")
+    check_ndim(len(shape_t))
+    names = tuple(check_axis_name(n) for n in as_tuple(axis_names, "axis_names"))
+    if len(names) != len(shape_t):
+        fail(
+            f"axis_names {names} has {len(names)} names but shape {shape_t} has "
+            f"{len(shape_t)} axes; give one name per axis"
+        )
+    seen: set[str] = set()
+    for name in names:  # linear, and the message stays short for 20,000 names
+        if name in seen:
+            fail(
+                f"axis name {name!r} appears more than once in {short(names)}; axis names "
+                "must be distinct"
+            )
+        seen.add(name)
+    check_size(shape_t)
+    ids: np.ndarray | None = None
+    if device_ids is not None:
+        ids = ids_array(device_ids, shape_t)
+        if is_arange(ids.ravel()):
+            ids = None  # the default order: keep it implicit (O(1) and equal by value)
+        else:
+            ids.flags.writeable = False
+    types: tuple[str, ...] | None = None
+    if axis_types is not None:
+        raw = as_tuple(axis_types, "axis_types")
+        if len(raw) != len(shape_t):
+            fail(f"axis_types {short(raw)} has {len(raw)} entries for {len(shape_t)} axes")
+        types = tuple(check_axis_type(t, f"axis_types entry for {n!r}") for t, n in zip(raw, names))
+    dpp = None
+    if devices_per_process is not None:
+        dpp = check_int(devices_per_process, "devices_per_process", minimum=1, maximum=MAX_DEVICES)
+    return shape_t, names, ids, types, dpp
+
+
+def check_mesh_dict(d: object) -> None:
+    """Refuse what :meth:`Mesh.from_dict` cannot read, before a huge ``device_ids`` is
+    turned into an array: not a dict, unknown or missing fields, a shape too large."""
+    if not isinstance(d, Mapping):
+        fail(f"Mesh.from_dict() takes a dict, got {short(d)} ({type(d).__name__})")
+    unknown = [k for k in d if k not in DICT_KEYS]
+    if unknown:
+        fail(f"unknown mesh field {short(unknown[0])}; valid fields are {DICT_KEYS}")
+    for key in ("axis_names", "shape"):
+        if key not in d:
+            fail(f"mesh dict {short(dict(d))} lacks the required field {key!r}")
+    shape = d["shape"]
+    if isinstance(shape, (list, tuple)):
+        # bound the size before device_ids (possibly huge nested lists) is turned into an array
+        check_size(tuple(check_int(s, f"mesh shape entry {short(s)}", minimum=1) for s in shape))
+
+
+def mesh_json(s: object) -> Any:
+    """The dict in :meth:`Mesh.to_json`'s text (plain JSON; nothing is evaluated), refused by
+    name when it is not JSON; a long text of plain ids is read by a fast path."""
+    import json
+
+    if not isinstance(s, (str, bytes, bytearray)):
+        fail(f"Mesh.from_json() takes a str, got {short(s)} ({type(s).__name__})")
+    if isinstance(s, str) and len(s) > 1 << 16:
+        from ._text import json_ids_fast
+
+        fast = json_ids_fast(s)
+        if fast is not None:
+            return fast
+    try:
+        d = json.loads(s)
+    except (ValueError, RecursionError, UnicodeDecodeError) as exc:
+        fail(f"not valid mesh JSON: {short(s)} ({exc})")
+    return d
