@@ -212,7 +212,7 @@ def _backend_names() -> set[str]:
 
 #: modules that read files a framework writes: the strings there are that file format's
 #: names (the Python module paths inside torch DCP's pickles), not a backend chosen by name
-FILE_FORMATS = {"unimesh/checkpoint/dcp.py"}
+FILE_FORMATS = {"unimesh/checkpoint/dcp.py", "unimesh/checkpoint/pickles.py"}
 
 
 def test_the_core_names_no_backend():

@@ -1,12 +1,9 @@
 """torch Distributed Checkpoint (DCP) directories, read with neither torch nor a pickle that
-runs: ``.metadata`` goes through an unpickler that admits only DCP's metadata classes (each
-becomes an inert record of its pickled state) and plain values, and refuses any other class
-with a :class:`CheckpointError` naming it. Each tensor chunk in a ``__R_I.distcp`` file is a
-``torch.save`` zip archive; its storage is a stored (uncompressed) zip record, located here
-from the archive's directory and the record's local header, so that a block is read as byte
-runs like any other saved box. The chunk's own ``data.pkl`` (a tensor's rebuild call) is read
-by a second restricted unpickler that admits only ``torch._utils._rebuild_tensor_v2`` and the
-storage types.
+runs: ``.metadata`` and each chunk's ``data.pkl`` go through the restricted unpicklers of
+:mod:`.pickles`. Each tensor chunk in a ``__R_I.distcp`` file is a ``torch.save`` zip
+archive; its storage is a stored (uncompressed) zip record, located here from the archive's
+directory and the record's local header, so that a block is read as byte runs like any other
+saved box.
 
 The files ``HuggingFaceStorageWriter`` writes are read in :mod:`.huggingface`."""
 
@@ -15,244 +12,20 @@ from __future__ import annotations
 import io
 import math
 import os
-import pickle
-import pickletools
 import struct
 import zipfile
-from collections import OrderedDict
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from ..errors import CheckpointError
 from ..messages import short
 from .format import DTYPES, MAX_HEADER, Box, Tensor, check_file_name, check_ints, check_tiling
+from .pickles import MAX_PICKLE, DType, Record, load_chunk, load_metadata, torch_dtype_name
 
-__all__ = ["METADATA", "read_dcp", "torch_dtype_name"]
+__all__ = ["METADATA", "read_dcp"]
 
 #: the metadata file torch's FileSystemWriter writes last
 METADATA = ".metadata"
-
-_DCP_META = "torch.distributed.checkpoint.metadata"
-_DCP_FS = "torch.distributed.checkpoint.filesystem"
-
-#: torch dtype names (as pickled: ``torch.float32``) -> checkpoint dtype names
-_TORCH_DTYPES = {name: name for name in DTYPES} | {
-    "float": "float32",
-    "double": "float64",
-    "half": "float16",
-    "long": "int64",
-    "int": "int32",
-    "short": "int16",
-}
-#: torch's typed storage classes (a chunk's data.pkl) -> checkpoint dtype names
-_STORAGES = {
-    "FloatStorage": "float32",
-    "DoubleStorage": "float64",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "Float8_e4m3fnStorage": "float8_e4m3fn",
-    "Float8_e5m2Storage": "float8_e5m2",
-}
-_MAX_PICKLE = 1 << 20  # a chunk's data.pkl: one rebuild call, a few hundred bytes
-
-
-def torch_dtype_name(name: str) -> str:
-    """The checkpoint dtype name of a torch dtype's name (``float32``, ``bfloat16``, ...)."""
-    found = _TORCH_DTYPES.get(name)
-    if found is None:
-        raise CheckpointError(
-            f"torch dtype {name!r} has no checkpoint equivalent; readable: {', '.join(DTYPES)}"
-        )
-    return found
-
-
-# -- the restricted unpicklers ---------------------------------------------------------------------
-class _Record:
-    """An inert stand-in for one of DCP's classes: its pickled state, nothing else."""
-
-    kind = "?"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.state: Any = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def get(self, field: str, position: int | None = None) -> Any:
-        """A field of the state: by name (a dict state) or by position (a tuple state)."""
-        state = getattr(self, "state", None)
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], dict):
-            state = state[0]  # (dict, slots) as pickle's default for slotted classes
-        if isinstance(state, dict):
-            return state.get(field)
-        if isinstance(state, tuple) and position is not None and position < len(state):
-            return state[position]
-        return None
-
-
-_RECORDS: dict[str, type[_Record]] = {}
-
-
-def _record(kind: str) -> type[_Record]:
-    found = _RECORDS.get(kind)
-    if found is None:
-        found = _RECORDS[kind] = type(kind, (_Record,), {"kind": kind, "__slots__": ()})
-    return found
-
-
-class _DType(str):
-    """A torch dtype as pickled (``torch.float32``): its name."""
-
-
-def _size(values: Any = ()) -> tuple[int, ...]:
-    out = tuple(values)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
-        raise CheckpointError(f"a torch.Size of non-integers: {short(out)}")
-    return out
-
-
-def _text(*parts: Any) -> str:
-    if not all(isinstance(p, str) for p in parts):
-        raise CheckpointError(f"a path of non-strings: {short(parts)}")
-    return "/".join(parts)
-
-
-def _same(value: Any) -> Any:
-    return value
-
-
-_META_CLASSES = {
-    (_DCP_META, name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-    )
-} | {(_DCP_FS, "_StorageInfo"), ("torch.distributed.checkpoint._hf_utils", "_HFStorageInfo")}
-_META_CALLS: dict[tuple[str, str], Any] = {
-    ("torch", "Size"): _size,
-    ("torch.serialization", "_get_layout"): _same,  # _get_layout('torch.strided')
-    (_DCP_META, "_MEM_FORMAT_ENCODING"): _same,  # an Enum called with its value
-    ("collections", "OrderedDict"): OrderedDict,
-    **{("pathlib", name): _text for name in
-       ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")},
-}  # fmt: skip
-
-
-class _Refusing(pickle.Unpickler):
-    """An unpickler that admits only the globals of ``calls`` (each replaced by an inert
-    function) and ``classes`` (each an inert record); anything else is refused, naming it."""
-
-    calls: ClassVar[dict[tuple[str, str], Any]] = {}
-    classes: ClassVar[set[tuple[str, str]]] = set()
-    where = ""
-
-    def find_class(self, module: str, name: str) -> Any:
-        key = (module, name)
-        if key in self.classes:
-            return _record(name)
-        found = self.calls.get(key)
-        if found is not None:
-            return found
-        if module == "torch" and name in _TORCH_DTYPES:
-            return _DType(name)
-        raise CheckpointError(
-            f"{self.where} asks for {short(module + '.' + name)}, which is not one of DCP's "
-            "metadata classes; unimesh runs no other code from a pickle (if this file is a "
-            "real DCP checkpoint, report the class so that it can be admitted)"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise CheckpointError(f"{self.where} holds a persistent reference {short(pid)}")
-
-
-class _MetaUnpickler(_Refusing):
-    calls = _META_CALLS
-    classes = _META_CLASSES
-
-
-def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _Record:
-    out = _record("TensorRebuild")()
-    out.state = {"storage": storage, "offset": offset, "size": size, "stride": stride}
-    return out
-
-
-class _Storage:
-    """A storage type named in a chunk's pickle (``torch.FloatStorage``)."""
-
-    def __init__(self, dtype: str) -> None:
-        self.dtype = dtype
-
-
-class _ChunkUnpickler(_Refusing):
-    calls: ClassVar[dict[tuple[str, str], Any]] = {
-        ("torch._utils", "_rebuild_tensor_v2"): _rebuild,
-        ("torch._utils", "_rebuild_tensor"): _rebuild,
-        ("collections", "OrderedDict"): OrderedDict,
-        **{("torch", name): _Storage(dtype) for name, dtype in _STORAGES.items()},
-    }
-
-    def persistent_load(self, pid: Any) -> Any:
-        # ('storage', storage type, key, location, numel)
-        if (
-            not isinstance(pid, tuple)
-            or len(pid) != 5
-            or pid[0] != "storage"
-            or not isinstance(pid[1], _Storage)
-            or not isinstance(pid[2], str)
-            or not isinstance(pid[4], int)
-        ):
-            raise CheckpointError(f"{self.where} holds an unknown storage reference {short(pid)}")
-        return pid
-
-
-def _prescan(data: bytes, where: str) -> None:
-    """Walk the pickle's opcodes (pickletools, reading no further than the data) before the C
-    unpickler sees them: a memo index past the data's length is refused, since the unpickler
-    would first grow its memo table to that size (``LONG_BINPUT 1298491233``: 10 GB zeroed,
-    25 s, from a 1 KB file)."""
-    try:
-        for op, arg, _ in pickletools.genops(data):
-            if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and int(str(arg)) >= len(data):
-                raise CheckpointError(
-                    f"{where} stores into memo slot {arg}, beyond any a {len(data)}-byte "
-                    "pickle can fill"
-                )
-    except CheckpointError:
-        raise
-    except (Exception, RecursionError) as exc:  # noqa: BLE001 - a malformed pickle
-        raise CheckpointError(
-            f"{where} is not a readable DCP pickle: {type(exc).__name__}: {str(exc)[:200]}"
-        ) from None
-
-
-def _unpickle(kind: type[_Refusing], data: bytes, where: str) -> Any:
-    _prescan(data, where)
-    reader = kind(io.BytesIO(data))
-    reader.where = where
-    try:
-        return reader.load()
-    except CheckpointError:
-        raise
-    except (Exception, RecursionError) as exc:  # noqa: BLE001 - any fault of a hostile pickle
-        raise CheckpointError(
-            f"{where} is not a readable DCP pickle: {type(exc).__name__}: {str(exc)[:200]}"
-        ) from None
-
-
-def load_metadata(data: bytes, where: str) -> Any:
-    """The ``.metadata`` pickle as inert records (DCP's classes) and plain values."""
-    return _unpickle(_MetaUnpickler, data, where)
 
 
 # -- .distcp chunks ---------------------------------------------------------------------------
@@ -286,7 +59,7 @@ class _Window(io.RawIOBase):
 
 def _chunk_box(
     root: Path, fd: int, size: int, name: str, offset: tuple[int, ...], sizes: tuple[int, ...],
-    dtype: str, info: _Record,
+    dtype: str, info: Record,
 ) -> Box:  # fmt: skip
     """Where the storage of one saved chunk lies: its ``torch.save`` archive at
     ``info.offset .. + info.length`` of the file, the stored record its pickle names."""
@@ -305,14 +78,14 @@ def _chunk_box(
     try:
         with zipfile.ZipFile(_Window(fd, start, length)) as archive:
             pkl = [i for i in archive.infolist() if i.filename.endswith("data.pkl")]
-            if len(pkl) != 1 or pkl[0].file_size > _MAX_PICKLE:
+            if len(pkl) != 1 or pkl[0].file_size > MAX_PICKLE:
                 raise CheckpointError(f"{where}: not a torch.save archive of one tensor")
             prefix = pkl[0].filename[: -len("data.pkl")]
             order = prefix + "byteorder"
             if order in archive.namelist() and archive.read(order) != b"little":
                 raise CheckpointError(f"{where}: big-endian storage is not read")
-            rebuilt = _unpickle(_ChunkUnpickler, archive.read(pkl[0]), f"{where} (data.pkl)")
-            if not isinstance(rebuilt, _Record) or rebuilt.kind != "TensorRebuild":
+            rebuilt = load_chunk(archive.read(pkl[0]), f"{where} (data.pkl)")
+            if not isinstance(rebuilt, Record) or rebuilt.kind != "TensorRebuild":
                 raise CheckpointError(f"{where}: data.pkl is not one tensor")
             storage, first = rebuilt.get("storage"), rebuilt.get("offset")
             shape, strides = rebuilt.get("size"), rebuilt.get("stride")
@@ -369,14 +142,14 @@ def read_dcp(root: Path) -> tuple[dict[str, Tensor], list[str]]:
     if path.is_symlink() or path.stat().st_size > MAX_HEADER:
         raise CheckpointError(f"{where} is a symlink or over the {MAX_HEADER}-byte cap")
     meta = load_metadata(path.read_bytes(), where)
-    if not isinstance(meta, _Record) or meta.kind != "Metadata":
+    if not isinstance(meta, Record) or meta.kind != "Metadata":
         raise CheckpointError(f"{where} is not DCP metadata (it holds {short(meta)})")
     entries, storage = meta.get("state_dict_metadata", 0), meta.get("storage_data", 2)
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{where}: state_dict_metadata and storage_data must be dicts")
-    places: dict[tuple[str, tuple[int, ...]], _Record] = {}
+    places: dict[tuple[str, tuple[int, ...]], Record] = {}
     for index, info in storage.items():
-        if not isinstance(index, _Record) or not isinstance(info, _Record):
+        if not isinstance(index, Record) or not isinstance(info, Record):
             raise CheckpointError(f"{where}: storage_data holds {short(index)}: {short(info)}")
         fqn, at = index.get("fqn", 0), index.get("offset", 1)
         if info.get("transform_descriptors", 3):
@@ -392,7 +165,7 @@ def read_dcp(root: Path) -> tuple[dict[str, Tensor], list[str]]:
     files: dict[str, tuple[int, int]] = {}
     try:
         for name, entry in entries.items():
-            if not isinstance(name, str) or not isinstance(entry, _Record):
+            if not isinstance(name, str) or not isinstance(entry, Record):
                 raise CheckpointError(f"{where}: entry {short(name)} is {short(entry)}")
             if entry.kind == "BytesStorageMetadata":
                 others.append(name)
@@ -401,15 +174,15 @@ def read_dcp(root: Path) -> tuple[dict[str, Tensor], list[str]]:
                 raise CheckpointError(f"{where}: entry {name!r} is a {entry.kind}")
             props, chunks = entry.get("properties", 0), entry.get("chunks", 2)
             shape = _ints(entry.get("size", 1), f"{where}: the size of {name!r}")
-            raw = props.get("dtype", 0) if isinstance(props, _Record) else None
-            if not isinstance(raw, _DType):
+            raw = props.get("dtype", 0) if isinstance(props, Record) else None
+            if not isinstance(raw, DType):
                 raise CheckpointError(f"{where}: {name!r} has no torch dtype ({short(raw)})")
             dtype = torch_dtype_name(str(raw))
             if not isinstance(chunks, list):
                 raise CheckpointError(f"{where}: the chunks of {name!r} are {short(chunks)}")
             boxes = []
             for chunk in chunks:
-                if not isinstance(chunk, _Record):
+                if not isinstance(chunk, Record):
                     raise CheckpointError(f"{where}: a chunk of {name!r} is {short(chunk)}")
                 offset = _ints(chunk.get("offsets", 0), f"{where}: a chunk offset of {name!r}")
                 sizes = _ints(chunk.get("sizes", 1), f"{where}: a chunk size of {name!r}")
