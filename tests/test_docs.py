@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import html
+import inspect
 import json
 import os
 import re
@@ -428,3 +429,23 @@ def test_writing_a_backend_starts_from_a_backend_that_runs_and_names_every_hook(
             assert f"| `{hook}` | {layer.name} |" in table, hook
     for feature in unimesh.FEATURES:
         assert f"`{feature}`" in text, feature
+    # the guide's own tables name hooks of that one table (or helpers), never another spelling
+    from unimesh.contract import HELPERS, HOOKS
+
+    named = {h.name for h in HOOKS} | HELPERS
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    called = re.findall(r"`(\w+)\(([^)`]*)\)", " ".join(rows))
+    assert called and {n for n, _ in called} <= named, sorted({n for n, _ in called} - named)
+    from unimesh.spmd import ProcessBackend
+
+    for name, args in called:  # with its parameters' own names (``**options`` may be left out)
+        params = [
+            p
+            for p in inspect.signature(getattr(ProcessBackend, name)).parameters.values()
+            if p.name != "self"
+        ]
+        given = [a.strip().split("=")[0].lstrip("*") for a in args.split(",") if a.strip()]
+        assert given in (
+            [p.name for p in params],
+            [p.name for p in params if p.kind != p.VAR_KEYWORD],
+        ), (name, given)
