@@ -372,9 +372,9 @@ def main() -> None:
 
             import torch
             import torch.distributed.checkpoint as dcp
-            from unimesh_torch.translate import _from_host
+            from unimesh_torch.translate import from_host
 
-            tensors = {k: _from_host(v) for k, v in values.items()}
+            tensors = {k: from_host(v) for k, v in values.items()}
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 row("torch DCP", "dcp.save (one process)", timed(lambda: dcp.save(

@@ -52,7 +52,7 @@ def _median_pair(a: Any, b: Any, repeat: int) -> tuple[float, float]:
 
 def planning() -> dict[str, Any]:
     from unimesh import Layout, Mesh, P
-    from unimesh.moves import _plan, plan
+    from unimesh.moves import clear_cache, plan
 
     n = 1 << 16
     out: dict[str, Any] = {}
@@ -66,7 +66,7 @@ def planning() -> dict[str, Any]:
     for name, (a, b) in cases.items():
         times = []
         for _ in range(3):
-            _plan.cache_clear()
+            clear_cache()
             t = time.perf_counter()
             p = plan(a, b, (n * 2, n * 2), 4, where, 12345)
             times.append(time.perf_counter() - t)

@@ -1,7 +1,7 @@
 """Group communication for the per-process engine: this process's group along some mesh axes,
 and the collectives on it, native where the backend has the primitive and built from an
-all-gather or an all-reduce where not. No gradient knowledge: :mod:`unimesh.vjp` adds the
-rules on top.
+all-gather or an all-reduce where not. No gradient knowledge: :mod:`unimesh.vjp` and
+:mod:`unimesh.vma` add the rules on top.
 
 Names: a collective here has its group primitive's name (``all_reduce``, ``all_gather``,
 ``reduce_scatter``, ``all_to_all``, ``permute``, ``broadcast``), the name of the backend hook

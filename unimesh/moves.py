@@ -24,7 +24,7 @@ import numpy as np
 
 from .layout import Layout
 
-__all__ = ["IN_FLIGHT", "Piece", "Plan", "plan", "rounds", "units", "unpack"]
+__all__ = ["IN_FLIGHT", "Piece", "Plan", "clear_cache", "plan", "rounds", "units", "unpack"]
 
 #: bytes a process has in flight in one round of a reshard's exchange, over all its peers
 #: (each pair gets an equal share; a piece larger than its share goes alone)
@@ -261,6 +261,11 @@ def _csr(
     start = np.searchsorted(key, np.arange(n))
     end = np.searchsorted(key, np.arange(n), side="right")
     return proc, device, start, end
+
+
+def clear_cache() -> None:
+    """Forget the plans made so far (they are cached per layouts, shape and process map)."""
+    _plan.cache_clear()
 
 
 @functools.lru_cache(maxsize=256)

@@ -5,8 +5,8 @@ A backend's ``shard_map(body, mesh, ins, outs)`` receives the user's function as
 each device's blocks with an :class:`AxisEnv` (its collectives over mesh axes) as the current
 one; it returns a function of the global arguments, or a :class:`Program`, which also takes
 the arguments already flattened (:meth:`Program.run_flat`). The user-facing calls
-(``shard_map``, ``psum`` ...) live in :mod:`unimesh.parallel`, above this module and
-:mod:`unimesh.backend`.
+(``shard_map``, ``psum`` ...) live in :mod:`unimesh.parallel` and
+:mod:`unimesh.collectives`, above this module and :mod:`unimesh.backend`.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ devices, moving only the bytes that must move.
 This module is the verb: trees and targets, every check before any byte moves, and the
 handoff of blocks between two frameworks (DLPack). The move itself is a plan
 (:mod:`unimesh.moves`, pure arithmetic) that :mod:`unimesh.transfer` carries out on the
-backend's hooks of the ``reshard`` layer, from its :meth:`~unimesh.Backend.native_blocks` to
-its ``from_local``.
+backend's hooks of the ``reshard`` layer (:class:`unimesh.transport.Transport`), from its
+``native_blocks`` to its ``from_local``.
 A backend may move an array its own compiled way where that is as cheap
-(:meth:`~unimesh.Backend.native_reshard`, JAX within one device set).
+(:meth:`~unimesh.transport.Transport.native_reshard`, JAX within one device set).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def _owner(leaf: Any) -> Backend | None:
 
 
 def _moves_between_processes(be: Backend) -> bool:
-    return type(be).exchange_pieces is not Backend.exchange_pieces or be.initialize(300.0)[1] == 1
+    return be.implements("exchange_pieces") or be.initialize(300.0)[1] == 1
 
 
 def _check_handoff(
@@ -206,7 +206,7 @@ def _check_handoff(
     """Two frameworks in one job: the target framework takes the source's blocks (DLPack)
     in a dtype as wide (JAX without x64 would narrow int64), each device in the same process
     in both, and one of them moves data between processes."""
-    if type(to).import_block is Backend.import_block:
+    if not to.implements("import_block"):
         to.import_block(None, None)  # its refusal, naming the backend
     there = _empty_there(be, to, leaf)
     theirs = there.dtype
@@ -245,7 +245,7 @@ def _handoff(
 ) -> Any:
     """``leaf`` (of ``be``) as ``to``'s array laid out as ``target``: the pieces move on
     ``be``'s engine (or on ``to``'s where ``be`` moves nothing between processes: a backend
-    without :meth:`~unimesh.Backend.exchange_pieces`), and each block crosses by DLPack."""
+    without ``Transport.exchange_pieces``), and each block crosses by DLPack."""
 
     def cross(blocks: Mapping[int, Any]) -> dict[int, Any]:
         return {d: to.import_block(be.export_block(b), d) for d, b in blocks.items()}

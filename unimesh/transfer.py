@@ -2,12 +2,11 @@
 its target blocks out.
 
 :mod:`unimesh.moves` says which piece goes where (pure arithmetic); this module asks the
-backend's ``reshard`` hooks to move them (:meth:`~unimesh.Backend.device_processes`,
-:meth:`~unimesh.Backend.exchange_pieces`, :meth:`~unimesh.Backend.place`,
-:meth:`~unimesh.Backend.writable_block`, :meth:`~unimesh.Backend.concatenate`,
-:meth:`~unimesh.Backend.combine`), inside the framework's autodiff where it records one
-(:meth:`~unimesh.Backend.move_with_gradient`). :func:`unimesh.reshard` (``reshard.py``) is the
-public verb above it: trees, targets, checks, and handoffs between frameworks.
+backend's ``reshard`` hooks (:class:`unimesh.transport.Transport`: ``device_processes``,
+``exchange_pieces``, ``place``, ``writable_block``, ``concatenate``, ``combine``) to move them,
+inside the framework's autodiff where it records one (``move_with_gradient``).
+:func:`unimesh.reshard` (``reshard.py``) is the public verb above it: trees, targets, checks,
+and handoffs between frameworks.
 """
 
 from __future__ import annotations
@@ -41,10 +40,9 @@ def move_blocks(
 ) -> dict[int, Any]:
     """This process's target blocks, on ``be``'s engine, from its source ``blocks`` (native
     blocks of ``be``, of ``like``'s dtype), in the framework's autodiff where it records
-    (:meth:`~unimesh.Backend.move_with_gradient`): the gradient of the move is the reverse
-    move, the cotangent blocks resharded from ``target`` to ``source`` (a pending sum's
-    addends each get the whole cotangent, as the derivative of a sum says; an avg's, a
-    share)."""
+    (``Transport.move_with_gradient``): the gradient of the move is the reverse move, the
+    cotangent blocks resharded from ``target`` to ``source`` (a pending sum's addends each
+    get the whole cotangent, as the derivative of a sum says; an avg's, a share)."""
 
     kind = (like.dtype, itemsize(like))  # not ``like``: autodiff keeps these closures
 

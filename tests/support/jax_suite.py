@@ -529,7 +529,7 @@ def reference(case: Case) -> dict[str, np.ndarray]:
     return out
 
 
-def entry_axes(spec: Any) -> tuple[str, ...]:
+def _spec_axes(spec: Any) -> tuple[str, ...]:
     return tuple(spec.axes()) if spec is not None else ()
 
 
@@ -564,7 +564,7 @@ def ported(case: Case, backend: str) -> dict[str, np.ndarray]:
     if case.grad and nums:
         spec_tree = tuple(out_specs)
         total = unimesh.shard_map(
-            _weighted_sum([entry_axes(spec) for spec in out_specs]),
+            _weighted_sum([_spec_axes(spec) for spec in out_specs]),
             mesh,
             (spec_tree, spec_tree),
             unimesh.P(),
