@@ -309,6 +309,15 @@ def main() -> None:
         row("unimesh", "load warm, reshard (rows)", min(timed(lambda: load(rows_target))
                                                         for _ in range(2)), "pread warm",
             read=stats["bytes_read"], held=stats["bytes_held"])  # fmt: skip
+        # onto columns: each block's rows are short runs at one stride in the saved boxes
+        cols_target = {k: Layout(other, P(None, "all") if v.ndim == 2 and v.shape[1] % 8 == 0
+                                 else P()) for k, v in values.items()}  # fmt: skip
+        row("unimesh", "load warm, reshard (columns)", min(timed(lambda: load(cols_target))
+                                                           for _ in range(2)), "pread warm",
+            read=stats["bytes_read"], held=stats["bytes_held"])  # fmt: skip
+        _drop_cache([path])
+        row("unimesh", "load cold, reshard (columns)", timed(lambda: load(cols_target)),
+            "pread cold", read=stats["bytes_read"], held=stats["bytes_held"])  # fmt: skip
         for kind in ("jax", "numpy"):  # peak memory of a load, in a fresh process
             found = _peak_row(path, kind)
             mib = {k: round(v / 2**20, 1) for k, v in found.items()}
@@ -411,6 +420,11 @@ def main() -> None:
             row("unimesh", "load warm, from Orbax files", min(timed(lambda: jax.block_until_ready(
                 unimesh.load(work / "orbax", target, backend="jax"))) for _ in range(2)),
                 "pread warm")  # fmt: skip
+            columns = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=unimesh.to_native(
+                cols_target[k], "jax")) for k, v in values.items()}  # fmt: skip
+            _drop_cache([work / "orbax"])
+            row("Orbax", "restore cold, reshard (columns)", timed(lambda: jax.block_until_ready(
+                checkpointer.restore(work / "orbax", columns))), "pread cold")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"state: {nbytes / 2**20:.0f} MiB in {len(values)} tensors, 8 JAX CPU devices, one "

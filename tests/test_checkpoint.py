@@ -659,6 +659,61 @@ def test_a_region_of_more_stretches_than_one_preadv_takes(tmp_path: Path) -> Non
     np.testing.assert_array_equal(ck.read("w", (slice(7, 2990), slice(1, 8))), values[7:2990, 1:])
 
 
+_READ_MODES = {  # raw's switches, set so that each way of reading is taken on small data
+    "one preadv at a time": {"READ_THREADS": 1, "_MIN_STRIDED": 10**9},
+    "reads in flight": {"READ_THREADS": 3, "_MIN_SHARE": 1, "_MAX_CALL": 40, "_MIN_STRIDED": 10**9},
+    "copied out of a mapping": {"READ_THREADS": 1, "_MIN_STRIDED": 2, "_MAP_SPAN": 100},
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), mode=st.sampled_from(sorted(_READ_MODES)))
+def test_scatter_read_puts_every_run_in_place_however_it_reads(
+    data: st.DataObject, mode: str
+) -> None:
+    """A saved box's region read into the region of a larger block, by each of the ways a
+    load reads (one preadv after another; several threads in flight, long runs split; a
+    column block copied out of a mapping of the file): numpy's values there, nothing written
+    outside it; a file cut short is a CheckpointError naming the tensor, in every way."""
+    import tempfile
+    from unittest import mock
+
+    from unimesh.checkpoint import raw
+
+    ndim = data.draw(st.integers(1, 3))
+    size = tuple(data.draw(st.integers(1, 12)) for _ in range(ndim))
+    pad = data.draw(st.integers(0, 70))
+    box_values = np.arange(math.prod(size), dtype=np.int32).reshape(size) * 7 + 1
+    box = Box((0,) * ndim, size, "f", pad, pad + box_values.nbytes)
+    start, stop, where, outer = [], [], [], []
+    for n in size:
+        a = data.draw(st.integers(0, n - 1))
+        b = data.draw(st.integers(a + 1, n))
+        before, after = data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2))
+        start.append(a)
+        stop.append(b)
+        where.append(slice(before, before + b - a))
+        outer.append(before + b - a + after)
+    byte_runs = runs(box, tuple(start), tuple(stop), 4)
+    want = box_values[tuple(slice(a, b) for a, b in zip(start, stop))]
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.multiple(raw, **_READ_MODES[mode]):
+        path = Path(tmp) / "f"
+        path.write_bytes(b"\xee" * pad + box_values.tobytes())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            out = np.full(outer, -5, dtype=np.int32)
+            raw.scatter_read(fd, byte_runs, out, tuple(where), "file f", "w")
+            np.testing.assert_array_equal(out[tuple(where)], want)
+            outside = np.ones(out.shape, bool)
+            outside[tuple(where)] = False
+            assert (out[outside] == -5).all()
+            os.truncate(path, byte_runs[-1][0] + byte_runs[-1][1] - 1)  # the last byte gone
+            with pytest.raises(CheckpointError, match="file f is truncated .tensor 'w' needs"):
+                raw.scatter_read(fd, byte_runs, out, tuple(where), "file f", "w")
+        finally:
+            os.close(fd)
+
+
 def test_data_files_stay_open_for_reads_and_close_after(tmp_path: Path) -> None:
     """A Checkpoint keeps each data file it read open (one descriptor per file, so the
     kernel's read-ahead runs on from block to block) until close() or the end of its with

@@ -4,9 +4,12 @@ durable, and host buffers aligned for a runtime to adopt. Standard library and n
 
 from __future__ import annotations
 
+import functools
 import math
+import mmap
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,15 @@ import numpy as np
 
 from ..errors import CheckpointError
 
-__all__ = ["aligned_empty", "fsync_dir", "read_full", "scatter_read", "stretches", "write_file"]
+__all__ = [
+    "READ_THREADS",
+    "aligned_empty",
+    "fsync_dir",
+    "read_full",
+    "scatter_read",
+    "stretches",
+    "write_file",
+]
 
 _IOV_MAX = 1024  # iovecs per preadv (Linux's UIO_MAXIOV)
 
@@ -57,30 +68,133 @@ def scatter_read(
 ) -> None:
     """Read the file's byte ``runs`` (row-major order of the region) straight into the region
     ``where`` of the C-order array ``out``: its contiguous stretches become the iovecs of
-    ``preadv`` calls, so nothing is staged in between. ``what`` names the file, ``tensor`` the
+    ``preadv`` calls, so nothing is staged in between. Several reads are in flight where
+    there is enough to read (:data:`READ_THREADS` threads, each taking its share of the calls
+    in file order; ``preadv`` releases the GIL). ``what`` names the file, ``tensor`` the
     tensor, in the error of a truncated file."""
+    if len(runs) >= _MIN_STRIDED and _strided_copy(fd, runs, out, where):
+        return
+    calls = list(_calls(runs, out, where))
+    total = sum(n for _, _, n in calls)
+    threads = min(READ_THREADS, len(calls), total // _MIN_SHARE)
+    if threads <= 1:
+        for offset, iov, _ in calls:
+            _read(fd, iov, offset, what, tensor)
+        return
+    # contiguous shares of about equal bytes: each thread reads along the file
+    shares: list[list[tuple[int, list[memoryview], int]]] = [[] for _ in range(threads)]
+    done, per = 0, total / threads
+    for call in calls:
+        shares[min(threads - 1, int(done // per))].append(call)
+        done += call[2]
+
+    def read_share(share: list[tuple[int, list[memoryview], int]]) -> None:
+        for offset, iov, _ in share:
+            _read(fd, iov, offset, what, tensor)
+
+    pool = _pool(os.getpid())
+    for future in [pool.submit(read_share, share) for share in shares if share]:
+        future.result()  # the first error (a truncated file) is raised here
+
+
+#: threads a load keeps reading at once (``UNIMESH_READ_THREADS``; 1: one read at a time)
+READ_THREADS = (
+    min(64, max(1, int(_given)))
+    if (_given := os.environ.get("UNIMESH_READ_THREADS", "")).isdigit()
+    else 4
+)
+_MIN_SHARE = 4 << 20  # bytes a thread is given at least: below it, one thread reads
+_MAX_CALL = 16 << 20  # bytes one preadv asks for at most (a long run is split)
+
+
+_MIN_STRIDED = 16  # runs at least: a column block's rows are copied out of a mapping
+_MAX_STRIDED_RUN = 256 << 10  # bytes per run at most (longer runs: preadv is as fast)
+_MAP_SPAN = 16 << 20  # bytes of the file mapped at once
+
+
+def _strided_copy(
+    fd: int, runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
+) -> bool:
+    """Many short runs at one stride in the file (a column block of a row-major box) going to
+    stretches at one stride in ``out`` (its rows): copied by numpy out of a read-only mapping
+    of the file, 16 MiB of it at a time, instead of one ``preadv`` per run. False (nothing
+    done) where the runs are not so, or reach past the file's end (``preadv`` then says
+    where it is truncated)."""
+    length = runs[0][1]
+    if length > _MAX_STRIDED_RUN:
+        return False
+    table = np.asarray(runs, dtype=np.int64)
+    if (table[:, 1] != length).any():
+        return False
+    steps = np.diff(table[:, 0])
+    stride = int(steps[0])
+    if stride < length or (steps != stride).any():
+        return False
+    found = np.asarray(list(stretches(out, where)), dtype=np.int64)
+    if (found[:, 1] % length).any():
+        return False
+    # each run's offset in ``out``: the stretches cut into runs' lengths
+    counts = found[:, 1] // length
+    starts = np.repeat(found[:, 0], counts) + length * (
+        np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    )
+    if starts.size != len(runs):
+        return False
+    dsteps = np.diff(starts)
+    dstride = int(dsteps[0])
+    if (dsteps != dstride).any() or table[-1, 0] + length > os.fstat(fd).st_size:
+        return False
+    mem = out.reshape(-1).view(np.uint8)
+    rows = max(1, _MAP_SPAN // stride)
+    for first in range(0, len(runs), rows):
+        n = min(rows, len(runs) - first)
+        start = int(table[first, 0])
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        span = start - base + (n - 1) * stride + length
+        with mmap.mmap(fd, span, offset=base, access=mmap.ACCESS_READ) as mapped:
+            src = np.frombuffer(mapped, np.uint8, span - (start - base), start - base)
+            np.copyto(
+                np.lib.stride_tricks.as_strided(
+                    mem[int(starts[first]) :], (n, length), (dstride, 1), writeable=True
+                ),
+                np.lib.stride_tricks.as_strided(src, (n, length), (stride, 1), writeable=False),
+            )
+            del src  # the mapping closes only once no array points into it
+    return True
+
+
+@functools.cache
+def _pool(pid: int) -> ThreadPoolExecutor:
+    """The read threads of this process (by pid: a forked child starts its own)."""
+    return ThreadPoolExecutor(READ_THREADS, thread_name_prefix="unimesh-read")
+
+
+def _read(fd: int, iov: list[memoryview], offset: int, what: str, tensor: str) -> None:
+    want = sum(len(m) for m in iov)
+    if os.preadv(fd, iov, offset) != want:
+        read_full(fd, iov, offset, what, tensor)  # the rest (a fresh call), or truncated
+
+
+def _calls(
+    runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
+) -> Iterator[tuple[int, list[memoryview], int]]:
+    """The ``preadv`` calls that read ``runs`` into ``out[where]``: (file offset, iovecs,
+    bytes), each a contiguous stretch of the file of at most :data:`_MAX_CALL` bytes and
+    ``_IOV_MAX`` iovecs, in file-run order."""
     mem = out.reshape(-1).view(np.uint8).data
     found = iter(stretches(out, where))
     at, left = next(found)
     for offset, length in runs:
-        if not left:
-            at, left = next(found)
-        if length <= left:  # the common case: the run lands in one stretch, one call
-            view = mem[at : at + length]
-            if os.preadv(fd, [view], offset) != length:
-                read_full(fd, [view], offset, what, tensor)  # the rest, or truncated
-            at, left = at + length, left - length
-            continue
         iov: list[memoryview] = []
         size = 0
         while length:
             if not left:
                 at, left = next(found)
-            take = min(length, left)
+            take = min(length, left, _MAX_CALL - size)
             iov.append(mem[at : at + take])
             at, left, length, size = at + take, left - take, length - take, size + take
-            if len(iov) == _IOV_MAX or not length:
-                read_full(fd, iov, offset, what, tensor)
+            if len(iov) == _IOV_MAX or size == _MAX_CALL or not length:
+                yield offset, iov, size
                 offset, iov, size = offset + size, [], 0
 
 
