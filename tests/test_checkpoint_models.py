@@ -53,6 +53,8 @@ def test_a_torch_module_saves_and_loads_into_another_parallel_layout(
     out, output = torch_saved
     for report in _reports(out, "torch", 4, output):
         assert report["read"] <= 1.05 * report["held"], report
+        # the tensor-parallel weights were filled in their own memory (host_views)
+        assert report["in_place"] == ["block.wo.weight", "block.wq.bias", "block.wq.weight"], report
     ck = unimesh.open_checkpoint(out / "model")
     # state_dict names; the FSDP-over-TP weight saved with its strided layout, each block once
     assert "block.wq.weight" in ck.names and "block.steps" in ck.names

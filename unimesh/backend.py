@@ -344,6 +344,19 @@ class Backend(Transport):
         out: dict[int, Any] = self._missing("local_shards")
         return out
 
+    def host_views(self, array: Any) -> dict[int, Any] | None:
+        """This process's blocks of a native distributed array as writable numpy arrays over
+        the array's own memory (C-order, each of its block's shape and item size), so that a
+        load fills them in place; None (the default) where the framework's arrays are
+        immutable (JAX, MLX) or not in host memory: a load then makes new arrays.
+
+        Args:
+            array: a distributed array of this framework.
+
+        Returns:
+            ``{logical device id: numpy view}``, or None."""
+        return None
+
     def from_local(
         self,
         blocks: Mapping[int, Any],

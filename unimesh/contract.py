@@ -73,6 +73,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("distribute", _T, "no", "distribute", "a global array laid out as a distributed one"),
     Hook("local_shards", _T, "with distribute", "distribute", "this process's blocks, by device"),
     Hook("from_local", _T, "no", "from_local", "a distributed array from this process's blocks"),
+    Hook("host_views", _T, "no", "", "its blocks as writable numpy on its memory (in-place load)"),
     Hook("owns", _T, "no", "", "whether an object is this framework's (by type, no import)"),
     Hook("describe_native", _T, "no", "", "how `unimesh convert` prints a native object"),
     Hook("native_code", _T, "no", "", "the native Python that builds a mesh (for porting)"),

@@ -415,6 +415,21 @@ class TorchTranslator(TorchTransport):
             return {}
         return {import_dist().get_rank(): to_host(array.to_local().detach().cpu())}
 
+    def host_views(self, array: Any) -> dict[int, Any] | None:
+        """``{rank: numpy over the local tensor's memory}`` of a DTensor whose local tensor is
+        a contiguous CPU tensor (a load fills it in place, as ``dcp.load`` does); None for one
+        on another device, or laid out in memory otherwise."""
+        if array.device_mesh.get_coordinate() is None:
+            return {}
+        local = array.to_local().detach()
+        if local.device.type != "cpu" or not local.is_contiguous():
+            return None
+        try:
+            view = to_host(local)
+        except (TypeError, RuntimeError, ConversionError):  # a dtype numpy cannot view
+            return None
+        return {import_dist().get_rank(): view}
+
     # -- live reshard: unimesh.reshard's transport on torch.distributed ------------------------
     def native_code(self, mesh: Mesh) -> str:
         """``init_device_mesh`` where the ranks are in the default order, else ``DeviceMesh``

@@ -64,6 +64,16 @@ def torch_mode(out: Path) -> None:
         before = {k: type(v).__name__ for k, v in m2.state_dict().items()}
         stats: dict[str, int] = {}
         assert unimesh.load(out / "model", m2, stats=stats) is m2
+        # a tree of CPU DTensors is filled in place: load returns the very DTensors given,
+        # their local tensors' memory holding the checkpoint's values (host_views)
+        given = {k: v for k, v in m2.state_dict().items() if hasattr(v, "to_local")}
+        memory = {k: v.to_local().data_ptr() for k, v in given.items()}
+        with torch.no_grad():
+            for v in given.values():
+                v.to_local().zero_()
+        got = unimesh.load(out / "model", given)
+        same = all(got[k] is v and v.to_local().data_ptr() == memory[k] for k, v in given.items())
+        report["in_place"] = sorted(given) if same else "load made new arrays"
         for name, value in m2.state_dict().items():
             whole = value.full_tensor() if hasattr(value, "full_tensor") else value
             if to_host(whole).tobytes() != to_host(full[name].detach()).tobytes():

@@ -146,6 +146,37 @@ def _read_block(ckpt: Checkpoint, t: Tensor, key: Key, cast: np.dtype[Any] | Non
     return out
 
 
+def _fill_in_place(ckpt: Checkpoint, plan: LoadPlan) -> bool:
+    """Read each of this process's blocks straight into the target array's own memory, where
+    its framework lets one write it (:meth:`~unimesh.Backend.host_views`: a torch DTensor on
+    the CPU) and no cast is asked for; a block two devices of this process hold is read once.
+    False (nothing read) where the target is not such an array."""
+    t, be, leaf = plan.tensor, plan.be, plan.leaf
+    if t is None or plan.cast is not None or isinstance(leaf, Layout) or not be.owns(leaf):
+        return False
+    views = be.host_views(leaf)
+    if views is None or set(views) != set(plan.keys):
+        return False
+    for device, key in plan.keys.items():
+        view = views[device]
+        if (
+            not isinstance(view, np.ndarray)
+            or view.shape != tuple(b - a for a, b in key)
+            or view.dtype.itemsize != t.itemsize
+            or not view.flags.c_contiguous
+            or not view.flags.writeable
+        ):
+            return False
+    first: dict[Key, np.ndarray] = {}
+    for device, key in plan.keys.items():
+        if key in first:  # two devices of this process hold this block
+            np.copyto(views[device], first[key])
+            continue
+        ckpt.read_region(t, tuple(a for a, _ in key), tuple(b for _, b in key), views[device])
+        first[key] = views[device]
+    return True
+
+
 def _by_rule(
     ckpt: Checkpoint, rules: Any, logical_axes: Any, mesh: Mesh | None, strict: bool
 ) -> dict[str, Layout]:
@@ -226,6 +257,12 @@ def load(
                 whole = ckpt.read(plan.name)
                 out.append(whole if cast is None else whole.astype(cast))
                 held += whole.nbytes
+            elif _fill_in_place(ckpt, plan):  # the target's own memory holds the values now
+                out.append(plan.leaf)
+                itemsize = t.itemsize
+                held += sum(
+                    math.prod(b - a for a, b in r) * itemsize for r in set(plan.keys.values())
+                )
             else:
                 be, layout = plan.be, plan.layout
                 assert layout is not None

@@ -266,12 +266,35 @@ class Checkpoint:
         start, stop = _bounds(t.shape, index, name)
         return self.read_region(t, start, stop)
 
-    def read_region(self, t: Tensor, start: tuple[int, ...], stop: tuple[int, ...]) -> np.ndarray:
+    def read_region(
+        self,
+        t: Tensor,
+        start: tuple[int, ...],
+        stop: tuple[int, ...],
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
         """The region ``start:stop`` (global index) of tensor ``t`` as a new C-order array,
         reading only the byte runs of the boxes it touches (64-byte aligned: a CPU runtime
-        may adopt it)."""
-        dtype = numpy_dtype(t.dtype)
-        out = aligned_empty(tuple(b - a for a, b in zip(start, stop)), dtype)
+        may adopt it); or into ``out`` (C-order, the region's shape, an array of the tensor's
+        item size whose bytes are the tensor's: a framework's tensor viewed by numpy)."""
+        shape = tuple(b - a for a, b in zip(start, stop))
+        fresh = out is None
+        if out is None:
+            dtype = numpy_dtype(t.dtype)
+            out = aligned_empty(shape, dtype)
+        else:
+            dtype = out.dtype
+            if (
+                out.shape != shape
+                or dtype.itemsize != t.itemsize
+                or not out.flags.c_contiguous
+                or not out.flags.writeable
+            ):
+                raise CheckpointError(
+                    f"{self.path}: {t.name!r} cannot be read into a {dtype} array of shape "
+                    f"{out.shape}: its region {shape} needs a writable C-order array of "
+                    f"{t.itemsize}-byte items"
+                )
         if out.size == 0:
             return out
         if self._read_other is not None:  # TensorStore reads the chunks it touches whole
@@ -280,12 +303,15 @@ class Checkpoint:
                        for a, b, o, n in zip(start, stop, box.offset, box.size)):  # fmt: skip
                     self.bytes_read += math.prod(box.size) * t.itemsize
             whole = self._read_other(t, start, stop)
-            if whole.shape != out.shape or whole.dtype != dtype:
+            if whole.shape != out.shape or whole.dtype != numpy_dtype(t.dtype):
                 raise CheckpointError(
                     f"{self.path}: {t.name!r} read as {whole.dtype} {whole.shape}, its metadata "
-                    f"says {dtype} {out.shape}"
+                    f"says {t.dtype} {out.shape}"
                 )
-            return whole
+            if fresh:
+                return whole
+            out[...] = whole.view(dtype)  # the same bytes, seen as the target's items
+            return out
         for piece in pieces(t.boxes, start, stop, t.itemsize):
             box = piece.box
             if self.verify:
