@@ -166,6 +166,75 @@ def worker(engine: str, work: Path, mib: int, out: Path) -> None:
     (out / f"{engine}-{rank}.json").write_text(json.dumps(report))
 
 
+def incumbents(work: Path, n: int, out: Path) -> None:
+    """One process of the incumbents' own setup (issue 54), torchrun 4 on a dp=2 x tp=2
+    DeviceMesh: 8 float32 n x n DTensors alternating [Shard(0), Shard(1)] and [Replicate(),
+    Shard(0)], 2 bfloat16 ones at [Shard(0), Shard(1)]. Saved by ``dcp.save(state)`` and
+    ``unimesh.save``; loaded warm into the DTensors that exist (a restart's model: both fill
+    them in place); then, the page cache dropped, into [Replicate(), Shard(1)] DTensors (a
+    reshard). The limit: this process's share written with pwrite + fsync, read with pread
+    into a buffer whose pages exist, every process at once."""
+    import warnings
+
+    import bench_checkpoint
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import unimesh
+
+    warnings.simplefilter("ignore")
+    unimesh.initialize("torch")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    kinds = [(torch.float32, [Shard(0), Shard(1)] if i % 2 == 0 else [Replicate(), Shard(0)])
+             for i in range(8)] + [(torch.bfloat16, [Shard(0), Shard(1)])] * 2  # fmt: skip
+    state = {f"w{i}": distribute_tensor(torch.randn(n, n, dtype=dtype), mesh, places)
+             for i, (dtype, places) in enumerate(kinds)}  # fmt: skip
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    held = sum(v.to_local().numel() * v.element_size() for v in state.values())
+
+    def together(fn: Any) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - t0
+        dist.barrier()
+        return seconds
+
+    def reshard_targets() -> dict[str, Any]:
+        cols = [Replicate(), Shard(1)]
+        return {k: distribute_tensor(torch.zeros(n, n, dtype=v.dtype), mesh, cols)
+                for k, v in state.items()}  # fmt: skip
+
+    limit = bench_checkpoint.limits(work, held, together, f"limit-{rank}.bin", memcpy=False)
+    times: dict[str, float] = {}
+    ours, theirs = work / "unimesh", str(work / "dcp")
+    times["DCP save"] = together(lambda: dcp.save(state, checkpoint_id=theirs))
+    times["unimesh save (durable)"] = together(lambda: unimesh.save(ours, state))
+    dcp.load(state, checkpoint_id=theirs)
+    times["DCP load warm, in place"] = min(
+        together(lambda: dcp.load(state, checkpoint_id=theirs)) for _ in "ab")  # fmt: skip
+    unimesh.load(ours, state)
+    times["unimesh load warm, in place"] = min(
+        together(lambda: unimesh.load(ours, state)) for _ in "ab")  # fmt: skip
+    into = reshard_targets()
+    bench_checkpoint._drop_cache([Path(theirs)])
+    times["DCP load cold, reshard"] = together(lambda: dcp.load(into, checkpoint_id=theirs))
+    into = reshard_targets()
+    bench_checkpoint._drop_cache([ours])
+    stats: dict[str, int] = {}
+    times["unimesh load cold, reshard"] = together(lambda: unimesh.load(ours, into, stats=stats))
+    ok = all(torch.equal(into[k].full_tensor(), state[k].full_tensor()) for k in state)
+    report = {"rank": rank, "bytes": total, "held": held, "limit": limit, "seconds": times,
+              "read": {"unimesh load, reshard": stats["bytes_read"]},
+              "held reshard": stats["bytes_held"], "equal": ok}  # fmt: skip
+    (out / f"incumbents-{rank}.json").write_text(json.dumps(report))
+
+
 def _sync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -192,11 +261,13 @@ def _dcp_chunk_bytes(root: Path, cols: dict[str, Any], values: dict[str, Any], r
     return total
 
 
-def drive(mib: int, out_json: str | None) -> None:
+def drive(mib: int, out_json: str | None, engines: set[str], n: int) -> None:
     here = str(Path(__file__).resolve())
     rows: list[dict[str, Any]] = []
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for engine, launch in (
+        ("incumbents", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "4"]),
         ("torch", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", "4"]),
         ("mlx", ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4",
@@ -205,8 +276,10 @@ def drive(mib: int, out_json: str | None) -> None:
         work = Path(tempfile.mkdtemp(prefix=f"bench-mp-{engine}-"))
         outs = Path(tempfile.mkdtemp(prefix="bench-mp-out-"))
         try:
+            if engine not in engines:
+                continue
             cmd = [*launch, here, "--worker", engine, "--work", str(work), "--out", str(outs),
-                   "--mib", str(mib)]  # fmt: skip
+                   "--mib", str(mib), "--size", str(n)]  # fmt: skip
             proc = subprocess.run(
                 cmd, env=env, capture_output=True, text=True, timeout=3000, check=False
             )
@@ -230,7 +303,9 @@ def _rows(engine: str, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     total = reports[0]["bytes"]
     limit = {k: max(r["limit"][k] for r in reports) for k in reports[0]["limit"]}
     out = []
-    launcher = "torchrun 4" if engine == "torch" else "mpirun 4"
+    launcher = {"torch": "torchrun 4", "incumbents": "torchrun 4, dp=2 x tp=2"}.get(
+        engine, "mpirun 4"
+    )
     for name, seconds in limit.items():
         out.append({"launch": launcher, "system": "limit", "operation": name,
                     "seconds": round(seconds, 3)})  # fmt: skip
@@ -257,6 +332,11 @@ def _rows(engine: str, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"launch": launcher, "system": name.split(" ")[0], "operation": name,
                     "read / held (worst process)": round(worst, 3)})  # fmt: skip
         print(f"BENCH {launcher:10s} {'bytes':10s} {name:42s} read/held {worst:.3f}")
+    if "equal" in reports[0]:
+        print(
+            f"BENCH {launcher}: the resharded DTensors equal the saved ones on every rank: "
+            f"{all(r['equal'] for r in reports)}"
+        )
     return out
 
 
@@ -264,14 +344,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--worker", choices=["torch", "mlx"], help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, default=4096, help="incumbents: n x n tensors")
+    parser.add_argument("--only", default="incumbents,torch,mlx", help="launches to run")
+    parser.add_argument("--worker", choices=["torch", "mlx", "incumbents"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
+    if args.worker == "incumbents":
+        incumbents(Path(args.work), args.size, Path(args.out))
+    elif args.worker:
         worker(args.worker, Path(args.work), args.mib, Path(args.out))
     else:
-        drive(args.mib, args.json)
+        drive(args.mib, args.json, set(args.only.split(",")), args.size)
 
 
 if __name__ == "__main__":
