@@ -663,6 +663,7 @@ _READ_MODES = {  # raw's switches, set so that each way of reading is taken on s
     "one preadv at a time": {"READ_THREADS": 1, "_MIN_STRIDED": 10**9},
     "reads in flight": {"READ_THREADS": 3, "_MIN_SHARE": 1, "_MAX_CALL": 40, "_MIN_STRIDED": 10**9},
     "copied out of a mapping": {"READ_THREADS": 1, "_MIN_STRIDED": 2, "_MAP_SPAN": 100},
+    "a file that cannot be mapped": {"READ_THREADS": 1, "_MIN_STRIDED": 2},
 }
 
 
@@ -675,6 +676,7 @@ def test_scatter_read_puts_every_run_in_place_however_it_reads(
     load reads (one preadv after another; several threads in flight, long runs split; a
     column block copied out of a mapping of the file): numpy's values there, nothing written
     outside it; a file cut short is a CheckpointError naming the tensor, in every way."""
+    import contextlib
     import tempfile
     from unittest import mock
 
@@ -696,7 +698,12 @@ def test_scatter_read_puts_every_run_in_place_however_it_reads(
         outer.append(before + b - a + after)
     byte_runs = runs(box, tuple(start), tuple(stop), 4)
     want = box_values[tuple(slice(a, b) for a, b in zip(start, stop))]
-    with tempfile.TemporaryDirectory() as tmp, mock.patch.multiple(raw, **_READ_MODES[mode]):
+    unmappable = mock.patch("mmap.mmap", side_effect=OSError("no mmap here"))
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        mock.patch.multiple(raw, **_READ_MODES[mode]),
+        unmappable if mode == "a file that cannot be mapped" else contextlib.nullcontext(),
+    ):
         path = Path(tmp) / "f"
         path.write_bytes(b"\xee" * pad + box_values.tobytes())
         fd = os.open(path, os.O_RDONLY)

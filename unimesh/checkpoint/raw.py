@@ -117,9 +117,9 @@ def _strided_copy(
 ) -> bool:
     """Many short runs at one stride in the file (a column block of a row-major box) going to
     stretches at one stride in ``out`` (its rows): copied by numpy out of a read-only mapping
-    of the file, 16 MiB of it at a time, instead of one ``preadv`` per run. False (nothing
-    done) where the runs are not so, or reach past the file's end (``preadv`` then says
-    where it is truncated)."""
+    of the file, 16 MiB of it at a time, instead of one ``preadv`` per run. False where the
+    runs are not so, reach past the file's end (``preadv`` then says where it is truncated),
+    or the file cannot be mapped: the caller then reads every run with ``preadv``."""
     length = runs[0][1]
     if length > _MAX_STRIDED_RUN:
         return False
@@ -151,7 +151,11 @@ def _strided_copy(
         start = int(table[first, 0])
         base = start - start % mmap.ALLOCATIONGRANULARITY
         span = start - base + (n - 1) * stride + length
-        with mmap.mmap(fd, span, offset=base, access=mmap.ACCESS_READ) as mapped:
+        try:
+            mapped = mmap.mmap(fd, span, offset=base, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # a file system that maps no files: preadv reads all
+            return False
+        with mapped:
             src = np.frombuffer(mapped, np.uint8, span - (start - base), start - base)
             np.copyto(
                 np.lib.stride_tricks.as_strided(
