@@ -674,8 +674,9 @@ def test_scatter_read_puts_every_run_in_place_however_it_reads(
 ) -> None:
     """A saved box's region read into the region of a larger block, by each of the ways a
     load reads (one preadv after another; several threads in flight, long runs split; a
-    column block copied out of a mapping of the file): numpy's values there, nothing written
-    outside it; a file cut short is a CheckpointError naming the tensor, in every way."""
+    column block copied out of a mapping of the file, or by preadv where it cannot be mapped):
+    numpy's values there, nothing written outside it; a file cut short is a CheckpointError
+    naming the tensor, in every way."""
     import contextlib
     import tempfile
     from unittest import mock
