@@ -286,6 +286,20 @@ def test_a_second_save_replaces_the_first_and_cleans_up(tmp_path: Path) -> None:
     np.testing.assert_array_equal(unimesh.open_checkpoint(tmp_path / "ck").read("a"), np.ones(3))
 
 
+def test_a_load_target_with_a_pending_reduction_is_refused(tmp_path: Path) -> None:
+    """A checkpoint holds values: loading one into a Partial layout (torch would sum the
+    copies of every block, giving the value times the axis size) is refused by name, before
+    a byte is read, on every backend."""
+    unimesh.save(tmp_path / "c", {"w": np.arange(16, dtype=np.float32).reshape(4, 4)})
+    mesh = Mesh((2,), ("x",), axis_types=("explicit",))
+    stats: dict[str, int] = {}
+    for backend in ("jax", "torch", "mlx"):
+        target = {"w": Layout(mesh, P(None, None, partial={"x": "sum"}))}
+        with pytest.raises(CheckpointError, match="'w' is laid out as a pending reduction"):
+            unimesh.load(tmp_path / "c", target, backend=backend, stats=stats)
+    assert not stats
+
+
 def test_reading_errors_name_the_tensor_and_file(tmp_path: Path) -> None:
     unimesh.save(tmp_path / "ck", {"attn": {"wq": np.zeros((4, 4), np.float32)}})
     ck = unimesh.open_checkpoint(tmp_path / "ck")

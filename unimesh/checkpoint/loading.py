@@ -91,6 +91,12 @@ def plan_leaf(
                 f"tensor {name!r} has shape {t.shape} in {ckpt.path}, the target {shape}"
             )
         want_dtype = dtype_text(getattr(leaf, "dtype", ""))
+    if layout.spec.partial:
+        raise CheckpointError(
+            f"target {name!r} is laid out as a pending reduction ({layout.spec!r}): a "
+            "checkpoint holds values, so load it into a layout without partial (Replicate "
+            "where the target has Partial), then reduce or redistribute as you need"
+        )
     if len(layout.spec) > len(t.shape):
         raise CheckpointError(
             f"tensor {name!r} has {len(t.shape)} dims, its target layout {layout.spec!r} "
