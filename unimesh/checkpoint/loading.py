@@ -157,9 +157,17 @@ def _fill_in_place(ckpt: Checkpoint, plan: LoadPlan) -> bool:
     its framework lets one write it (:meth:`~unimesh.Backend.host_views`: a torch DTensor on
     the CPU) and no cast is asked for; a block two devices of this process hold is read once.
     False (nothing read) where the target is not such an array."""
-    t, be, leaf = plan.tensor, plan.be, plan.leaf
-    if t is None or plan.cast is not None or isinstance(leaf, Layout) or not be.owns(leaf):
+    t, be, leaf, layout = plan.tensor, plan.be, plan.leaf, plan.layout
+    if t is None or layout is None or plan.cast is not None or isinstance(leaf, Layout):
+        return False  # (the same answer on every process: it depends on the target's kind)
+    if not be.owns(leaf):
         return False
+    from ..convert import placing_backend, to_native
+
+    # what from_local would check and build (the native mesh, collectively where the framework
+    # needs it), so that every process takes part whichever path each one takes
+    placing_backend(be, "from_local", layout, t.shape)
+    to_native(layout, be)
     views = be.host_views(leaf)
     if views is None or set(views) != set(plan.keys):
         return False

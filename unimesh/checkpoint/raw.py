@@ -9,7 +9,7 @@ import math
 import mmap
 import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +93,10 @@ def scatter_read(
             _read(fd, iov, offset, what, tensor)
 
     pool = _pool(os.getpid())
-    for future in [pool.submit(read_share, share) for share in shares if share]:
-        future.result()  # the first error (a truncated file) is raised here
+    futures = [pool.submit(read_share, share) for share in shares if share]
+    wait(futures)  # every read has ended (none writes into ``out`` once this returns) ...
+    for future in futures:
+        future.result()  # ... then the first error (a truncated file) is raised
 
 
 #: threads a load keeps reading at once (``UNIMESH_READ_THREADS``; 1: one read at a time)
@@ -157,13 +159,15 @@ def _strided_copy(
             return False
         with mapped:
             src = np.frombuffer(mapped, np.uint8, span - (start - base), start - base)
-            np.copyto(
-                np.lib.stride_tricks.as_strided(
-                    mem[int(starts[first]) :], (n, length), (dstride, 1), writeable=True
-                ),
-                np.lib.stride_tricks.as_strided(src, (n, length), (stride, 1), writeable=False),
-            )
-            del src  # the mapping closes only once no array points into it
+            try:
+                np.copyto(
+                    np.lib.stride_tricks.as_strided(
+                        mem[int(starts[first]) :], (n, length), (dstride, 1), writeable=True
+                    ),
+                    np.lib.stride_tricks.as_strided(src, (n, length), (stride, 1), writeable=False),
+                )
+            finally:
+                del src  # the mapping closes only once no array points into it
     return True
 
 
