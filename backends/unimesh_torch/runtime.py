@@ -116,8 +116,9 @@ def _linger(rank: int, timeout: float) -> None:
         atexit.register(time.sleep, min(5.0, timeout / 4))
 
 
-def _finish_process_group() -> None:
-    """At exit, for a process group this backend started: leave together, then destroy it (a
+def finish_process_group() -> None:
+    """At exit, for a process group this backend started (or by a script that started its
+    own, as the last thing it does): leave together, then destroy it (a
     rank gone early can make gloo abort the others). After a peer was found gone, no barrier:
     it would wait for that peer until the group's timeout.
 
@@ -308,7 +309,7 @@ class TorchRuntime(ProcessBackend):
                 ) from exc
             import atexit
 
-            atexit.register(_finish_process_group)
+            atexit.register(finish_process_group)
         return int(dist.get_rank()), int(dist.get_world_size())
 
     def exchange(self, payload: bytes, timeout: float) -> list[bytes]:

@@ -26,21 +26,3 @@ class Checks:
     def done(self, tag: str) -> None:
         sys.stdout.write(f"{tag} OK {self.count}\n")
         sys.stdout.flush()
-
-
-def leave_gloo() -> None:
-    """End a gloo process group the way unimesh's torch runtime does at exit: two barriers,
-    then ``destroy_process_group``. gloo's worker thread frees the last collective's work (and
-    its tensors, which takes the GIL) just after the next barrier completes; if the interpreter
-    is finalizing by then the process aborts ("terminate called without an active exception",
-    rank 0 of one CI run in about twenty). The second barrier starts with nothing in progress,
-    so what is freed after it holds no tensors."""
-    import time
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        time.sleep(0.001)
-        dist.barrier()
-        dist.destroy_process_group()

@@ -26,9 +26,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import _support  # noqa: F401 - tests/support on sys.path
 import numpy as np
-from worker_checks import leave_gloo
 
 
 def _reference(out: Path) -> dict[str, np.ndarray]:
@@ -125,7 +123,9 @@ def save(out: Path) -> None:
         (out / "placements.json").write_text(json.dumps({k: repr(v) for k, v in
                                                          placements.items()}))  # fmt: skip
     print(f"rank {rank}: saved", flush=True)
-    leave_gloo()
+    from unimesh_torch.runtime import finish_process_group
+
+    finish_process_group()  # two barriers, then destroy: no teardown abort
 
 
 # the load targets: another mesh, other specs (never the saver's dp=2 x tp=2 FSDP-over-TP)
@@ -274,7 +274,9 @@ def dcp_load(out: Path) -> None:
     report = {"errors": errors, "read": reader.bytes_read, "held": held}
     (out / f"dcp-load-rank-{rank}.json").write_text(json.dumps(report))
     print(f"rank {rank}: dcp.load done", flush=True)
-    leave_gloo()
+    from unimesh_torch.runtime import finish_process_group
+
+    finish_process_group()  # two barriers, then destroy: no teardown abort
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from unimesh_torch import axis_mesh
-from worker_checks import Checks, leave_gloo
+from unimesh_torch.runtime import finish_process_group
+from worker_checks import Checks
 
 import unimesh
 from unimesh import Layout, Mesh, P, UnsupportedError
@@ -215,7 +216,7 @@ def main() -> None:
         check("'weight'" in str(exc), f"shard_params names the parameter: {exc}")
 
     check.done(f"RANK {rank}")
-    leave_gloo()
+    finish_process_group()  # two barriers, then destroy: no teardown abort
 
 
 if __name__ == "__main__":

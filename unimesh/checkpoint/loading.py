@@ -44,6 +44,12 @@ class LoadPlan:
         self.cast: np.dtype[Any] | None = None
         self.keys: dict[int, Key] = {}
 
+    def held_bytes(self) -> int:
+        """Bytes of the distinct blocks this process's devices hold (after the cast)."""
+        assert self.tensor is not None
+        itemsize = self.tensor.itemsize if self.cast is None else self.cast.itemsize
+        return sum(math.prod(b - a for a, b in key) * itemsize for key in set(self.keys.values()))
+
 
 def plan_leaf(
     ckpt: Checkpoint, name: str, leaf: Any, backend: Any, dtype: Any, strict: bool
@@ -273,10 +279,7 @@ def load(
                 held += whole.nbytes
             elif _fill_in_place(ckpt, plan):  # the target's own memory holds the values now
                 out.append(plan.leaf)
-                itemsize = t.itemsize
-                held += sum(
-                    math.prod(b - a for a, b in r) * itemsize for r in set(plan.keys.values())
-                )
+                held += plan.held_bytes()
             else:
                 be, layout = plan.be, plan.layout
                 assert layout is not None
@@ -292,10 +295,7 @@ def load(
                         "purpose"
                     )
                 out.append(made)
-                itemsize = t.itemsize if cast is None else cast.itemsize
-                held += sum(
-                    math.prod(b - a for a, b in r) * itemsize for r in set(plan.keys.values())
-                )
+                held += plan.held_bytes()
         if stats is not None:
             stats["bytes_read"] = ckpt.bytes_read
             stats["bytes_held"] = held

@@ -77,9 +77,13 @@ def scatter_read(
     calls = list(_calls(runs, out, where))
     total = sum(n for _, _, n in calls)
     threads = min(READ_THREADS, len(calls), total // _MIN_SHARE)
+
+    def read_share(share: list[tuple[int, list[memoryview], int]]) -> None:
+        for offset, iov, size in share:
+            read_full(fd, iov, offset, what, tensor, size)
+
     if threads <= 1:
-        for offset, iov, _ in calls:
-            _read(fd, iov, offset, what, tensor)
+        read_share(calls)
         return
     # contiguous shares of about equal bytes: each thread reads along the file
     shares: list[list[tuple[int, list[memoryview], int]]] = [[] for _ in range(threads)]
@@ -87,10 +91,6 @@ def scatter_read(
     for call in calls:
         shares[min(threads - 1, int(done // per))].append(call)
         done += call[2]
-
-    def read_share(share: list[tuple[int, list[memoryview], int]]) -> None:
-        for offset, iov, _ in share:
-            _read(fd, iov, offset, what, tensor)
 
     pool = _pool(os.getpid())
     futures = [pool.submit(read_share, share) for share in shares if share]
@@ -177,12 +177,6 @@ def _pool(pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(READ_THREADS, thread_name_prefix="unimesh-read")
 
 
-def _read(fd: int, iov: list[memoryview], offset: int, what: str, tensor: str) -> None:
-    want = sum(len(m) for m in iov)
-    if os.preadv(fd, iov, offset) != want:
-        read_full(fd, iov, offset, what, tensor)  # the rest (a fresh call), or truncated
-
-
 def _calls(
     runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
 ) -> Iterator[tuple[int, list[memoryview], int]]:
@@ -226,13 +220,24 @@ def stretches(out: np.ndarray, where: tuple[slice, ...]) -> Iterator[tuple[int, 
         yield first, length
 
 
-def read_full(fd: int, iov: list[memoryview], offset: int, what: str, tensor: str = "") -> None:
+def read_full(
+    fd: int,
+    iov: list[memoryview],
+    offset: int,
+    what: str,
+    tensor: str = "",
+    want: int | None = None,
+) -> None:
     """``preadv`` until every buffer of ``iov`` is full (a call may return fewer bytes than
-    asked, e.g. past 2 GiB); the file ending first is a truncated checkpoint."""
-    want = sum(len(m) for m in iov)
+    asked, e.g. past 2 GiB); the file ending first is a truncated checkpoint. ``want``: the
+    buffers' total, where the caller knows it."""
+    if want is None:
+        want = sum(len(m) for m in iov)
     end = offset + want
-    while iov:
-        got = os.preadv(fd, iov, offset)
+    got = os.preadv(fd, iov, offset)
+    if got == want:  # the common case: one call fills them all
+        return
+    while True:
         if got <= 0:
             needs = f"tensor {tensor!r} needs" if tensor else "needs"
             raise CheckpointError(f"{what} is truncated ({needs} bytes {end - want}..{end})")
@@ -242,3 +247,6 @@ def read_full(fd: int, iov: list[memoryview], offset: int, what: str, tensor: st
             iov = iov[1:]
         if got:
             iov[0] = iov[0][got:]
+        if not iov:
+            return
+        got = os.preadv(fd, iov, offset)
