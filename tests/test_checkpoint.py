@@ -286,6 +286,31 @@ def test_a_second_save_replaces_the_first_and_cleans_up(tmp_path: Path) -> None:
     np.testing.assert_array_equal(unimesh.open_checkpoint(tmp_path / "ck").read("a"), np.ones(3))
 
 
+def test_read_region_into_a_given_array(tmp_path: Path) -> None:
+    """``Checkpoint.read_region(..., out=)`` fills a writable C-order array of the region's
+    shape and the tensor's item size (any dtype of that size: the bytes are the tensor's), and
+    refuses any other array by name before reading."""
+    values = np.arange(48, dtype=np.float32).reshape(6, 8)
+    unimesh.save(tmp_path / "c", {"w": values})
+    with unimesh.open_checkpoint(tmp_path / "c") as ck:
+        t = ck.tensor("w")
+        out = np.zeros((2, 3), dtype=np.int32)  # 4-byte items: float32's bytes, as int32
+        assert ck.read_region(t, (1, 2), (3, 5), out) is out
+        np.testing.assert_array_equal(out.view(np.float32), values[1:3, 2:5])
+        wrong = {
+            "shape": np.zeros((3, 2), np.float32),
+            "item size": np.zeros((2, 3), np.float64),
+            "order": np.zeros((3, 2), np.float32).T,
+            "writable": np.broadcast_to(np.float32(0), (2, 3)),
+        }
+        for what, array in wrong.items():
+            with pytest.raises(CheckpointError, match=r"'w' cannot be read into a \w+ array of "
+                               r"shape .*: its region \(2, 3\) needs a writable C-order array "
+                               r"of 4-byte items"):  # fmt: skip
+                ck.read_region(t, (1, 2), (3, 5), array)
+            assert ck.bytes_read == 2 * 3 * 4, what  # nothing more was read
+
+
 def test_a_load_target_with_a_pending_reduction_is_refused(tmp_path: Path) -> None:
     """A checkpoint holds values: loading one into a Partial layout (torch would sum the
     copies of every block, giving the value times the axis size) is refused by name, before
