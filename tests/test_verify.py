@@ -118,8 +118,12 @@ def plain_processes(
         verdicts, codes, _ = shared_launch(f"plain-{backend}", start)
         check_mode(mode, verdicts[mode], codes[mode], names)
         return
+    gone = absent(mode)
+    # a stuck or never-started process sleeps past the others' end; its own end is not
+    # checked, so it is killed once they have all ended
+    idle = gone if mode in ("stuck", "never", "never0", "save-stuck") else None
     codes, outs, ends = run_ranks_timed(
-        [sys.executable, WORKER, backend, mode], envs, LIMIT + 30, tmp_path
+        [sys.executable, WORKER, backend, mode], envs, LIMIT + 30, tmp_path, idle=idle
     )
     assert max(ends) < LIMIT + 10, f"took {max(ends):.0f} s"
     verdicts: dict[int, str] = {}
@@ -127,9 +131,8 @@ def plain_processes(
         verdicts.update(lines(out))
     if mode in ("die", "save-die"):
         assert codes[1] == -9, codes
-    gone = absent(mode)
-    if mode in ("stuck", "never", "never0", "save-stuck"):
-        verdicts.pop(gone, None)  # it wakes up after the others left; its own end is not checked
+    if idle is not None:
+        verdicts.pop(gone, None)
     check_mode(mode, verdicts, dict(enumerate(codes)), names)
     bound = {"die": GONE_BOUND, "stuck": GONE_BOUND}.get(mode.removeprefix("save-"), NEVER_BOUND)
     for r in range(N):

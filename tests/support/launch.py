@@ -108,9 +108,16 @@ def run_ranks(
 
 
 def run_ranks_timed(
-    cmd: list[str], envs: list[dict[str, str]], limit: float, cwd: Path | None = None
+    cmd: list[str],
+    envs: list[dict[str, str]],
+    limit: float,
+    cwd: Path | None = None,
+    idle: int | None = None,
 ) -> tuple[list[int], list[str], list[float]]:
-    """:func:`run_ranks`, giving the seconds after the start at which each process ended."""
+    """:func:`run_ranks`, giving the seconds after the start at which each process ended.
+
+    ``idle``: a process whose own end is not checked (one that sleeps so as to be missing):
+    it is killed as soon as every other process has ended, not waited for."""
     import tempfile
     import time
 
@@ -134,6 +141,11 @@ def run_ranks_timed(
             for i, p in enumerate(procs):
                 if ends[i] is None and p.poll() is not None:
                     ends[i] = time.monotonic() - t0
+            if idle is not None and ends[idle] is None:
+                if all(e is not None for i, e in enumerate(ends) if i != idle):
+                    kill_tree(procs[idle].pid)
+                    procs[idle].wait()
+                    ends[idle] = time.monotonic() - t0
             time.sleep(0.05)
         for p in procs:
             if p.poll() is None:
