@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 import reshard_cases
 
 POOL = 8
+Index = tuple[int, ...]
 
 
 @st.composite
@@ -132,6 +133,92 @@ def test_the_plan_tiles_every_target_block_and_moves_the_minimum(problem: tuple)
     assert sum(x.bytes_sent for x in plans.values()) == sum(
         x.bytes_received for x in plans.values()
     )
+
+
+@st.composite
+def tilings(
+    draw: st.DrawFn, shape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes that tile ``shape``, made by cutting boxes in two along any dim (guillotine cuts):
+    most such tilings are no grid (a cut splits one box, not the whole row of boxes)."""
+    boxes = [((0,) * len(shape), tuple(shape))]
+    for _ in range(draw(st.integers(0, 6))):
+        i = draw(st.integers(0, len(boxes) - 1))
+        lo, hi = boxes[i]
+        dims = [d for d in range(len(shape)) if hi[d] - lo[d] > 1]
+        if not dims:
+            continue
+        d = draw(st.sampled_from(dims))
+        at = draw(st.integers(lo[d] + 1, hi[d] - 1))
+        boxes[i : i + 1] = [
+            (lo, hi[:d] + (at,) + hi[d + 1 :]),
+            (lo[:d] + (at,) + lo[d + 1 :], hi),
+        ]
+    return boxes
+
+
+@given(st.data())
+def test_a_load_plans_its_reads_with_the_reshard_planner(data: st.DataObject) -> None:
+    """The checkpoint loader's reads come from ``moves.plan`` (the saved boxes as the source
+    side, held by the storage): for any tiling of the saved boxes, grid or not, and any target
+    layout and process split, each device's parts tile its block exactly once, each lies in
+    its box and reads that box's bytes; read from a file image, the block is the array's."""
+    from unimesh.checkpoint.format import Box, Tensor
+    from unimesh.checkpoint.runs import pieces, planned
+
+    ndim = data.draw(st.integers(0, 3))
+    shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
+    target = data.draw(layouts(data.draw(meshes()), ndim))
+    where = data.draw(st.lists(st.integers(0, 2), min_size=POOL, max_size=POOL))
+    whole = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
+    image, boxes = bytearray(), []
+    for lo, hi in data.draw(tilings(shape)):
+        chunk = np.ascontiguousarray(whole[_box(lo, hi)]).tobytes()
+        size = tuple(b - a for a, b in zip(lo, hi))
+        boxes.append(Box(lo, size, "data", len(image), len(image) + len(chunk)))
+        image += chunk
+    t = Tensor("w", shape, "int32", None, boxes)
+    for p in sorted(set(where)):
+        mine = [d for d in target.mesh.device_ids.ravel().tolist() if where[d] == p]
+        parts = planned(t, target, mine)
+        assert sorted(parts) == sorted(mine)
+        for device, found in parts.items():
+            block = target.shard_slices(shape, device)
+            start = tuple(s.start for s in block)
+            out = np.full([s.stop - s.start for s in block], -1, np.int32)
+            cover = np.zeros(out.shape, np.int64)
+            for part in found:
+                assert all(
+                    o <= a and b <= o + n
+                    for a, b, o, n in zip(part.start, part.stop, part.box.offset, part.box.size)
+                )
+                where_ = tuple(slice(a - s, b - s) for a, b, s in zip(part.start, part.stop, start))
+                cover[where_] += 1
+                raw = b"".join(bytes(image[at : at + n]) for at, n in part.runs)
+                out[where_] = np.frombuffer(raw, np.int32).reshape(part.shape)
+            assert (cover == 1).all()
+            np.testing.assert_array_equal(out, whole[block])
+            # the same bytes as intersecting the block with the boxes directly
+            direct = pieces(boxes, start, tuple(s.stop for s in block), 4)
+            assert sum(x.nbytes for x in found) == sum(x.nbytes for x in direct) == out.nbytes
+
+
+def test_saved_boxes_that_would_make_too_many_cells_are_refused_by_name() -> None:
+    """A staircase of 2 x 2,100 boxes (each row cut at its own column) tiles the array, but its
+    grid has 2,100 x 2,100 cells: the loader refuses it, naming the tensor and Checkpoint.read,
+    before building any cell."""
+    from unimesh.checkpoint.format import Box, Tensor
+    from unimesh.checkpoint.runs import planned
+
+    n = 2100
+    boxes = []
+    for i in range(n):
+        boxes.append(Box((i, 0), (1, i + 1), "data", 0, 4 * (i + 1)))
+        if i + 1 < n:
+            boxes.append(Box((i, i + 1), (1, n - i - 1), "data", 0, 4 * (n - i - 1)))
+    t = Tensor("stairs", (n, n), "float32", None, boxes)
+    with pytest.raises(unimesh.CheckpointError, match=r"'stairs'.*4410000 cells.*Checkpoint\.read"):
+        planned(t, Layout(Mesh((2,), ("x",)), P("x")), [0])
 
 
 @given(

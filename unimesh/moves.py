@@ -10,6 +10,11 @@ holds, once however many of its devices need it, from one process that holds it:
 of a source block take turns (round robin over every piece that block sends, in the order all
 processes list them), so the load spreads evenly over them.
 
+Either side may also be :class:`Blocks`: boxes held by any ids, as a checkpoint's saved boxes
+are held by its storage. The checkpoint loader plans its reads with this same :func:`plan` (the
+storage a process of its own that holds every box, :func:`cells` making any tiling a grid), so
+a load and a live reshard read and move the same pieces.
+
 Plans are cached for a repeated (source, target, shape, itemsize, process map, process).
 """
 
@@ -24,7 +29,18 @@ import numpy as np
 
 from .layout import Layout
 
-__all__ = ["IN_FLIGHT", "Piece", "Plan", "clear_cache", "plan", "rounds", "units", "unpack"]
+__all__ = [
+    "IN_FLIGHT",
+    "Blocks",
+    "Piece",
+    "Plan",
+    "cells",
+    "clear_cache",
+    "plan",
+    "rounds",
+    "units",
+    "unpack",
+]
 
 #: bytes a process has in flight in one round of a reshard's exchange, over all its peers
 #: (each pair gets an equal share; a piece larger than its share goes alone)
@@ -61,6 +77,72 @@ class Piece:
     def __repr__(self) -> str:
         box = ", ".join(f"{a}:{b}" for a, b in zip(self.start, self.stop))
         return f"Piece([{box}] from device {self.source} to {list(self.devices)})"
+
+
+class Blocks:
+    """One side of a move given as boxes: id ``ids[i]`` holds the box ``lo[i]:hi[i]`` (global
+    index). An id may appear once; one box may be held by many ids. Along each dim two boxes'
+    intervals are equal or disjoint (a grid, as a layout's blocks always are: :func:`cells`
+    makes one of any tiling). Hashable by content, so plans over it are cached."""
+
+    __slots__ = ("_hash", "hi", "ids", "lo")
+
+    def __init__(self, ids: Any, lo: Any, hi: Any) -> None:
+        self.ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self.lo = np.asarray(lo, dtype=np.int64).reshape(len(self.ids), -1)
+        self.hi = np.asarray(hi, dtype=np.int64).reshape(self.lo.shape)
+        self._hash = hash((self.lo.shape, self.ids.tobytes(), self.lo.tobytes(), self.hi.tobytes()))
+
+    @classmethod
+    def of(cls, layout: Layout, shape: Sequence[int]) -> Blocks:
+        """Each device's block of ``layout`` for an array of ``shape``."""
+        lo, hi = layout.shard_bounds(tuple(shape))
+        return cls(layout.mesh.device_ids.ravel(), lo, hi)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Blocks)
+            and self._hash == other._hash
+            and np.array_equal(self.ids, other.ids)
+            and np.array_equal(self.lo, other.lo)
+            and np.array_equal(self.hi, other.hi)
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Blocks({len(self.ids)} boxes of {self.lo.shape[1]} dims)"
+
+
+def cells(
+    lo: np.ndarray, hi: np.ndarray, limit: int = 1 << 22
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Boxes that tile an array (``lo``/``hi``: (boxes, ndim)) as a grid: each box cut at every
+    other box's bounds along each dim. Returns the cells' ``lo``, ``hi`` and the box each lies
+    in; boxes that already form a grid come back as they are (each its one cell), empty boxes
+    are left out. ``ValueError`` where that makes more than ``limit`` cells."""
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    ndim = lo.shape[1]
+    keep = np.nonzero((hi > lo).all(axis=1))[0]
+    lo, hi = lo[keep], hi[keep]
+    cuts = [np.unique(np.concatenate([lo[:, d], hi[:, d]])) for d in range(ndim)]
+    first = [np.searchsorted(cuts[d], lo[:, d]) for d in range(ndim)]
+    count = [np.searchsorted(cuts[d], hi[:, d]) - first[d] for d in range(ndim)]
+    per_box = np.prod(np.stack(count, 1), axis=1) if ndim else np.ones(len(lo), np.int64)
+    if (per_box == 1).all():
+        return lo, hi, keep
+    total = int(per_box.sum())
+    if total > limit:
+        raise ValueError(f"{len(lo)} boxes make {total} cells of one grid (at most {limit})")
+    out_lo, out_hi, parent = [], [], []
+    for i in range(len(lo)):
+        grid = np.indices([int(c[i]) for c in count]).reshape(ndim, -1).T
+        seg = grid + np.asarray([int(f[i]) for f in first])
+        out_lo.append(np.stack([cuts[d][seg[:, d]] for d in range(ndim)], 1))
+        out_hi.append(np.stack([cuts[d][seg[:, d] + 1] for d in range(ndim)], 1))
+        parent.append(np.full(len(seg), keep[i], dtype=np.int64))
+    return np.concatenate(out_lo), np.concatenate(out_hi), np.concatenate(parent)
 
 
 class Plan:
@@ -114,8 +196,8 @@ class Plan:
 
 
 def plan(
-    source: Layout,
-    target: Layout,
+    source: Layout | Blocks,
+    target: Layout | Blocks,
     shape: Sequence[int],
     itemsize: int,
     process_of: Sequence[int] | np.ndarray,
@@ -123,8 +205,9 @@ def plan(
 ) -> Plan:
     """This process's plan to move an array of global ``shape`` from ``source`` to ``target``.
 
-    ``process_of[device id]`` is the process of each device of either mesh; ``me`` is this
-    process. Pure and cached: every process computes the same sends and receives for a pair.
+    ``process_of[id]`` is the process of each device (or id of a :class:`Blocks`) of either
+    side; ``me`` is this process. Pure and cached: every process computes the same sends and
+    receives for a pair.
     """
     return _plan(source, target, tuple(shape), itemsize, tuple(int(p) for p in process_of), me)
 
@@ -188,9 +271,9 @@ class _Side:
     segment, length), each device's interval per dim, and each device's block number (the
     intervals' row-major index; -1 for an empty block)."""
 
-    def __init__(self, layout: Layout, shape: tuple[int, ...], cuts: list[np.ndarray]) -> None:
-        lo, hi = layout.shard_bounds(shape)
-        self.ids = layout.mesh.device_ids.ravel()
+    def __init__(self, blocks: Blocks, shape: tuple[int, ...], cuts: list[np.ndarray]) -> None:
+        lo, hi = blocks.lo, blocks.hi
+        self.ids = blocks.ids
         self.lo, self.hi = lo, hi
         ndim = len(shape)
         first = [np.searchsorted(cuts[d], lo[:, d]) for d in range(ndim)]
@@ -270,8 +353,8 @@ def clear_cache() -> None:
 
 @functools.lru_cache(maxsize=256)
 def _plan(
-    source: Layout,
-    target: Layout,
+    source: Layout | Blocks,
+    target: Layout | Blocks,
     shape: tuple[int, ...],
     itemsize: int,
     process_of: tuple[int, ...],
@@ -279,13 +362,14 @@ def _plan(
 ) -> Plan:
     procs = np.asarray(process_of, dtype=np.int64)
     ndim = len(shape)
-    s_lo, s_hi = source.shard_bounds(shape)
-    t_lo, t_hi = target.shard_bounds(shape)
+    sources = source if isinstance(source, Blocks) else Blocks.of(source, shape)
+    targets = target if isinstance(target, Blocks) else Blocks.of(target, shape)
+    s_lo, s_hi, t_lo, t_hi = sources.lo, sources.hi, targets.lo, targets.hi
     cuts = [
         np.unique(np.concatenate([s_lo[:, d], s_hi[:, d], t_lo[:, d], t_hi[:, d]]))
         for d in range(ndim)
     ]
-    src, dst = _Side(source, shape, cuts), _Side(target, shape, cuts)
+    src, dst = _Side(sources, shape, cuts), _Side(targets, shape, cuts)
     s_blocks = math.prod(src.counts)
     t_blocks = math.prod(dst.counts)
     s_full = src.block >= 0

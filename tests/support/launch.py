@@ -141,11 +141,11 @@ def run_ranks_timed(
             for i, p in enumerate(procs):
                 if ends[i] is None and p.poll() is not None:
                     ends[i] = time.monotonic() - t0
-            if idle is not None and ends[idle] is None:
-                if all(e is not None for i, e in enumerate(ends) if i != idle):
-                    kill_tree(procs[idle].pid)
-                    procs[idle].wait()
-                    ends[idle] = time.monotonic() - t0
+            others = (e is not None for i, e in enumerate(ends) if i != idle)
+            if idle is not None and ends[idle] is None and all(others):
+                kill_tree(procs[idle].pid)
+                procs[idle].wait()
+                ends[idle] = time.monotonic() - t0
             time.sleep(0.05)
         for p in procs:
             if p.poll() is None:

@@ -22,6 +22,7 @@ from ..spec import PartitionSpec
 from .format import Tensor, dtype_name, dtype_text
 from .raw import aligned_empty
 from .reader import Checkpoint, open_checkpoint
+from .runs import Piece, planned
 from .tree import flatten, model_state
 
 __all__ = ["LoadPlan", "load"]
@@ -32,9 +33,10 @@ Key = tuple[tuple[int, int], ...]  # a block: (start, stop) per dim
 class LoadPlan:
     """One leaf of a load's target, checked: its tensor (None: not in the checkpoint), the
     backend and layout it is loaded into (None: a host array, read whole), the cast asked
-    for, and this process's block per device (``keys``)."""
+    for, this process's block per device (``keys``) and each block's reads (``parts``, from
+    the live reshard's planner: :func:`.runs.planned`)."""
 
-    __slots__ = ("be", "cast", "keys", "layout", "leaf", "name", "tensor")
+    __slots__ = ("be", "cast", "keys", "layout", "leaf", "name", "parts", "tensor")
 
     def __init__(self, name: str, leaf: Any) -> None:
         self.name, self.leaf = name, leaf
@@ -43,6 +45,7 @@ class LoadPlan:
         self.layout: Layout | None = None
         self.cast: np.dtype[Any] | None = None
         self.keys: dict[int, Key] = {}
+        self.parts: dict[int, list[Piece]] = {}
 
     def held_bytes(self) -> int:
         """Bytes of the distinct blocks this process's devices hold (after the cast)."""
@@ -117,6 +120,7 @@ def plan_leaf(
     plan.be, plan.layout = be, layout
     for device in be.process_devices(layout.mesh):
         plan.keys[device] = tuple((s.start, s.stop) for s in layout.shard_slices(t.shape, device))
+    plan.parts = planned(t, layout, list(plan.keys))
     return plan
 
 
@@ -125,7 +129,8 @@ class LazyBlocks(Mapping[int, np.ndarray]):
     first asks for it and let go once every device holding it has been given it: a load
     stages one block at a time in host memory, not the whole tensor."""
 
-    def __init__(self, keys: dict[int, Key], read: Callable[[Key], np.ndarray]) -> None:
+    def __init__(self, keys: dict[int, Key], read: Callable[[int], np.ndarray]) -> None:
+        """``read(device)``: the block of ``device``, read (once for devices of one block)."""
         self._keys, self._read = keys, read
         self._left: dict[Key, int] = {}
         for key in keys.values():
@@ -136,7 +141,7 @@ class LazyBlocks(Mapping[int, np.ndarray]):
         key = self._keys[device]
         block = self._held.get(key)
         if block is None:
-            block = self._held[key] = self._read(key)
+            block = self._held[key] = self._read(device)
         self._left[key] -= 1
         if self._left[key] <= 0:  # every device of this block has it: let go
             del self._held[key]
@@ -149,8 +154,11 @@ class LazyBlocks(Mapping[int, np.ndarray]):
         return len(self._keys)
 
 
-def _read_block(ckpt: Checkpoint, t: Tensor, key: Key, cast: np.dtype[Any] | None) -> np.ndarray:
-    block = ckpt.read_region(t, tuple(a for a, _ in key), tuple(b for _, b in key))
+def _read_block(ckpt: Checkpoint, plan: LoadPlan, device: int) -> np.ndarray:
+    assert plan.tensor is not None
+    key, cast = plan.keys[device], plan.cast
+    start, stop = tuple(a for a, _ in key), tuple(b for _, b in key)
+    block = ckpt.read_region(plan.tensor, start, stop, parts=plan.parts[device])
     if cast is None:
         return block
     out = aligned_empty(block.shape, cast)
@@ -192,7 +200,8 @@ def _fill_in_place(ckpt: Checkpoint, plan: LoadPlan) -> bool:
         if key in first:  # two devices of this process hold this block
             np.copyto(views[device], first[key])
             continue
-        ckpt.read_region(t, tuple(a for a, _ in key), tuple(b for _, b in key), views[device])
+        start, stop = tuple(a for a, _ in key), tuple(b for _, b in key)
+        ckpt.read_region(t, start, stop, views[device], plan.parts[device])
         first[key] = views[device]
     return True
 
@@ -283,7 +292,7 @@ def load(
             else:
                 be, layout = plan.be, plan.layout
                 assert layout is not None
-                blocks = LazyBlocks(plan.keys, functools.partial(_read_block, ckpt, t, cast=cast))
+                blocks = LazyBlocks(plan.keys, functools.partial(_read_block, ckpt, plan))
                 made = from_blocks(blocks, layout, t.shape, be)
                 wanted = t.dtype if cast is None else dtype_name(cast)
                 got = dtype_text(getattr(made, "dtype", wanted))

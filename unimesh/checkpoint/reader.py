@@ -22,7 +22,7 @@ from ..spec import PartitionSpec
 from . import huggingface as hf
 from .format import MANIFEST, MAX_HEADER, Box, Tensor, numpy_dtype, parse_manifest, read_header
 from .raw import aligned_empty
-from .runs import pieces
+from .runs import Piece, pieces
 from .storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -272,11 +272,14 @@ class Checkpoint:
         start: tuple[int, ...],
         stop: tuple[int, ...],
         out: np.ndarray | None = None,
+        parts: list[Piece] | None = None,
     ) -> np.ndarray:
         """The region ``start:stop`` (global index) of tensor ``t`` as a new C-order array,
         reading only the byte runs of the boxes it touches (64-byte aligned: a CPU runtime
         may adopt it); or into ``out`` (C-order, the region's shape, an array of the tensor's
-        item size whose bytes are the tensor's: a framework's tensor viewed by numpy)."""
+        item size whose bytes are the tensor's: a framework's tensor viewed by numpy).
+        ``parts``: the region's pieces as a load planned them (:func:`.runs.planned`), where
+        the region is a target block; by default the region is intersected with the boxes."""
         shape = tuple(b - a for a, b in zip(start, stop))
         fresh = out is None
         if out is None:
@@ -312,7 +315,7 @@ class Checkpoint:
                 return whole
             out[...] = whole.view(dtype)  # the same bytes, seen as the target's items
             return out
-        for piece in pieces(t.boxes, start, stop, t.itemsize):
+        for piece in pieces(t.boxes, start, stop, t.itemsize) if parts is None else parts:
             box = piece.box
             if self.verify:
                 self.check_box(t.name, box)
