@@ -7,6 +7,7 @@ and from another framework."""
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 from unimesh import Layout, UnsupportedError
@@ -15,6 +16,12 @@ from .autograd import move_function
 from .runtime import TorchRuntime, import_dist, import_torch
 
 __all__ = ["TorchTransport"]
+
+#: process groups that have had a collective from every rank before their first point-to-point
+#: batch: torch asks every rank of a group to take part in the group's first
+#: ``batch_isend_irecv`` (NCCL creates its communicator there), and a rank may have nothing to
+#: exchange in a round
+_P2P_READY: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 class TorchTransport(TorchRuntime):
@@ -33,7 +40,12 @@ class TorchTransport(TorchRuntime):
     def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
         """One message per pair of ranks each way (the pieces for a rank packed into one
         buffer, as bytes), on the default process group: ``batch_isend_irecv``."""
-        torch = import_torch()
+        torch, dist = import_torch(), import_dist()
+        world = dist.group.WORLD
+        if world is not None and world not in _P2P_READY:  # every rank's first round
+            if dist.get_world_size() > 1:
+                dist.all_reduce(torch.zeros(1, device=torch.device(self._device_type(None))))
+            _P2P_READY.add(world)
         if not sends and not receives:
             return {}
         device = torch.device(self._device_type(None))
