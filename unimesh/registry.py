@@ -56,6 +56,9 @@ class _Registry:
         self._eps: dict[str, EntryPoint] | None = None
         #: the hook's answer per name, validated (a cache: cleared on every registration)
         self._loaded: dict[str, Backend] = {}
+        #: every backend that loads, in name order (a cache: cleared with ``_loaded``, and on
+        #: refresh); asked on every call that finds an array's backend
+        self._all: list[Backend] | None = None
 
     # pluggy is imported on first use, not with `import unimesh`
     @property
@@ -147,14 +150,20 @@ class _Registry:
             )
 
     def all_loaded(self) -> list[Backend]:
-        """Every installed backend, loading plugin modules (not frameworks) as needed."""
-        out = []
-        for name in self.names():
-            try:
-                out.append(self.load(name))
-            except UnimeshError:
-                continue
-        return out
+        """Every installed backend, loading plugin modules (not frameworks) as needed; one
+        that fails to load is left out (until :func:`unimesh.refresh_backends`)."""
+        found = self._all
+        if found is not None:
+            return list(found)
+        with self._lock:  # (a registration meanwhile waits, then clears it)
+            out = []
+            for name in self.names():
+                try:
+                    out.append(self.load(name))
+                except UnimeshError:
+                    continue
+            self._all = out
+            return list(out)
 
     def register(self, backend: Backend, replace: bool) -> None:
         backend = _validated(backend)
@@ -172,6 +181,7 @@ class _Registry:
 
             pm.register(InProcessPlugin(backend), name=_IN_PROCESS + backend.name)
             self._loaded.clear()
+            self._all = None
 
     def unregister(self, name: str) -> None:
         with self._lock:
@@ -186,10 +196,12 @@ class _Registry:
                 if plugin is not None:
                     pm.unregister(plugin)
             self._loaded.clear()
+            self._all = None
 
     def refresh(self) -> None:
         with self._lock:
             self._eps = None
+            self._all = None
 
 
 #: the plugin-manager name of a backend registered in this process (entry points: their name)

@@ -22,7 +22,7 @@ from .errors import LayoutError, UnimeshError, UnsupportedError
 from .layout import Layout
 from .messages import short
 from .rules import LayoutMap
-from .transfer import add_stats, device_ids, itemsize, move_blocks
+from .transfer import add_stats, device_ids, itemsize, move_blocks, plan_stats
 
 __all__ = ["reshard"]
 
@@ -285,7 +285,11 @@ def _native(
     if native is None:
         return None
     moved, counted = native
-    add_stats(stats, counted)
+    if stats is not None:
+        add_stats(
+            stats,
+            plan_stats(be, source, target, shape, itemsize(leaf)) if counted is None else counted,
+        )
     return moved
 
 

@@ -80,9 +80,7 @@ def _plain(
     stats: dict[str, int] | None,
 ) -> dict[int, Any]:
     """:func:`move_blocks` outside autodiff; ``kind``: the framework's dtype and its item size."""
-    ids = device_ids(source, target)
-    process_of = np.zeros(max(ids) + 1, dtype=np.int64)
-    process_of[ids] = be.device_processes(ids)
+    process_of = _process_of(be, source, target)
     me, _ = be.initialize(300.0)  # this process's index (the runtime is already up)
     if not source.spec.partial:
         return _blocks(be, blocks, source, target, shape, kind, process_of, me, stats)
@@ -247,6 +245,22 @@ def _assemble(
         return rows[0] if len(rows) == 1 else be.concatenate(rows, dim)
 
     return join(parts, 0)
+
+
+def plan_stats(
+    be: Backend, source: Layout, target: Layout, shape: tuple[int, ...], size: int
+) -> dict[str, int]:
+    """This process's bytes in the plan of a move (what a framework's own verb must move)."""
+    return plan(source, target, shape, size, _process_of(be, source, target),
+                be.initialize(300.0)[0]).stats()  # fmt: skip
+
+
+def _process_of(be: Backend, source: Layout, target: Layout) -> np.ndarray:
+    """The process of each device id of either layout (by id; 0 for ids of neither)."""
+    ids = device_ids(source, target)
+    process_of = np.zeros(max(ids) + 1, dtype=np.int64)
+    process_of[ids] = be.device_processes(ids)
+    return process_of
 
 
 def add_stats(stats: dict[str, int] | None, counted: Mapping[str, int]) -> None:

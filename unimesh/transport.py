@@ -146,9 +146,10 @@ class Transport:
 
     def native_reshard(
         self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
-    ) -> tuple[Any, dict[str, int]] | None:
+    ) -> tuple[Any, dict[str, int] | None] | None:
         """The framework's own move of ``array`` to ``target`` where it is as cheap as the
-        plan (JAX within one device set), with the bytes it moved; None to follow the plan.
+        plan (JAX within one device set), with the bytes it moved (None: the plan's, which
+        the core counts only where ``stats`` asks); None to follow the plan.
         ``source`` None: an array of this framework whose layout only its tracer knows (a JAX
         tracer under ``jit`` or ``grad``); return it moved by the framework's own
         differentiable verb, or None where it is a plain tensor that ``distribute`` lays out."""

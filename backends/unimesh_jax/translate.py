@@ -441,11 +441,11 @@ class JaxTranslator(JaxRuntime):
 
     def native_reshard(
         self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
-    ) -> tuple[Any, dict[str, int]] | None:
+    ) -> tuple[Any, dict[str, int] | None] | None:
         """One device list (the same devices in the same order): XLA's compiled reshard,
         ``jax.jit`` of the identity with the target as ``out_shardings`` (what ``jax.reshard``
-        does inside ``jit``), never through the host. Its bytes are the plan's: what must
-        move (XLA's SPMD partitioner moves more where it warns of a rematerialization).
+        does inside ``jit``), never through the host. Its bytes are the plan's (None): what
+        must move (XLA's SPMD partitioner moves more where it warns of a rematerialization).
         Another device list: None (the plan: device-to-device copies in one process, and
         :meth:`exchange_pieces` between processes). A tracer: JAX's differentiable moves to
         the target's ``NamedSharding``: eagerly (``grad`` outside ``jit``) ``jax.device_put``, whose
@@ -465,16 +465,7 @@ class JaxTranslator(JaxRuntime):
             return jax.lax.with_sharding_constraint(array, sharding), {}  # XLA's, under jit
         if source.mesh.device_ids.ravel().tolist() != target.mesh.device_ids.ravel().tolist():
             return None  # the plan
-        from unimesh.moves import plan
-
-        sharding = self.layout_to_native(target)
-        moved = _identity(sharding)(array)
-        ids = sorted(set(source.mesh.device_ids.ravel().tolist()))
-        procs = np.zeros(max(ids) + 1, dtype=np.int64)
-        procs[ids] = self.device_processes(ids)
-        itemsize = int(np.dtype(array.dtype).itemsize)
-        counted = plan(source, target, shape, itemsize, procs, self.initialize(300.0)[0]).stats()
-        return moved, counted
+        return _identity(self.layout_to_native(target))(array), None
 
     def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
         return import_jax().numpy.zeros(shape, dtype=dtype)

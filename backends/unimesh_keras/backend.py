@@ -268,7 +268,7 @@ class KerasBackend(Backend):
 
     def native_reshard(
         self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
-    ) -> tuple[Any, dict[str, int]] | None:
+    ) -> tuple[Any, dict[str, int] | None] | None:
         """JAX's: its compiled reshard on one device list, and a tracer's move."""
         return self._jax("reshard()").native_reshard(self._value(array), source, target, shape)
 

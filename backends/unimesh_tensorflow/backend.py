@@ -317,20 +317,14 @@ class TensorFlowBackend(Backend):
 
     def native_reshard(
         self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
-    ) -> tuple[Any, dict[str, int]] | None:
+    ) -> tuple[Any, dict[str, int] | None] | None:
         """On the same mesh: ``dtensor.relayout`` (DTensor's own move), with the plan's bytes;
         another mesh: None (the plan, through each device's block: one process, host copies,
         as TF's CPU devices share the host)."""
         if source is None or source.mesh != target.mesh:
             return None
-        from unimesh.moves import plan
-
         native = self.layout_to_native(target, rank=len(shape))
-        moved = _dtensor().relayout(array, native)
-        itemsize = int(np.dtype(array.dtype.as_numpy_dtype).itemsize)
-        ids = target.mesh.device_ids.ravel().tolist()
-        where = np.zeros(max(ids) + 1, dtype=np.int64)
-        return moved, plan(source, target, shape, itemsize, where, 0).stats()
+        return _dtensor().relayout(array, native), None
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{logical device id: numpy block}`` from ``dtensor.unpack``."""
