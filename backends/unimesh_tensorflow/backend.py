@@ -36,7 +36,29 @@ _RESERVED = frozenset({"unsharded", "any", "match"})
 def _tf() -> Any:
     import tensorflow as tf
 
+    if not _NOT_CONVERTED:
+        _keep_autograph_out()
     return tf
+
+
+_NOT_CONVERTED: list[str] = []
+
+
+def _keep_autograph_out() -> None:
+    """Inside ``tf.function``, AutoGraph rewrites the Python of every function a traced
+    function calls, unless its module is on its do-not-convert list (numpy's, keras's are):
+    unimesh's calls there (``reshard`` of a symbolic DTensor) are plain Python over
+    layouts, run as written, so their modules join that list (TF's own configuration
+    module; where a TF version lacks it, AutoGraph only warns that it cannot convert them)."""
+    _NOT_CONVERTED.append("unimesh")
+    try:
+        from tensorflow.python.autograph.core import config, config_lib
+    except ImportError:  # pragma: no cover - a TF without AutoGraph's configuration module
+        return
+    rules = getattr(config, "CONVERSION_RULES", None)
+    if isinstance(rules, tuple) and hasattr(config_lib, "DoNotConvert"):
+        extra = tuple(config_lib.DoNotConvert(m) for m in ("unimesh", "unimesh_tensorflow"))
+        config.CONVERSION_RULES = extra + rules
 
 
 def _dtensor() -> Any:
@@ -254,8 +276,8 @@ class TensorFlowBackend(Backend):
     def _tensor_layout(obj: Any) -> Any:
         """The ``dtensor.Layout`` of a DTensor, None for anything else."""
         tf = _tf()
-        if not isinstance(obj, (tf.Tensor, tf.Variable)):
-            return None
+        if not isinstance(obj, (tf.Tensor, tf.Variable)) or tf.is_symbolic_tensor(obj):
+            return None  # (a symbolic tensor's layout cannot be read: fetch_layout is eager)
         try:
             return _dtensor().fetch_layout(obj)
         except (ValueError, TypeError, tf.errors.OpError):
@@ -320,8 +342,24 @@ class TensorFlowBackend(Backend):
     ) -> tuple[Any, dict[str, int] | None] | None:
         """On the same mesh: ``dtensor.relayout`` (DTensor's own move), with the plan's bytes;
         another mesh: None (the plan, through each device's block: one process, host copies,
-        as TF's CPU devices share the host)."""
-        if source is None or source.mesh != target.mesh:
+        as TF's CPU devices share the host). A symbolic tensor (inside ``tf.function``, where
+        DTensor's gradients work, and where its layout cannot be read): ``relayout`` to the
+        target, TF's own differentiable move, on the tensor's mesh only."""
+        tf = _tf()
+        if source is None:
+            if not tf.is_symbolic_tensor(array):
+                return None  # a plain tensor: distribute() lays it out
+            native = self.layout_to_native(target, rank=len(shape))
+            try:
+                return _dtensor().relayout(array, native), None
+            except (ValueError, TypeError, tf.errors.OpError) as exc:
+                raise UnsupportedError(
+                    f"inside tf.function, reshard() is dtensor.relayout, which keeps a tensor on "
+                    f"its mesh; {target!r} is refused by TensorFlow ({str(exc).splitlines()[0]}): "
+                    "reshard onto another mesh eagerly, outside tf.function",
+                    backend=self.name,
+                ) from None
+        if source.mesh != target.mesh:
             return None
         native = self.layout_to_native(target, rank=len(shape))
         return _dtensor().relayout(array, native), None
