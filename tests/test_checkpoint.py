@@ -362,9 +362,10 @@ def test_jax_reshard_load_is_bit_exact_and_reads_only_its_bytes(tmp_path: Path) 
         "h": rng.standard_normal((4, 8)).astype(np.float16),
         "n": np.arange(16, dtype=np.int32).reshape(4, 4),
         "m": rng.random(8) > 0.5,
+        "z": np.zeros((0, 4), np.float32),  # no element: no block, nothing to read
     }
     saved = {"w": P("dp", "tp"), "b16": P(("tp", "dp")), "h": P(None, ("dp", "tp")), "n": P(),
-             "m": P("dp")}  # fmt: skip
+             "m": P("dp"), "z": P("dp", "tp")}  # fmt: skip
     arrays = {
         k: jax.device_put(v, unimesh.to_native(Layout(saved_mesh, saved[k]), "jax"))
         for k, v in tree.items()
@@ -376,7 +377,7 @@ def test_jax_reshard_load_is_bit_exact_and_reads_only_its_bytes(tmp_path: Path) 
     assert len(ck.tensor("model.n").boxes) == 1
     target_mesh = Mesh((2, 4), ("a", "b"), np.arange(8)[::-1].reshape(2, 4))
     target = {"w": P("b", "a"), "b16": P("a"), "h": P(None, ("b", "a")), "n": P(None, "b"),
-              "m": P(("a", "b"))}  # fmt: skip
+              "m": P(("a", "b")), "z": P("b", "a")}  # fmt: skip
     layouts = {"model": {k: Layout(target_mesh, s) for k, s in target.items()}}
     loaded = unimesh.load(tmp_path / "ck", layouts, backend="jax")
     for k, want in tree.items():

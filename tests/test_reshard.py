@@ -157,56 +157,78 @@ def tilings(
     return boxes
 
 
+def _read_part(image: bytes, part: object, dtype: np.dtype) -> np.ndarray:
+    """A planned part read from a file image as the reader reads it: its byte runs, or a
+    strided box whole, viewed with its strides and cut to the part."""
+    from unimesh.checkpoint.runs import part as with_runs
+
+    box, a, b = part  # type: ignore[misc]
+    found = with_runs(box, a, b, dtype.itemsize)
+    raw = b"".join(bytes(image[at : at + n]) for at, n in found.runs)
+    if not box.strides:
+        return np.frombuffer(raw, dtype).reshape(found.shape)
+    whole = np.lib.stride_tricks.as_strided(
+        np.frombuffer(raw, dtype), box.size, tuple(x * dtype.itemsize for x in box.strides)
+    )
+    return whole[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, box.offset))]
+
+
 @given(st.data())
 def test_a_load_plans_its_reads_with_the_reshard_planner(data: st.DataObject) -> None:
     """The checkpoint loader's reads come from ``moves.plan`` (the saved boxes as the source
-    side, held by the storage): for any tiling of the saved boxes, grid or not, and any target
-    layout and process split, each device's parts tile its block exactly once, each lies in
-    its box and reads that box's bytes; read from a file image, the block is the array's."""
+    side, held by the storage): for any tiling of the saved boxes, grid or not, some stored
+    column-major (a DCP chunk of a transposed tensor), empty dims included, and any target
+    layout and process split, each device's parts tile its block exactly once, one part per
+    box it touches, each inside its box; read from a file image, the block is the array's, and
+    the bytes read are those of intersecting the block with the boxes directly."""
     from unimesh.checkpoint.format import Box, Tensor
     from unimesh.checkpoint.runs import pieces, planned
 
     ndim = data.draw(st.integers(0, 3))
-    shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
+    shape = tuple(data.draw(st.lists(st.integers(0, 7), min_size=ndim, max_size=ndim)))
     target = data.draw(layouts(data.draw(meshes()), ndim))
     where = data.draw(st.lists(st.integers(0, 2), min_size=POOL, max_size=POOL))
     whole = np.arange(int(np.prod(shape)), dtype=np.int32).reshape(shape)
     image, boxes = bytearray(), []
     for lo, hi in data.draw(tilings(shape)):
-        chunk = np.ascontiguousarray(whole[_box(lo, hi)]).tobytes()
         size = tuple(b - a for a, b in zip(lo, hi))
-        boxes.append(Box(lo, size, "data", len(image), len(image) + len(chunk)))
-        image += chunk
+        strided = ndim >= 2 and data.draw(st.booleans())
+        block = whole[_box(lo, hi)]
+        chunk = np.asfortranarray(block) if strided else np.ascontiguousarray(block)
+        raw = chunk.tobytes(order="F" if strided else "C")
+        strides = tuple(int(np.prod(size[:d])) for d in range(ndim)) if strided else None
+        boxes.append(Box(lo, size, "data", len(image), len(image) + len(raw), None, strides))
+        image += raw
     t = Tensor("w", shape, "int32", None, boxes)
     for p in sorted(set(where)):
         mine = [d for d in target.mesh.device_ids.ravel().tolist() if where[d] == p]
         parts = planned(t, target, mine)
-        assert sorted(parts) == sorted(mine)
+        assert parts is not None and sorted(parts) == sorted(mine)
         for device, found in parts.items():
             block = target.shard_slices(shape, device)
             start = tuple(s.start for s in block)
             out = np.full([s.stop - s.start for s in block], -1, np.int32)
             cover = np.zeros(out.shape, np.int64)
-            for part in found:
-                assert all(
-                    o <= a and b <= o + n
-                    for a, b, o, n in zip(part.start, part.stop, part.box.offset, part.box.size)
-                )
-                where_ = tuple(slice(a - s, b - s) for a, b, s in zip(part.start, part.stop, start))
-                cover[where_] += 1
-                raw = b"".join(bytes(image[at : at + n]) for at, n in part.runs)
-                out[where_] = np.frombuffer(raw, np.int32).reshape(part.shape)
+            assert len({id(box) for box, _, _ in found}) == len(found)  # a box read once
+            for box, a, b in found:
+                assert all(o <= x < y <= o + n for x, y, o, n in zip(a, b, box.offset, box.size))
+                at = tuple(slice(x - s, y - s) for x, y, s in zip(a, b, start))
+                cover[at] += 1
+                out[at] = _read_part(image, (box, a, b), np.dtype(np.int32))
             assert (cover == 1).all()
             np.testing.assert_array_equal(out, whole[block])
             # the same bytes as intersecting the block with the boxes directly
             direct = pieces(boxes, start, tuple(s.stop for s in block), 4)
-            assert sum(x.nbytes for x in found) == sum(x.nbytes for x in direct) == out.nbytes
+            from unimesh.checkpoint.runs import part as with_runs
+
+            planned_bytes = sum(with_runs(*x, 4).nbytes for x in found)
+            assert planned_bytes == sum(x.nbytes for x in direct)
 
 
-def test_saved_boxes_that_would_make_too_many_cells_are_refused_by_name() -> None:
+def test_saved_boxes_that_would_make_too_many_cells_are_read_by_intersection() -> None:
     """A staircase of 2 x 2,100 boxes (each row cut at its own column) tiles the array, but its
-    grid has 2,100 x 2,100 cells: the loader refuses it, naming the tensor and Checkpoint.read,
-    before building any cell."""
+    grid has 2,100 x 2,100 cells: the planner declines before building any (None), and the
+    load reads each block by intersecting it with the boxes, as Checkpoint.read does."""
     from unimesh.checkpoint.format import Box, Tensor
     from unimesh.checkpoint.runs import planned
 
@@ -217,8 +239,22 @@ def test_saved_boxes_that_would_make_too_many_cells_are_refused_by_name() -> Non
         if i + 1 < n:
             boxes.append(Box((i, i + 1), (1, n - i - 1), "data", 0, 4 * (n - i - 1)))
     t = Tensor("stairs", (n, n), "float32", None, boxes)
-    with pytest.raises(unimesh.CheckpointError, match=r"'stairs'.*4410000 cells.*Checkpoint\.read"):
-        planned(t, Layout(Mesh((2,), ("x",)), P("x")), [0])
+    assert planned(t, Layout(Mesh((2,), ("x",)), P("x")), [0]) is None
+
+
+def test_blocks_that_are_no_grid_are_refused_by_name() -> None:
+    from unimesh.moves import Blocks
+
+    with pytest.raises(unimesh.LayoutError, match=r"2 ids, lo \(1, 2\)"):
+        Blocks([1, 2], [[0, 0]], [[1, 1]])
+    with pytest.raises(unimesh.LayoutError, match="each id once"):
+        Blocks([1, 1], [[0], [2]], [[2], [4]])
+    with pytest.raises(unimesh.LayoutError, match="along dim 1 two of their intervals overlap"):
+        Blocks([0, 1], [[0, 0], [2, 1]], [[2, 4], [4, 3]])
+    with pytest.raises(unimesh.LayoutError, match="along dim 1 two of their intervals overlap"):
+        Blocks([0, 1, 2], [[0, 0], [0, 2], [2, 0]], [[2, 2], [2, 4], [4, 4]])  # a guillotine cut
+    lo, hi = [[0, 0], [0, 2], [2, 0], [2, 2]], [[2, 2], [2, 4], [4, 2], [4, 4]]
+    assert Blocks([0, 1, 2, 3], lo, hi) == Blocks([0, 1, 2, 3], lo, hi)
 
 
 @given(

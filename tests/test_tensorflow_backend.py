@@ -206,16 +206,22 @@ def test_reshard_on_one_mesh_is_dtensor_relayout() -> None:
 
 
 @pytest.mark.parametrize(
-    ("source_spec", "target_spec"), [(P("dp", "tp"), P("tp", None)), (P(), P("dp", "tp"))]
+    ("source_spec", "target_spec", "variable"),
+    [
+        (P("dp", "tp"), P("tp", None), False),
+        (P(), P("dp", "tp"), False),
+        (P("dp", "tp"), P(None, "dp"), True),
+    ],
 )
 def test_reshard_inside_tf_function_is_relayout_and_differentiable(
-    source_spec: P, target_spec: P
+    source_spec: P, target_spec: P, variable: bool
 ) -> None:
     """Inside ``tf.function`` (where TF's DTensor gradients work) reshard is
     ``dtensor.relayout`` of the symbolic tensor, TF's own differentiable move: for
     L(x) = sum(reshard(x) * w), L is numpy's and dL/dx is w laid out as x (a replicated x's
     every replica gets the whole w, as jax.grad and DTensor give), each block bit for bit;
-    AutoGraph leaves unimesh's Python as written (no conversion warnings)."""
+    the same for a ``DVariable`` (a model's weight); AutoGraph leaves unimesh's Python as
+    written (no conversion warnings)."""
     import io
     import logging
 
@@ -224,6 +230,8 @@ def test_reshard_inside_tf_function_is_relayout_and_differentiable(
     w = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
     source, target = Layout(mesh, source_spec), Layout(mesh, target_spec)
     d = unimesh.distribute(x, source, "tensorflow")
+    if variable:  # a model's weight: DTensor's variable
+        d = dtensor.DVariable(d)
     wd = unimesh.distribute(w, target, "tensorflow")
 
     @tf.function

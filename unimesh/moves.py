@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import LayoutError
 from .layout import Layout
 
 __all__ = [
@@ -89,8 +90,24 @@ class Blocks:
 
     def __init__(self, ids: Any, lo: Any, hi: Any) -> None:
         self.ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        self.lo = np.asarray(lo, dtype=np.int64).reshape(len(self.ids), -1)
-        self.hi = np.asarray(hi, dtype=np.int64).reshape(self.lo.shape)
+        self.lo = np.asarray(lo, dtype=np.int64)
+        self.hi = np.asarray(hi, dtype=np.int64)
+        n = len(self.ids)
+        if self.lo.ndim != 2 or self.lo.shape[0] != n or self.hi.shape != self.lo.shape:
+            raise LayoutError(
+                f"Blocks takes one id per box and lo, hi of shape (boxes, dims): got {n} ids, "
+                f"lo {self.lo.shape}, hi {self.hi.shape}"
+            )
+        if len(np.unique(self.ids)) != n or (self.hi < self.lo).any():
+            raise LayoutError("Blocks takes each id once, and boxes with lo <= hi in every dim")
+        for d in range(self.lo.shape[1]):  # along each dim, two intervals equal or disjoint
+            pairs = np.unique(np.stack([self.lo[:, d], self.hi[:, d]], 1), axis=0)
+            full = pairs[pairs[:, 1] > pairs[:, 0]]
+            if len(full) > 1 and (full[1:, 0] < full[:-1, 1]).any():
+                raise LayoutError(
+                    f"Blocks' boxes are no grid: along dim {d} two of their intervals overlap "
+                    "and differ; cut them into a grid's cells first (unimesh.moves.cells)"
+                )
         self._hash = hash((self.lo.shape, self.ids.tobytes(), self.lo.tobytes(), self.hi.tobytes()))
 
     @classmethod
@@ -202,14 +219,17 @@ def plan(
     itemsize: int,
     process_of: Sequence[int] | np.ndarray,
     me: int,
+    *,
+    cache: bool = True,
 ) -> Plan:
     """This process's plan to move an array of global ``shape`` from ``source`` to ``target``.
 
     ``process_of[id]`` is the process of each device (or id of a :class:`Blocks`) of either
-    side; ``me`` is this process. Pure and cached: every process computes the same sends and
-    receives for a pair.
+    side; ``me`` is this process. Pure, and cached unless ``cache`` is False (a checkpoint
+    load's plans, used once): every process computes the same sends and receives for a pair.
     """
-    return _plan(source, target, tuple(shape), itemsize, tuple(int(p) for p in process_of), me)
+    key = (source, target, tuple(shape), itemsize, tuple(int(p) for p in process_of), me)
+    return _plan(*key) if cache else _plan.__wrapped__(*key)
 
 
 def rounds(

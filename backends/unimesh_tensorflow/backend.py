@@ -57,7 +57,8 @@ def _keep_autograph_out() -> None:
         return
     rules = getattr(config, "CONVERSION_RULES", None)
     if isinstance(rules, tuple) and hasattr(config_lib, "DoNotConvert"):
-        extra = tuple(config_lib.DoNotConvert(m) for m in ("unimesh", "unimesh_tensorflow"))
+        mine = ("unimesh", "unimesh_tensorflow", "unimesh_keras")
+        extra = tuple(config_lib.DoNotConvert(m) for m in mine)
         config.CONVERSION_RULES = extra + rules
 
 
@@ -276,8 +277,8 @@ class TensorFlowBackend(Backend):
     def _tensor_layout(obj: Any) -> Any:
         """The ``dtensor.Layout`` of a DTensor, None for anything else."""
         tf = _tf()
-        if not isinstance(obj, (tf.Tensor, tf.Variable)) or tf.is_symbolic_tensor(obj):
-            return None  # (a symbolic tensor's layout cannot be read: fetch_layout is eager)
+        if not isinstance(obj, (tf.Tensor, tf.Variable)) or not tf.executing_eagerly():
+            return None  # inside tf.function a layout cannot be read (fetch_layout is eager)
         try:
             return _dtensor().fetch_layout(obj)
         except (ValueError, TypeError, tf.errors.OpError):
@@ -342,12 +343,13 @@ class TensorFlowBackend(Backend):
     ) -> tuple[Any, dict[str, int] | None] | None:
         """On the same mesh: ``dtensor.relayout`` (DTensor's own move), with the plan's bytes;
         another mesh: None (the plan, through each device's block: one process, host copies,
-        as TF's CPU devices share the host). A symbolic tensor (inside ``tf.function``, where
-        DTensor's gradients work, and where its layout cannot be read): ``relayout`` to the
-        target, TF's own differentiable move, on the tensor's mesh only."""
+        as TF's CPU devices share the host). Inside ``tf.function`` (where DTensor's gradients
+        work, and where a tensor's layout cannot be read): ``relayout`` to the target, TF's own
+        differentiable move, of a DTensor or DVariable on its own mesh (TF's own error at run
+        time otherwise: another mesh, or a tensor that is no DTensor)."""
         tf = _tf()
         if source is None:
-            if not tf.is_symbolic_tensor(array):
+            if tf.executing_eagerly():
                 return None  # a plain tensor: distribute() lays it out
             native = self.layout_to_native(target, rank=len(shape))
             try:

@@ -22,7 +22,7 @@ from ..spec import PartitionSpec
 from .format import Tensor, dtype_name, dtype_text
 from .raw import aligned_empty
 from .reader import Checkpoint, open_checkpoint
-from .runs import Piece, planned
+from .runs import BoxPart, planned
 from .tree import flatten, model_state
 
 __all__ = ["LoadPlan", "load"]
@@ -33,8 +33,8 @@ Key = tuple[tuple[int, int], ...]  # a block: (start, stop) per dim
 class LoadPlan:
     """One leaf of a load's target, checked: its tensor (None: not in the checkpoint), the
     backend and layout it is loaded into (None: a host array, read whole), the cast asked
-    for, this process's block per device (``keys``) and each block's reads (``parts``, from
-    the live reshard's planner: :func:`.runs.planned`)."""
+    for, this process's block per device (``keys``) and, while the leaf is read, each block's
+    reads (``parts``, from the live reshard's planner: :func:`.runs.planned`)."""
 
     __slots__ = ("be", "cast", "keys", "layout", "leaf", "name", "parts", "tensor")
 
@@ -45,7 +45,7 @@ class LoadPlan:
         self.layout: Layout | None = None
         self.cast: np.dtype[Any] | None = None
         self.keys: dict[int, Key] = {}
-        self.parts: dict[int, list[Piece]] = {}
+        self.parts: dict[int, list[BoxPart]] | None = None
 
     def held_bytes(self) -> int:
         """Bytes of the distinct blocks this process's devices hold (after the cast)."""
@@ -120,8 +120,39 @@ def plan_leaf(
     plan.be, plan.layout = be, layout
     for device in be.process_devices(layout.mesh):
         plan.keys[device] = tuple((s.start, s.stop) for s in layout.shard_slices(t.shape, device))
-    plan.parts = planned(t, layout, list(plan.keys))
     return plan
+
+
+def _plan_reads(ckpt: Checkpoint, plan: LoadPlan, memo: dict[Any, Any]) -> None:
+    """``plan.parts`` from the reshard planner (one plan per distinct saved boxes, target
+    layout and devices in a load: a model's layers share them); none where another library
+    reads the chunks, or where the planner declines (the reads then intersect directly)."""
+    t, layout = plan.tensor, plan.layout
+    if t is None or layout is None or not ckpt.reads_boxes:
+        return
+    key = (
+        t.shape,
+        t.itemsize,
+        tuple((b.offset, b.size) for b in t.boxes),
+        layout,
+        tuple(plan.keys),
+    )
+    if key not in memo:
+        # the plan's pieces, as (box index, start, stop): each leaf has its own boxes
+        found = planned(t, layout, list(plan.keys))
+        index = {id(b): i for i, b in enumerate(t.boxes)}
+        memo[key] = (
+            None
+            if found is None
+            else {
+                d: [(index[id(box)], a, b) for box, a, b in regions] for d, regions in found.items()
+            }
+        )
+    shared = memo[key]
+    if shared is not None:
+        plan.parts = {
+            d: [(t.boxes[i], a, b) for i, a, b in regions] for d, regions in shared.items()
+        }
 
 
 class LazyBlocks(Mapping[int, np.ndarray]):
@@ -158,7 +189,8 @@ def _read_block(ckpt: Checkpoint, plan: LoadPlan, device: int) -> np.ndarray:
     assert plan.tensor is not None
     key, cast = plan.keys[device], plan.cast
     start, stop = tuple(a for a, _ in key), tuple(b for _, b in key)
-    block = ckpt.read_region(plan.tensor, start, stop, parts=plan.parts[device])
+    parts = None if plan.parts is None else plan.parts[device]
+    block = ckpt.read_region(plan.tensor, start, stop, parts=parts)
     if cast is None:
         return block
     out = aligned_empty(block.shape, cast)
@@ -201,7 +233,8 @@ def _fill_in_place(ckpt: Checkpoint, plan: LoadPlan) -> bool:
             np.copyto(views[device], first[key])
             continue
         start, stop = tuple(a for a, _ in key), tuple(b for _, b in key)
-        ckpt.read_region(t, start, stop, views[device], plan.parts[device])
+        parts = None if plan.parts is None else plan.parts[device]
+        ckpt.read_region(t, start, stop, views[device], parts)
         first[key] = views[device]
     return True
 
@@ -278,8 +311,10 @@ def load(
                  for name, leaf in zip(names, leaves)]  # fmt: skip
         out = []
         held = 0
+        memo: dict[Any, Any] = {}
         for plan in plans:
             t, cast = plan.tensor, plan.cast
+            _plan_reads(ckpt, plan, memo)
             if t is None:  # not in the checkpoint (strict=False): left as given
                 out.append(plan.leaf)
             elif plan.be is None:  # a host array: read whole, as numpy
@@ -305,6 +340,7 @@ def load(
                     )
                 out.append(made)
                 held += plan.held_bytes()
+            plan.parts = None  # read: its runs are not kept through the rest of the load
         if stats is not None:
             stats["bytes_read"] = ckpt.bytes_read
             stats["bytes_held"] = held

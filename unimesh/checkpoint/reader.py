@@ -22,7 +22,7 @@ from ..spec import PartitionSpec
 from . import huggingface as hf
 from .format import MANIFEST, MAX_HEADER, Box, Tensor, numpy_dtype, parse_manifest, read_header
 from .raw import aligned_empty
-from .runs import Piece, pieces
+from .runs import BoxPart, overlaps, part
 from .storage import Storage, open_storage
 
 if TYPE_CHECKING:
@@ -175,6 +175,12 @@ class Checkpoint:
         )
 
     @property
+    def reads_boxes(self) -> bool:
+        """Whether unimesh reads the saved boxes' byte runs itself (its own format, DCP's,
+        safetensors); False where another library reads the chunks (TensorStore, Orbax's)."""
+        return self._read_other is None
+
+    @property
     def names(self) -> list[str]:
         return list(self.tensors)
 
@@ -272,14 +278,16 @@ class Checkpoint:
         start: tuple[int, ...],
         stop: tuple[int, ...],
         out: np.ndarray | None = None,
-        parts: list[Piece] | None = None,
+        parts: list[BoxPart] | None = None,
     ) -> np.ndarray:
         """The region ``start:stop`` (global index) of tensor ``t`` as a new C-order array,
         reading only the byte runs of the boxes it touches (64-byte aligned: a CPU runtime
         may adopt it); or into ``out`` (C-order, the region's shape, an array of the tensor's
         item size whose bytes are the tensor's: a framework's tensor viewed by numpy).
-        ``parts``: the region's pieces as a load planned them (:func:`.runs.planned`), where
-        the region is a target block; by default the region is intersected with the boxes."""
+        ``parts``: the saved boxes' parts in the region as a load planned them
+        (:func:`.runs.planned`, the region a target block); by default the region is
+        intersected with the boxes. A checkpoint read by another library (TensorStore: see
+        :attr:`reads_boxes`) reads the chunks it touches whole, whatever the parts."""
         shape = tuple(b - a for a, b in zip(start, stop))
         fresh = out is None
         if out is None:
@@ -315,7 +323,8 @@ class Checkpoint:
                 return whole
             out[...] = whole.view(dtype)  # the same bytes, seen as the target's items
             return out
-        for piece in pieces(t.boxes, start, stop, t.itemsize) if parts is None else parts:
+        for box, first, after in overlaps(t.boxes, start, stop) if parts is None else parts:
+            piece = part(box, first, after, t.itemsize)
             box = piece.box
             if self.verify:
                 self.check_box(t.name, box)

@@ -13,12 +13,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..errors import CheckpointError
 from ..layout import Layout
 from ..moves import Blocks, cells, plan
 from .format import Box, Tensor
 
-__all__ = ["Piece", "pieces", "planned", "runs"]
+__all__ = ["BoxPart", "Piece", "overlaps", "part", "pieces", "planned", "runs"]
 
 
 class Piece:
@@ -68,51 +67,71 @@ def runs(
     return [(at, length) for at in np.asarray(first + sum(axes)).reshape(-1).tolist()]
 
 
-def pieces(
-    boxes: list[Box], start: tuple[int, ...], stop: tuple[int, ...], itemsize: int
-) -> list[Piece]:
-    """Every saved box's part of the region ``start:stop``, with its byte runs."""
+def part(box: Box, a: tuple[int, ...], b: tuple[int, ...], itemsize: int) -> Piece:
+    """The part ``a:b`` of ``box`` with its byte runs (a strided box: its whole range)."""
+    found = [(box.start, box.end - box.start)] if box.strides else runs(box, a, b, itemsize)
+    return Piece(box, a, b, found)
+
+
+#: a part of a saved box inside a wanted region: the box, and the part's start and stop
+BoxPart = tuple[Box, tuple[int, ...], tuple[int, ...]]
+
+
+def overlaps(boxes: list[Box], start: tuple[int, ...], stop: tuple[int, ...]) -> list[BoxPart]:
+    """Every saved box's part of the region ``start:stop`` (none for an empty box)."""
     out = []
     for box in boxes:
         a = tuple(max(s, o) for s, o in zip(start, box.offset))
         b = tuple(min(e, o + n) for e, o, n in zip(stop, box.offset, box.size))
         if any(x >= y for x, y in zip(a, b)) or (box.size and math.prod(box.size) == 0):
             continue
-        out.append(_part(box, a, b, itemsize))
+        out.append((box, a, b))
     return out
 
 
-def _part(box: Box, a: tuple[int, ...], b: tuple[int, ...], itemsize: int) -> Piece:
-    found = [(box.start, box.end - box.start)] if box.strides else runs(box, a, b, itemsize)
-    return Piece(box, a, b, found)
-
-
-def planned(t: Tensor, target: Layout, devices: Sequence[int]) -> dict[int, list[Piece]]:
-    """The reads of ``devices`` (this process's devices of ``target``): per device, the pieces
-    of its target block in row-major grid order, each a part of one saved box, from
-    :func:`unimesh.moves.plan` with the saved boxes as the source side and the storage as the
-    process holding them all (boxes that do not form a grid are cut into its cells first)."""
+def planned(t: Tensor, target: Layout, devices: Sequence[int]) -> dict[int, list[BoxPart]] | None:
+    """The reads of ``devices`` (this process's devices of ``target``), from the live reshard's
+    planner: :func:`unimesh.moves.plan` with the saved boxes as the source side, held by the
+    storage (a process of its own; boxes that do not form a grid cut into one grid's cells
+    first). Per device, the saved boxes its block needs, each as its one part in the block
+    (the plan's pieces of one box joined: a box is read once per block, whole where strided).
+    None where the boxes would make too many cells: the caller intersects directly."""
     ndim = len(t.shape)
     boxes = t.boxes
+    if math.prod(t.shape) == 0:
+        return {d: [] for d in devices}
     lo = np.asarray([b.offset for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
     hi = lo + np.asarray([b.size for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
     try:
         c_lo, c_hi, parent = cells(lo, hi)
-    except ValueError as exc:
-        raise CheckpointError(
-            f"tensor {t.name!r}: its saved boxes do not form a grid and {exc}: load it with "
-            "Checkpoint.read, region by region"
-        ) from None
+    except ValueError:
+        return None
     base = int(target.mesh.device_ids.max()) + 1
     process_of = np.ones(base + len(c_lo), dtype=np.int64)  # other processes' devices: 1
     process_of[np.asarray(list(devices), dtype=np.int64)] = 0  # this process: 0
     process_of[base:] = 2  # the storage
     ids = np.arange(base, base + len(c_lo), dtype=np.int64)
-    the_plan = plan(Blocks(ids, c_lo, c_hi), target, t.shape, t.itemsize, process_of, 0)
-    parts = {}
+    sources = Blocks(ids, c_lo, c_hi)
+    the_plan = plan(sources, target, t.shape, t.itemsize, process_of, 0, cache=False)
+    parts: dict[int, list[BoxPart]] = {}
     for device in devices:
-        parts[device] = [
-            _part(boxes[int(parent[p.source - base])], p.start, p.stop, t.itemsize)
-            for p in the_plan.blocks[device][1]
-        ]
+        bounds, found = the_plan.blocks[device]
+        first = tuple(b[0] for b in bounds)
+        last = tuple(b[-1] for b in bounds)
+        seen: dict[int, None] = {}  # the boxes, in the order the pieces name them
+        for p in found:
+            seen[int(parent[p.source - base])] = None
+        parts[device] = []
+        for i in seen:
+            box = boxes[i]
+            a = tuple(max(s, o) for s, o in zip(first, box.offset))
+            b = tuple(min(e, o + n) for e, o, n in zip(last, box.offset, box.size))
+            parts[device].append((box, a, b))
     return parts
+
+
+def pieces(
+    boxes: list[Box], start: tuple[int, ...], stop: tuple[int, ...], itemsize: int
+) -> list[Piece]:
+    """Every saved box's part of the region ``start:stop``, with its byte runs."""
+    return [part(box, a, b, itemsize) for box, a, b in overlaps(boxes, start, stop)]
