@@ -10,7 +10,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +35,59 @@ from .support.verify import (
 #: the cases that share one launch per engine (verify_worker.py runs them one after another)
 SHARED = ("clean", "disagree", "small")
 _SHARED_RUNS: dict[str, tuple[dict[str, dict[int, str]], dict[str, dict[int, int]], str]] = {}
+
+#: the fault launches (a peer killed, stuck or never started), by the name of the test that
+#: checks each: most of their time is the survivors waiting out their timeouts, so they run
+#: side by side in one lane per engine (torch, JAX, MLX: one launch at a time per engine, no
+#: two mlx.launch rings at once; three launches of 4 processes on 2 cores, the lanes started
+#: 5 s apart; a fourth lane made a torch rank too slow to reach its store in one run), each
+#: its own launch, all of them when the first of their tests asks, while no other test runs;
+#: each test then checks its own launch's results, which carry their own timings.
+FAULTS: dict[str, tuple[str, Callable[[Path], Any]]] = {}
+_FAULT_RESULTS: dict[str, Future[Any]] = {}
+
+
+def fault(lane: str, name: str) -> Callable[[Callable[[Path], Any]], Callable[[Path], Any]]:
+    """Register ``launch`` (given a scratch folder, it returns what its test checks) as the
+    launch of test ``name`` in ``lane``."""
+
+    def register(launch: Callable[[Path], Any]) -> Callable[[Path], Any]:
+        FAULTS[name] = (lane, launch)
+        return launch
+
+    return register
+
+
+@pytest.fixture
+def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """This test's fault launch's results (every selected fault test's launch made at once,
+    on the first ask)."""
+    name = request.node.name
+    if name not in FAULTS:  # a shared or single-process case of a fault test's function
+        return None
+    if name not in _FAULT_RESULTS:
+        wanted = [i.name for i in request.session.items
+                  if getattr(i, "module", None) is request.module
+                  and i.name in FAULTS and i.name not in _FAULT_RESULTS]  # fmt: skip
+        lanes: dict[str, list[str]] = {}
+        for n in wanted:
+            lanes.setdefault(FAULTS[n][0], []).append(n)
+        futures: dict[str, Future[Any]] = {}
+
+        def run(lane: int, names: list[str]) -> None:
+            time.sleep(5 * lane)  # the lanes' first imports apart: 4 processes each
+            for n in names:  # one after another within a lane
+                futures[n] = Future()
+                try:
+                    futures[n].set_result(FAULTS[n][1](tmp_path_factory.mktemp("fault")))
+                except BaseException as exc:  # noqa: BLE001 - raised again in its own test
+                    futures[n].set_exception(exc)
+
+        with ThreadPoolExecutor(len(lanes)) as pool:
+            for done in [pool.submit(run, i, names) for i, names in enumerate(lanes.values())]:
+                done.result()
+        _FAULT_RESULTS.update(futures)
+    return _FAULT_RESULTS[name].result()
 
 
 def shared_verdicts(out: str) -> tuple[dict[str, dict[int, str]], dict[str, dict[int, int]]]:
@@ -98,8 +153,29 @@ def check_mode(
         assert seconds < LIMIT, text
 
 
+#: a stuck or never-started process sleeps past the others' end; its own end is not checked,
+#: so it is killed once they have all ended
+IDLE = ("stuck", "never", "never0", "save-stuck")
+
+
+def plain_launch(backend: str, mode: str, envs: Callable[[Path], list[dict[str, str]]]) -> Any:
+    """The worker in N processes for a fault ``mode``: (codes, outputs, end times)."""
+
+    def launch(tmp: Path) -> tuple[list[int], list[str], list[float]]:
+        idle = absent(mode) if mode in IDLE else None
+        command = [sys.executable, WORKER, backend, mode]
+        return run_ranks_timed(command, envs(tmp), LIMIT + 30, tmp, idle=idle)
+
+    return launch
+
+
 def plain_processes(
-    backend: str, mode: str, envs: list[dict[str, str]], tmp_path: Path, names: str | None = None
+    backend: str,
+    mode: str,
+    envs: list[dict[str, str]],
+    tmp_path: Path,
+    names: str | None = None,
+    ran: Any = None,
 ) -> None:
     """The worker in N processes started here (the engine's own rendezvous, no launcher that
     could end the survivors itself); every rank's verdict and exit code checked, and the time
@@ -119,20 +195,16 @@ def plain_processes(
         check_mode(mode, verdicts[mode], codes[mode], names)
         return
     gone = absent(mode)
-    # a stuck or never-started process sleeps past the others' end; its own end is not
-    # checked, so it is killed once they have all ended
-    idle = gone if mode in ("stuck", "never", "never0", "save-stuck") else None
-    codes, outs, ends = run_ranks_timed(
-        [sys.executable, WORKER, backend, mode], envs, LIMIT + 30, tmp_path, idle=idle
-    )
+    assert ran is not None, "a fault case's launch comes from the faulted fixture"
+    codes, outs, ends = ran
     assert max(ends) < LIMIT + 10, f"took {max(ends):.0f} s"
     verdicts: dict[int, str] = {}
     for out in outs:
         verdicts.update(lines(out))
     if mode in ("die", "save-die"):
         assert codes[1] == -9, codes
-    if idle is not None:
-        verdicts.pop(gone, None)
+    if mode in IDLE:
+        verdicts.pop(gone, None)  # killed once the others ended: its own end is not checked
     check_mode(mode, verdicts, dict(enumerate(codes)), names)
     bound = {"die": GONE_BOUND, "stuck": GONE_BOUND}.get(mode.removeprefix("save-"), NEVER_BOUND)
     for r in range(N):
@@ -141,40 +213,67 @@ def plain_processes(
 
 
 # -- torch ------------------------------------------------------------------------------------
+def _torch_envs(tmp: Path) -> list[dict[str, str]]:
+    pytest.importorskip("torch.distributed")
+    return [dict(env, CHECKPOINT_DIR=str(tmp / "ck")) for env in torch_envs()]
+
+
+for _mode in ("die", "stuck", "never"):
+    fault("torch", f"test_torch_gloo_processes[{_mode}]")(plain_launch("torch", _mode, _torch_envs))
+fault("torch", "test_torch_save_with_a_peer_gone[save-die]")(
+    plain_launch("torch", "save-die", _torch_envs)
+)
+
+
 @pytest.mark.parametrize("mode", ["clean", "disagree", "die", "small", "stuck", "never"])
-def test_torch_gloo_processes(mode, tmp_path):
+def test_torch_gloo_processes(mode, tmp_path, faulted):
     """Every surviving rank names rank 1 when it is gone, stuck or never started (read from
     the rendezvous store, which every rank can ask), not only rank 0."""
     pytest.importorskip("torch.distributed")
-    plain_processes("torch", mode, torch_envs(), tmp_path, names=r"rank 1 did not arrive")
+    plain_processes(
+        "torch", mode, torch_envs(), tmp_path, names=r"rank 1 did not arrive", ran=faulted
+    )
 
 
 @pytest.mark.parametrize("mode", ["save-die"])
-def test_torch_save_with_a_peer_gone(mode, tmp_path):
+def test_torch_save_with_a_peer_gone(mode, tmp_path, faulted):
     """unimesh.save on 4 gloo processes when process 1 is killed before the second save
     (save-stuck, a process that does not come, reads the same and is in benchmarks/faults.py):
     every survivor raises CheckpointError naming rank 1 within the timeout, and the
     checkpoint saved before is still there, whole."""
     pytest.importorskip("torch.distributed")
-    envs = [dict(env, CHECKPOINT_DIR=str(tmp_path / "ck")) for env in torch_envs()]
-    plain_processes("torch", mode, envs, tmp_path, names=r"rank 1 did not arrive")
+    plain_processes("torch", mode, [], tmp_path, names=r"rank 1 did not arrive", ran=faulted)
+
+
+def torchrun(mode: str, tmp: Path, limit: float = LIMIT + 30) -> tuple[int, str, float]:
+    """The worker under torchrun: (exit code, output, seconds it took)."""
+    pytest.importorskip("torch.distributed")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={N}", WORKER, "torch", mode]  # fmt: skip
+    t0 = time.monotonic()
+    rc, out = run_bounded(command, base_env(), limit, tmp)
+    return rc, out, time.monotonic() - t0
+
+
+for _mode in ("stuck", "never"):
+    fault("torch", f"test_torch_under_torchrun[{_mode}]")(
+        lambda tmp, mode=_mode: torchrun(mode, tmp)
+    )
+fault("torch", "test_torchrun_with_a_killed_worker_stops_every_rank")(
+    lambda tmp: torchrun("die", tmp, LIMIT)
+)
 
 
 @pytest.mark.parametrize("mode", ["clean", "disagree", "stuck", "never"])
-def test_torch_under_torchrun(mode, tmp_path):
+def test_torch_under_torchrun(mode, tmp_path, faulted):
     """Under torchrun (its agent hosts the store): every rank that is not the stuck or
     never-started one names rank 1 before the agent ends the job on the first failure."""
     pytest.importorskip("torch.distributed")
 
-    def torchrun(mode: str) -> tuple[int, str]:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={N}", WORKER, "torch", mode]  # fmt: skip
-        return run_bounded(command, base_env(), LIMIT + 30, tmp_path)
-
     if mode in ("clean", "disagree"):  # one launch for both (and small, checked there too)
 
         def start() -> str:
-            rc, out = torchrun("+".join(SHARED))
+            rc, out, _ = torchrun("+".join(SHARED), tmp_path)
             assert rc == 0, out[-3000:]
             return out
 
@@ -190,9 +289,7 @@ def test_torch_under_torchrun(mode, tmp_path):
             ]
             assert set(codes[mode].values()) == {3}, codes
         return
-    t0 = time.monotonic()
-    rc, out = torchrun(mode)
-    took = time.monotonic() - t0
+    rc, out, took = faulted
     verdicts = lines(out)
     assert rc != 0, out[-3000:]
     check_mode(mode, verdicts, None, names=r"rank 1 did not arrive")
@@ -200,31 +297,27 @@ def test_torch_under_torchrun(mode, tmp_path):
     assert took < (GONE_BOUND if mode == "stuck" else NEVER_BOUND), (took, out[-3000:])
 
 
-def test_torchrun_with_a_killed_worker_stops_every_rank(tmp_path):
+def test_torchrun_with_a_killed_worker_stops_every_rank(faulted):
     """Under torchrun the agent itself ends the other workers when one dies; nothing hangs."""
     pytest.importorskip("torch.distributed")
-    rc, out = run_bounded(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={N}",
-            WORKER,
-            "torch",
-            "die",
-        ],
-        base_env(),
-        LIMIT,
-        tmp_path,
-    )
+    rc, out, _ = faulted
     assert rc != 0
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", out) and "Signal 9" in out, out[-3000:]
 
 
 # -- jax.distributed --------------------------------------------------------------------------
+def _jax_envs(tmp: Path) -> list[dict[str, str]]:
+    pytest.importorskip("jax")
+    return [dict(env, CHECKPOINT_DIR=str(tmp / "ck")) for env in jax_envs()]
+
+
+for _mode in ("die", "stuck", "never", "never0"):
+    fault("jax", f"test_jax_distributed_processes[{_mode}]")(plain_launch("jax", _mode, _jax_envs))
+fault("jax", "test_jax_save_with_a_peer_gone")(plain_launch("jax", "save-die", _jax_envs))
+
+
 @pytest.mark.parametrize("mode", ["clean", "disagree", "die", "small", "stuck", "never", "never0"])
-def test_jax_distributed_processes(mode, tmp_path):
+def test_jax_distributed_processes(mode, tmp_path, faulted):
     """Every surviving process names the one that is gone, stuck or never started: the check's
     key-value exchange for the first two, initialize's own rendezvous before
     jax.distributed.initialize for the last (JAX alone would abort the others from C++ with
@@ -237,15 +330,14 @@ def test_jax_distributed_processes(mode, tmp_path):
         r"heard from processes \[0, 2, 3\]\)",
         "never0": r"process 0 of 4 \(the coordinator, 127\.0\.0\.1:\d+\) did not start within 20 s",
     }.get(mode)
-    plain_processes("jax", mode, jax_envs(), tmp_path, names)
+    plain_processes("jax", mode, jax_envs(), tmp_path, names, ran=faulted)
 
 
-def test_jax_save_with_a_peer_gone(tmp_path):
+def test_jax_save_with_a_peer_gone(tmp_path, faulted):
     """unimesh.save on 4 jax.distributed processes when process 1 is killed before the second
     save: every survivor raises CheckpointError naming process 1, the first checkpoint whole."""
     pytest.importorskip("jax")
-    envs = [dict(env, CHECKPOINT_DIR=str(tmp_path / "ck")) for env in jax_envs()]
-    plain_processes("jax", "save-die", envs, tmp_path, r"process 1 did not take part")
+    plain_processes("jax", "save-die", [], tmp_path, r"process 1 did not take part", faulted)
 
 
 def meet(procs: int, ids: list[int], counts: list[int] | None = None, timeout: float = 2.0):
@@ -378,16 +470,29 @@ def test_mlx(launcher, mode, tmp_path):
         assert all("processes [1] have device_order" in v for v in verdicts.values())
 
 
+def mlx_launch(launcher: str, mode: str, tmp: Path) -> tuple[int, str, float]:
+    """The worker under mpirun or mlx.launch: (exit code, output, seconds it took)."""
+    pytest.importorskip("mlx.core")
+    t0 = time.monotonic()
+    rc, out = run_bounded(mlx_command(launcher, mode), base_env(), LIMIT + 30, tmp)
+    return rc, out, time.monotonic() - t0
+
+
+for _launcher in ("mpi", "ring"):
+    for _name, _mode in (("killed_process", "die"), ("stuck_process", "stuck"),
+                         ("process_that_never_starts", "never")):  # fmt: skip
+        fault("mlx", f"test_mlx_with_a_{_name}[{_launcher}]")(
+            lambda tmp, launcher=_launcher, mode=_mode: mlx_launch(launcher, mode, tmp)
+        )
+
+
 @pytest.mark.parametrize("launcher", ["mpi", "ring"])
-def test_mlx_with_a_killed_process(launcher, tmp_path):
+def test_mlx_with_a_killed_process(launcher, faulted):
     """Both launchers end the job when a process is killed and name it: mpirun with its
     message and exit code, mlx.launch by ending the others (SIGTERM) and reporting each."""
     pytest.importorskip("mlx.core")
-    import time
-
-    t0 = time.monotonic()
-    rc, out = run_bounded(mlx_command(launcher, "die"), base_env(), LIMIT + 30, tmp_path)
-    assert time.monotonic() - t0 < LIMIT + 10
+    rc, out, took = faulted
+    assert took < LIMIT + 10
     if launcher == "mpi":
         assert rc != 0, out[-3000:]
         assert re.search(r"rank 1 .*signal 9|signal 9.*rank 1", out, re.DOTALL | re.IGNORECASE), (
@@ -400,15 +505,12 @@ def test_mlx_with_a_killed_process(launcher, tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "ring"])
-def test_mlx_with_a_stuck_process(launcher, tmp_path):
+def test_mlx_with_a_stuck_process(launcher, faulted):
     """A process that never comes to the check: the others' watchdog ends them with the
     message within their 15 s timeout (MLX collectives cannot be interrupted)."""
     pytest.importorskip("mlx.core")
-    import time
-
-    t0 = time.monotonic()
-    rc, out = run_bounded(mlx_command(launcher, "stuck"), base_env(), LIMIT + 30, tmp_path)
-    assert time.monotonic() - t0 < 40, out[-3000:]  # before the stuck process wakes up
+    rc, out, took = faulted
+    assert took < 40, out[-3000:]  # before the stuck process wakes up
     said = re.findall(
         r"unimesh: the mesh check on rank (\d+) of 4 did not finish within 15 s: a peer process "
         r"never started, is gone or is stuck: rank 1 never reached it \(of 4 processes, all on "
@@ -425,16 +527,12 @@ def test_mlx_with_a_stuck_process(launcher, tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "ring"])
-def test_mlx_with_a_process_that_never_starts(launcher, tmp_path):
+def test_mlx_with_a_process_that_never_starts(launcher, faulted):
     """Process 1 never starts MLX's runtime. Under mpirun, mx.distributed.init() then waits
     holding the GIL (no Python thread can run); the watchdog process ends each of the others
     with its message within initialize's 20 s timeout."""
     pytest.importorskip("mlx.core")
-    import time
-
-    t0 = time.monotonic()
-    rc, out = run_bounded(mlx_command(launcher, "never"), base_env(), LIMIT + 30, tmp_path)
-    took = time.monotonic() - t0
+    rc, out, took = faulted
     assert took < NEVER_BOUND, (took, out[-3000:])
     said = re.findall(
         r"unimesh: mx.distributed.init\(\) on rank (\d+) did not finish within 20 s: a peer "
