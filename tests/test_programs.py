@@ -173,7 +173,12 @@ def test_mpirun_four_processes(reference: Path, tmp_path: Path) -> None:
         ],
         4,
         tmp_path,
-        ("rules-only-when-traced", "compiled-forward-without-rules", "cross"),
+        (
+            "rules-only-when-traced",
+            "compiled-forward-without-rules",
+            "compiled-other-mesh",
+            "cross",
+        ),
         # and torch in the same 4 processes (gloo): reshard between MLXArrays and DTensors
         {
             "UNIMESH_CROSS": "torch",
@@ -199,7 +204,8 @@ def test_mlx_launch_ring_four_processes(reference: Path, tmp_path: Path) -> None
         str(reference),
         str(tmp_path),
     ]
-    _run(rc_out, 4, tmp_path, ("rules-only-when-traced", "compiled-forward-without-rules"))
+    mlx_only = ("rules-only-when-traced", "compiled-forward-without-rules", "compiled-other-mesh")
+    _run(rc_out, 4, tmp_path, mlx_only)
 
 
 CHECKED = WORKERS / "checked_worker.py"

@@ -19,7 +19,8 @@ differentiates the compiled graph afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from unimesh import ConversionError
@@ -32,6 +33,16 @@ from .translate import MLXArray
 
 def _is_leaf(x: Any) -> bool:
     return isinstance(x, MLXArray)
+
+
+@contextlib.contextmanager
+def _tracing() -> Iterator[None]:
+    """While ``mx.compile`` traces a step: programs refuse what it cannot evaluate."""
+    before, RULES.compiling = RULES.compiling, True
+    try:
+        yield
+    finally:
+        RULES.compiling = before
 
 
 def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
@@ -115,7 +126,8 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
             if trace.full is None:
                 trace.full = mx.compile(trace.blocks, **options)
                 transposed = RULES.transposed
-                out = trace.full(*arrays)  # the first call traces, with the gradient rules
+                with _tracing():
+                    out = trace.full(*arrays)  # the first call traces, with the rules
                 if not outer:  # a gradient inside it went through a rule, or none did
                     trace.lean_ok = RULES.transposed == transposed
             else:
@@ -125,7 +137,8 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
                 trace.lean = mx.compile(trace.blocks, **options)
                 RULES.forward_only = True
                 try:
-                    out = trace.lean(*arrays)
+                    with _tracing():
+                        out = trace.lean(*arrays)
                 finally:
                     RULES.forward_only = False
             else:

@@ -106,6 +106,15 @@ class MLXPrograms(MLXTranslator):
                 return whole, True
             # another mesh, or blocks of unequal size: unimesh.reshard moves only the pieces
             # this rank lacks (send/recv, differentiable; not inside mx.compile)
+            if RULES.compiling:  # refused on every rank alike, before any piece moves
+                raise UnsupportedError(
+                    f"an argument laid out as {arg.layout!r} goes to {layout!r} (another mesh, "
+                    "or blocks of unequal size): MLX moves it with send/recv, whose rounds "
+                    "mx.compile (and vmap) cannot evaluate; move it first, outside the "
+                    "compiled step (unimesh.reshard(x, layout)), or call the step eagerly",
+                    backend="mlx",
+                    capability="reshard",
+                )
             import unimesh
 
             return unimesh.reshard(arg, layout).local, False
@@ -327,6 +336,8 @@ class _Rules:
     applied = 0
     transposed = 0
     forward_only = False
+    #: set while ``unimesh.compile`` traces a step (its Python runs only then)
+    compiling = False
 
 
 RULES = _Rules()

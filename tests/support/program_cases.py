@@ -554,6 +554,30 @@ def mlx_compiled_forward_without_rules(mesh: unimesh.Mesh) -> float | str:
     return worst if worst > 1e-6 else 0.0
 
 
+def mlx_compiled_other_mesh(mesh: unimesh.Mesh) -> float | str:
+    """MLX, a program's argument laid out on another mesh (the ranks in reverse order, split
+    along the other dim): eagerly ``unimesh.reshard`` moves it (send/recv) and the value is
+    numpy's; under ``unimesh.compile`` those send/recv rounds cannot be evaluated, so the
+    step is refused with an UnsupportedError naming the fix (reshard first), before any
+    piece moves; the same program then still runs eagerly. 0.0, or what went wrong."""
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    other = unimesh.Mesh((4,), ("x",), device_ids=[3, 2, 1, 0])
+    src = unimesh.distribute(x, Layout(other, P("x")), backend="mlx")
+    program = unimesh.shard_map(
+        lambda b: unimesh.psum(b.sum(), ("dp", "tp")), mesh, (P(None, "tp"),), P(), backend="mlx"
+    )
+    first = float(np.asarray(unimesh.full_array(program(src))))
+    try:
+        unimesh.compile(program, backend="mlx")(src)
+        return "compiled with an argument on another mesh: no refusal"
+    except unimesh.UnsupportedError as exc:
+        if "unimesh.reshard(x, layout)" not in str(exc) or "mx.compile" not in str(exc):
+            return f"unexpected message: {exc}"
+    again = float(np.asarray(unimesh.full_array(program(src))))
+    want = 2 * float(x.sum())  # each column block is held by both dp replicas: summed twice
+    return 0.0 if first == want and again == want else f"eager {first}, {again}; want {want}"
+
+
 def unused_collective(mesh: unimesh.Mesh, backend: str) -> float | str:
     """Issue 50, item 1: a program whose sender leaves a ppermute's result unused (MLX runs only
     what a result depends on, so the send never ran and the receiver waited forever). Every

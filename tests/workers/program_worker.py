@@ -106,6 +106,10 @@ def main() -> int:
             )
         except Exception:  # noqa: BLE001 - any failure is reported
             report["compiled-forward-without-rules"] = traceback.format_exc(limit=6)
+        try:
+            report["compiled-other-mesh"] = program_cases.mlx_compiled_other_mesh(mesh)
+        except Exception:  # noqa: BLE001 - any failure is reported
+            report["compiled-other-mesh"] = traceback.format_exc(limit=6)
     if getattr(unimesh.get_backend(backend), "check_vma", False):  # JAX's check_vma refusal too
         try:
             unimesh.shard_map(lambda b: b * 2, mesh, P("dp"), P(), backend=backend)(
