@@ -255,3 +255,16 @@ def test_reshard_inside_tf_function_is_relayout_and_differentiable(
     ids = mesh.device_ids.ravel().tolist()
     for pos, part in enumerate(dtensor.unpack(grad)):
         np.testing.assert_array_equal(part.numpy(), w[source.shard_slices((8, 8), ids[pos])])
+    if variable:  # its layout is read inside tf.function; another mesh is refused by name
+        other = Layout(Mesh((8,), ("x",), device_ids=list(range(7, -1, -1))), P("x"))
+
+        # (autograph=False: AutoGraph re-raises an exception whose constructor takes more
+        # than a message as its own StagingError, carrying the same message)
+        @tf.function(autograph=False)
+        def elsewhere(a: object) -> object:
+            found = unimesh.layout_of(a)
+            assert found is not None and found[1] == source
+            return unimesh.reshard(a, other)
+
+        with pytest.raises(UnsupportedError, match="inside tf.function.*changes mesh"):
+            elsewhere(d)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +59,11 @@ def fault(lane: str, name: str) -> Callable[[Callable[[Path], Any]], Callable[[P
     return register
 
 
+#: the first fault test's setup runs the whole batch: the longest lane, each launch within
+#: its own bound (LIMIT + 30 s), 7 launches in the torch lane
+BATCH_TIMEOUT = pytest.mark.timeout(7 * (LIMIT + 30) + 120)
+
+
 @pytest.fixture
 def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """This test's fault launch's results (every selected fault test's launch made at once,
@@ -72,21 +78,35 @@ def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         lanes: dict[str, list[str]] = {}
         for n in wanted:
             lanes.setdefault(FAULTS[n][0], []).append(n)
-        futures: dict[str, Future[Any]] = {}
+        futures: dict[str, Future[Any]] = {n: Future() for n in wanted}
+        stop = threading.Event()  # set when the batch is interrupted: no new launch starts
 
         def run(lane: int, names: list[str]) -> None:
-            time.sleep(5 * lane)  # the lanes' first imports apart: 4 processes each
+            if stop.wait(5 * lane):  # the lanes' first imports apart: 4 processes each
+                return
             for n in names:  # one after another within a lane
-                futures[n] = Future()
+                if stop.is_set():
+                    return
                 try:
                     futures[n].set_result(FAULTS[n][1](tmp_path_factory.mktemp("fault")))
                 except BaseException as exc:  # noqa: BLE001 - raised again in its own test
                     futures[n].set_exception(exc)
 
-        with ThreadPoolExecutor(len(lanes)) as pool:
-            for done in [pool.submit(run, i, names) for i, names in enumerate(lanes.values())]:
-                done.result()
-        _FAULT_RESULTS.update(futures)
+        try:
+            with ThreadPoolExecutor(len(lanes)) as pool:
+                running = [pool.submit(run, i, names) for i, names in enumerate(lanes.values())]
+                try:
+                    for done in running:
+                        done.result()
+                finally:  # a timeout or ^C here: the launches under way end within their bound
+                    stop.set()
+        finally:  # every launch's result kept, so that no later test starts the batch again
+            for n, future in futures.items():
+                if not future.done():
+                    future.set_exception(
+                        RuntimeError(f"{n}: not launched, the fault batch was interrupted")
+                    )
+            _FAULT_RESULTS.update(futures)
     return _FAULT_RESULTS[name].result()
 
 
@@ -226,6 +246,7 @@ fault("torch", "test_torch_save_with_a_peer_gone[save-die]")(
 
 
 @pytest.mark.parametrize("mode", ["clean", "disagree", "die", "small", "stuck", "never"])
+@BATCH_TIMEOUT
 def test_torch_gloo_processes(mode, tmp_path, faulted):
     """Every surviving rank names rank 1 when it is gone, stuck or never started (read from
     the rendezvous store, which every rank can ask), not only rank 0."""
@@ -236,6 +257,7 @@ def test_torch_gloo_processes(mode, tmp_path, faulted):
 
 
 @pytest.mark.parametrize("mode", ["save-die"])
+@BATCH_TIMEOUT
 def test_torch_save_with_a_peer_gone(mode, tmp_path, faulted):
     """unimesh.save on 4 gloo processes when process 1 is killed before the second save
     (save-stuck, a process that does not come, reads the same and is in benchmarks/faults.py):
@@ -265,6 +287,7 @@ fault("torch", "test_torchrun_with_a_killed_worker_stops_every_rank")(
 
 
 @pytest.mark.parametrize("mode", ["clean", "disagree", "stuck", "never"])
+@BATCH_TIMEOUT
 def test_torch_under_torchrun(mode, tmp_path, faulted):
     """Under torchrun (its agent hosts the store): every rank that is not the stuck or
     never-started one names rank 1 before the agent ends the job on the first failure."""
@@ -297,6 +320,7 @@ def test_torch_under_torchrun(mode, tmp_path, faulted):
     assert took < (GONE_BOUND if mode == "stuck" else NEVER_BOUND), (took, out[-3000:])
 
 
+@BATCH_TIMEOUT
 def test_torchrun_with_a_killed_worker_stops_every_rank(faulted):
     """Under torchrun the agent itself ends the other workers when one dies; nothing hangs."""
     pytest.importorskip("torch.distributed")
@@ -317,6 +341,7 @@ fault("jax", "test_jax_save_with_a_peer_gone")(plain_launch("jax", "save-die", _
 
 
 @pytest.mark.parametrize("mode", ["clean", "disagree", "die", "small", "stuck", "never", "never0"])
+@BATCH_TIMEOUT
 def test_jax_distributed_processes(mode, tmp_path, faulted):
     """Every surviving process names the one that is gone, stuck or never started: the check's
     key-value exchange for the first two, initialize's own rendezvous before
@@ -333,6 +358,7 @@ def test_jax_distributed_processes(mode, tmp_path, faulted):
     plain_processes("jax", mode, jax_envs(), tmp_path, names, ran=faulted)
 
 
+@BATCH_TIMEOUT
 def test_jax_save_with_a_peer_gone(tmp_path, faulted):
     """unimesh.save on 4 jax.distributed processes when process 1 is killed before the second
     save: every survivor raises CheckpointError naming process 1, the first checkpoint whole."""
@@ -487,6 +513,7 @@ for _launcher in ("mpi", "ring"):
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "ring"])
+@BATCH_TIMEOUT
 def test_mlx_with_a_killed_process(launcher, faulted):
     """Both launchers end the job when a process is killed and name it: mpirun with its
     message and exit code, mlx.launch by ending the others (SIGTERM) and reporting each."""
@@ -505,6 +532,7 @@ def test_mlx_with_a_killed_process(launcher, faulted):
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "ring"])
+@BATCH_TIMEOUT
 def test_mlx_with_a_stuck_process(launcher, faulted):
     """A process that never comes to the check: the others' watchdog ends them with the
     message within their 15 s timeout (MLX collectives cannot be interrupted)."""
@@ -527,6 +555,7 @@ def test_mlx_with_a_stuck_process(launcher, faulted):
 
 
 @pytest.mark.parametrize("launcher", ["mpi", "ring"])
+@BATCH_TIMEOUT
 def test_mlx_with_a_process_that_never_starts(launcher, faulted):
     """Process 1 never starts MLX's runtime. Under mpirun, mx.distributed.init() then waits
     holding the GIL (no Python thread can run); the watchdog process ends each of the others

@@ -27,7 +27,7 @@ from unimesh import ConversionError
 from unimesh.messages import short
 
 from . import programs
-from .programs import RULES
+from .programs import RULES, TRACING
 from .translate import MLXArray
 
 
@@ -38,11 +38,11 @@ def _is_leaf(x: Any) -> bool:
 @contextlib.contextmanager
 def _tracing() -> Iterator[None]:
     """While ``mx.compile`` traces a step: programs refuse what it cannot evaluate."""
-    before, RULES.compiling = RULES.compiling, True
+    before, TRACING.compiling = TRACING.compiling, True
     try:
         yield
     finally:
-        RULES.compiling = before
+        TRACING.compiling = before
 
 
 def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
@@ -126,8 +126,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
             if trace.full is None:
                 trace.full = mx.compile(trace.blocks, **options)
                 transposed = RULES.transposed
-                with _tracing():
-                    out = trace.full(*arrays)  # the first call traces, with the rules
+                out = trace.full(*arrays)  # the first call traces, with the gradient rules
                 if not outer:  # a gradient inside it went through a rule, or none did
                     trace.lean_ok = RULES.transposed == transposed
             else:
@@ -137,8 +136,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
                 trace.lean = mx.compile(trace.blocks, **options)
                 RULES.forward_only = True
                 try:
-                    with _tracing():
-                        out = trace.lean(*arrays)
+                    out = trace.lean(*arrays)
                 finally:
                     RULES.forward_only = False
             else:
@@ -167,8 +165,12 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
             self.kinds, self.treedef = kinds, treedef
 
         def blocks(self, *given: Any) -> list[Any]:
+            """The step on blocks: what ``mx.compile`` traces (this Python runs only while it
+            traces, on every trace it makes: a first call, a new shape, after an error)."""
             a, kw = join(given, self.kinds, self.treedef)
-            out, self.out_kinds, self.out_treedef = split(fn(*a, **kw), "the result")
+            with _tracing():
+                result = fn(*a, **kw)
+            out, self.out_kinds, self.out_treedef = split(result, "the result")
             self.out_blocks = (
                 [(k[1], k[2]) for k in self.out_kinds]
                 if all(k[0] == "block" for k in self.out_kinds)

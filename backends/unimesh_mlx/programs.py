@@ -5,6 +5,7 @@ collectives chained in program order), ``value_and_grad`` with ``mx.value_and_gr
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from typing import Any
 
@@ -106,7 +107,7 @@ class MLXPrograms(MLXTranslator):
                 return whole, True
             # another mesh, or blocks of unequal size: unimesh.reshard moves only the pieces
             # this rank lacks (send/recv, differentiable; not inside mx.compile)
-            if RULES.compiling:  # refused on every rank alike, before any piece moves
+            if TRACING.compiling:  # refused on every rank alike, before any piece moves
                 raise UnsupportedError(
                     f"an argument laid out as {arg.layout!r} goes to {layout!r} (another mesh, "
                     "or blocks of unequal size): MLX moves it with send/recv, whose rounds "
@@ -336,11 +337,19 @@ class _Rules:
     applied = 0
     transposed = 0
     forward_only = False
-    #: set while ``unimesh.compile`` traces a step (its Python runs only then)
-    compiling = False
 
 
 RULES = _Rules()
+
+
+class _Tracing(threading.local):
+    """Per thread: whether ``unimesh.compile`` is tracing a step (:mod:`.compiled`), where a
+    program refuses what ``mx.compile`` cannot evaluate (send/recv rounds)."""
+
+    compiling = False
+
+
+TRACING = _Tracing()
 
 
 @functools.cache

@@ -277,11 +277,12 @@ class TensorFlowBackend(Backend):
     def _tensor_layout(obj: Any) -> Any:
         """The ``dtensor.Layout`` of a DTensor, None for anything else."""
         tf = _tf()
-        if not isinstance(obj, (tf.Tensor, tf.Variable)) or not tf.executing_eagerly():
-            return None  # inside tf.function a layout cannot be read (fetch_layout is eager)
+        if not isinstance(obj, (tf.Tensor, tf.Variable)) or tf.is_symbolic_tensor(obj):
+            return None  # a traced tensor's layout cannot be read (fetch_layout is eager)
         try:
-            return _dtensor().fetch_layout(obj)
-        except (ValueError, TypeError, tf.errors.OpError):
+            with tf.init_scope():  # eagerly, also for a DVariable or a tensor a function holds
+                return _dtensor().fetch_layout(obj)
+        except (ValueError, TypeError, RuntimeError, tf.errors.OpError):
             return None
 
     def from_local(
@@ -345,8 +346,9 @@ class TensorFlowBackend(Backend):
         another mesh: None (the plan, through each device's block: one process, host copies,
         as TF's CPU devices share the host). Inside ``tf.function`` (where DTensor's gradients
         work, and where a tensor's layout cannot be read): ``relayout`` to the target, TF's own
-        differentiable move, of a DTensor or DVariable on its own mesh (TF's own error at run
-        time otherwise: another mesh, or a tensor that is no DTensor)."""
+        differentiable move, on the tensor's own mesh: a traced tensor's layout is unknown
+        (``source`` None; another mesh then fails in TF at run time, with its own error); a
+        DVariable's or a held DTensor's is read, and another mesh is refused by name."""
         tf = _tf()
         if source is None:
             if tf.executing_eagerly():
@@ -362,6 +364,13 @@ class TensorFlowBackend(Backend):
                     backend=self.name,
                 ) from None
         if source.mesh != target.mesh:
+            if not tf.executing_eagerly():  # the plan unpacks and packs: eager only
+                raise UnsupportedError(
+                    f"inside tf.function, reshard() is dtensor.relayout, which keeps a tensor "
+                    f"on its mesh; {source!r} -> {target!r} changes mesh: reshard onto another "
+                    "mesh eagerly, outside tf.function",
+                    backend=self.name,
+                )
             return None
         native = self.layout_to_native(target, rank=len(shape))
         return _dtensor().relayout(array, native), None
