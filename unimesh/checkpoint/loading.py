@@ -340,7 +340,7 @@ def load(
                     )
                 out.append(made)
                 held += plan.held_bytes()
-            plan.parts = None  # read: its runs are not kept through the rest of the load
+            plan.parts = None  # read: its parts are not kept through the rest of the load
         if stats is not None:
             stats["bytes_read"] = ckpt.bytes_read
             stats["bytes_held"] = held
