@@ -10,6 +10,7 @@ functions, never at module import.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -36,21 +37,17 @@ _RESERVED = frozenset({"unsharded", "any", "match"})
 def _tf() -> Any:
     import tensorflow as tf
 
-    if not _NOT_CONVERTED:
-        _keep_autograph_out()
+    _keep_autograph_out()
     return tf
 
 
-_NOT_CONVERTED: list[str] = []
-
-
+@functools.cache  # once per process
 def _keep_autograph_out() -> None:
     """Inside ``tf.function``, AutoGraph rewrites the Python of every function a traced
     function calls, unless its module is on its do-not-convert list (numpy's, keras's are):
     unimesh's calls there (``reshard`` of a symbolic DTensor) are plain Python over
     layouts, run as written, so their modules join that list (TF's own configuration
     module; where a TF version lacks it, AutoGraph only warns that it cannot convert them)."""
-    _NOT_CONVERTED.append("unimesh")
     try:
         from tensorflow.python.autograph.core import config, config_lib
     except ImportError:  # pragma: no cover - a TF without AutoGraph's configuration module
