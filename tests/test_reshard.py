@@ -257,6 +257,23 @@ def test_blocks_that_are_no_grid_are_refused_by_name() -> None:
     assert Blocks([0, 1, 2, 3], lo, hi) == Blocks([0, 1, 2, 3], lo, hi)
 
 
+def test_cells_refuse_bad_boxes_and_too_many_cells_by_name() -> None:
+    from unimesh.moves import cells
+
+    with pytest.raises(unimesh.LayoutError, match=r"lo and hi of one shape.*\(3,\) and \(2,\)"):
+        cells(np.zeros(3), np.zeros(2))
+    # a guillotine cut: 3 boxes make 4 cells; with room for 3 only, refused naming both counts
+    lo, hi = np.array([[0, 0], [0, 2], [2, 0]]), np.array([[2, 2], [2, 4], [4, 4]])
+    with pytest.raises(
+        unimesh.LayoutError, match=r"3 boxes make 4 cells of one grid \(at most 3\)"
+    ):
+        cells(lo, hi, limit=3)
+    c_lo, c_hi, parent = cells(lo, hi)
+    assert parent.tolist() == [0, 1, 2, 2]
+    assert c_lo.tolist() == [[0, 0], [0, 2], [2, 0], [2, 2]]
+    assert c_hi.tolist() == [[2, 2], [2, 4], [4, 2], [4, 4]]
+
+
 @given(
     st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3), min_size=0, max_size=6),
     st.sampled_from([1, 2, 4, 8]),

@@ -138,8 +138,13 @@ def cells(
     """Boxes that tile an array (``lo``/``hi``: (boxes, ndim)) as a grid: each box cut at every
     other box's bounds along each dim. Returns the cells' ``lo``, ``hi`` and the box each lies
     in; boxes that already form a grid come back as they are (each its one cell), empty boxes
-    are left out. ``ValueError`` where that makes more than ``limit`` cells."""
+    are left out. ``LayoutError`` for boxes of another shape, or where that makes more than
+    ``limit`` cells."""
     lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    if lo.ndim != 2 or hi.shape != lo.shape:
+        raise LayoutError(
+            f"cells() takes lo and hi of one shape (boxes, dims): got {lo.shape} and {hi.shape}"
+        )
     ndim = lo.shape[1]
     keep = np.nonzero((hi > lo).all(axis=1))[0]
     lo, hi = lo[keep], hi[keep]
@@ -151,7 +156,10 @@ def cells(
         return lo, hi, keep
     total = int(per_box.sum())
     if total > limit:
-        raise ValueError(f"{len(lo)} boxes make {total} cells of one grid (at most {limit})")
+        raise LayoutError(
+            f"{len(lo)} boxes make {total} cells of one grid (at most {limit}): intersect a "
+            "region with the boxes directly instead"
+        )
     out_lo, out_hi, parent = [], [], []
     for i in range(len(lo)):
         grid = np.indices([int(c[i]) for c in count]).reshape(ndim, -1).T

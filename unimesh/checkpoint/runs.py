@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import LayoutError
 from ..layout import Layout
 from ..moves import Blocks, cells, plan
 from .format import Box, Tensor
@@ -104,7 +105,7 @@ def planned(t: Tensor, target: Layout, devices: Sequence[int]) -> dict[int, list
     hi = lo + np.asarray([b.size for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
     try:
         c_lo, c_hi, parent = cells(lo, hi)
-    except ValueError:
+    except LayoutError:  # too many cells: the caller intersects directly
         return None
     base = int(target.mesh.device_ids.max()) + 1
     process_of = np.ones(base + len(c_lo), dtype=np.int64)  # other processes' devices: 1
