@@ -208,6 +208,47 @@ def test_a_jitted_unimesh_step_is_the_jitted_jax_shard_map_step() -> None:
 # jax.shard_map); torch and MLX run the same programs in program_cases.py.
 
 
+def test_an_eager_call_is_one_compiled_computation_with_jax_s_values() -> None:
+    """Called on jax.Arrays outside any trace, a program and its unimesh.value_and_grad run
+    jitted: the body is traced once for two calls of one shape (jax.shard_map's eager path
+    runs it on every call, op by op), once more for a new shape; values and gradients are
+    those of jax.shard_map and jax.value_and_grad, eager; a numpy argument still runs."""
+    mesh = unimesh.make_mesh({"dp": 2, "tp": 4})
+    traced: list[tuple[int, ...]] = []
+
+    def body(x):  # type: ignore[no-untyped-def]
+        traced.append(x.shape)
+        return unimesh.psum(jax.numpy.sin(x) * x, "tp")
+
+    ours = unimesh.shard_map(body, mesh, P("dp", "tp"), P("dp"), backend="jax")
+    native = jax.shard_map(
+        lambda x: jax.lax.psum(jax.numpy.sin(x) * x, "tp"),
+        mesh=unimesh.to_native(mesh, "jax"),
+        in_specs=JP("dp", "tp"),
+        out_specs=JP("dp"),
+    )
+    lay = unimesh.Layout(mesh, P("dp", "tp"))
+    x = unimesh.distribute(np.arange(32.0, dtype=np.float32).reshape(4, 8) / 7, lay, "jax")
+    want = native(x)
+    for _ in range(2):
+        np.testing.assert_allclose(np.asarray(ours(x)), np.asarray(want), rtol=1e-6)
+    assert len(traced) == 1
+    wide = unimesh.distribute(np.ones((4, 16), np.float32), lay, "jax")
+    assert ours(wide).shape == (4, 4) and len(traced) == 2
+
+    def total(f):  # type: ignore[no-untyped-def]
+        return lambda a: (f(a) ** 2).sum()
+
+    value, grad = unimesh.value_and_grad(total(ours), backend="jax")(x)
+    value_again, _ = unimesh.value_and_grad(total(ours), backend="jax")(x)
+    want_value, want_grad = jax.value_and_grad(total(native))(x)
+    np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-5)
+    assert float(value_again) == float(value) and grad.sharding == x.sharding
+    host = np.asarray(x)  # not a jax.Array: jax.shard_map's own eager path, as before
+    np.testing.assert_allclose(np.asarray(ours(host)), np.asarray(want), rtol=1e-6)
+
+
 def test_partial_auto_squares() -> None:
     """test_partial_auto: mesh (2, 2), manual {'i'}, in/out P('i', None), x * x."""
     mesh = Mesh((2, 2), ("i", "j"))

@@ -38,29 +38,37 @@ SHARED = ("clean", "disagree", "small")
 _SHARED_RUNS: dict[str, tuple[dict[str, dict[int, str]], dict[str, dict[int, int]], str]] = {}
 
 #: the fault launches (a peer killed, stuck or never started), by the name of the test that
-#: checks each: most of their time is the survivors waiting out their timeouts, so they run
-#: side by side in one lane per engine (torch, JAX, MLX: one launch at a time per engine, no
-#: two mlx.launch rings at once; three launches of 4 processes on 2 cores, the lanes started
-#: 5 s apart; a fourth lane made a torch rank too slow to reach its store in one run), each
-#: its own launch, all of them when the first of their tests asks, while no other test runs;
-#: each test then checks its own launch's results, which carry their own timings.
+#: checks each: most of their time is the survivors waiting out their timeouts, so three run
+#: side by side (three launches of 4 processes on 2 cores, started 5 s apart; a fourth at once
+#: made a torch rank too slow to reach its store in one run), the longest first, at most one
+#: MLX launch at a time (two mlx.launch rings at once could be given the same ports), each its
+#: own launch, all of them when the first of their tests asks, while no other test runs; each
+#: test then checks its own launch's results, which carry their own timings.
 FAULTS: dict[str, tuple[str, Callable[[Path], Any]]] = {}
 _FAULT_RESULTS: dict[str, Future[Any]] = {}
+SLOTS = 3
 
 
-def fault(lane: str, name: str) -> Callable[[Callable[[Path], Any]], Callable[[Path], Any]]:
+def fault(engine: str, name: str) -> Callable[[Callable[[Path], Any]], Callable[[Path], Any]]:
     """Register ``launch`` (given a scratch folder, it returns what its test checks) as the
-    launch of test ``name`` in ``lane``."""
+    launch of test ``name`` on ``engine``."""
 
     def register(launch: Callable[[Path], Any]) -> Callable[[Path], Any]:
-        FAULTS[name] = (lane, launch)
+        FAULTS[name] = (engine, launch)
         return launch
 
     return register
 
 
-#: the first fault test's setup runs the whole batch: the longest lane, each launch within
-#: its own bound (LIMIT + 30 s), 7 launches in the torch lane
+def _expected_cost(name: str) -> int:
+    """The order launches start in (the longest first, so that the three slots end together):
+    a never-started peer waits out the set-up timeout, a stuck one the check's."""
+    return 3 if "never" in name else 2 if ("stuck" in name or "save" in name) else 1
+
+
+#: the first fault test's setup runs the whole batch; each launch within its own bound
+#: (LIMIT + 30 s): 18 launches in 3 slots end within a third of their bounds plus the longest
+#: one (630 s), and this leaves more
 BATCH_TIMEOUT = pytest.mark.timeout(7 * (LIMIT + 30) + 120)
 
 
@@ -75,31 +83,47 @@ def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         wanted = [i.name for i in request.session.items
                   if getattr(i, "module", None) is request.module
                   and i.name in FAULTS and i.name not in _FAULT_RESULTS]  # fmt: skip
-        lanes: dict[str, list[str]] = {}
-        for n in wanted:
-            lanes.setdefault(FAULTS[n][0], []).append(n)
+        pending = sorted(wanted, key=lambda n: (-_expected_cost(n), wanted.index(n)))
         futures: dict[str, Future[Any]] = {n: Future() for n in wanted}
         stop = threading.Event()  # set when the batch is interrupted: no new launch starts
+        lock = threading.Condition()
+        busy: list[str] = []  # the engines of the launches under way
 
-        def run(lane: int, names: list[str]) -> None:
-            if stop.wait(5 * lane):  # the lanes' first imports apart: 4 processes each
+        def take() -> str | None:
+            """The next launch this slot may start (None: nothing left)."""
+            with lock:
+                while pending and not stop.is_set():
+                    for n in pending:
+                        if FAULTS[n][0] != "mlx" or "mlx" not in busy:
+                            pending.remove(n)
+                            busy.append(FAULTS[n][0])
+                            return n
+                    lock.wait(1)
+                return None
+
+        def run(slot: int) -> None:
+            if stop.wait(5 * slot):  # the slots' first imports apart: 4 processes each
                 return
-            for n in names:  # one after another within a lane
-                if stop.is_set():
-                    return
+            while (n := take()) is not None:
                 try:
                     futures[n].set_result(FAULTS[n][1](tmp_path_factory.mktemp("fault")))
                 except BaseException as exc:  # noqa: BLE001 - raised again in its own test
                     futures[n].set_exception(exc)
+                finally:
+                    with lock:
+                        busy.remove(FAULTS[n][0])
+                        lock.notify_all()
 
         try:
-            with ThreadPoolExecutor(len(lanes)) as pool:
-                running = [pool.submit(run, i, names) for i, names in enumerate(lanes.values())]
+            with ThreadPoolExecutor(SLOTS) as pool:
+                running = [pool.submit(run, i) for i in range(SLOTS)]
                 try:
                     for done in running:
                         done.result()
                 finally:  # a timeout or ^C here: the launches under way end within their bound
                     stop.set()
+                    with lock:
+                        lock.notify_all()
         finally:  # every launch's result kept, so that no later test starts the batch again
             for n, future in futures.items():
                 if not future.done():

@@ -30,6 +30,16 @@ def key_path(path: Any) -> str:
     return "/".join(parts)
 
 
+def _concrete(args: Any) -> bool:
+    """Whether every leaf of ``args`` is a ``jax.Array`` holding values (not a tracer): the
+    calls a backend may run under ``jax.jit`` without changing what they mean."""
+    jax = import_jax()
+    leaves = jax.tree_util.tree_leaves(args)
+    return all(
+        isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) for leaf in leaves
+    )
+
+
 class JaxAxisEnv(AxisEnv):
     """Axis collectives as ``jax.lax`` calls on the named axes of the enclosing shard_map."""
 
@@ -160,10 +170,15 @@ class JaxPrograms(JaxTranslator):
             # eager path of one under a gradient builds an inner shard_map whose out_specs
             # name the automatic axes, and refuses it (seen with check_vma=False)
             program = jax.jit(program)
+        eager = jax.jit(program)
 
         def run(*args: Any) -> Any:
             try:
-                return program(*args)
+                # called on arrays outside any trace, the program runs as one compiled XLA
+                # computation (what a user's jax.jit gives), not op by op as jax.shard_map's
+                # eager path does; inside a trace it is the bare shard_map, so a user's jit
+                # lowers to the StableHLO of the same step written with jax.shard_map
+                return (eager if _concrete(args) else program)(*args)
             except ValueError as exc:
                 if "out_specs" not in str(exc) or isinstance(exc, LayoutError):
                     raise
@@ -194,8 +209,13 @@ class JaxPrograms(JaxTranslator):
                 return g
             return jax.device_put(g, sharding)
 
+        compiled = jax.jit(vg)
+
         def run(*args: Any) -> Any:
-            value, grads = vg(*args)
+            # on arrays outside any trace the value and gradient are one compiled computation
+            # (JAX's eager gradient of a shard_map runs op by op); a gradient inside a user's
+            # trace is jax.value_and_grad itself
+            value, grads = (compiled if _concrete(args) else vg)(*args)
             return value, tuple(
                 jax.tree_util.tree_map(placed, g, args[i]) for g, i in zip(grads, argnums)
             )
