@@ -209,7 +209,7 @@ def test_a_jitted_unimesh_step_is_the_jitted_jax_shard_map_step() -> None:
 
 
 def test_an_eager_call_is_one_compiled_computation_with_jax_s_values() -> None:
-    """Called on jax.Arrays outside any trace, a program and its unimesh.value_and_grad run
+    """Called on jax.Arrays outside any trace (or under an eager gradient), a program runs
     jitted: the body is traced once for two calls of one shape (jax.shard_map's eager path
     runs it on every call, op by op), once more for a new shape; values and gradients are
     those of jax.shard_map and jax.value_and_grad, eager; a numpy argument still runs."""

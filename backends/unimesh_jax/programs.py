@@ -31,13 +31,18 @@ def key_path(path: Any) -> str:
 
 
 def _concrete(args: Any) -> bool:
-    """Whether every leaf of ``args`` is a ``jax.Array`` holding values (not a tracer): the
-    calls a backend may run under ``jax.jit`` without changing what they mean."""
+    """Whether every leaf of ``args`` is a ``jax.Array`` whose value is known now: outside any
+    trace, or under an eager ``jax.grad`` / ``jax.jvp`` (not under ``jax.jit``, ``vmap`` or
+    another staging trace). Such a call may run jitted without changing what it means. JAX's
+    own test for it (``is_concrete``) is not public: without it, no call counts as concrete."""
     jax = import_jax()
+    from jax._src import core  # JAX's internals, read only here
+
+    known = getattr(core, "is_concrete", None)
+    if known is None:
+        return False
     leaves = jax.tree_util.tree_leaves(args)
-    return all(
-        isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) for leaf in leaves
-    )
+    return all(isinstance(leaf, jax.Array) and known(leaf) for leaf in leaves)
 
 
 class JaxAxisEnv(AxisEnv):
@@ -174,9 +179,10 @@ class JaxPrograms(JaxTranslator):
 
         def run(*args: Any) -> Any:
             try:
-                # called on arrays outside any trace, the program runs as one compiled XLA
-                # computation (what a user's jax.jit gives), not op by op as jax.shard_map's
-                # eager path does; inside a trace it is the bare shard_map, so a user's jit
+                # called on arrays whose values are known (eagerly, or under an eager
+                # gradient), the program runs as one compiled XLA computation (what a user's
+                # jax.jit gives; its gradient is jit's), not op by op as jax.shard_map's eager
+                # path does; under a staging trace it is the bare shard_map, so a user's jit
                 # lowers to the StableHLO of the same step written with jax.shard_map
                 return (eager if _concrete(args) else program)(*args)
             except ValueError as exc:
@@ -209,13 +215,8 @@ class JaxPrograms(JaxTranslator):
                 return g
             return jax.device_put(g, sharding)
 
-        compiled = jax.jit(vg)
-
         def run(*args: Any) -> Any:
-            # on arrays outside any trace the value and gradient are one compiled computation
-            # (JAX's eager gradient of a shard_map runs op by op); a gradient inside a user's
-            # trace is jax.value_and_grad itself
-            value, grads = (compiled if _concrete(args) else vg)(*args)
+            value, grads = vg(*args)
             return value, tuple(
                 jax.tree_util.tree_map(placed, g, args[i]) for g, i in zip(grads, argnums)
             )
