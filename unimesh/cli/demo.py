@@ -170,13 +170,19 @@ def _in_process_row(
 
 
 def _launched_row(
-    backend: Backend, spec: str, size: int, step: Callable[[str], None], log: list[str]
+    backend: Backend,
+    spec: str,
+    size: int,
+    step: Callable[[str], None],
+    log: list[str],
+    started: list[subprocess.Popen[str]] | None = None,
 ) -> tuple[str, ...]:
     """Run :func:`trial` in ``size`` processes under the backend's launcher; summarise. The
     workers' ``UNIMESH_STEP`` lines feed ``step`` as they arrive. The launcher gets a
-    temporary directory of its own, removed afterwards (torchrun and OpenMPI leave files)."""
+    temporary directory of its own, removed afterwards (torchrun and OpenMPI leave files);
+    its process is added to ``started`` (for the caller to end on an interruption)."""
     with tempfile.TemporaryDirectory(prefix="unimesh-demo-") as scratch:
-        return _launched_row_in(backend, spec, size, step, log, scratch)
+        return _launched_row_in(backend, spec, size, step, log, scratch, started)
 
 
 def _launched_row_in(
@@ -186,6 +192,7 @@ def _launched_row_in(
     step: Callable[[str], None],
     log: list[str],
     scratch: str,
+    started: list[subprocess.Popen[str]] | None = None,
 ) -> tuple[str, ...]:
     from rich.markup import escape
 
@@ -206,6 +213,8 @@ def _launched_row_in(
         env=env,
         start_new_session=True,
     )
+    if started is not None:
+        started.append(proc)
     lines: list[str] = []
     reached = [0] * size  # each process's furthest step, as an index into STEPS
 
@@ -255,11 +264,16 @@ def _launched_row_in(
     return _cells(name, merged, runs, seconds)
 
 
+def _failed(cells: tuple[str, ...]) -> bool:
+    """Whether a row says its backend failed."""
+    return "FAIL" in "".join(cells) or "failed" in cells[1] or "timed out" in cells[1]
+
+
 def demo(args: argparse.Namespace) -> int:
     """The ``unimesh demo`` command: 0 when every row checks out, 1 otherwise."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import Progress, ProgressColumn, SpinnerColumn, TaskID, TextColumn
+    from rich.progress import Progress, ProgressColumn, SpinnerColumn, TextColumn
     from rich.text import Text
 
     class Took(ProgressColumn):
@@ -323,41 +337,66 @@ def demo(args: argparse.Namespace) -> int:
         redirect_stdout=False,
         redirect_stderr=False,  # frameworks' writes go to the log kept for a failed row
     )
+    rows: dict[str, tuple[str, ...]] = {}
+    started: list[subprocess.Popen[str]] = []  # the launchers, ended if the demo is stopped
     with progress:
         tasks = {
             name: progress.add_task(name, step="waiting", total=1, start=False) for name in runnable
         }
-        imported: dict[str, float] = {}  # seconds each in-process framework took to start
-        for name in runnable:  # in-process frameworks hear how many devices, first
-            if name not in launched:
-                progress.start_task(tasks[name])
-                progress.update(tasks[name], step=f"importing {plugins[name].framework}")
-                t0 = time.perf_counter()
-                with stderr_kept(logs[name]), contextlib.suppress(ImportError, UnimeshError):
-                    plugins[name].request_devices(max(8, mesh.size))  # its row says what failed
-                imported[name] = time.perf_counter() - t0
-                progress.stop_task(tasks[name])  # its clock waits with it
-                progress.update(tasks[name], step="imported; waiting")
-        for name in runnable:
-            task = tasks[name]
-            progress.reset(task, total=1, step="starting", offset=imported.get(name, 0.0))
 
-            def step(what: str, task: TaskID = task) -> None:
-                progress.update(task, step=what)
+        def step_of(name: str) -> Callable[[str], None]:
+            return lambda what: progress.update(tasks[name], step=what)
 
-            if name in launched:
-                cells = _launched_row(get_backend(name), args.mesh, mesh.size, step, logs[name])
-            else:
-                cells = _in_process_row(
-                    get_backend(name), mesh, step, logs[name], imported.get(name, 0.0)
-                )
-            failed = "FAIL" in "".join(cells) or "failed" in cells[1] or "timed out" in cells[1]
-            failures += failed
-            progress.update(task, step="[red]failed[/red]" if failed else "done", completed=1)
-            progress.stop_task(task)
-            table.add_row(*cells)
+        def finish(name: str, cells: tuple[str, ...]) -> None:
+            failed = _failed(cells)
+            progress.update(
+                tasks[name], step="[red]failed[/red]" if failed else "done", completed=1
+            )
+            progress.stop_task(tasks[name])
+            rows[name] = cells
             if not failed:
                 logs[name].clear()
+
+        def run_launched() -> None:  # one launch at a time, beside the in-process rows
+            for name in runnable:
+                if name in launched:
+                    progress.reset(tasks[name], total=1, step="starting")
+                    try:
+                        cells = _launched_row(get_backend(name), args.mesh, mesh.size,
+                                              step_of(name), logs[name], started)  # fmt: skip
+                    except Exception as exc:  # noqa: BLE001 - its row says what failed
+                        cells = (name, "[red]failed[/red]", "-", "-", "-", escape(str(exc)[:70]))
+                    finish(name, cells)
+
+        beside = threading.Thread(target=run_launched, daemon=True)
+        beside.start()
+        try:
+            imported: dict[str, float] = {}  # seconds each in-process framework took to start
+            for name in runnable:  # in-process frameworks hear how many devices, first
+                if name not in launched:
+                    progress.start_task(tasks[name])
+                    progress.update(tasks[name], step=f"importing {plugins[name].framework}")
+                    t0 = time.perf_counter()
+                    with stderr_kept(logs[name]), contextlib.suppress(ImportError, UnimeshError):
+                        plugins[name].request_devices(max(8, mesh.size))  # its row says why
+                    imported[name] = time.perf_counter() - t0
+                    progress.stop_task(tasks[name])  # its clock waits with it
+                    progress.update(tasks[name], step="imported; waiting")
+            for name in runnable:
+                if name not in launched:
+                    progress.reset(tasks[name], total=1, step="starting", offset=imported[name])
+                    finish(name, _in_process_row(get_backend(name), mesh, step_of(name),
+                                                 logs[name], imported[name]))  # fmt: skip
+            while beside.is_alive():  # a short wait at a time: ^C still reaches the demo
+                beside.join(0.2)
+        finally:
+            for proc in started:  # stopped early (^C): no launcher is left running
+                if proc.poll() is None:
+                    with contextlib.suppress(OSError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+    for name in runnable:  # the table in the backends' order, whichever finished first
+        failures += _failed(rows[name])
+        table.add_row(*rows[name])
     console.print(table)
     for be in absent:  # a note under the table, not a row of dashes
         console.print(
