@@ -212,7 +212,7 @@ def test_an_eager_call_is_one_compiled_computation_with_jax_s_values() -> None:
     """Called on jax.Arrays outside any trace (or under an eager gradient), a program runs
     jitted: the body is traced once for two calls of one shape (jax.shard_map's eager path
     runs it on every call, op by op), once more for a new shape; values and gradients are
-    those of jax.shard_map and jax.value_and_grad, eager; a numpy argument still runs."""
+    those of jax.shard_map and jax.value_and_grad, eager, and for a numpy argument too."""
     mesh = unimesh.make_mesh({"dp": 2, "tp": 4})
     traced: list[tuple[int, ...]] = []
 
@@ -245,7 +245,7 @@ def test_an_eager_call_is_one_compiled_computation_with_jax_s_values() -> None:
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), np.asarray(want_grad), rtol=1e-5)
     assert float(value_again) == float(value) and grad.sharding == x.sharding
-    host = np.asarray(x)  # not a jax.Array: jax.shard_map's own eager path, as before
+    host = np.asarray(x)  # numpy: placed by jit, as jax.shard_map places it eagerly
     np.testing.assert_allclose(np.asarray(ours(host)), np.asarray(want), rtol=1e-6)
 
 

@@ -31,10 +31,10 @@ def key_path(path: Any) -> str:
 
 
 def _concrete(args: Any) -> bool:
-    """Whether every leaf of ``args`` is a ``jax.Array`` whose value is known now: outside any
-    trace, or under an eager ``jax.grad`` / ``jax.jvp`` (not under ``jax.jit``, ``vmap`` or
-    another staging trace). Such a call may run jitted without changing what it means. JAX's
-    own test for it (``is_concrete``) is not public: without it, no call counts as concrete."""
+    """Whether every leaf of ``args`` is numpy or a ``jax.Array`` whose value is known now:
+    outside any trace, or under an eager ``jax.grad`` / ``jax.jvp`` (not under ``jax.jit``,
+    ``vmap`` or another staging trace). Such a call may run jitted without changing what it
+    means. JAX's own test for it (``is_concrete``) is not public: without it, none is."""
     jax = import_jax()
     from jax._src import core  # JAX's internals, read only here
 
@@ -42,7 +42,10 @@ def _concrete(args: Any) -> bool:
     if known is None:
         return False
     leaves = jax.tree_util.tree_leaves(args)
-    return all(isinstance(leaf, jax.Array) and known(leaf) for leaf in leaves)
+    return all(
+        isinstance(leaf, np.ndarray) or (isinstance(leaf, jax.Array) and known(leaf))
+        for leaf in leaves
+    )
 
 
 class JaxAxisEnv(AxisEnv):
