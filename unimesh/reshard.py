@@ -102,11 +102,13 @@ def reshard(
             continue
         be, source = owned
         to = be if backend is None else get_backend(backend)
-        # the target on its framework, and its mesh on the job's devices, before any move
-        placing_backend(to, "from_local", want, shape)
-        to_native(want, to)
-        itemsize(leaf)
         try:
+            if to.name != be.name and not to.implements("import_block"):
+                to.import_block(None, None)  # its refusal, before its runtime is started
+            # the target on its framework, and its mesh on the job's devices, before any move
+            placing_backend(to, "from_local", want, shape)
+            to_native(want, to)
+            itemsize(leaf)
             if to.name == be.name:
                 be.check_reshard(leaf, source, want, shape)
             else:
