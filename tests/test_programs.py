@@ -243,34 +243,48 @@ def _launch(launcher: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize(
-    ("launcher", "mode"),
-    [
-        ("torchrun", "clean"),
-        ("torchrun", "shape"),
-        ("torchrun", "axes"),
-        ("mpirun", "clean"),
-        ("mpirun", "axes"),
-        ("ring", "shape"),
-    ],
-)
+CHECKED_CASES = [
+    ("torchrun", "clean"),
+    ("torchrun", "shape"),
+    ("torchrun", "axes"),
+    ("mpirun", "clean"),
+    ("mpirun", "axes"),
+    ("ring", "shape"),
+]
+_CHECKED_RUNS: dict[str, tuple[int, str, Path]] = {}
+
+
+def _checked_run(launcher: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, Path]:
+    """One launch per launcher runs all of its modes one after another (the first test of
+    the launcher that asks makes it): (exit code, output, the folder of every mode's files)."""
+    if launcher not in _CHECKED_RUNS:
+        backend = "torch" if launcher == "torchrun" else "mlx"
+        modes = ",".join(m for lc, m in CHECKED_CASES if lc == launcher)
+        out_dir = tmp_path_factory.mktemp(f"checked-{launcher}")
+        rc, out = run_bounded(
+            [*_launch(launcher), str(CHECKED), backend, modes, str(out_dir)],
+            dict(os.environ, OMP_NUM_THREADS="1"),
+            LIMIT,
+        )
+        _CHECKED_RUNS[launcher] = (rc, out, out_dir)
+    return _CHECKED_RUNS[launcher]
+
+
+@pytest.mark.parametrize(("launcher", "mode"), CHECKED_CASES)
 def test_checked_mode_names_what_processes_disagree_on(
-    launcher: str, mode: str, tmp_path: Path
+    launcher: str, mode: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """shard_map(checked=True): process 1 sums another shape, or over another axis; instead of
-    hanging, every process raises the same MeshMismatchError naming the field and who differs.
-    Agreeing processes get the right value."""
-    backend = "torch" if launcher == "torchrun" else "mlx"
-    rc, out = run_bounded(
-        [*_launch(launcher), str(CHECKED), backend, mode, str(tmp_path)],
-        dict(os.environ, OMP_NUM_THREADS="1"),
-        LIMIT,
-    )
-    assert rc == 0, out[-4000:]  # every process reported and left cleanly
+    hanging, every process raises the same MeshMismatchError naming the field and who differs,
+    and goes on (the modes of one launcher run in one launch). Agreeing processes get the
+    right value."""
+    rc, out, out_dir = _checked_run(launcher, tmp_path_factory)
     seen = {
-        int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")
+        int(p.stem.split("-")[1]): json.loads(p.read_text())
+        for p in (out_dir / mode).glob("rank-*.json")
     }
     assert sorted(seen) == [0, 1, 2, 3], out[-4000:]
+    assert rc == 0, out[-4000:]  # every process reported and left cleanly
     if mode == "clean":
         assert all(s == {"value": 120.0} for s in seen.values()), seen
         return
