@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -34,6 +35,59 @@ def test_demo_default_mesh_on_every_installed_backend():
         assert "FAIL" not in line, line
         if name in ("jax", "keras", "tensorflow", "torch", "mlx"):  # shards checked, matmul done
             assert line.count(" ok ") == 2, line
+
+
+def _tagged(tag: str) -> list[int]:
+    """The processes whose environment holds ``UNIMESH_DEMO_TAG=tag``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"UNIMESH_DEMO_TAG={tag}".encode() in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to find the processes")
+def test_an_interrupted_demo_leaves_no_launched_process(tmp_path):
+    """^C while torch's processes run beside JAX's row: the demo ends, and so does every
+    process it started (the launcher and its workers), within seconds; the launcher's
+    scratch directory is removed."""
+    import signal
+    import time
+    import uuid
+
+    pytest.importorskip("torch.distributed")
+    tag = uuid.uuid4().hex
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "unimesh", "demo", "--backends", "jax,torch"],
+        env=dict(os.environ, UNIMESH_DEMO_TAG=tag, TMPDIR=str(tmp_path)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(_tagged(tag)) < 3:  # the demo, the launcher and a worker at least
+            assert demo.poll() is None, "the demo ended before its launch started"
+            assert time.monotonic() < deadline, "the launch did not start within 120 s"
+            time.sleep(0.1)
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=60) != 0
+        deadline = time.monotonic() + 30
+        while _tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _tagged(tag), f"still running after the demo ended: {_tagged(tag)}"
+        assert not list(tmp_path.glob("unimesh-demo-*")), list(tmp_path.iterdir())
+    finally:
+        for pid in _tagged(tag):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
 
 
 def test_demo_permuted_3d_mesh():

@@ -212,7 +212,8 @@ def test_an_eager_call_is_one_compiled_computation_with_jax_s_values() -> None:
     """Called on jax.Arrays outside any trace (or under an eager gradient), a program runs
     jitted: the body is traced once for two calls of one shape (jax.shard_map's eager path
     runs it on every call, op by op), once more for a new shape; values and gradients are
-    those of jax.shard_map and jax.value_and_grad, eager, and for a numpy argument too."""
+    those of jax.shard_map and jax.value_and_grad, eager, and for a numpy argument too; a
+    body with a Python ``if`` on a value runs, on JAX's eager path, as jax.shard_map's does."""
     mesh = unimesh.make_mesh({"dp": 2, "tp": 4})
     traced: list[tuple[int, ...]] = []
 
@@ -247,6 +248,14 @@ def test_an_eager_call_is_one_compiled_computation_with_jax_s_values() -> None:
     assert float(value_again) == float(value) and grad.sharding == x.sharding
     host = np.asarray(x)  # numpy: placed by jit, as jax.shard_map places it eagerly
     np.testing.assert_allclose(np.asarray(ours(host)), np.asarray(want), rtol=1e-6)
+
+    def branchy(b):  # type: ignore[no-untyped-def]
+        total = unimesh.psum(b.sum(), ("dp", "tp"))
+        return b * 2 if total > 0 else b  # Python reads the value: JAX's eager path
+
+    mine = unimesh.shard_map(branchy, mesh, P("dp", "tp"), P("dp", "tp"), backend="jax")
+    for _ in range(2):
+        np.testing.assert_allclose(np.asarray(mine(x)), 2 * np.asarray(x), rtol=1e-6)
 
 
 def test_partial_auto_squares() -> None:

@@ -283,7 +283,8 @@ def test_checked_mode_names_what_processes_disagree_on(
         int(p.stem.split("-")[1]): json.loads(p.read_text())
         for p in (out_dir / mode).glob("rank-*.json")
     }
-    assert sorted(seen) == [0, 1, 2, 3], out[-4000:]
+    ran = sorted(p.name for p in out_dir.iterdir())
+    assert sorted(seen) == [0, 1, 2, 3], f"mode {mode} (modes with files: {ran}): {out[-4000:]}"
     assert rc == 0, out[-4000:]  # every process reported and left cleanly
     if mode == "clean":
         assert all(s == {"value": 120.0} for s in seen.values()), seen

@@ -33,8 +33,9 @@ def key_path(path: Any) -> str:
 def _concrete(args: Any) -> bool:
     """Whether every leaf of ``args`` is numpy or a ``jax.Array`` whose value is known now:
     outside any trace, or under an eager ``jax.grad`` / ``jax.jvp`` (not under ``jax.jit``,
-    ``vmap`` or another staging trace). Such a call may run jitted without changing what it
-    means. JAX's own test for it (``is_concrete``) is not public: without it, none is."""
+    ``vmap`` or another staging trace). Such a call runs jitted: the same values, but the
+    body is traced (docs/programs.md says what that changes for its Python code). JAX's own
+    test for it (``is_concrete``) is not public: without it, none is."""
     jax = import_jax()
     from jax._src import core  # JAX's internals, read only here
 
@@ -179,15 +180,29 @@ class JaxPrograms(JaxTranslator):
             # name the automatic axes, and refuses it (seen with check_vma=False)
             program = jax.jit(program)
         eager = jax.jit(program)
+        compiled = [True]  # emptied once the body turns out to need values in Python
+        reads_values = (
+            jax.errors.ConcretizationTypeError,
+            jax.errors.TracerArrayConversionError,
+            jax.errors.TracerIntegerConversionError,
+        )
 
         def run(*args: Any) -> Any:
             try:
                 # called on arrays whose values are known (eagerly, or under an eager
                 # gradient), the program runs as one compiled XLA computation (what a user's
                 # jax.jit gives; its gradient is jit's), not op by op as jax.shard_map's eager
-                # path does; under a staging trace it is the bare shard_map, so a user's jit
-                # lowers to the StableHLO of the same step written with jax.shard_map
-                return (eager if _concrete(args) else program)(*args)
+                # path does; under a staging trace (its arguments that trace's tracers) it
+                # is the bare shard_map, so a user's jit lowers to the StableHLO of the same
+                # step written with jax.shard_map (a call inside a jit on closed-over
+                # constants only is a nested jit: the same values)
+                if compiled and _concrete(args):
+                    try:
+                        return eager(*args)
+                    except reads_values:  # the body reads a value in Python (an `if` on
+                        # it): jax.shard_map's eager path from now on, as JAX would run it
+                        compiled.clear()
+                return program(*args)
             except ValueError as exc:
                 if "out_specs" not in str(exc) or isinstance(exc, LayoutError):
                     raise

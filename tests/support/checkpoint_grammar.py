@@ -8,8 +8,10 @@ audit hook of tests/support/fuzzing.py watches) and stay within the time and mem
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
+import shutil
 import struct
 import tempfile
 import zipfile
@@ -316,6 +318,7 @@ def _dcp_dir() -> Path:
     """A directory with a synthetic __0_0.distcp (16 bytes, then one chunk's archive)."""
     if not _DCP_DIR:
         root = Path(tempfile.mkdtemp(prefix="unimesh-fuzz-dcp-"))
+        atexit.register(shutil.rmtree, root, True)  # the process's own, gone when it ends
         (root / "__0_0.distcp").write_bytes(b"\0" * 16 + _chunk_archive())
         _DCP_DIR.append(root)
     return _DCP_DIR[0]

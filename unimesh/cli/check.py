@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from typing import Any
 
 from ..conformance.matrix import VERDICTS, Case, Cell, markdown, merge, text_rows
 from ..errors import UnimeshError
+from .ending import end_launch
 
 
 @dataclass
@@ -125,8 +125,7 @@ def run_suite(name: str, processes: int, timeout: float, tick: Any = None) -> Ru
             try:
                 while proc.poll() is None:
                     if time.perf_counter() - t0 > timeout:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
+                        end_launch(proc)
                         run.failed.setdefault(
                             "(timeout)",
                             f"the suite did not finish within {timeout:.0f} s and was killed",
@@ -137,9 +136,7 @@ def run_suite(name: str, processes: int, timeout: float, tick: Any = None) -> Ru
                         tick(run)
                     time.sleep(0.2)
             except BaseException:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                end_launch(proc)
                 raise
             run.read(feed.readlines())
         run.returncode = proc.returncode

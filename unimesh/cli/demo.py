@@ -13,12 +13,12 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,11 +27,14 @@ from ..errors import UnimeshError
 from ..layout import Layout
 from ..mesh import Mesh
 from ..spec import PartitionSpec
+from .ending import end_launch
 
 #: Launched demos larger than this are not started (one process per device).
 MAX_PROCESSES = 16
 #: Seconds a launched demo may take, launch included.
 LAUNCH_TIMEOUT = 100.0
+#: Held while a launcher is started and registered, and while the demo ends the registered.
+_STARTING = threading.Lock()
 
 
 def demo_problem(mesh: Mesh) -> tuple[Layout, Any, Any]:
@@ -176,13 +179,15 @@ def _launched_row(
     step: Callable[[str], None],
     log: list[str],
     started: list[subprocess.Popen[str]] | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[str, ...]:
     """Run :func:`trial` in ``size`` processes under the backend's launcher; summarise. The
     workers' ``UNIMESH_STEP`` lines feed ``step`` as they arrive. The launcher gets a
     temporary directory of its own, removed afterwards (torchrun and OpenMPI leave files);
-    its process is added to ``started`` (for the caller to end on an interruption)."""
+    its process is added to ``started`` (for the caller to end on an interruption), unless
+    ``stop`` is set by then."""
     with tempfile.TemporaryDirectory(prefix="unimesh-demo-") as scratch:
-        return _launched_row_in(backend, spec, size, step, log, scratch, started)
+        return _launched_row_in(backend, spec, size, step, log, scratch, started, stop)
 
 
 def _launched_row_in(
@@ -193,6 +198,7 @@ def _launched_row_in(
     log: list[str],
     scratch: str,
     started: list[subprocess.Popen[str]] | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[str, ...]:
     from rich.markup import escape
 
@@ -205,16 +211,19 @@ def _launched_row_in(
     runs = f"{size} ({backend.launcher_name or os.path.basename(prefix[0])})"
     step(f"launching {size} processes")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    if started is not None:
-        started.append(proc)
+    with _STARTING:  # started and registered at once, or not at all once the demo stops
+        if stop is not None and stop.is_set():
+            return (name, "[red]failed[/red]", runs, "-", "-", "not started")
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        if started is not None:
+            started.append(proc)
     lines: list[str] = []
     reached = [0] * size  # each process's furthest step, as an index into STEPS
 
@@ -234,8 +243,7 @@ def _launched_row_in(
     try:
         proc.wait(timeout=LAUNCH_TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        end_launch(proc)
         reader.join(5)
         log.append("".join(lines))
         return (name, "[red]launcher timed out[/red]", runs, "-", "-", f"> {LAUNCH_TIMEOUT:.0f} s")
@@ -357,15 +365,23 @@ def demo(args: argparse.Namespace) -> int:
             if not failed:
                 logs[name].clear()
 
+        stop = threading.Event()  # set when the demo ends early: no further launch starts
+
         def run_launched() -> None:  # one launch at a time, beside the in-process rows
             for name in runnable:
-                if name in launched:
+                if name not in launched:
+                    continue
+                cells: tuple[str, ...] = (name, "[red]failed[/red]", "-", "-", "-", "not started")
+                try:
+                    if stop.is_set():
+                        continue
                     progress.reset(tasks[name], total=1, step="starting")
-                    try:
-                        cells = _launched_row(get_backend(name), args.mesh, mesh.size,
-                                              step_of(name), logs[name], started)  # fmt: skip
-                    except Exception as exc:  # noqa: BLE001 - its row says what failed
-                        cells = (name, "[red]failed[/red]", "-", "-", "-", escape(str(exc)[:70]))
+                    cells = _launched_row(get_backend(name), args.mesh, mesh.size,
+                                          step_of(name), logs[name], started, stop)  # fmt: skip
+                except BaseException as exc:  # noqa: BLE001 - its row and log say what failed
+                    logs[name].append("".join(traceback.format_exception(exc)))
+                    cells = (name, "[red]failed[/red]", "-", "-", "-", escape(str(exc)[:70]))
+                finally:
                     finish(name, cells)
 
         beside = threading.Thread(target=run_launched, daemon=True)
@@ -390,13 +406,15 @@ def demo(args: argparse.Namespace) -> int:
             while beside.is_alive():  # a short wait at a time: ^C still reaches the demo
                 beside.join(0.2)
         finally:
-            for proc in started:  # stopped early (^C): no launcher is left running
-                if proc.poll() is None:
-                    with contextlib.suppress(OSError):
-                        os.killpg(proc.pid, signal.SIGKILL)
+            stop.set()  # stopped early (^C): no launch starts after this, none is left running
+            with _STARTING:
+                for proc in started:
+                    end_launch(proc)
+            beside.join(5)
     for name in runnable:  # the table in the backends' order, whichever finished first
-        failures += _failed(rows[name])
-        table.add_row(*rows[name])
+        cells = rows.get(name, (name, "[red]failed[/red]", "-", "-", "-", "no row"))
+        failures += _failed(cells)
+        table.add_row(*cells)
     console.print(table)
     for be in absent:  # a note under the table, not a row of dashes
         console.print(
