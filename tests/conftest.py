@@ -186,13 +186,10 @@ def _live_descendants() -> list[tuple[int, str]]:
     resource tracker; OpenMPI's singleton daemon, which MLX's ``mx.distributed.init`` starts
     in a process not launched by mpirun, and which exits when its pipe to this process
     closes)."""
-    from .support.launch import _children
+    from unimesh.cli.ending import descendants
 
-    children = _children()
-    found, todo = [], list(children.get(os.getpid(), []))
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, []))
+    found = []
+    for pid in descendants(os.getpid()):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]

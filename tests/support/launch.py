@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from unimesh.cli.ending import kill_tree
 
 
 def run_bounded(
@@ -162,40 +163,6 @@ def run_ranks_timed(
             + "\n---\n".join(o[-1500:] for o in outs)
         )
     return [p.returncode for p in procs], outs, [float(e or 0.0) for e in ends]
-
-
-def _children() -> dict[int, list[int]]:
-    """Every process's children, from /proc."""
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and every descendant of ``pid`` at once: the launcher
-    and every rank, including ranks a launcher put in sessions of their own (OpenMPI's
-    daemon does). Descendants are stopped first (SIGSTOP), so none can start another."""
-    tree = [pid]
-    children = _children()
-    for p in tree:
-        tree.extend(children.get(p, []))
-    for p in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGSTOP)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-    for p in tree:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
 
 
 def run_worker(

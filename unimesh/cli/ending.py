@@ -11,7 +11,7 @@ import subprocess
 GRACE = 10.0
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     """``pid``'s descendants, from /proc (empty where there is none)."""
     children: dict[int, list[int]] = {}
     try:
@@ -42,26 +42,33 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
             os.kill(p, sig)
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant /proc lists: the tree is
+    stopped first (SIGSTOP, again until no new process appears, so none can start another),
+    including processes a launcher put in sessions of their own (torchrun's workers,
+    OpenMPI's daemon). Where there is no /proc: the process group only."""
+    tree: list[int] = []
+    while os.path.isdir("/proc"):
+        _signal([pid, *tree], signal.SIGSTOP)
+        found = descendants(pid)
+        if set(found) <= set(tree):
+            break
+        tree = sorted(set(tree) | set(found))
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+    _signal([pid, *tree], signal.SIGKILL)
+
+
 def end_launch(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
     """End ``proc`` (started with ``start_new_session=True``) and every process it started.
-    Where /proc lists them, the launcher and its descendants are stopped (SIGSTOP, again
-    until no new one appears, so none can start another) and then killed: torchrun's workers
-    sit outside its process group, and a launcher ended while starting them leaves them
-    waiting for a peer. Elsewhere: SIGTERM to the process group (torchrun, mpirun and
-    mlx.launch pass it on), then SIGKILL after :data:`GRACE` seconds."""
+    Where /proc lists them: :func:`kill_tree` (torchrun's workers sit outside its process
+    group, and a launcher ended while starting them leaves them waiting for a peer).
+    Elsewhere: SIGTERM to the process group (torchrun, mpirun and mlx.launch pass it on),
+    then SIGKILL after :data:`GRACE` seconds."""
     if proc.poll() is not None:
         return
     if os.path.isdir("/proc"):
-        tree: list[int] = []
-        while True:
-            _signal([proc.pid, *tree], signal.SIGSTOP)
-            found = _descendants(proc.pid)
-            if set(found) <= set(tree):
-                break
-            tree = sorted(set(tree) | set(found))
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        _signal([proc.pid, *tree], signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
         return
     with contextlib.suppress(OSError):
