@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,15 @@ def key_path(path: Any) -> str:
     return "/".join(parts)
 
 
+@functools.cache
+def _is_concrete() -> Any:
+    """JAX's ``is_concrete`` (internal: None where a JAX version lacks it), looked up once."""
+    import_jax()
+    from jax._src import core  # JAX's internals, read only here
+
+    return getattr(core, "is_concrete", None)
+
+
 def _concrete(args: Any) -> bool:
     """Whether every leaf of ``args`` is numpy or a ``jax.Array`` whose value is known now:
     outside any trace, or under an eager ``jax.grad`` / ``jax.jvp`` (not under ``jax.jit``,
@@ -37,9 +47,7 @@ def _concrete(args: Any) -> bool:
     body is traced (docs/programs.md says what that changes for its Python code). JAX's own
     test for it (``is_concrete``) is not public: without it, none is."""
     jax = import_jax()
-    from jax._src import core  # JAX's internals, read only here
-
-    known = getattr(core, "is_concrete", None)
+    known = _is_concrete()
     if known is None:
         return False
     leaves = jax.tree_util.tree_leaves(args)
