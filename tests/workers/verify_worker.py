@@ -3,8 +3,9 @@
 clean: every process builds the same mesh; verify passes; exit 0.
 disagree: process 1 builds the mesh with its device order reversed; every process must raise
     MeshMismatchError (exit 3).
-die: process 1 kills itself (SIGKILL) after the runtime started; the others' verify must say a
-    peer is gone (exit 4).
+die: after a first check that every process passes (so every runtime has started: killed
+    earlier, process 1 could end a peer's initialize instead), process 1 kills itself
+    (SIGKILL); the others' next verify must say a peer is gone (exit 4).
 small: the mesh needs one device more than the world has (exit 5).
 stuck: process 1 sleeps 40 s before its check; the others must say a peer is gone or stuck
     within their 15 s timeout instead of waiting (exit 4).
@@ -27,6 +28,7 @@ other in one launch (a MeshMismatchError leaves the runtime usable); each case's
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -36,6 +38,8 @@ import numpy as np
 
 import unimesh
 
+# a process still running after 75 s (the tests kill it at 90) shows where it waits
+faulthandler.dump_traceback_later(75)
 backend, mode = sys.argv[1], sys.argv[2]
 t0 = time.monotonic()
 launched_rank = next(
@@ -128,11 +132,13 @@ if mode.startswith("save-"):  # a second save that fails; CHECKPOINT_DIR holds t
         sys.exit(4)
     print(f"VERIFY rank {rank} of {world} saved after {time.monotonic() - t0:.1f}s", flush=True)
     sys.exit(0)
-if mode == "die" and rank == 1:
-    os.kill(os.getpid(), signal.SIGKILL)
 if mode == "stuck" and rank == 1:
     time.sleep(40)
 try:
+    if mode == "die":  # a first check, so that process 1 dies once every runtime has started
+        unimesh.verify(mesh, backend, layout=unimesh.Layout(mesh, unimesh.P("dp")), timeout=15)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
     unimesh.verify(mesh, backend, layout=unimesh.Layout(mesh, unimesh.P("dp")), timeout=15)
 except unimesh.MeshMismatchError as exc:
     kind = "gone" if "gone" in str(exc) else "devices" if "uses device" in str(exc) else "mismatch"
