@@ -119,6 +119,25 @@ def jax_part(mib: int, repeat: int) -> dict[str, Any]:
         "array_bytes": x.nbytes,
     }
 
+    # a reshard to the layout the array has: nothing moves (generic code that reshards
+    # whatever it is given); device_put to the sharding it has returns the array
+    target = Layout(mesh, P("dp"))
+    sharding = unimesh.to_native(target, "jax")
+    stats = {}
+    unimesh.reshard(src, target, stats=stats)
+    ours, put = _median_pair(
+        lambda: unimesh.reshard(src, target).block_until_ready(),
+        lambda: jax.device_put(src, sharding).block_until_ready(),
+        repeat,
+    )
+    out["nothing moves, P('dp') -> P('dp')"] = {
+        "unimesh_s": ours,
+        "device_put_s": put,
+        "ratio_vs_device_put": ours / put,
+        "bytes_copied": stats["bytes_copied"],
+        "array_bytes": x.nbytes,
+    }
+
     low = Mesh((4,), ("x",), device_ids=[0, 1, 2, 3])
     high = Mesh((4,), ("y",), device_ids=[4, 5, 6, 7])
     src = unimesh.distribute(x, Layout(low, P("x")), "jax")
