@@ -16,6 +16,9 @@ this one run, unimesh and its floor alternating.
    jax.devices()).reshape(...), names)``, ``NamedSharding``; Keras ``DeviceMesh(...,
    devices=list_devices())``, ``TensorLayout``), both from scratch and per tensor with the
    mesh already built, where jax and keras are installed.
+4. The per-process engine (torch's and MLX's ``shard_map``) for one process of a 2**10 to
+   2**16 device mesh, collectives simulated: the first call (groups and edges built), its peak
+   memory, later calls, and the growth of each.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import numpy as np
 
 import unimesh
 from unimesh import Layout, Mesh, P
+from unimesh.spmd import ProcessBackend
 
 SHAPE = (64, 64, 16, 16)
 NAMES = ("dp", "fsdp", "cp", "tp")
@@ -248,6 +252,130 @@ def fixed_cost(rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+class Simulated(ProcessBackend):
+    """One process of a mesh whose collectives are simulated (for :func:`engine_scale`)."""
+
+    name = "simulated"
+    framework = "numpy"
+    features = frozenset({"tuple_axes"})
+    native_primitives = frozenset({"all_reduce", "all_gather", "split"})
+
+    def __init__(self, device: int) -> None:
+        super().__init__()
+        self.device = device
+
+    def mesh_to_native(self, mesh: Mesh, **options: Any) -> Any:
+        return mesh
+
+    def from_native(self, obj: Any) -> Any:
+        return obj
+
+    def layout_to_native(self, layout: Layout, **options: Any) -> Any:
+        return layout
+
+    def process_index(self) -> int:
+        return self.device
+
+    def world_group(self) -> Any:
+        return None
+
+    def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: Any, row: int) -> Any:
+        return len(rows[row])  # the handle: the group's size
+
+    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
+        return x * group if op == "sum" else x
+
+    def group_all_gather(self, x: Any, group: Any) -> Any:
+        return np.stack([x] * group)
+
+    def as_array(self, value: Any) -> Any:
+        return np.asarray(value)
+
+    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
+        return np.moveaxis(x, source, destination)
+
+    def take(self, x: Any, index: list[int]) -> Any:
+        return x[index]
+
+    def reduce_stack(self, x: Any, op: str) -> Any:
+        return {"sum": np.sum, "max": np.max, "min": np.min}[op](x, axis=0)
+
+    def zeros_like(self, x: Any) -> Any:
+        return np.zeros_like(x)
+
+    def needs_grad(self, x: Any) -> bool:
+        return False
+
+    def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
+        return np.asarray(arg), True
+
+    def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
+        return block
+
+    def full_array(self, array: Any) -> Any:
+        return np.asarray(array)
+
+
+def _tp_step(x: Any, w1: Any, w2: Any) -> Any:
+    y = unimesh.psum(np.maximum(x @ w1, 0) @ w2, "tp")
+    gathered = unimesh.all_gather(y, "cp", axis=1, tiled=True)
+    return unimesh.psum((gathered * gathered).sum(), ("dp", "fsdp", "cp"))
+
+
+def engine_scale(rounds: int) -> list[dict[str, Any]]:
+    """The per-process engine (torch's and MLX's) on meshes of 2**10 to 2**16 devices: one
+    process of the job (the middle device) runs a tensor-parallel step whose collectives are
+    simulated (a sum over a group of n is n times the block, a gather stacks n copies: the
+    cost of the communication itself is not the engine's). The first call builds everything
+    the engine decides for the program (its groups along each axis set, the edges of its
+    arguments and results); later calls replay it. Peak memory by tracemalloc, first call."""
+    first_program(1 << 8)  # imports and caches that do not depend on the mesh
+    rows = []
+    for k in (10, 12, 14, 16):
+        size = 1 << k
+        t0 = time.perf_counter()
+        program, args = first_program(size)
+        build_ms = (time.perf_counter() - t0) * 1e3
+        tracemalloc.start()
+        first_program(size)
+        peak = tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+        calls = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(100):
+                program(*args)
+            calls.append((time.perf_counter() - t0) * 1e4)  # us per call
+        rows.append(
+            {
+                "devices": size,
+                "mesh": _shape_for(size),
+                "first_call_ms": build_ms,
+                "peak_mib": peak,
+                "call_us": statistics.median(calls),
+            }
+        )
+    return rows
+
+
+def first_program(size: int) -> tuple[Any, tuple[np.ndarray, ...]]:
+    """:func:`_tp_step` as a program of the middle process of a ``size``-device mesh, after
+    its first call, and its arguments."""
+    shape = _shape_for(size)
+    specs = (P(("dp", "fsdp", "cp")), P(None, "tp"), P("tp", None))
+    batch = math.prod(shape[:3])
+    args = (
+        np.ones((batch * 2, 16), np.float32),
+        np.ones((16, 8 * shape[3]), np.float32),
+        np.ones((8 * shape[3], 4), np.float32),
+    )
+    program = unimesh.shard_map(
+        _tp_step, Mesh(shape, NAMES), specs, P(), backend=Simulated(size // 2)
+    )
+    program(*args)
+    return program, args
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -278,9 +406,26 @@ def main() -> None:
                 f"  {r['conversion']:34s} native {r['native_us']:7.1f}  unimesh "
                 f"{r['unimesh_us']:7.1f}  {r['ratio']:.2f}x"
             )
+    engine = engine_scale(rounds)
+    print(
+        "\nthe per-process engine, one process of the mesh, simulated collectives (a tensor-"
+        "parallel step: psum over tp, all_gather over cp, psum over dp/fsdp/cp)"
+    )
+    for r in engine:
+        print(
+            f"  2**{int(math.log2(r['devices'])):<2d} {r['mesh']!s:18s} first call "
+            f"{r['first_call_ms']:7.1f} ms  peak {r['peak_mib']:6.2f} MiB  later calls "
+            f"{r['call_us']:6.1f} us"
+        )
+    x = np.log([r["devices"] for r in engine])
+    for key in ("first_call_ms", "peak_mib", "call_us"):
+        fit = float(np.polyfit(x, np.log([r[key] for r in engine]), 1)[0])
+        print(f"  growth 2**10 -> 2**16, slope of log {key} / log devices: {fit:5.2f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"scale": scale, "slopes": slope, "fixed": fixed}, fh, indent=2)
+            json.dump(
+                {"scale": scale, "slopes": slope, "fixed": fixed, "engine": engine}, fh, indent=2
+            )
 
 
 if __name__ == "__main__":

@@ -401,3 +401,32 @@ def test_checked_mode_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ValueError, match="same shape") as info:
         unchecked(np.zeros(8))
     assert not isinstance(info.value, unimesh.MeshMismatchError)
+
+
+def test_a_program_s_edges_follow_each_call_s_shapes_and_layouts() -> None:
+    """The engine keeps each global argument's block per (layout, shape): calls with other
+    shapes, and another program's layouts on the same processes, get their own blocks, never a
+    block kept for an earlier call (the example backend's engine, a thread per device)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).with_name("conformance_example")))
+    try:
+        from unimesh_example.backend import ThreadedExampleBackend
+    finally:
+        sys.path.pop(0)
+    backend = ThreadedExampleBackend()
+    mesh = unimesh.Mesh((2, 2), ("a", "b"))
+    programs = {
+        spec: unimesh.shard_map(lambda v: v * 2.0, mesh, spec, spec, backend=backend)
+        for spec in (P("a", "b"), P("b"), P(None, ("b", "a")))
+    }
+    for shape in ((8, 4), (4, 8), (8, 4), (6, 12), (4, 8)):
+        x = np.arange(np.prod(shape), dtype=np.float64).reshape(shape)
+        for spec, program in programs.items():
+            out = program(x)
+            layout = Layout(mesh, spec)
+            for d in range(4):
+                np.testing.assert_array_equal(
+                    out.blocks[d], 2.0 * x[layout.shard_slices(shape, d)], err_msg=f"{spec} {d}"
+                )

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 __all__ = ["Fn", "ProcessAxisEnv", "replicated_axes", "same"]
 
 Fn = Callable[[Any], Any]
+#: how many (layout, shape) blocks of global arguments an env keeps
+_SLICES_KEPT = 1024
 #: values that are not a framework's array: numbers, sequences and numpy
 _HOST_VALUES = (int, float, complex, list, tuple, np.ndarray, np.generic)
 
@@ -64,6 +66,8 @@ class ProcessAxisEnv(AxisEnv):
         #: a collective's function with its rule, per (axes, op) or (axes, perm)
         self._collectives: dict[tuple[tuple[str, ...], Any], Fn] = {}
         self._in: dict[Layout, Any] = {}
+        #: this process's block of a global argument, per (layout, global shape)
+        self._slices: dict[tuple[Layout, tuple[int, ...]], tuple[slice, ...]] = {}
         self._whole = Layout(comm.mesh, PartitionSpec())  # an array under a None in_spec
 
     # -- for backends ---------------------------------------------------------------------------
@@ -281,7 +285,11 @@ class ProcessAxisEnv(AxisEnv):
                 f"a shard_map argument of shape {shape} has fewer dims than "
                 f"its in_spec {layout.spec!r}"
             )
-        slices = layout.shard_slices(shape, self.device)
+        slices = self._slices.get((layout, shape))
+        if slices is None:
+            if len(self._slices) >= _SLICES_KEPT:  # a program called with ever new shapes
+                self._slices.clear()
+            slices = self._slices[layout, shape] = layout.shard_slices(shape, self.device)
         block = self._array(block)
         if not self.be.needs_grad(block):
             return block[slices], False
