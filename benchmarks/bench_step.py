@@ -279,6 +279,26 @@ def bench_torch(repeat: int) -> dict[str, float]:
         return loss, *(funcol.all_reduce(g, "sum", dp) for g in grads)
 
     native_grad_c = torch.compile(native_grad_local, backend=how)
+    # the same native step compiled whole, as unimesh.compile compiles a value_and_grad step:
+    # dynamo traces its torch.autograd.grad (trace_autograd_ops) instead of breaking the graph
+    native_whole_c = torch.compile(native_grad_local, backend=how, fullgraph=True)
+
+    def native_grad_whole() -> Any:
+        config = torch._dynamo.config
+        before = config.trace_autograd_ops
+        config.trace_autograd_ops = True
+        try:
+            w1, w2 = (b.detach().requires_grad_(True) for b in blocks[2:])
+            loss, *grads = native_whole_c(blocks[0], blocks[1], w1, w2)
+        finally:
+            config.trace_autograd_ops = before
+        return (
+            loss,
+            *(
+                DTensor.from_local(g, dm, list(a.placements), run_check=False)
+                for g, a in zip(grads, placed[2:])
+            ),
+        )
 
     def native_grad_compiled() -> Any:
         w1, w2 = (b.detach().requires_grad_(True) for b in blocks[2:])
@@ -307,6 +327,12 @@ def bench_torch(repeat: int) -> dict[str, float]:
 
     same(local(native_compiled()), local(ours_c(*placed)))
     same(local(native_grad_compiled()), local(our_grad_c()))
+    try:
+        same(local(native_grad_whole()), local(our_grad_c()))
+        whole: dict[str, Any] = {"native_grad_whole": native_grad_whole}
+    except Exception as exc:  # noqa: BLE001 - what dynamo says of the native step
+        print(f"NOTE native step not compiled whole: {type(exc).__name__}: {str(exc)[:300]}")
+        whole = {}
     return timed(
         {
             "native": native,
@@ -317,6 +343,7 @@ def bench_torch(repeat: int) -> dict[str, float]:
             "unimesh_compiled": lambda: ours_c(*placed),
             "native_grad_compiled": native_grad_compiled,
             "unimesh_grad_compiled": our_grad_c,
+            **whole,
         },
         repeat,
         sync_all,
@@ -457,6 +484,7 @@ def report(backend: str, scale: int, medians: dict[str, float]) -> str:
         "grad": ("native_grad", "unimesh_grad"),
         "manual/compiled": ("native_compiled", "unimesh_compiled"),
         "grad/compiled": ("native_grad_compiled", "unimesh_grad_compiled"),
+        "grad/whole": ("native_grad_whole", "unimesh_grad_compiled"),
     }.items():
         if a not in medians:
             continue

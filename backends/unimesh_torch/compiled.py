@@ -207,20 +207,44 @@ def program_entry(fn: Callable[..., Any]) -> Callable[..., Any]:
 def compile_step(fn: Any, options: dict[str, Any]) -> Any:
     """``torch.compile(fn, **options)``. The step's unimesh programs reach dynamo as single
     calls (:func:`program_entry`), so ``fullgraph=True`` holds. A step made by
-    :func:`unimesh.value_and_grad` (or ``grad``) is that step around the compiled function:
-    torch.compile traces the forward and aot_autograd its backward, and autograd runs them
-    outside the graph, as torch.compile users take gradients (dynamo does not trace
-    ``torch.autograd.grad``). Shapes are static unless ``dynamic`` is given (a program's
-    blocks follow from its arguments' shapes)."""
+    :func:`unimesh.value_and_grad` (or ``grad``) compiles whole, its gradient included: dynamo
+    traces its ``torch.autograd.grad`` (``trace_autograd_ops``, set while the step runs), so
+    forward and backward are one graph with no DTensor wrapping between them. Where that
+    graph breaks (an argument ``nonstrict_trace`` does not take, such as a namedtuple) it
+    falls back, for good, to the step around the compiled function: the forward compiled,
+    aot_autograd's backward run by autograd outside the graph. Shapes are static unless
+    ``dynamic`` is given (a program's blocks follow from its arguments' shapes)."""
     torch = import_torch()
     mark_entries()
     # shapes specialize, as under jax.jit: a program's blocks and groups follow from them
     options = {"dynamic": False, **options}
     grad_of = getattr(fn, "unimesh_grad_of", None)
-    if grad_of is not None:
-        inner, around = grad_of
+    if grad_of is None:
+        return surfacing(torch.compile(fn, **options))
+    inner, around = grad_of
+    config = torch._dynamo.config
+    if not hasattr(config, "trace_autograd_ops"):  # a torch whose dynamo cannot trace grad
         return around(surfacing(torch.compile(inner, **options)))
-    return surfacing(torch.compile(fn, **options))
+    whole = surfacing(torch.compile(fn, **{**options, "fullgraph": True}))
+    split: list[Callable[..., Any]] = []
+    unsupported = torch._dynamo.exc.Unsupported
+
+    def step(*args: Any) -> Any:
+        if not split:
+            before = config.trace_autograd_ops
+            config.trace_autograd_ops = True  # read while dynamo traces (a first call, a
+            try:  # recompile); set per call, so the user's other compiled code keeps its own
+                return whole(*args)
+            except unsupported:  # a graph break (an argument nonstrict_trace does not take)
+                split.append(around(surfacing(torch.compile(inner, **options))))
+            finally:
+                config.trace_autograd_ops = before
+        return split[0](*args)
+
+    step.__name__ = getattr(fn, "__name__", "step")
+    # for tests: whether the gradient is still compiled in the step's graph
+    step.unimesh_whole = lambda: not split  # type: ignore[attr-defined]
+    return step
 
 
 def traced_permute(x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:

@@ -335,6 +335,19 @@ class TorchPrograms(TorchTranslator):
 
         def fresh_leaf(leaf: Any) -> tuple[Any, Any]:
             """(the copy the function gets, its block leaf or None)."""
+            if isinstance(leaf, DTensor) and torch.compiler.is_compiling():
+                # what dynamo traces (no DTensorSpec objects): the copy is made from the block
+                # leaf, so the block's gradient is the whole of it
+                local = leaf.to_local().detach().requires_grad_(True)
+                copy = DTensor.from_local(
+                    local,
+                    leaf.device_mesh,
+                    leaf.placements,
+                    run_check=False,
+                    shape=leaf.shape,
+                    stride=leaf.stride(),
+                )
+                return copy, local
             if isinstance(leaf, DTensor):
                 local = leaf._local_tensor.detach()
                 copy = dtensor(local, leaf._spec, requires_grad=True)
@@ -344,6 +357,7 @@ class TorchPrograms(TorchTranslator):
             return leaf.detach().requires_grad_(True), None
 
         def run(*given: Any) -> Any:
+            traced = torch.compiler.is_compiling()
             args = list(given)
             leaves: list[Any] = []
             trees = []
@@ -358,7 +372,7 @@ class TorchPrograms(TorchTranslator):
                 trees.append((treedef, fresh))
                 for copy, block in fresh:
                     if block is not False:
-                        leaves += [copy] if block is None else [copy, block]
+                        leaves += [copy] if block is None else [block] if traced else [copy, block]
                 args[i] = optree.tree_unflatten(treedef, [copy for copy, _ in fresh])
             with torch.enable_grad():
                 out = fn(*args)
@@ -385,6 +399,20 @@ class TorchPrograms(TorchTranslator):
                 for copy, block in fresh:
                     if block is False:
                         out_leaves.append(None)
+                        continue
+                    if traced and block is not None:  # dynamo: the block's gradient is all
+                        local = next(taken)
+                        whole = None
+                        if local is not None:
+                            whole = DTensor.from_local(
+                                local,
+                                copy.device_mesh,
+                                copy.placements,
+                                run_check=False,
+                                shape=copy.shape,
+                                stride=copy.stride(),
+                            )
+                        out_leaves.append(torch.zeros_like(copy) if whole is None else whole)
                         continue
                     whole = next(taken)
                     local = None if block is None else next(taken)

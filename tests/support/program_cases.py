@@ -409,6 +409,11 @@ def run(
     value, grads = step(*args)
     if compiled:  # a second call runs the compiled trace (the first traced it)
         value, grads = step(*args)
+        whole = getattr(step, "unimesh_whole", None)  # torch: forward and backward one graph,
+        if whole is not None and whole() != (case.name != "pytree"):  # but where nonstrict_trace
+            raise AssertionError(  # cannot take an argument (pytree's namedtuple)
+                f"{case.name}: the gradient compiled {'whole' if whole() else 'outside the graph'}"
+            )
     out = {"value": np.asarray(unimesh.full_array(value, backend=backend), np.float64)}
     for n, g in zip(case.argnums, grads):
         leaves, treedef = optree.tree_flatten(g)
