@@ -3,8 +3,10 @@ placements, ``distribute_tensor``, and the communication groups of a DeviceMesh.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -46,14 +48,27 @@ def _plain(mesh: Mesh) -> Mesh:
     return Mesh(mesh.shape, mesh.axis_names, mesh.device_ids)
 
 
-def _non_increasing_axes(mesh: Mesh, axes: tuple[str, ...]) -> list[str]:
-    """Axes along which some group's ranks are not increasing."""
+@functools.lru_cache(maxsize=256)
+def _non_increasing_axes(mesh: Mesh, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Axes along which some group's ranks are not increasing (kept per mesh and axes: every
+    conversion of a layout asks)."""
     bad = []
     for ax in axes:
         groups = mesh.groups_array(ax)
         if groups.shape[1] > 1 and not bool(np.all(np.diff(groups, axis=1) > 0)):
             bad.append(ax)
-    return bad
+    return tuple(bad)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(mesh: Mesh, placements: tuple[Any, ...], ndim: int) -> Layout:
+    """The Layout of DTensor ``placements`` (hashable, as torch's are) on ``mesh``."""
+    return Layout.from_placements(mesh, [_from_torch(p) for p in placements], ndim)
+
+
+#: the unimesh Mesh of each DeviceMesh read so far, by id, with a weak reference to it (a
+#: DeviceMesh does not change; reading one builds its rank tensor and checks a new Mesh)
+_FROM_NATIVE: dict[int, tuple[weakref.ref[Any], Mesh]] = {}
 
 
 class TorchTranslator(TorchTransport):
@@ -260,11 +275,21 @@ class TorchTranslator(TorchTransport):
         return sub
 
     def mesh_from_native(self, device_mesh: Any) -> Mesh:
+        key = id(device_mesh)
+        known = _FROM_NATIVE.get(key)
+        if known is not None and known[0]() is device_mesh:
+            return known[1]
         names = device_mesh.mesh_dim_names or tuple(
             f"dim_{i}" for i in range(device_mesh.mesh.ndim)
         )
         ids = device_mesh.mesh.detach().cpu().numpy()
-        return Mesh(ids.shape, tuple(names), ids)
+        mesh = Mesh(ids.shape, tuple(names), ids)
+        try:
+            ref = weakref.ref(device_mesh, lambda _: _FROM_NATIVE.pop(key, None))
+        except TypeError:  # pragma: no cover - a DeviceMesh that takes no weak reference
+            return mesh
+        _FROM_NATIVE[key] = (ref, mesh)
+        return mesh
 
     # -- layouts -------------------------------------------------------------------------------
     def _check_order(self, layout: Layout) -> None:
@@ -297,19 +322,11 @@ class TorchTranslator(TorchTransport):
         if isinstance(obj, DeviceMesh):
             return self.mesh_from_native(obj)
         if isinstance(obj, TorchLayout):
-            return Layout.from_placements(
-                self.mesh_from_native(obj.device_mesh),
-                [_from_torch(p) for p in obj.placements],
-                obj.ndim,
-            )
+            return _layout(self.mesh_from_native(obj.device_mesh), tuple(obj.placements), obj.ndim)
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):
-            return Layout.from_placements(
-                self.mesh_from_native(obj.device_mesh),
-                [_from_torch(p) for p in obj.placements],
-                obj.ndim,
-            )
+            return _layout(self.mesh_from_native(obj.device_mesh), tuple(obj.placements), obj.ndim)
         raise ConversionError(
             f"the torch backend converts DeviceMesh, DTensor and TorchLayout, not {short(obj)} "
             f"({type(obj).__module__}.{type(obj).__qualname__})"
