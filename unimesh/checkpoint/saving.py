@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import secrets
+import threading
 import zlib
 from typing import Any
 
@@ -177,18 +178,26 @@ class SaveJob:
             for name, offset, dtype, block in self.blocks
         ]
         head = safetensors_header(entries)
+        views = [b.reshape(-1).view(np.uint8).data for *_, b in self.blocks]
+        crcs: list[int] = []
+        # the checksums in a thread while the file is written (zlib and the writes release
+        # the GIL): their time hides behind the writes' instead of following it
+        summing = threading.Thread(target=lambda: crcs.extend(map(zlib.crc32, views)))
+        summing.start()
         try:
             if self.blocks:  # a process with no block to write writes no file
-                body: list[Any] = [head]
-                body += [b.reshape(-1).view(np.uint8).data for *_, b in self.blocks]
-                store.write(file, body)
+                store.write(file, [head, *views])
         except Exception as exc:  # noqa: BLE001 - told to every process, then raised
             problem = f"process {rank} could not write {file}: {_error_text(exc)}"
             self._unlink(file)
+        finally:
+            summing.join()
+        if len(crcs) != len(views) and not problem:  # pragma: no cover - zlib failed
+            problem = f"process {rank} could not checksum the blocks of {file}"
+            self._unlink(file)
         at = len(head)
         listing: dict[str, list[list[Any]]] = {}
-        for name, offset, _, block in self.blocks:
-            crc = zlib.crc32(block.reshape(-1).view(np.uint8).data)
+        for (name, offset, _, block), crc in zip(self.blocks, crcs):
             listing.setdefault(name, []).append(
                 [list(offset), list(block.shape), at, at + block.nbytes, crc]
             )
