@@ -311,3 +311,44 @@ def test_from_native_takes_the_dim_names_torchs_own_tests_use() -> None:
     assert back.mesh_dim_names == ("mesh-0", "mesh-1")
     assert torch.equal(back.mesh, native.mesh)
     assert Mesh.from_string(mesh.to_string()) == mesh
+
+
+def test_compiled_value_and_grad_steps_compile_whole_and_raise_their_own_errors() -> None:
+    """unimesh.compile of a value_and_grad step compiles it whole on this torch (dynamo
+    traces its autograd.grad): ten steps in one process each get their own graph (they share
+    unimesh's wrapper, and dynamo's recompile limit of 8 counts per code object), each with
+    torch.func's gradient; a step that raises its own error (a bad batch) raises it as it
+    is, and keeps compiling whole afterwards."""
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13):
+        pytest.skip("torch before 2.13 refuses requires_grad_ under dynamo (the fallback)")
+    w = torch.arange(1.0, 5.0)
+    for k in range(10):
+
+        def loss(v: object, k: int = k) -> object:
+            return ((v * (k + 1.0)) ** 2).sum()
+
+        step = unimesh.compile(
+            unimesh.value_and_grad(loss, backend="torch"),
+            backend="torch",
+            compiler_options={"backend": "eager"},
+        )
+        value, grad = step(w)
+        assert step.unimesh_whole(), k  # type: ignore[attr-defined]
+        torch.testing.assert_close(value, loss(w))
+        torch.testing.assert_close(grad, torch.func.grad(loss)(w))
+
+    def picky(v: object) -> object:
+        if v.shape[0] == 3:  # type: ignore[attr-defined]
+            raise ValueError("a batch of 3 is refused")
+        return (v**3).sum()  # type: ignore[operator]
+
+    step = unimesh.compile(
+        unimesh.value_and_grad(picky, backend="torch"),
+        backend="torch",
+        compiler_options={"backend": "eager"},
+    )
+    with pytest.raises(ValueError, match="a batch of 3 is refused"):
+        step(torch.ones(3))
+    value, grad = step(w)
+    assert step.unimesh_whole()  # type: ignore[attr-defined]
+    torch.testing.assert_close(grad, 3 * w**2)

@@ -295,20 +295,6 @@ def _native(
     return moved
 
 
-def _same_blocks(a: Layout, b: Layout) -> bool:
-    """Whether two layouts put the same block on every device (their meshes may differ in
-    what does not place blocks: axis types, the recorded devices per process)."""
-    if a == b:
-        return True
-    ma, mb = a.mesh, b.mesh
-    return (
-        a.spec == b.spec
-        and ma.shape == mb.shape
-        and ma.axis_names == mb.axis_names
-        and bool(np.array_equal(ma.device_ids, mb.device_ids))
-    )
-
-
 def _move(
     be: Backend,
     leaf: Any,
@@ -317,9 +303,6 @@ def _move(
     target: Layout,
     stats: dict[str, int] | None,
 ) -> Any:
-    if _same_blocks(source, target):  # nothing moves: the array itself, as torch's
-        add_stats(stats, {})  # redistribute and jax.device_put give the same blocks back
-        return leaf
     moved = _native(be, leaf, source, target, shape, stats)
     if moved is not None:
         return moved

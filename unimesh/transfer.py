@@ -263,6 +263,24 @@ def _process_of(be: Backend, source: Layout, target: Layout) -> np.ndarray:
     return process_of
 
 
+def same_blocks(a: Layout, b: Layout) -> bool:
+    """Whether two layouts are the same placement, so that a reshard from one to the other
+    moves nothing: equal, or differing only in the processes their meshes record
+    (``devices_per_process``, which the backend knows anyway). Axis types count (JAX's
+    arrays carry them). For a backend's :meth:`~unimesh.transport.Transport.native_reshard`,
+    which gives the framework's result of such a move (the array itself, or its own verb's)."""
+    if a == b:
+        return True
+    ma, mb = a.mesh, b.mesh
+    return (
+        a.spec == b.spec
+        and ma.shape == mb.shape
+        and ma.axis_names == mb.axis_names
+        and ma.axis_types == mb.axis_types
+        and bool(np.array_equal(ma.device_ids, mb.device_ids))
+    )
+
+
 def add_stats(stats: dict[str, int] | None, counted: Mapping[str, int]) -> None:
     if stats is None:
         return

@@ -20,6 +20,7 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh.messages import short
+from unimesh.transfer import same_blocks
 
 from .runtime import JaxRuntime, device_array, global_devices, import_jax
 
@@ -463,6 +464,8 @@ class JaxTranslator(JaxRuntime):
             if isinstance(value, jax.Array):  # eager: the cotangent goes back to its devices
                 return jax.device_put(array, sharding), {}
             return jax.lax.with_sharding_constraint(array, sharding), {}  # XLA's, under jit
+        if same_blocks(source, target) and isinstance(array, jax.Array):
+            return array, {}  # nothing moves: the array, as jax.device_put to its sharding
         if source.mesh.device_ids.ravel().tolist() != target.mesh.device_ids.ravel().tolist():
             return None  # the plan
         return _identity(self.layout_to_native(target))(array), None

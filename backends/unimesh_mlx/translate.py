@@ -21,6 +21,7 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh.messages import short
+from unimesh.transfer import same_blocks
 
 from .runtime import LIVE_GROUPS, MLXRuntime, host_to_mx, import_mx, mx_to_host
 
@@ -275,6 +276,15 @@ class MLXTranslator(MLXRuntime):
     def device_processes(self, device_ids: Any) -> list[int]:
         """A device id is a rank of the world group: each device is its own process."""
         return [int(d) for d in device_ids]
+
+    def native_reshard(
+        self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
+    ) -> tuple[Any, dict[str, int] | None] | None:
+        """To the layout the :class:`MLXArray` has: the array itself (immutable; nothing
+        moves). Else None: the plan."""
+        if source is None or not isinstance(array, MLXArray) or not same_blocks(source, target):
+            return None
+        return array, {}
 
     def native_blocks(self, array: Any) -> dict[int, Any]:
         """``{rank: the block}`` of an :class:`MLXArray` (no copy)."""

@@ -10,11 +10,14 @@ loaded) -- process-wide facts of torch's compiler, not of one backend object."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import sys
+import threading
+import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from unimesh import UnimeshError
@@ -210,10 +213,13 @@ def compile_step(fn: Any, options: dict[str, Any]) -> Any:
     :func:`unimesh.value_and_grad` (or ``grad``) compiles whole, its gradient included: dynamo
     traces its ``torch.autograd.grad`` (``trace_autograd_ops``, set while the step runs), so
     forward and backward are one graph with no DTensor wrapping between them. Where that
-    graph breaks (an argument ``nonstrict_trace`` does not take, such as a namedtuple) it
-    falls back, for good, to the step around the compiled function: the forward compiled,
-    aot_autograd's backward run by autograd outside the graph. Shapes are static unless
-    ``dynamic`` is given (a program's blocks follow from its arguments' shapes)."""
+    graph breaks (an argument ``nonstrict_trace`` does not take, such as a namedtuple; a
+    ``print`` or ``.item()`` in the loss; a torch whose dynamo refuses ``requires_grad_``)
+    or recompiles too often, it warns once and falls back, for good, to the step around the
+    compiled function: the forward compiled, aot_autograd's backward run by autograd outside
+    the graph. An exception the step itself raises is raised as it is (no fallback). Shapes
+    are static unless ``dynamic`` is given (a program's blocks follow from its arguments'
+    shapes)."""
     torch = import_torch()
     mark_entries()
     # shapes specialize, as under jax.jit: a program's blocks and groups follow from them
@@ -222,29 +228,68 @@ def compile_step(fn: Any, options: dict[str, Any]) -> Any:
     if grad_of is None:
         return surfacing(torch.compile(fn, **options))
     inner, around = grad_of
-    config = torch._dynamo.config
-    if not hasattr(config, "trace_autograd_ops"):  # a torch whose dynamo cannot trace grad
-        return around(surfacing(torch.compile(inner, **options)))
-    whole = surfacing(torch.compile(fn, **{**options, "fullgraph": True}))
+    exc = torch._dynamo.exc
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):  # a dynamo that cannot
+        return around(surfacing(torch.compile(inner, **options)))  # trace autograd.grad
+    # a code object of its own: every value_and_grad step shares its wrapper's code, and
+    # dynamo's recompile limit (8) counts per code object
+    own = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    whole = surfacing(torch.compile(own, **{**options, "fullgraph": True}))
     split: list[Callable[..., Any]] = []
-    unsupported = torch._dynamo.exc.Unsupported
+    breaks = (exc.Unsupported, getattr(exc, "FailOnRecompileLimitHit", exc.Unsupported))
 
     def step(*args: Any) -> Any:
-        if not split:
-            before = config.trace_autograd_ops
-            config.trace_autograd_ops = True  # read while dynamo traces (a first call, a
-            try:  # recompile); set per call, so the user's other compiled code keeps its own
+        if split:
+            return split[0](*args)
+        try:
+            with _tracing_autograd(torch):
                 return whole(*args)
-            except unsupported:  # a graph break (an argument nonstrict_trace does not take)
-                split.append(around(surfacing(torch.compile(inner, **options))))
-            finally:
-                config.trace_autograd_ops = before
+        except breaks as err:
+            if isinstance(err.__cause__, getattr(exc, "ObservedException", ())):
+                return fn(*args)  # the step's own error, raised as it is (a bad batch, say)
+            import warnings
+
+            warnings.warn(
+                "unimesh.compile: this value_and_grad step does not compile as one graph "
+                f"({str(err).splitlines()[0]}); it runs as the loss compiled and its gradient "
+                "taken by autograd outside the graph from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            split.append(around(surfacing(torch.compile(inner, **options))))
         return split[0](*args)
 
     step.__name__ = getattr(fn, "__name__", "step")
     # for tests: whether the gradient is still compiled in the step's graph
     step.unimesh_whole = lambda: not split  # type: ignore[attr-defined]
     return step
+
+
+#: steps running with dynamo's ``trace_autograd_ops`` on, and the setting before the first
+_AUTOGRAD_TRACED: list[Any] = [0, False]
+_AUTOGRAD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _tracing_autograd(torch: Any) -> Iterator[None]:
+    """dynamo's ``trace_autograd_ops`` on while a compiled value_and_grad step runs (it is
+    read while dynamo traces: the first call, a recompile), and put back once no such step
+    runs in any thread; the user's other compiled code keeps its own setting otherwise."""
+    config = torch._dynamo.config
+    with _AUTOGRAD_LOCK:
+        if _AUTOGRAD_TRACED[0] == 0:
+            _AUTOGRAD_TRACED[1] = config.trace_autograd_ops
+            config.trace_autograd_ops = True
+        _AUTOGRAD_TRACED[0] += 1
+    try:
+        yield
+    finally:
+        with _AUTOGRAD_LOCK:
+            _AUTOGRAD_TRACED[0] -= 1
+            if _AUTOGRAD_TRACED[0] == 0:
+                config.trace_autograd_ops = _AUTOGRAD_TRACED[1]
 
 
 def traced_permute(x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:

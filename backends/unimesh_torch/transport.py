@@ -11,6 +11,7 @@ import weakref
 from typing import Any
 
 from unimesh import Layout, UnsupportedError
+from unimesh.transfer import same_blocks
 
 from .autograd import move_function
 from .runtime import TorchRuntime, import_dist, import_torch
@@ -30,6 +31,18 @@ class TorchTransport(TorchRuntime):
     def device_processes(self, device_ids: Any) -> list[int]:
         """A mesh's device id is a global rank: each device is its own process."""
         return [int(d) for d in device_ids]
+
+    def native_reshard(
+        self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
+    ) -> tuple[Any, dict[str, int] | None] | None:
+        """To the layout the DTensor has: torch's own ``redistribute`` to its placements, a new
+        DTensor on the same local tensor (nothing moves; differentiable, and a Parameter
+        gives a plain DTensor as any reshard does). Else None: the plan."""
+        from torch.distributed.tensor import DTensor
+
+        if source is None or not isinstance(array, DTensor) or not same_blocks(source, target):
+            return None
+        return array.redistribute(array.device_mesh, array.placements), {}
 
     def native_blocks(self, array: Any) -> dict[int, Any]:
         """``{rank: the DTensor's local tensor}`` (none when the rank is outside its mesh)."""

@@ -104,6 +104,15 @@ def minimum_received(
     return int((need & ~held).sum()) * itemsize
 
 
+def _unmoved(moved: Any, placed: Any) -> bool:
+    """Whether a reshard gave back ``placed``'s own blocks: the array itself (JAX, MLX), or
+    a DTensor on the same local tensor (torch's ``redistribute`` to its placements)."""
+    if moved is placed:
+        return True
+    here, there = getattr(moved, "to_local", None), getattr(placed, "to_local", None)
+    return here is not None and there is not None and here().data_ptr() == there().data_ptr()
+
+
 def check(
     backend: str, source: Layout, target: Layout, shape: tuple[int, ...], dtype: str,
     mine: set[int],
@@ -116,8 +125,8 @@ def check(
         x = x.astype(next(iter(held.values())).dtype)
     stats: dict[str, int] = {}
     moved = unimesh.reshard(placed, target, stats=stats)
-    if source == target and moved is not placed:  # (its mesh may record devices_per_process)
-        return "a reshard to the array's own layout made a new array (nothing has to move)"
+    if source == target and not _unmoved(moved, placed):  # (its mesh may record
+        return "a reshard to the array's own layout copied it (nothing has to move)"  # dpp)
     blocks = unimesh.local_shards(moved, backend=backend)
     wanted = {d for d in target.mesh.device_ids.ravel().tolist() if d in mine}
     if set(blocks) - wanted or (wanted - set(blocks) and wanted):
