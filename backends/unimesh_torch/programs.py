@@ -333,21 +333,24 @@ class TorchPrograms(TorchTranslator):
         torch = import_torch()
         from torch.distributed.tensor import DTensor
 
+        def laid_like(local: Any, like: Any) -> Any:
+            """``local`` as a DTensor laid out as ``like`` (what dynamo traces)."""
+            return DTensor.from_local(
+                local,
+                like.device_mesh,
+                like.placements,
+                run_check=False,
+                shape=like.shape,
+                stride=like.stride(),
+            )
+
         def fresh_leaf(leaf: Any) -> tuple[Any, Any]:
             """(the copy the function gets, its block leaf or None)."""
             if isinstance(leaf, DTensor) and torch.compiler.is_compiling():
                 # what dynamo traces (no DTensorSpec objects): the copy is made from the block
                 # leaf, so the block's gradient is the whole of it
                 local = leaf.to_local().detach().requires_grad_(True)
-                copy = DTensor.from_local(
-                    local,
-                    leaf.device_mesh,
-                    leaf.placements,
-                    run_check=False,
-                    shape=leaf.shape,
-                    stride=leaf.stride(),
-                )
-                return copy, local
+                return laid_like(local, leaf), local
             if isinstance(leaf, DTensor):
                 local = leaf._local_tensor.detach()
                 copy = dtensor(local, leaf._spec, requires_grad=True)
@@ -402,16 +405,7 @@ class TorchPrograms(TorchTranslator):
                         continue
                     if traced and block is not None:  # dynamo: the block's gradient is all
                         local = next(taken)
-                        whole = None
-                        if local is not None:
-                            whole = DTensor.from_local(
-                                local,
-                                copy.device_mesh,
-                                copy.placements,
-                                run_check=False,
-                                shape=copy.shape,
-                                stride=copy.stride(),
-                            )
+                        whole = None if local is None else laid_like(local, copy)
                         out_leaves.append(torch.zeros_like(copy) if whole is None else whole)
                         continue
                     whole = next(taken)
