@@ -6,7 +6,9 @@ UnimeshError it was, and the functional collectives used while dynamo or aot_aut
 
 Module state (listed in ``docs/internals.md``): ``REFUSED`` (the error of the trace in
 flight), ``_INSIDE`` (how many twins are running), ``_UNMARKED`` (programs made before dynamo
-loaded) -- process-wide facts of torch's compiler, not of one backend object."""
+loaded), ``_AUTOGRAD_TRACED`` and its lock (compiled value_and_grad steps running with
+dynamo's ``trace_autograd_ops`` on) -- process-wide facts of torch's compiler, not of one
+backend object."""
 
 from __future__ import annotations
 
