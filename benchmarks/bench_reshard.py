@@ -119,44 +119,34 @@ def jax_part(mib: int, repeat: int) -> dict[str, Any]:
         "array_bytes": x.nbytes,
     }
 
+    def against_device_put(src: Any, target: Layout) -> dict[str, Any]:
+        """``unimesh.reshard`` of ``src`` to ``target`` beside ``jax.device_put``."""
+        sharding = unimesh.to_native(target, "jax")
+        stats: dict[str, int] = {}
+        unimesh.reshard(src, target, stats=stats)
+        ours, put = _median_pair(
+            lambda: unimesh.reshard(src, target).block_until_ready(),
+            lambda: jax.device_put(src, sharding).block_until_ready(),
+            repeat,
+        )
+        return {
+            "unimesh_s": ours,
+            "device_put_s": put,
+            "ratio_vs_device_put": ours / put,
+            "bytes_copied": stats["bytes_copied"],
+            "array_bytes": x.nbytes,
+        }
+
     # a reshard to the layout the array has: nothing moves (generic code that reshards
     # whatever it is given); device_put to the sharding it has returns the array
-    target = Layout(mesh, P("dp"))
-    sharding = unimesh.to_native(target, "jax")
-    stats = {}
-    unimesh.reshard(src, target, stats=stats)
-    ours, put = _median_pair(
-        lambda: unimesh.reshard(src, target).block_until_ready(),
-        lambda: jax.device_put(src, sharding).block_until_ready(),
-        repeat,
-    )
-    out["nothing moves, P('dp') -> P('dp')"] = {
-        "unimesh_s": ours,
-        "device_put_s": put,
-        "ratio_vs_device_put": ours / put,
-        "bytes_copied": stats["bytes_copied"],
-        "array_bytes": x.nbytes,
-    }
+    out["nothing moves, P('dp') -> P('dp')"] = against_device_put(src, Layout(mesh, P("dp")))
 
     low = Mesh((4,), ("x",), device_ids=[0, 1, 2, 3])
     high = Mesh((4,), ("y",), device_ids=[4, 5, 6, 7])
     src = unimesh.distribute(x, Layout(low, P("x")), "jax")
-    target = Layout(high, P(None, "y"))
-    sharding = unimesh.to_native(target, "jax")
-    stats = {}
-    unimesh.reshard(src, target, stats=stats)
-    ours, put = _median_pair(
-        lambda: unimesh.reshard(src, target).block_until_ready(),
-        lambda: jax.device_put(src, sharding).block_until_ready(),
-        repeat,
+    out["other devices, 0-3 P('x') -> 4-7 P(None, 'y')"] = against_device_put(
+        src, Layout(high, P(None, "y"))
     )
-    out["other devices, 0-3 P('x') -> 4-7 P(None, 'y')"] = {
-        "unimesh_s": ours,
-        "device_put_s": put,
-        "ratio_vs_device_put": ours / put,
-        "bytes_copied": stats["bytes_copied"],
-        "array_bytes": x.nbytes,
-    }
     return out
 
 
