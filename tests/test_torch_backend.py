@@ -352,3 +352,29 @@ def test_compiled_value_and_grad_steps_compile_whole_and_raise_their_own_errors(
     value, grad = step(w)
     assert step.unimesh_whole()  # type: ignore[attr-defined]
     torch.testing.assert_close(grad, 3 * w**2)
+
+
+def test_a_gone_peer_is_named_without_a_straggler_beside_it() -> None:
+    """When a peer dies its connections close, so the others fail at once, possibly before a
+    slow but live rank has arrived: the missing ranks are read from the (real) TCPStore again
+    for a moment, so only the one that never comes is named."""
+    import threading
+    import time
+
+    from unimesh_torch.runtime import _KEY, _missing
+
+    from .support.launch import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
+    for rank in (0, 3):
+        store.set(f"{_KEY}/s/{rank}", "1")
+    assert _missing(store, "s", 4) == "ranks 1, 2 did not arrive"  # no settling: both
+    late = threading.Timer(0.3, lambda: store.set(f"{_KEY}/s/2", "1"))
+    late.start()
+    t0 = time.monotonic()
+    assert _missing(store, "s", 4, settle=30.0) == "rank 1 did not arrive"
+    assert time.monotonic() - t0 < 20  # it stops once one rank is left, not at 30 s
+    late.join()
+    store.set(f"{_KEY}/s/1", "1")
+    assert _missing(store, "s", 4, settle=30.0) == "every rank arrived; a peer may have left since"
+    assert _missing(None, "s", 4) == "a peer process may be gone"

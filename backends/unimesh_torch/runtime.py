@@ -87,15 +87,25 @@ def _store(rank: int, world: int, timeout: float) -> Any:
     return store
 
 
-def _missing(store: Any, stage: str, world: int) -> str:
+def _missing(store: Any, stage: str, world: int, settle: float = 0.0) -> str:
     """Which ranks have not written ``unimesh/<stage>/<rank>``, in words, read from the store
-    (every rank can ask it, so every rank names the same missing ones)."""
+    (every rank can ask it, so every rank names the same missing ones).
+
+    A peer that dies closes its connections, so the others can fail at once, while a live but
+    slow rank has not arrived yet either; with ``settle`` > 0, while more than one rank is
+    missing, the store is read again for up to ``settle`` seconds, so that a straggler that
+    arrives meanwhile is not named beside the rank that is gone."""
     if store is None:
         return "a peer process may be gone"
-    try:
-        gone = [r for r in range(world) if not store.check([f"{_KEY}/{stage}/{r}"])]
-    except (RuntimeError, ValueError):  # the store's host, rank 0, is gone
-        return "rank 0, which holds the rendezvous store, is gone"
+    until = time.monotonic() + settle
+    while True:
+        try:
+            gone = [r for r in range(world) if not store.check([f"{_KEY}/{stage}/{r}"])]
+        except (RuntimeError, ValueError):  # the store's host, rank 0, is gone
+            return "rank 0, which holds the rendezvous store, is gone"
+        if len(gone) <= 1 or time.monotonic() >= until:
+            break
+        time.sleep(0.05)
     if not gone:
         return "every rank arrived; a peer may have left since"
     return f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} did not arrive"
@@ -300,7 +310,9 @@ class TorchRuntime(ProcessBackend):
                 )
             except (RuntimeError, ValueError) as exc:
                 first = first_line(exc)
-                absent = _missing(_STORE[0] if _STORE else None, "joined", world)
+                absent = _missing(
+                    _STORE[0] if _STORE else None, "joined", world, min(5.0, timeout / 4)
+                )
                 _linger(rank, timeout)
                 raise LaunchError(
                     f"torch.distributed.init_process_group({kind!r}) failed for RANK="
@@ -331,7 +343,7 @@ class TorchRuntime(ProcessBackend):
             texts = _gather_texts(payload.hex(), "cpu")
         except (RuntimeError, dist.DistError) as exc:
             _BROKEN["peer_gone"] = True
-            absent = _missing(store, stage, world)
+            absent = _missing(store, stage, world, min(5.0, timeout / 4))
             _linger(rank, timeout)
             raise MeshMismatchError(
                 f"rank {rank} of {world}: a peer process is gone or stuck (it did not take part "
