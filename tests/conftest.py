@@ -29,6 +29,20 @@ def _jax_compilation_cache() -> None:
 
 _jax_compilation_cache()
 
+
+def _openmpi_session_dirs() -> None:
+    """OpenMPI's session directories (``ompi.<host>.<uid>/jf.*``, which a singleton MLX
+    process leaves behind empty: MLX never finalizes MPI) go into a folder of this run, removed
+    at exit, for this process and every process it starts."""
+    if "OMPI_MCA_orte_tmpdir_base" in os.environ:
+        return
+    folder = tempfile.mkdtemp(prefix="unimesh-ompi-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ["OMPI_MCA_orte_tmpdir_base"] = folder  # noqa: SIM112 - OpenMPI spells it so
+
+
+_openmpi_session_dirs()
+
 import subprocess
 import sys
 from pathlib import Path
