@@ -750,14 +750,14 @@ def test_scatter_read_puts_every_run_in_place_however_it_reads(
         fd = os.open(path, os.O_RDONLY)
         try:
             out = np.full(outer, -5, dtype=np.int32)
-            raw.scatter_read(fd, byte_runs, out, tuple(where), "file f", "w")
+            raw.scatter_read(fd, byte_runs.table, out, tuple(where), "file f", "w")
             np.testing.assert_array_equal(out[tuple(where)], want)
             outside = np.ones(out.shape, bool)
             outside[tuple(where)] = False
             assert (out[outside] == -5).all()
             os.truncate(path, byte_runs[-1][0] + byte_runs[-1][1] - 1)  # the last byte gone
             with pytest.raises(CheckpointError, match="file f is truncated .tensor 'w' needs"):
-                raw.scatter_read(fd, byte_runs, out, tuple(where), "file f", "w")
+                raw.scatter_read(fd, byte_runs.table, out, tuple(where), "file f", "w")
         finally:
             os.close(fd)
 

@@ -60,13 +60,14 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
 
 def scatter_read(
     fd: int,
-    runs: list[tuple[int, int]],
+    runs: np.ndarray,
     out: np.ndarray,
     where: tuple[slice, ...],
     what: str,
     tensor: str = "",
 ) -> None:
-    """Read the file's byte ``runs`` (row-major order of the region) straight into the region
+    """Read the file's byte ``runs`` (a ``(k, 2)`` int64 table of file offset and length, in
+    the row-major order of the region) straight into the region
     ``where`` of the C-order array ``out``: its contiguous stretches become the iovecs of
     ``preadv`` calls, so nothing is staged in between. Several reads are in flight where
     there is enough to read (:data:`READ_THREADS` threads, each taking its share of the calls
@@ -114,25 +115,23 @@ _MAX_STRIDED_RUN = 256 << 10  # bytes per run at most (longer runs: preadv is as
 _MAP_SPAN = 16 << 20  # bytes of the file mapped at once
 
 
-def _strided_copy(
-    fd: int, runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
-) -> bool:
+def _strided_copy(fd: int, runs: np.ndarray, out: np.ndarray, where: tuple[slice, ...]) -> bool:
     """Many short runs at one stride in the file (a column block of a row-major box) going to
     stretches at one stride in ``out`` (its rows): copied by numpy out of a read-only mapping
     of the file, 16 MiB of it at a time, instead of one ``preadv`` per run. False where the
     runs are not so, reach past the file's end (``preadv`` then says where it is truncated),
     or the file cannot be mapped: the caller then reads every run with ``preadv``."""
-    length = runs[0][1]
+    length = int(runs[0, 1])
     if length > _MAX_STRIDED_RUN:
         return False
-    table = np.asarray(runs, dtype=np.int64)
+    table = runs
     if (table[:, 1] != length).any():
         return False
     steps = np.diff(table[:, 0])
     stride = int(steps[0])
     if stride < length or (steps != stride).any():
         return False
-    found = np.asarray(list(stretches(out, where)), dtype=np.int64)
+    found = stretch_table(out, where)
     if (found[:, 1] % length).any():
         return False
     # each run's offset in ``out``: the stretches cut into runs' lengths
@@ -178,7 +177,7 @@ def _pool(pid: int) -> ThreadPoolExecutor:
 
 
 def _calls(
-    runs: list[tuple[int, int]], out: np.ndarray, where: tuple[slice, ...]
+    runs: np.ndarray, out: np.ndarray, where: tuple[slice, ...]
 ) -> Iterator[tuple[int, list[memoryview], int]]:
     """The ``preadv`` calls that read ``runs`` into ``out[where]``: (file offset, iovecs,
     bytes), each a contiguous stretch of the file of at most :data:`_MAX_CALL` bytes and
@@ -186,7 +185,7 @@ def _calls(
     mem = out.reshape(-1).view(np.uint8).data
     found = iter(stretches(out, where))
     at, left = next(found)
-    for offset, length in runs:
+    for offset, length in runs.tolist():
         iov: list[memoryview] = []
         size = 0
         while length:
@@ -203,21 +202,24 @@ def _calls(
 def stretches(out: np.ndarray, where: tuple[slice, ...]) -> Iterator[tuple[int, int]]:
     """(byte offset, length) of each contiguous stretch of ``out[where]`` (``out`` C-order), in
     row-major order: the last partial dim and the whole dims after it make one stretch."""
+    return iter([(a, n) for a, n in stretch_table(out, where).tolist()])
+
+
+def stretch_table(out: np.ndarray, where: tuple[slice, ...]) -> np.ndarray:
+    """:func:`stretches` as a ``(k, 2)`` int64 table."""
     shape, strides = out.shape, out.strides
     if not shape:
-        yield 0, out.itemsize
-        return
+        return np.array([[0, out.itemsize]], dtype=np.int64)
     d = len(shape) - 1
     while d > 0 and where[d].start == 0 and where[d].stop == shape[d]:
         d -= 1
     length = (where[d].stop - where[d].start) * strides[d]
     base = sum(w.start * st for w, st in zip(where, strides))
     if d == 0:
-        yield base, length
-        return
+        return np.array([[base, length]], dtype=np.int64)
     axes = np.ix_(*(np.arange(w.stop - w.start) * st for w, st in zip(where[:d], strides[:d])))
-    for first in (base + sum(axes)).reshape(-1).tolist():
-        yield first, length
+    firsts = np.asarray(base + sum(axes), dtype=np.int64).reshape(-1)
+    return np.stack([firsts, np.full_like(firsts, length)], axis=1)
 
 
 def read_full(

@@ -9,7 +9,8 @@ the source side, held by the storage, and each piece of a target block is a part
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 
@@ -18,7 +19,46 @@ from ..layout import Layout
 from ..moves import Blocks, cells, plan
 from .format import Box, Tensor
 
-__all__ = ["BoxPart", "Piece", "overlaps", "part", "pieces", "planned", "runs"]
+__all__ = ["BoxPart", "Piece", "Runs", "overlaps", "part", "pieces", "planned", "runs"]
+
+
+class Runs(Sequence[tuple[int, int]]):
+    """Byte runs ``(file offset, length)`` held as one ``(k, 2)`` int64 table: a column block
+    of a row-major box has a run per row, thousands of them, which readers take as arrays
+    (a strided copy, a byte count) and iterate as pairs of ints only where they must."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+
+    @classmethod
+    def of(cls, pairs: Sequence[tuple[int, int]]) -> Runs:
+        """The runs of a list of ``(offset, length)`` pairs."""
+        return cls(np.asarray(pairs, dtype=np.int64).reshape(-1, 2))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.table[:, 1].sum())
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> Runs: ...
+    def __getitem__(self, i: int | slice) -> tuple[int, int] | Runs:
+        if isinstance(i, slice):
+            return Runs(self.table[i])
+        offset, length = self.table[i].tolist()
+        return offset, length
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(a, n) for a, n in self.table.tolist()])
+
+    def __repr__(self) -> str:
+        return f"Runs({list(self)!r})"
 
 
 class Piece:
@@ -27,9 +67,7 @@ class Piece:
 
     __slots__ = ("box", "runs", "start", "stop")
 
-    def __init__(
-        self, box: Box, start: tuple[int, ...], stop: tuple[int, ...], runs: list[tuple[int, int]]
-    ) -> None:
+    def __init__(self, box: Box, start: tuple[int, ...], stop: tuple[int, ...], runs: Runs) -> None:
         self.box = box
         self.start = start
         self.stop = stop
@@ -41,17 +79,15 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        return sum(n for _, n in self.runs)
+        return self.runs.nbytes
 
 
-def runs(
-    box: Box, start: tuple[int, ...], stop: tuple[int, ...], itemsize: int
-) -> list[tuple[int, int]]:
+def runs(box: Box, start: tuple[int, ...], stop: tuple[int, ...], itemsize: int) -> Runs:
     """The byte runs of ``box`` (row-major in its file) that hold the region ``start:stop``
     (global index, inside the box), in the region's row-major order, adjacent runs merged."""
     ndim = len(box.size)
     if ndim == 0:
-        return [(box.start, itemsize)]
+        return Runs.of([(box.start, itemsize)])
     lo = [a - o for a, o in zip(start, box.offset)]
     hi = [b - o for b, o in zip(stop, box.offset)]
     # the trailing dims the region covers whole are one run with the dim before them
@@ -62,15 +98,18 @@ def runs(
     length = (hi[inner] - lo[inner]) * strides[inner]
     first = box.start + sum(a * s for a, s in zip(lo, strides))
     if inner == 0:
-        return [(first, length)]
+        return Runs.of([(first, length)])
     # one run per index of the dims before ``inner``; none are adjacent (``inner`` is partial)
     axes = np.ix_(*(np.arange(hi[d] - lo[d]) * strides[d] for d in range(inner)))
-    return [(at, length) for at in np.asarray(first + sum(axes)).reshape(-1).tolist()]
+    starts = np.asarray(first + sum(axes), dtype=np.int64).reshape(-1)
+    return Runs(np.stack([starts, np.full_like(starts, length)], axis=1))
 
 
 def part(box: Box, a: tuple[int, ...], b: tuple[int, ...], itemsize: int) -> Piece:
     """The part ``a:b`` of ``box`` with its byte runs (a strided box: its whole range)."""
-    found = [(box.start, box.end - box.start)] if box.strides else runs(box, a, b, itemsize)
+    found = (
+        Runs.of([(box.start, box.end - box.start)]) if box.strides else runs(box, a, b, itemsize)
+    )
     return Piece(box, a, b, found)
 
 

@@ -16,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import CheckpointError
 from .raw import fsync_dir, scatter_read, write_file
+
+if TYPE_CHECKING:
+    from .runs import Runs
 
 __all__ = ["LocalDir", "Remote", "Storage", "Url", "is_url", "open_storage"]
 
@@ -97,7 +100,7 @@ class Storage:
     def read_into(
         self,
         name: str,
-        runs: list[tuple[int, int]],
+        runs: Runs,
         out: np.ndarray,
         where: tuple[slice, ...],
         tensor: str = "",
@@ -205,13 +208,15 @@ class LocalDir(Storage):
     def read_into(
         self,
         name: str,
-        runs: list[tuple[int, int]],
+        runs: Runs,
         out: np.ndarray,
         where: tuple[slice, ...],
         tensor: str = "",
     ) -> None:
-        scatter_read(self.fd(name), runs, out, where, f"{self.root}: data file {name!r}", tensor)
-        self.bytes_read += sum(n for _, n in runs)
+        scatter_read(
+            self.fd(name), runs.table, out, where, f"{self.root}: data file {name!r}", tensor
+        )
+        self.bytes_read += runs.nbytes
 
     def mkdir(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -307,7 +312,7 @@ class Remote(Storage):
     def read_into(
         self,
         name: str,
-        runs: list[tuple[int, int]],
+        runs: Runs,
         out: np.ndarray,
         where: tuple[slice, ...],
         tensor: str = "",
