@@ -78,7 +78,10 @@ def worker(engine: str, work: Path, mib: int, out: Path) -> None:
         return seconds
 
     total = sum(v.nbytes for v in values.values())
-    limit = bench_checkpoint.limits(work, held, together, f"limit-{rank}.bin", memcpy=False)
+    # a save writes each block once (this process's share of the unique bytes), a warm load
+    # reads every block this process holds (replicas too): the floors on those sizes
+    limit = bench_checkpoint.limits(work, held, together, f"limit-{rank}.bin", memcpy=False,
+                                    written=total // dist.get_world_size())  # fmt: skip
     report: dict[str, Any] = {"rank": rank, "bytes": total, "held": held, "limit": limit}
     times: dict[str, float] = {}
     read: dict[str, int] = {}
@@ -210,7 +213,10 @@ def incumbents(work: Path, n: int, out: Path) -> None:
         return {k: distribute_tensor(torch.zeros(n, n, dtype=v.dtype), mesh, cols)
                 for k, v in state.items()}  # fmt: skip
 
-    limit = bench_checkpoint.limits(work, held, together, f"limit-{rank}.bin", memcpy=False)
+    # a save writes each block once (this process's share of the unique bytes), a warm load
+    # reads every block this process holds (replicas too): the floors on those sizes
+    limit = bench_checkpoint.limits(work, held, together, f"limit-{rank}.bin", memcpy=False,
+                                    written=total // dist.get_world_size())  # fmt: skip
     times: dict[str, float] = {}
     ours, theirs = work / "unimesh", str(work / "dcp")
     times["DCP save"] = together(lambda: dcp.save(state, checkpoint_id=theirs))
