@@ -61,27 +61,35 @@ def worker(engine: str, work: Path, mib: int, out: Path) -> None:
         def barrier() -> None:
             dist.barrier()
 
+        def slowest(seconds: float) -> float:
+            t = torch.tensor([seconds], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return float(t.item())
+
     else:
         import mlx.core as mx
 
         def barrier() -> None:
             mx.eval(mx.distributed.all_sum(mx.array(1.0)))
 
+        def slowest(seconds: float) -> float:
+            return float(mx.distributed.all_max(mx.array(seconds)).item())
+
     placed = {k: unimesh.distribute(v, rows[k], backend=be) for k, v in values.items()}
 
     def together(fn: Any) -> float:
+        """Seconds of ``fn`` run by every process at once: the slowest process's, so that
+        the best of several trials is the best of whole trials."""
         barrier()
         t0 = time.perf_counter()
         fn()
-        seconds = time.perf_counter() - t0
-        barrier()
-        return seconds
+        return slowest(time.perf_counter() - t0)
 
     total = sum(v.nbytes for v in values.values())
-    # a save writes each block once (this process's share of the unique bytes), a warm load
-    # reads every block this process holds (replicas too): the floors on those sizes
+    # a save writes each block once (the unique bytes, balanced over the processes), a warm
+    # load reads every block this process holds (replicas too): the floors on those sizes
     limit = bench_checkpoint.limits(work, held, together, f"limit-{rank}.bin", memcpy=False,
-                                    written=total // dist.get_world_size())  # fmt: skip
+                                    written=total // n)  # fmt: skip
     report: dict[str, Any] = {"rank": rank, "bytes": total, "held": held, "limit": limit}
     times: dict[str, float] = {}
     read: dict[str, int] = {}
@@ -201,20 +209,21 @@ def incumbents(work: Path, n: int, out: Path) -> None:
     held = sum(v.to_local().numel() * v.element_size() for v in state.values())
 
     def together(fn: Any) -> float:
+        """As in :func:`worker`: the slowest process's seconds."""
         dist.barrier()
         t0 = time.perf_counter()
         fn()
-        seconds = time.perf_counter() - t0
-        dist.barrier()
-        return seconds
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
 
     def reshard_targets() -> dict[str, Any]:
         cols = [Replicate(), Shard(1)]
         return {k: distribute_tensor(torch.zeros(n, n, dtype=v.dtype), mesh, cols)
                 for k, v in state.items()}  # fmt: skip
 
-    # a save writes each block once (this process's share of the unique bytes), a warm load
-    # reads every block this process holds (replicas too): the floors on those sizes
+    # a save writes each block once (the unique bytes, balanced over the processes), a warm
+    # load reads every block this process holds (replicas too): the floors on those sizes
     limit = bench_checkpoint.limits(work, held, together, f"limit-{rank}.bin", memcpy=False,
                                     written=total // dist.get_world_size())  # fmt: skip
     times: dict[str, float] = {}

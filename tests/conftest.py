@@ -33,7 +33,8 @@ _jax_compilation_cache()
 def _openmpi_session_dirs() -> None:
     """OpenMPI's session directories (``ompi.<host>.<uid>/jf.*``, which a singleton MLX
     process leaves behind empty: MLX never finalizes MPI) go into a folder of this run, removed
-    at exit, for this process and every process it starts."""
+    at exit, for this process and every process it starts (Open MPI 4's variable, the
+    Debian 12 package this project installs; Open MPI 5's PRRTE names it otherwise)."""
     if "OMPI_MCA_orte_tmpdir_base" in os.environ:
         return
     folder = tempfile.mkdtemp(prefix="unimesh-ompi-")

@@ -783,3 +783,33 @@ def test_data_files_stay_open_for_reads_and_close_after(tmp_path: Path) -> None:
     got = unimesh.load(tmp_path / "ck", {"a": np.empty(64, np.float32)}, strict=False)
     np.testing.assert_array_equal(got["a"], values["a"])
     assert fds() == before
+
+
+def test_replicated_blocks_are_written_by_the_holder_with_the_least_to_write() -> None:
+    """DCP's own setup (dp=2 x tp=2; 4 tensors at [Shard(0), Shard(1)], 4 at [Replicate(),
+    Shard(0)], MiB): every block is written once, a block one process holds by that process,
+    and the replicas spread so that each process writes 144 MiB (the first holder of each
+    replica would write 208 MiB on processes 0 and 1 and 80 on 2 and 3)."""
+    from unimesh.checkpoint.saving import writers
+
+    held: list[list[tuple[str, int]]] = [[] for _ in range(4)]
+    for t in range(4):  # [Shard(0), Shard(1)]: a 16 MiB block of its own on every process
+        for r in range(4):
+            held[r].append((f"s{t}@{r}", 16))
+    for t in range(4):  # [Replicate(), Shard(0)]: rows of tp coordinate c on processes c, c + 2
+        for c in range(2):
+            for r in (c, c + 2):
+                held[r].append((f"r{t}@{c}", 32))
+    for r in range(4):  # two 8 MiB bfloat16 blocks of its own
+        held[r] += [(f"b0@{r}", 8), (f"b1@{r}", 8)]
+    writer = writers(held)
+    keys = {key for blocks in held for key, _ in blocks}
+    assert set(writer) == keys
+    for r, blocks in enumerate(held):
+        for key, _ in blocks:
+            assert writer[key] in [p for p, bs in enumerate(held) if key in dict(bs)]
+            if key[0] in "sb":
+                assert writer[key] == r
+    written = [sum(n for key, n in blocks if writer[key] == r) for r, blocks in enumerate(held)]
+    assert written == [144] * 4
+    assert writers(held) == writer  # the same lists give the same answer on every process

@@ -361,7 +361,7 @@ def test_a_gone_peer_is_named_without_a_straggler_beside_it() -> None:
     import threading
     import time
 
-    from unimesh_torch.runtime import _KEY, _missing
+    from unimesh_torch.runtime import _KEY, _missing, _settle
 
     from .support.launch import free_port
 
@@ -378,3 +378,9 @@ def test_a_gone_peer_is_named_without_a_straggler_beside_it() -> None:
     store.set(f"{_KEY}/s/1", "1")
     assert _missing(store, "s", 4, settle=30.0) == "every rank arrived; a peer may have left since"
     assert _missing(None, "s", 4) == "a peer process may be gone"
+    # how long it may wait: a quarter of the call's timeout, 5 s at most, never past the timeout
+    now = time.monotonic()
+    assert _settle(20.0, now) == pytest.approx(5.0, abs=0.5)
+    assert _settle(8.0, now) == pytest.approx(2.0, abs=0.5)
+    assert _settle(8.0, now - 7.0) == pytest.approx(1.0, abs=0.5)
+    assert _settle(20.0, now - 30.0) == 0.0  # the timeout ran out: whoever is missing is gone

@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import functools
 import os
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -213,20 +214,44 @@ def _sign_out() -> None:
         os.rmdir(os.path.dirname(_SIGNED[0]))  # the last process of the job to leave
 
 
-# The watchdog process: waits on its stdin (closed by this process when the call is done, or by
-# the kernel when this process dies); after the time is up, says so (naming, from the job's
-# sign-in directory, the ranks that never came) and ends this process.
+# The watchdog process, one per process that uses it: it waits on its stdin for a line that
+# arms it (JSON: seconds, message, sign-in directory, stage, world size, all on one machine),
+# then for the next line, which disarms it; an end of file (this process closed it, or the
+# kernel did when this process died) ends it. When an armed call's time is up, it says so
+# (naming, from the job's sign-in directory, the ranks that never came) and ends this process.
 _WATCHDOG = """
-import os, select, signal, sys
-pid, seconds, message, where, stage, world, single = sys.argv[1:8]
-if not select.select([sys.stdin], [], [], float(seconds))[0]:
+import json, os, select, signal, sys, time
+pid, pending = int(sys.argv[1]), b""
+def line(deadline):
+    global pending
+    while b"\\n" not in pending:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([0], [], [], left)[0]:
+                return None
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return b""
+        pending += chunk
+    got, _, pending = pending.partition(b"\\n")
+    return got
+while True:
+    armed = line(None)
+    if not armed:
+        break
+    seconds, message, where, stage, world, single = json.loads(armed)
+    done = line(time.monotonic() + seconds)
+    if done is not None:
+        if done:
+            continue
+        break
     if where:
         try:
             came = {n[len(stage) + 1:] for n in os.listdir(where) if n.startswith(stage + ".")}
         except OSError:
             came = None
-        if came is not None and single == "1":
-            absent = [r for r in range(int(world)) if str(r) not in came]
+        if came is not None and single:
+            absent = [r for r in range(world) if str(r) not in came]
             if absent:
                 who = "rank %d" % absent[0] if len(absent) == 1 else "ranks %s" % absent
                 message += ": %s never reached it (of %s processes, all on this machine)" % (
@@ -236,10 +261,52 @@ if not select.select([sys.stdin], [], [], float(seconds))[0]:
                 int(r) for r in came if r.isdigit())
     sys.stderr.write(message + "; MLX cannot interrupt it, so this process is ended (SIGTERM)\\n")
     sys.stderr.flush()
-    os.kill(int(pid), signal.SIGTERM)
-    if not select.select([sys.stdin], [], [], 5.0)[0]:
-        os.kill(int(pid), signal.SIGKILL)
+    os.kill(pid, signal.SIGTERM)
+    if line(time.monotonic() + 5.0) is None:
+        os.kill(pid, signal.SIGKILL)
+    break
 """
+
+_GUARDS: dict[int, Any] = {}  # this process's watchdog process (by pid: a fork starts its own)
+_WATCHED = threading.Lock()  # one watched call at a time (the guard watches one window)
+
+
+def _guard() -> Any:
+    """This process's watchdog process, started on first use (about 20 ms: a Python start),
+    and again if it has ended."""
+    import subprocess
+    import sys
+
+    guard = _GUARDS.get(os.getpid())
+    if guard is None or guard.poll() is not None:
+        guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid())],
+            stdin=subprocess.PIPE,
+        )
+        if not _GUARDS:
+            atexit.register(_stop_guard)
+        _GUARDS[os.getpid()] = guard
+    return guard
+
+
+def _stop_guard() -> None:
+    """At exit: close the watchdog's stdin (it ends) and reap it."""
+    guard = _GUARDS.pop(os.getpid(), None)
+    if guard is not None:
+        with contextlib.suppress(OSError, ValueError):
+            guard.stdin.close()
+        with contextlib.suppress(Exception):
+            guard.wait(timeout=2.0)
+
+
+def _tell(guard: Any, line: bytes) -> bool:
+    """Write one line to the watchdog; False if it is gone."""
+    try:
+        guard.stdin.write(line)
+        guard.stdin.flush()
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -250,9 +317,9 @@ def watchdog(seconds: float, what: str, stage: str, rank: str) -> Iterator[None]
 
     A process, not a thread: ``mx.distributed.init()`` under mpirun holds the GIL while it
     waits for a peer that never starts, so no Python thread of this process would ever run
-    (a ``threading.Timer`` never fired there)."""
-    import subprocess
-    import sys
+    (a ``threading.Timer`` never fired there). One process, started once and armed for each
+    call (a process started per call cost each mesh check or save agreement about 20 ms)."""
+    import json
 
     message = (
         f"unimesh: {what} did not finish within {seconds:.0f} s: a peer process never "
@@ -264,29 +331,17 @@ def watchdog(seconds: float, what: str, stage: str, rank: str) -> Iterator[None]
     if roll is not None:
         where, single = roll
         _sign_in(where, stage, rank)
-    guard = subprocess.Popen(
-        [
-            sys.executable,
-            "-I",
-            "-S",
-            "-c",
-            _WATCHDOG,
-            str(os.getpid()),
-            str(seconds),
-            message,
-            where,
-            stage,
-            str(world[0] if world else 0),
-            "1" if single else "0",
-        ],
-        stdin=subprocess.PIPE,
-    )
-    try:
-        yield
-    finally:
-        if guard.stdin is not None:
-            guard.stdin.close()
-        guard.wait()
+    arm = json.dumps([seconds, message, where, stage, world[0] if world else 0, single])
+    with _WATCHED:
+        guard = _guard()
+        if not _tell(guard, arm.encode() + b"\n"):  # it ended since: a new one
+            _GUARDS.pop(os.getpid(), None)
+            guard = _guard()
+            _tell(guard, arm.encode() + b"\n")
+        try:
+            yield
+        finally:
+            _tell(guard, b"disarm\n")
 
 
 class MLXRuntime(ProcessBackend):

@@ -94,21 +94,32 @@ def _missing(store: Any, stage: str, world: int, settle: float = 0.0) -> str:
     A peer that dies closes its connections, so the others can fail at once, while a live but
     slow rank has not arrived yet either; with ``settle`` > 0, while more than one rank is
     missing, the store is read again for up to ``settle`` seconds, so that a straggler that
-    arrives meanwhile is not named beside the rank that is gone."""
+    arrives meanwhile is not named beside the rank that is gone (if the store's host leaves
+    meanwhile, the last reading stands)."""
     if store is None:
         return "a peer process may be gone"
     until = time.monotonic() + settle
+    gone: list[int] | None = None
     while True:
         try:
             gone = [r for r in range(world) if not store.check([f"{_KEY}/{stage}/{r}"])]
         except (RuntimeError, ValueError):  # the store's host, rank 0, is gone
-            return "rank 0, which holds the rendezvous store, is gone"
+            if gone is None:
+                return "rank 0, which holds the rendezvous store, is gone"
+            break
         if len(gone) <= 1 or time.monotonic() >= until:
             break
         time.sleep(0.05)
     if not gone:
         return "every rank arrived; a peer may have left since"
     return f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} did not arrive"
+
+
+def _settle(timeout: float, since: float) -> float:
+    """How long :func:`_missing` may wait for stragglers after a call that began at ``since``
+    failed: up to a quarter of ``timeout`` (5 s at most), and only while the call's own
+    ``timeout`` has not run out (after it, whoever is missing had the whole time)."""
+    return max(0.0, min(5.0, timeout / 4, since + timeout - time.monotonic()))
 
 
 def _linger(rank: int, timeout: float) -> None:
@@ -298,6 +309,7 @@ class TorchRuntime(ProcessBackend):
             if gpu is not None:
                 import_torch().cuda.set_device(gpu)
             rank, world = _launch_numbers()
+            since = time.monotonic()
             try:
                 store = _store(rank, world, timeout)
                 store.set(f"{_KEY}/joined/{rank}", "1")
@@ -311,7 +323,7 @@ class TorchRuntime(ProcessBackend):
             except (RuntimeError, ValueError) as exc:
                 first = first_line(exc)
                 absent = _missing(
-                    _STORE[0] if _STORE else None, "joined", world, min(5.0, timeout / 4)
+                    _STORE[0] if _STORE else None, "joined", world, _settle(timeout, since)
                 )
                 _linger(rank, timeout)
                 raise LaunchError(
@@ -336,6 +348,7 @@ class TorchRuntime(ProcessBackend):
         _CHECKS[0] += 1
         stage = f"check{_CHECKS[0]}"
         store = _STORE[0] if _STORE else None
+        since = time.monotonic()
         try:
             if store is not None:  # every rank can then name who did not come
                 store.set(f"{_KEY}/{stage}/{rank}", "1")
@@ -343,7 +356,7 @@ class TorchRuntime(ProcessBackend):
             texts = _gather_texts(payload.hex(), "cpu")
         except (RuntimeError, dist.DistError) as exc:
             _BROKEN["peer_gone"] = True
-            absent = _missing(store, stage, world, min(5.0, timeout / 4))
+            absent = _missing(store, stage, world, _settle(timeout, since))
             _linger(rank, timeout)
             raise MeshMismatchError(
                 f"rank {rank} of {world}: a peer process is gone or stuck (it did not take part "

@@ -82,6 +82,27 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc)
 
 
+def writers(held: list[list[tuple[str, int]]]) -> dict[str, int]:
+    """Which process writes each block, from every process's ``(block key, bytes)`` list (the
+    same lists on every process, so every process decides the same): a block one process
+    holds is its own; a replicated block goes to the holder with the fewest bytes to write so
+    far (the largest blocks first, ties to the lowest process), so that no process writes a
+    replica's bytes while another idles (DCP's planner balances its replicas the same way)."""
+    holders: dict[str, list[int]] = {}
+    size: dict[str, int] = {}
+    for r, blocks in enumerate(held):
+        for key, nbytes in blocks:
+            holders.setdefault(key, []).append(r)
+            size[key] = nbytes
+    load = [0] * len(held)
+    writer: dict[str, int] = {}
+    for key in sorted(holders, key=lambda k: (len(holders[k]) > 1, -size[k], k)):
+        r = min(holders[key], key=lambda p: (load[p], p))
+        writer[key] = r
+        load[r] += size[key]
+    return writer
+
+
 class SaveJob:
     """One save: this process's blocks copied to host memory at construction (so that the
     caller may change its arrays), written by :meth:`write`."""
@@ -153,17 +174,18 @@ class SaveJob:
         agreement, so that every process raises the same CheckpointError at once and the
         checkpoint already at the path stays as it was."""
         store, rank = self.storage, self.rank
-        # process 0's token for this save's file names, and which process writes each block:
-        # the first that holds it. An array on a sub-mesh (FSDP's dp mesh inside dp x tp) is
-        # held whole by several such meshes, which do not know of each other's copies.
+        # process 0's token for this save's file names, and which process writes each block
+        # (:func:`writers`). An array on a sub-mesh (FSDP's dp mesh inside dp x tp) is held
+        # whole by several such meshes, which do not know of each other's copies.
         mine = [[name, list(offset), list(block.shape)] for name, offset, _, block in self.blocks]
-        hello = {"token": secrets.token_hex(6) if rank == 0 else "", "blocks": mine}
+        hello = {
+            "token": secrets.token_hex(6) if rank == 0 else "",
+            "blocks": mine,
+            "bytes": [block.nbytes for *_, block in self.blocks],
+        }
         told = [json.loads(p) for p in self.exchange(json.dumps(hello).encode())]
         token = told[0]["token"]
-        writer: dict[str, int] = {}
-        for r, part in enumerate(told):
-            for key in part["blocks"]:
-                writer.setdefault(json.dumps(key), r)
+        writer = writers([list(zip(map(json.dumps, t["blocks"]), t["bytes"])) for t in told])
         self.blocks = [b for b, key in zip(self.blocks, mine) if writer[json.dumps(key)] == rank]
         problem = ""
         if rank == 0:
