@@ -384,3 +384,54 @@ def test_a_gone_peer_is_named_without_a_straggler_beside_it() -> None:
     assert _settle(8.0, now) == pytest.approx(2.0, abs=0.5)
     assert _settle(8.0, now - 7.0) == pytest.approx(1.0, abs=0.5)
     assert _settle(20.0, now - 30.0) == 0.0  # the timeout ran out: whoever is missing is gone
+
+
+def test_a_save_spreads_dtensor_replicas_over_the_processes_holding_them() -> None:
+    """DCP's own setup scaled down (dp=2 x tp=2; 4 float32 DTensors at [Shard(0), Shard(1)],
+    4 at [Replicate(), Shard(0)], 2 bfloat16 at [Shard(0), Shard(1)]), each rank's view under
+    torch's fake process group: the blocks each rank offers to a save, then who writes each
+    (the decision every rank makes from the same lists). Every block is written once, by a
+    rank that holds it, and each rank writes a quarter of the bytes (the first holder of each
+    replica would make ranks 0 and 1 write 13 / 36 of them each)."""
+    import json
+
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from unimesh.checkpoint.saving import _blocks, writers
+    from unimesh.convert import layout_of
+
+    n = 64
+    kinds = [(torch.float32, [TShard(0), TShard(1)] if i % 2 == 0 else [Replicate(), Shard(0)])
+             for i in range(8)] + [(torch.bfloat16, [TShard(0), TShard(1)])] * 2  # fmt: skip
+    values = [torch.arange(n * n, dtype=torch.float32).reshape(n, n).to(d) + i
+              for i, (d, _) in enumerate(kinds)]  # fmt: skip
+    offered: list[list[tuple[str, int]]] = []
+    blocks: list[dict[str, np.ndarray]] = []
+    for rank in range(4):
+        fake_world(rank, 4)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mine: dict[str, np.ndarray] = {}
+        for i, ((_, places), value) in enumerate(zip(kinds, values)):
+            tensor = distribute_tensor(value, mesh, places)
+            be, layout = layout_of(tensor)
+            found, _, _ = _blocks(f"w{i}", tensor, layout, be, rank)
+            for offset, block in found:
+                key = json.dumps([f"w{i}", list(offset), list(block.shape)])
+                mine[key] = block.copy()  # the fake world is rebuilt per rank
+        offered.append([(key, block.nbytes) for key, block in mine.items()])
+        blocks.append(mine)
+    writer = writers(offered)
+    total = sum(v.numel() * v.element_size() for v in values)
+    keys = {key for part in offered for key, _ in part}
+    assert set(writer) == keys
+    assert all(writer[key] in [r for r in range(4) if key in blocks[r]] for key in keys)
+    written = [sum(b.nbytes for key, b in blocks[r].items() if writer[key] == r) for r in range(4)]
+    assert written == [total // 4] * 4, written
+    # the blocks written cover every element of every tensor exactly once
+    for i in range(len(values)):
+        count = np.zeros((n, n), np.int64)
+        for key in keys:
+            name, offset, shape = json.loads(key)
+            if name == f"w{i}":
+                count[offset[0] : offset[0] + shape[0], offset[1] : offset[1] + shape[1]] += 1
+        assert (count == 1).all(), (i, np.unique(count))

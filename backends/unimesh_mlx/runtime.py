@@ -221,13 +221,14 @@ def _sign_out() -> None:
 # (naming, from the job's sign-in directory, the ranks that never came) and ends this process.
 _WATCHDOG = """
 import json, os, select, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is this process's to handle; EOF ends us
 pid, pending = int(sys.argv[1]), b""
 def line(deadline):
     global pending
     while b"\\n" not in pending:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([0], [], [], left)[0]:
+        if deadline is not None:  # a line already written when the time is up still counts
+            left = max(0.0, deadline - time.monotonic())
+            if not select.select([0], [], [], left)[0]:
                 return None
         chunk = os.read(0, 65536)
         if not chunk:
@@ -239,6 +240,8 @@ while True:
     armed = line(None)
     if not armed:
         break
+    if armed == b"disarm":  # a call interrupted before it armed us
+        continue
     seconds, message, where, stage, world, single = json.loads(armed)
     done = line(time.monotonic() + seconds)
     if done is not None:
@@ -269,6 +272,26 @@ while True:
 
 _GUARDS: dict[int, Any] = {}  # this process's watchdog process (by pid: a fork starts its own)
 _WATCHED = threading.Lock()  # one watched call at a time (the guard watches one window)
+
+
+def _forked() -> None:
+    """In a forked child: let go of the parent's watchdog (its pipe's write end, inherited,
+    would keep it from seeing the parent's end) and of a lock another thread may have held."""
+    global _WATCHED
+    _WATCHED = threading.Lock()
+    guards = list(_GUARDS.values())
+    _GUARDS.clear()
+    if guards:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            for guard in guards:  # the pipe's end replaced, so the file object stays valid
+                with contextlib.suppress(Exception):
+                    os.dup2(null, guard.stdin.fileno())
+        finally:
+            os.close(null)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _guard() -> Any:
@@ -320,6 +343,7 @@ def watchdog(seconds: float, what: str, stage: str, rank: str) -> Iterator[None]
     (a ``threading.Timer`` never fired there). One process, started once and armed for each
     call (a process started per call cost each mesh check or save agreement about 20 ms)."""
     import json
+    import sys
 
     message = (
         f"unimesh: {what} did not finish within {seconds:.0f} s: a peer process never "
@@ -334,11 +358,16 @@ def watchdog(seconds: float, what: str, stage: str, rank: str) -> Iterator[None]
     arm = json.dumps([seconds, message, where, stage, world[0] if world else 0, single])
     with _WATCHED:
         guard = _guard()
-        if not _tell(guard, arm.encode() + b"\n"):  # it ended since: a new one
-            _GUARDS.pop(os.getpid(), None)
-            guard = _guard()
-            _tell(guard, arm.encode() + b"\n")
         try:
+            if not _tell(guard, arm.encode() + b"\n"):  # it ended since: a new one
+                _GUARDS.pop(os.getpid(), None)
+                guard = _guard()
+                if not _tell(guard, arm.encode() + b"\n"):
+                    raise LaunchError(
+                        f"unimesh could not start the watchdog process that bounds {what} "
+                        f"(MLX cannot interrupt it): {sys.executable} -I -S did not take its "
+                        "input; check that this Python can start a subprocess"
+                    )
             yield
         finally:
             _tell(guard, b"disarm\n")

@@ -49,17 +49,19 @@ def _blocks(
     shape = tuple(int(n) for n in leaf.shape)
     held = local_shards(leaf, backend=be)
     slices = layout.device_slices(shape)
-    writer: dict[tuple[tuple[int, int], ...], int] = {}
-    for device in sorted(slices):
-        key = tuple((s.start, s.stop) for s in slices[device])
-        writer.setdefault(key, device)
+    # each block this process holds, once (two of its devices may hold the same one); which
+    # process writes a block several processes hold is decided across them (:func:`writers`)
     out = []
+    seen: set[tuple[tuple[int, int], ...]] = set()
     dtype: str | None = None
     for device, block in sorted(held.items()):
+        key = tuple((s.start, s.stop) for s in slices[device])
+        if key in seen:
+            continue
+        seen.add(key)
         host = np.asarray(block)
         dtype = dtype_name(host.dtype)
-        key = tuple((s.start, s.stop) for s in slices[device])
-        if writer[key] != device or host.size == 0:
+        if host.size == 0:
             continue
         out.append((tuple(a for a, _ in key), host))
     if dtype is None:
@@ -321,7 +323,8 @@ def save(
     framework's model: a torch ``nn.Module`` by its state_dict names, a Keras model by its
     variables' paths, an ``mlx.nn.Module`` by its parameter paths) to the directory
     ``path``. Every process writes only the blocks it holds, each distinct block once (a
-    replicated block by the device of lowest id that holds it); nothing is gathered.
+    replicated block by one of the processes holding it, spread so that each writes about as
+    many bytes as the others); nothing is gathered.
     The manifest, written last by process 0 once every process's file is complete, is the
     commit point: a save into an existing checkpoint replaces it only then, and the previous
     one stays loadable until that moment. Call it on every process; a process that is gone or
