@@ -226,6 +226,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     folder = tempfile.gettempdir()
     left = sorted(n for n in os.listdir(folder) if n.startswith(_LEFT) and n not in _BEFORE)
+    mlx_runtime = sys.modules.get("unimesh_mlx.runtime")
+    if mlx_runtime is not None:  # MLX's watchdog lives as long as this process: end it now
+        mlx_runtime.stop_watchdog()
     alive = _live_descendants()
     if not left and not alive:
         return

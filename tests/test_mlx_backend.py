@@ -187,3 +187,64 @@ def test_float64_is_kept_and_a_dtype_mlx_lacks_is_refused():
         assert np.array(got.local).dtype == np.dtype(dtype), dtype
     with pytest.raises(unimesh.ConversionError, match="MLX has no dtype complex128"):
         unimesh.distribute(data.astype(np.complex128), lay, "mlx")
+
+
+_WATCHED = r"""
+import os, sys, time
+from unimesh_mlx.runtime import _GUARDS, stop_watchdog, watchdog
+for i in range(20):
+    with watchdog(30, "a quick call", f"q{i}", "0"):
+        pass
+try:
+    with watchdog(30, "a call that raises", "r", "0"):
+        raise ValueError("inside")
+except ValueError:
+    pass
+pids = {g.pid for g in _GUARDS.values()}
+print("GUARDS", len(pids), flush=True)
+stop_watchdog()
+time.sleep(0.2)
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+print("STOPPED", not any(map(alive, pids)), flush=True)
+if os.fork() == 0:  # a child that outlives this process must not keep a watchdog alive
+    os.close(1)
+    os.close(2)
+    time.sleep(3)
+    os._exit(0)
+with watchdog(1, "a stuck call", "s", "0"):
+    time.sleep(30)
+print("NOT ENDED", flush=True)
+"""
+
+
+def test_one_watchdog_process_bounds_every_watched_call(tmp_path):  # type: ignore[no-untyped-def]
+    """MLX collectives cannot be interrupted, so a watched call runs under a watchdog process:
+    one per process, armed and disarmed for each call (a call that raises disarms it too),
+    ended by ``stop_watchdog``; a call that overruns its time ends this process (SIGTERM) with
+    the message, even with a forked child alive that inherited the watchdog's pipe."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _WATCHED],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )
+    assert "GUARDS 1" in proc.stdout, proc.stdout + proc.stderr
+    assert "STOPPED True" in proc.stdout, proc.stdout + proc.stderr
+    assert "NOT ENDED" not in proc.stdout
+    assert proc.returncode == -15, (proc.returncode, proc.stderr)
+    assert "a stuck call did not finish within 1 s" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 60  # ended by the watchdog, not by the 30 s sleep

@@ -307,13 +307,15 @@ def _guard() -> Any:
             stdin=subprocess.PIPE,
         )
         if not _GUARDS:
-            atexit.register(_stop_guard)
+            atexit.register(stop_watchdog)
         _GUARDS[os.getpid()] = guard
     return guard
 
 
-def _stop_guard() -> None:
-    """At exit: close the watchdog's stdin (it ends) and reap it."""
+def stop_watchdog() -> None:
+    """End this process's watchdog process, if it has one (at exit, or where a caller wants
+    no child process left, as the test suite's leftover check does): its stdin closed, it
+    ends, and it is reaped. The next watched call starts another."""
     guard = _GUARDS.pop(os.getpid(), None)
     if guard is not None:
         with contextlib.suppress(OSError, ValueError):
