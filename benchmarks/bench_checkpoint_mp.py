@@ -295,8 +295,13 @@ def drive(mib: int, out_json: str | None, engines: set[str], n: int) -> None:
                 continue
             cmd = [*launch, here, "--worker", engine, "--work", str(work), "--out", str(outs),
                    "--mib", str(mib), "--size", str(n)]  # fmt: skip
-            proc = subprocess.run(
-                cmd, env=env, capture_output=True, text=True, timeout=3000, check=False
+            proc = subprocess.run(  # TMPDIR: the launcher's own scratch (torchrun's
+                cmd,  # torchelastic_* folders) goes where the finally removes it
+                env=dict(env, TMPDIR=str(outs)),
+                capture_output=True,
+                text=True,
+                timeout=3000,
+                check=False,
             )
             reports = [json.loads(p.read_text()) for p in sorted(outs.glob(f"{engine}-*.json"))]
             if len(reports) != 4:
