@@ -155,9 +155,15 @@ class SaveJob:
                 "mesh": layout.mesh.to_dict(), "spec": _spec_json(layout.spec)
             }  # fmt: skip
             self.tensors[name] = Tensor(name, shape, dtype, saved, [])
-            for offset, block in blocks:  # async: a copy, as the caller may change its arrays
-                kept = np.array(block, order="C", copy=True if copy else None)  # 0-d stays
-                self.blocks.append((name, offset, dtype, kept))
+            for offset, block in blocks:
+                self.blocks.append((name, offset, dtype, block))
+        self.token = ""
+        if copy:  # async: who writes what first, then a copy of just those blocks (the caller
+            self._decide()  # may change its arrays once this returns)
+        self.blocks = [
+            (name, offset, dtype, np.array(block, order="C", copy=True if copy else None))
+            for name, offset, dtype, block in self.blocks
+        ]  # (a 0-d block stays 0-d)
 
     def exchange(self, payload: bytes) -> list[bytes]:
         if self.be is None:
@@ -170,25 +176,33 @@ class SaveJob:
                 f"unchanged: {exc}"
             ) from exc
 
+    def _decide(self) -> None:
+        """Process 0's token for this save's file names, and which process writes each block
+        (:func:`writers`): this process keeps only its own. An array on a sub-mesh (FSDP's dp
+        mesh inside dp x tp) is held whole by several such meshes, which do not know of each
+        other's copies."""
+        mine = [[name, list(offset), list(block.shape)] for name, offset, _, block in self.blocks]
+        hello = {
+            "token": secrets.token_hex(6) if self.rank == 0 else "",
+            "blocks": mine,
+            "bytes": [block.nbytes for *_, block in self.blocks],
+        }
+        told = [json.loads(p) for p in self.exchange(json.dumps(hello).encode())]
+        writer = writers([list(zip(map(json.dumps, t["blocks"]), t["bytes"])) for t in told])
+        self.blocks = [
+            b for b, key in zip(self.blocks, mine) if writer[json.dumps(key)] == self.rank
+        ]
+        self.token = told[0]["token"]
+
     def write(self) -> None:
         """Every process's file, then the manifest (process 0), then every process returns.
         A process that cannot write (a full disk, no permission) tells the others at the next
         agreement, so that every process raises the same CheckpointError at once and the
         checkpoint already at the path stays as it was."""
         store, rank = self.storage, self.rank
-        # process 0's token for this save's file names, and which process writes each block
-        # (:func:`writers`). An array on a sub-mesh (FSDP's dp mesh inside dp x tp) is held
-        # whole by several such meshes, which do not know of each other's copies.
-        mine = [[name, list(offset), list(block.shape)] for name, offset, _, block in self.blocks]
-        hello = {
-            "token": secrets.token_hex(6) if rank == 0 else "",
-            "blocks": mine,
-            "bytes": [block.nbytes for *_, block in self.blocks],
-        }
-        told = [json.loads(p) for p in self.exchange(json.dumps(hello).encode())]
-        token = told[0]["token"]
-        writer = writers([list(zip(map(json.dumps, t["blocks"]), t["bytes"])) for t in told])
-        self.blocks = [b for b, key in zip(self.blocks, mine) if writer[json.dumps(key)] == rank]
+        if not self.token:
+            self._decide()
+        token = self.token
         problem = ""
         if rank == 0:
             try:
