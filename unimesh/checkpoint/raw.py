@@ -115,16 +115,15 @@ _MAX_STRIDED_RUN = 256 << 10  # bytes per run at most (longer runs: preadv is as
 _MAP_SPAN = 16 << 20  # bytes of the file mapped at once
 
 
-def _strided_copy(fd: int, runs: np.ndarray, out: np.ndarray, where: tuple[slice, ...]) -> bool:
+def _strided_copy(fd: int, table: np.ndarray, out: np.ndarray, where: tuple[slice, ...]) -> bool:
     """Many short runs at one stride in the file (a column block of a row-major box) going to
     stretches at one stride in ``out`` (its rows): copied by numpy out of a read-only mapping
     of the file, 16 MiB of it at a time, instead of one ``preadv`` per run. False where the
     runs are not so, reach past the file's end (``preadv`` then says where it is truncated),
     or the file cannot be mapped: the caller then reads every run with ``preadv``."""
-    length = int(runs[0, 1])
+    length = int(table[0, 1])
     if length > _MAX_STRIDED_RUN:
         return False
-    table = runs
     if (table[:, 1] != length).any():
         return False
     steps = np.diff(table[:, 0])
@@ -139,7 +138,7 @@ def _strided_copy(fd: int, runs: np.ndarray, out: np.ndarray, where: tuple[slice
     starts = np.repeat(found[:, 0], counts) + length * (
         np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     )
-    if starts.size != len(runs):
+    if starts.size != len(table):
         return False
     dsteps = np.diff(starts)
     dstride = int(dsteps[0])
@@ -147,8 +146,8 @@ def _strided_copy(fd: int, runs: np.ndarray, out: np.ndarray, where: tuple[slice
         return False
     mem = out.reshape(-1).view(np.uint8)
     rows = max(1, _MAP_SPAN // stride)
-    for first in range(0, len(runs), rows):
-        n = min(rows, len(runs) - first)
+    for first in range(0, len(table), rows):
+        n = min(rows, len(table) - first)
         start = int(table[first, 0])
         base = start - start % mmap.ALLOCATIONGRANULARITY
         span = start - base + (n - 1) * stride + length
