@@ -157,9 +157,9 @@ class SaveJob:
             self.tensors[name] = Tensor(name, shape, dtype, saved, [])
             for offset, block in blocks:
                 self.blocks.append((name, offset, dtype, block))
-        self.token = ""
-        if copy:  # async: who writes what first, then a copy of just those blocks (the caller
-            self._decide()  # may change its arrays once this returns)
+        # who writes what first (the processes' first exchange), then a C-order host array of
+        # just this process's blocks; async: a copy, as the caller may change its arrays
+        self.token = self._decide()
         self.blocks = [
             (name, offset, dtype, np.array(block, order="C", copy=True if copy else None))
             for name, offset, dtype, block in self.blocks
@@ -176,11 +176,11 @@ class SaveJob:
                 f"unchanged: {exc}"
             ) from exc
 
-    def _decide(self) -> None:
-        """Process 0's token for this save's file names, and which process writes each block
-        (:func:`writers`): this process keeps only its own. An array on a sub-mesh (FSDP's dp
-        mesh inside dp x tp) is held whole by several such meshes, which do not know of each
-        other's copies."""
+    def _decide(self) -> str:
+        """Process 0's token for this save's file names (returned), and which process writes
+        each block (:func:`writers`): this process keeps only its own. An array on a sub-mesh
+        (FSDP's dp mesh inside dp x tp) is held whole by several such meshes, which do not
+        know of each other's copies."""
         mine = [[name, list(offset), list(block.shape)] for name, offset, _, block in self.blocks]
         hello = {
             "token": secrets.token_hex(6) if self.rank == 0 else "",
@@ -192,7 +192,8 @@ class SaveJob:
         self.blocks = [
             b for b, key in zip(self.blocks, mine) if writer[json.dumps(key)] == self.rank
         ]
-        self.token = told[0]["token"]
+        token: str = told[0]["token"]
+        return token
 
     def write(self) -> None:
         """Every process's file, then the manifest (process 0), then every process returns.
@@ -200,8 +201,6 @@ class SaveJob:
         agreement, so that every process raises the same CheckpointError at once and the
         checkpoint already at the path stays as it was."""
         store, rank = self.storage, self.rank
-        if not self.token:
-            self._decide()
         token = self.token
         problem = ""
         if rank == 0:
