@@ -191,7 +191,7 @@ def test_float64_is_kept_and_a_dtype_mlx_lacks_is_refused():
 
 _WATCHED = r"""
 import os, sys, time
-from unimesh_mlx.runtime import _GUARDS, stop_watchdog, watchdog
+from unimesh_mlx.runtime import _GUARD, stop_watchdog, watchdog
 for i in range(20):
     with watchdog(30, "a quick call", f"q{i}", "0"):
         pass
@@ -200,7 +200,7 @@ try:
         raise ValueError("inside")
 except ValueError:
     pass
-pids = {g.pid for g in _GUARDS.values()}
+pids = {g.pid for g in _GUARD}
 print("GUARDS", len(pids), flush=True)
 stop_watchdog()
 time.sleep(0.2)

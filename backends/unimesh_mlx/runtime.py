@@ -270,7 +270,7 @@ while True:
     break
 """
 
-_GUARDS: dict[int, Any] = {}  # this process's watchdog process (by pid: a fork starts its own)
+_GUARD: list[Any] = []  # this process's watchdog process, once started (a fork: none)
 _WATCHED = threading.Lock()  # one watched call at a time (the guard watches one window)
 
 
@@ -279,16 +279,14 @@ def _forked() -> None:
     would keep it from seeing the parent's end) and of a lock another thread may have held."""
     global _WATCHED
     _WATCHED = threading.Lock()
-    guards = list(_GUARDS.values())
-    _GUARDS.clear()
-    if guards:
+    if _GUARD:
         null = os.open(os.devnull, os.O_WRONLY)
-        try:
-            for guard in guards:  # the pipe's end replaced, so the file object stays valid
-                with contextlib.suppress(Exception):
-                    os.dup2(null, guard.stdin.fileno())
+        try:  # the pipe's end replaced, so the file object stays valid
+            with contextlib.suppress(Exception):
+                os.dup2(null, _GUARD[0].stdin.fileno())
         finally:
             os.close(null)
+        _GUARD.clear()
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -300,28 +298,29 @@ def _guard() -> Any:
     import subprocess
     import sys
 
-    guard = _GUARDS.get(os.getpid())
-    if guard is None or guard.poll() is not None:
-        guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid())],
-            stdin=subprocess.PIPE,
-        )
-        if not _GUARDS:
-            atexit.register(stop_watchdog)
-        _GUARDS[os.getpid()] = guard
-    return guard
+    if not _GUARD or _GUARD[0].poll() is not None:
+        _GUARD[:] = [
+            subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid())],
+                stdin=subprocess.PIPE,
+            )
+        ]
+    return _GUARD[0]
 
 
 def stop_watchdog() -> None:
     """End this process's watchdog process, if it has one (at exit, or where a caller wants
     no child process left, as the test suite's leftover check does): its stdin closed, it
     ends, and it is reaped. The next watched call starts another."""
-    guard = _GUARDS.pop(os.getpid(), None)
-    if guard is not None:
+    if _GUARD:
+        guard = _GUARD.pop()
         with contextlib.suppress(OSError, ValueError):
             guard.stdin.close()
         with contextlib.suppress(Exception):
             guard.wait(timeout=2.0)
+
+
+atexit.register(stop_watchdog)
 
 
 def _tell(guard: Any, line: bytes) -> bool:
@@ -362,7 +361,7 @@ def watchdog(seconds: float, what: str, stage: str, rank: str) -> Iterator[None]
         guard = _guard()
         try:
             if not _tell(guard, arm.encode() + b"\n"):  # it ended since: a new one
-                _GUARDS.pop(os.getpid(), None)
+                _GUARD.clear()
                 guard = _guard()
                 if not _tell(guard, arm.encode() + b"\n"):
                     raise LaunchError(
