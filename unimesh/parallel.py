@@ -208,6 +208,7 @@ def shard_map(
 
     call.__name__ = getattr(f, "__name__", "shard_map")
     call.__doc__ = getattr(f, "__doc__", None)
+    call.unimesh_program = run  # type: ignore[attr-defined]  # the backend's, for inspection
     return be.program_entry(call)
 
 

@@ -30,7 +30,9 @@ from .layout import Layout
 from .mesh import Mesh
 from .program import Body, Program, SpecTree
 from .vjp import ProcessAxisEnv
+from . import vmaplan
 from .vma import CheckVmaEnv, NoCheckVmaEnv
+from .vmaplan import Graph
 
 __all__ = ["ENGINE_REQUIRED", "PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
 
@@ -260,6 +262,10 @@ class ProcessBackend(Backend):
     def axis_env(self, mesh: Mesh, check_vma: bool | None = None) -> ProcessAxisEnv:
         """The (cached) collectives of this process on ``mesh``, with the backend's rule set
         (``check_vma`` False: JAX's check_vma=False rules, whatever the backend declares)."""
+        if vmaplan.TRACING.get():
+            raise vmaplan.PlanError(
+                "a program or a reshard inside a body being traced for its graph"
+            )
         check = self.check_vma if check_vma is None else check_vma and self.check_vma
         key = (self.group_cache_key(), mesh, check)
         envs = self._axis_envs
@@ -279,6 +285,25 @@ class ProcessBackend(Backend):
             rules = CheckVmaEnv if check else NoCheckVmaEnv
             env = envs[key] = rules(self, comm)
         return env
+
+    def plans_vma(self) -> bool:
+        """Whether a program about to run (with JAX's check_vma=False rules) should read its
+        body's graph (:meth:`body_graph`) to sum its cotangents only where check_vma would
+        (:mod:`unimesh.vmaplan`): where the backend can give the graph and a gradient may be
+        taken. Default: never."""
+        return False
+
+    def body_graph(self, run: Callable[[list[Any]], list[Any]], leaves: list[Any]) -> Graph:
+        """The graph of ``run`` (the body on argument leaves, its result leaves as arrays)
+        traced on placeholders shaped as ``leaves``' arrays (other leaves as they are), with
+        each :meth:`vma_marker` found again as the site it stands for."""
+        raise NotImplementedError
+
+    def vma_marker(self, site: int, x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        """While :meth:`body_graph` traces: an array of ``shape`` and ``dtype`` (None: an
+        integer scalar) computed from ``x`` (None: from nothing) by an operation the graph
+        shows as collective ``site``."""
+        raise NotImplementedError
 
     def vma_watched(self) -> bool:
         """With :attr:`check_vma`: whether :meth:`vma_mode` can watch the operations about to
@@ -300,6 +325,8 @@ class _Program(Program):
         self.ins = ins
         self.outs = outs
         self.env: ProcessAxisEnv | None = None
+        #: the last call's gradient plan (None: the call read no graph)
+        self.plan: vmaplan.VmaPlan | None = None
         self._shapes: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]] = {}
 
     def __call__(self, *args: Any) -> Any:
@@ -312,6 +339,8 @@ class _Program(Program):
         """The program on the arguments' leaves (of tree ``treedef``) laid out as ``layouts``."""
         import optree
 
+        if vmaplan.TRACING.get():
+            raise vmaplan.PlanError("a program inside a body being traced for its graph")
         env = self.env
         if env is None:
             env = self.env = self.be.axis_env(self.mesh)
@@ -320,7 +349,31 @@ class _Program(Program):
             env = self.be.axis_env(self.mesh, check_vma=False)
         env.checked, env.calls = self.body.checked, 0
         env.comm.last = None  # a chain starts with each call (and never reaches into mx.compile)
+        outer = env.plan  # a program inside a program's body
+        plan = env.plan = (
+            vmaplan.VmaPlan()
+            if not env.check_vma and self.body.manual is None and self.be.plans_vma()
+            else None
+        )
+        try:
+            return self._run(env, plan, leaves, treedef, layouts)
+        finally:
+            env.plan = outer
+
+    def _run(
+        self,
+        env: ProcessAxisEnv,
+        plan: vmaplan.VmaPlan | None,
+        leaves: list[Any],
+        treedef: Any,
+        layouts: tuple[Layout | None, ...],
+    ) -> Any:
+        import optree
+
         blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]
+        if plan is not None:
+            vmaplan.trace(plan, env, self.body, blocks, treedef, layouts)
+            self.plan = plan  # the last call's, for tests and debugging
         args = optree.tree_unflatten(treedef, blocks)
         if env.check_vma:
             with self.be.vma_mode(env):

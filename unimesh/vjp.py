@@ -24,6 +24,7 @@ from .spec import PartitionSpec
 
 if TYPE_CHECKING:
     from .spmd import ProcessBackend
+    from .vmaplan import VmaPlan
 
 __all__ = ["Fn", "ProcessAxisEnv", "replicated_axes", "same"]
 
@@ -69,6 +70,10 @@ class ProcessAxisEnv(AxisEnv):
         #: this process's block of a global argument, per (layout, global shape)
         self._slices: dict[tuple[Layout, tuple[int, ...]], tuple[slice, ...]] = {}
         self._whole = Layout(comm.mesh, PartitionSpec())  # an array under a None in_spec
+        #: where this call sums its cotangents, from the body's graph (set per run by the
+        #: program where the backend can give the graph; :mod:`unimesh.vmaplan`)
+        self.plan: VmaPlan | None = None
+        self._leaf = 0  # the argument leaf entering, while a plan is set
 
     # -- for backends ---------------------------------------------------------------------------
     def group(self, axes: tuple[str, ...]) -> Group:
@@ -99,6 +104,12 @@ class ProcessAxisEnv(AxisEnv):
     def _check(self, op: str, axes: tuple[str, ...], x: Any, params: object = ()) -> None:
         self.calls += 1
         agree(self.comm, self.calls, op, axes, x, params)
+
+    def _visit(self, op: str, axes: tuple[str, ...]) -> None:
+        """Count a collective against the plan's trace of the body (when there is a plan)."""
+        plan = self.plan
+        if plan is not None:
+            plan.visit(op, axes)
 
     def _mesh_order(self, axes: frozenset[str] | set[str]) -> tuple[str, ...]:
         return tuple(a for a in self.mesh.axis_names if a in axes)
@@ -140,6 +151,8 @@ class ProcessAxisEnv(AxisEnv):
     def _reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         if self.checked:
             self._check("p" + op, axes, x)
+        if self.plan is not None:
+            self._visit("p" + op, axes)
         run = self._collectives.get((axes, op))
         if run is None:
             run = self._collectives[axes, op] = self._reducer(axes, op)
@@ -150,11 +163,15 @@ class ProcessAxisEnv(AxisEnv):
     ) -> Any:
         if self.checked:
             self._check("all_gather", axes, x, (dim, tiled))
+        if self.plan is not None:
+            self._visit("all_gather_invariant" if invariant else "all_gather", axes)
         return self._all_gather(x, axes, dim, tiled, invariant)
 
     def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
         if self.checked:
             self._check("psum_scatter", axes, x, (dim, tiled))
+        if self.plan is not None:
+            self._visit("psum_scatter", axes)
         comm = self.comm
         return self._collective(
             ("psum_scatter", axes, dim, tiled),
@@ -169,6 +186,8 @@ class ProcessAxisEnv(AxisEnv):
     ) -> Any:
         if self.checked:
             self._check("all_to_all", axes, x, (split_axis, concat_axis, tiled))
+        if self.plan is not None:
+            self._visit("all_to_all", axes)
         comm = self.comm
         return self._collective(
             ("all_to_all", axes, split_axis, concat_axis, tiled),
@@ -181,6 +200,8 @@ class ProcessAxisEnv(AxisEnv):
     def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
         if self.checked:
             self._check("ppermute", axes, x, perm)
+        if self.plan is not None:
+            self._visit("ppermute", axes)
         run = self._collectives.get((axes, perm))
         if run is None:
             run = self._collectives[axes, perm] = self._permuter(axes, perm)
@@ -208,6 +229,8 @@ class ProcessAxisEnv(AxisEnv):
     def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
         if self.checked:
             self._check("pbroadcast", axes, x, source)
+        if self.plan is not None:
+            self._visit("pbroadcast", axes)
         return self._pbroadcast(x, axes, source)
 
     # -- the rule set's ---------------------------------------------------------------------------
@@ -262,6 +285,10 @@ class ProcessAxisEnv(AxisEnv):
         assembled whole on every process (and, by the rule set, summed over the axes the input
         is replicated on). Under a None in_spec (``layout`` None) a non-array passes unchanged
         and an array is seen whole."""
+        plan = self.plan
+        if plan is not None:
+            self._leaf = plan.entered
+            plan.entered += 1
         if layout is None:
             if getattr(arg, "shape", None) is None:
                 return arg

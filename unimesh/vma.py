@@ -33,6 +33,7 @@ from .vjp import Fn, ProcessAxisEnv, replicated_axes, same
 
 if TYPE_CHECKING:
     from .spmd import ProcessBackend
+    from .vmaplan import VmaPlan
 
 __all__ = ["CheckVmaEnv", "NoCheckVmaEnv"]
 
@@ -52,6 +53,30 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         if not self.be.needs_grad(x):
             return fwd(x)
         return self._vjp(key, fwd, bwd)(x)
+
+    def _reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
+        plan = self.plan
+        if plan is None or op != "sum" or not plan.exact:
+            return super()._reduce(x, axes, op)
+        if self.checked:
+            self._check("psum", axes, x)
+        back = plan.sum_axes(plan.visit("psum", axes), axes)
+        fwd = self._reduction(axes, "sum")
+        x = self._array(x)
+        if not self.be.needs_grad(x):
+            return fwd(x)
+        comm = self.comm
+        # the transpose sums only along the axes where the cotangent can differ (vmaplan)
+        bwd: Fn = same
+        if back:
+            g = comm.group(back)
+            bwd = lambda ct: comm.all_reduce(ct, g, "sum")  # noqa: E731
+        return self._vjp(("psum", axes, back), fwd, bwd)(x)
+
+    def axis_index(self, axes: tuple[str, ...]) -> Any:
+        if self.plan is not None:
+            self._visit("axis_index", axes)
+        return super().axis_index(axes)
 
     def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
         fwd = self._reduction(axes, op)
@@ -89,6 +114,9 @@ class NoCheckVmaEnv(ProcessAxisEnv):
 
     def _edge(self, arg: Any, layout: Layout) -> Any:
         replicated, _, _ = self._input_plan(layout)
+        plan = self.plan
+        if plan is not None and replicated:
+            return self._planned_edge(arg, layout, replicated, plan, self._leaf)
         block, distributed = self._block(arg, layout, replicated)
         if not distributed or not replicated or not self.be.needs_grad(block):
             return block
@@ -101,9 +129,32 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         )
         return edge(block)
 
+    def _planned_edge(
+        self, arg: Any, layout: Layout, replicated: tuple[str, ...], plan: VmaPlan, leaf: int
+    ) -> Any:
+        """An input's block whose gradient is summed along the axes the plan says, decided
+        once the body's graph is read (after the edges are made, before the backward runs)."""
+        block, _ = self._block(arg, layout, ())
+        if not self.be.needs_grad(block):
+            return block
+        comm = self.comm
+
+        def back(ct: Any) -> Any:
+            axes = plan.input_axes(leaf, replicated)
+            return comm.all_reduce(ct, comm.group(axes), "sum") if axes else ct
+
+        return self.be.custom_vjp(same, back)(block)
+
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; replicated over some axes, it counts once in the gradient."""
         block = self.be.as_array(block)
+        plan = self.plan
+        if plan is not None and plan.exact:
+            axes = plan.copies_axes(replicated_axes(layout))
+            copies = self.size(axes) if axes else 1
+            if copies == 1 or not self.be.needs_grad(block):
+                return block
+            return self._vjp(("leave", copies), same, lambda ct: ct / copies)(block)
         copies = self._out.get(layout)
         if copies is None:
             copies = self._out[layout] = math.prod(

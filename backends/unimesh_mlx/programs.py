@@ -13,6 +13,7 @@ import numpy as np
 
 from unimesh import ConversionError, Layout, LayoutError, Mesh, PartitionSpec, UnsupportedError
 from unimesh.messages import short
+from unimesh.vmaplan import Graph, PlanError
 
 from .runtime import LIVE_LAYERS, host_to_mx, import_mx, mx_to_host
 from .tracing import make_probe
@@ -132,6 +133,68 @@ class MLXPrograms(MLXTranslator):
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
         return MLXArray(block, layout, shape)
+
+    def plans_vma(self) -> bool:
+        """While ``unimesh.compile`` traces a step that may take a gradient: MLX traces it
+        once per argument signature, and the plan is made once per trace (the same caching
+        as ``mx.compile``'s). Eager calls keep JAX's check_vma=False rules: a plan kept
+        across eager calls could miss Python state that changed between them."""
+        return TRACING.compiling and not RULES.forward_only
+
+    def body_graph(self, run: Any, leaves: list[Any]) -> Graph:
+        """The body's graph from ``mx.export_function`` with a callback (MLX hands it every
+        input, constant and primitive with the names of the arrays it takes and makes)."""
+        mx = import_mx()
+        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, mx.array)]
+        examples = [mx.zeros(leaves[i].shape, leaves[i].dtype) for i in at]
+
+        def fn(*arrays: Any) -> Any:
+            given = list(leaves)
+            for i, a in zip(at, arrays):
+                given[i] = a
+            return run(given)
+
+        events: list[dict[str, Any]] = []
+        mx.export_function(events.append, fn, *examples)
+        inputs: list[str | None] = [None] * len(leaves)
+        outputs: list[str] = []
+        tags: dict[str, int] = {}
+        constants: set[str] = set()
+        ops: list[tuple[tuple[str, ...], tuple[str, ...], int | None]] = []
+        for event in events:
+            kind = event["type"]
+            if kind == "inputs":
+                for i, (name, *_) in zip(at, event["inputs"]):
+                    inputs[i] = name
+            elif kind == "outputs":
+                outputs = [name for name, *_ in event["outputs"]]
+            elif kind == "constants":
+                for name, value in event["constants"]:
+                    constants.add(name)
+                    if (
+                        value.dtype == mx.int32
+                        and value.shape == (3,)
+                        and tuple(value[:2].tolist()) == _MARK
+                    ):
+                        tags[name] = int(value[2].item())
+            elif kind == "primitive":
+                name = event["name"]
+                if name in _DISTRIBUTED:
+                    raise PlanError(f"the body calls MLX's {name} itself")
+                ins = tuple(n for n, *_ in event["inputs"])
+                outs = tuple(n for n, *_ in event["outputs"])
+                site = next((tags[n] for n in ins if n in tags), None)
+                ops.append((tuple(n for n in ins if n not in tags), outs, site))
+        return Graph(inputs, ops, outputs, frozenset(constants))
+
+    def vma_marker(self, site: int, x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        """``x``'s link to an operation on a constant that names ``site`` (found by
+        :meth:`body_graph`), broadcast to the collective's result."""
+        mx = import_mx()
+        tag = mx.array([*_MARK, site], dtype=mx.int32)
+        link = mx.array(0, mx.int32) if x is None else mx.sum((x == x).astype(mx.int32))
+        mark = tag + link  # the one operation that takes the tag
+        return mx.broadcast_to(mark[0].astype(dtype or mx.int32), shape)
 
     def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
         """``mx.value_and_grad`` over the local blocks of :class:`MLXArray` arguments (and the
@@ -317,6 +380,12 @@ class MLXPrograms(MLXTranslator):
             for name, value in values.items()
         ]
         model.update(tree_unflatten(items))
+
+
+#: the first two values of a constant that marks a collective in a traced body's graph
+_MARK = (-1_912_731, 55_527)
+#: MLX's distributed primitives: a body calling them itself is not planned
+_DISTRIBUTED = frozenset({"AllReduce", "AllGather", "Send", "Recv", "ReduceScatter", "AllToAll"})
 
 
 def _mlx_module(model: Any) -> None:
