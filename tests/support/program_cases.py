@@ -389,6 +389,13 @@ def arguments(case: Case, mesh: unimesh.Mesh, backend: str) -> list[Any]:
 #: The cases also run through unimesh.compile (issue 38): mx.compile on MLX, torch.compile
 #: (backend aot_eager: dynamo and AOT autograd, without inductor's C++ build) on torch
 COMPILED = ("issue-example", "pytree", "loss-parallel-xent")
+
+
+def compiled_names(backend: str) -> tuple[str, ...]:
+    """The cases run under unimesh.compile too: on MLX every one (there a compiled gradient
+    places its sums from the body's graph, unimesh.vmaplan: each collective's rule is checked
+    against the reference)."""
+    return tuple(c.name for c in CASES) if backend == "mlx" else COMPILED
 COMPILE_OPTIONS = {"torch": {"backend": "aot_eager"}}
 
 
@@ -417,6 +424,11 @@ def run(
     value, grads = step(*args)
     if compiled:  # a second call runs the compiled trace (the first traced it)
         value, grads = step(*args)
+        program = getattr(loss, "unimesh_program", None)  # None: the loss calls a program
+        if backend == "mlx" and program is not None and program.body.manual is None:
+            plan = program.plan  # the compiled trace must have read the body's graph
+            if plan is None or plan.reason is not None:
+                raise AssertionError(f"{case.name}: no gradient plan ({plan and plan.reason})")
         whole = getattr(step, "unimesh_whole", None)  # torch 2.13: forward and backward one
         if whole is not None and whole() != (case.name != "pytree" and _whole_torch()):
             raise AssertionError(  # graph, but where nonstrict_trace cannot take an argument

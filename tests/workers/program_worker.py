@@ -76,7 +76,7 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - any failure is reported for this case
             report[case.name] = traceback.format_exc(limit=6)
     for case in program_cases.CASES:  # the same steps under unimesh.compile
-        if case.name not in program_cases.COMPILED:
+        if case.name not in program_cases.compiled_names(backend):
             continue
         try:
             got = program_cases.run(case, mesh, backend, compiled=True)
