@@ -175,6 +175,7 @@ def test_mpirun_four_processes(reference: Path, tmp_path: Path) -> None:
         tmp_path,
         (
             "rules-only-when-traced",
+            "gradient-communication",
             "compiled-forward-without-rules",
             "compiled-other-mesh",
             "cross",

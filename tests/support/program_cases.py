@@ -709,3 +709,80 @@ def full_array_bfloat16(mesh: unimesh.Mesh, backend: str) -> float | str:
     if got.dtype != ml_dtypes.bfloat16 or got.view(np.int16).tobytes() != want.tobytes():
         return f"full_array gave {got.dtype} {got!r}"
     return 0.0
+
+
+def mlx_gradient_communication(mesh: unimesh.Mesh) -> float | str:
+    """MLX: the collectives of examples/mlp_step.py's gradient step under unimesh.compile
+    are the hand-written Megatron/DDP step's (``mx.distributed.all_sum`` forward over "tp"
+    and "dp", whose MLX gradient is the identity, then each weight gradient summed over "dp"),
+    the same calls of the same shapes; without the body's graph (eager: JAX's check_vma=False
+    rules) there are two more (the transposes of the two psums). Counted by wrapping
+    ``mx.distributed``'s functions while each step is traced. 0.0, or what went wrong."""
+    import sys as _sys
+    from pathlib import Path as _Path
+
+    import mlx.core as mx
+    from unimesh_mlx import programs
+
+    _sys.path.insert(0, str(_Path(__file__).parents[2] / "examples"))
+    import mlp_step
+
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    names = ("all_sum", "all_gather", "all_max", "all_min", "send", "recv", "sum_scatter")
+    real = {n: getattr(mx.distributed, n) for n in names if hasattr(mx.distributed, n)}
+
+    def counting(name: str) -> Any:
+        def call(x: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append((name, tuple(x.shape)))
+            return real[name](x, *args, **kwargs)
+
+        return call
+
+    specs = (P("dp", None), P("dp", None), mlp_step.SPECS)
+    program = unimesh.shard_map(mlp_step.loss, mesh, specs, P(), backend="mlx")
+    x, t, w1, w2 = mlp_step.data()
+    xs, ts = (unimesh.distribute(a, Layout(mesh, P("dp", None)), backend="mlx") for a in (x, t))
+    params = {
+        k: unimesh.distribute(v, Layout(mesh, mlp_step.SPECS[k]), backend="mlx")
+        for k, v in (("w1", w1), ("w2", w2))
+    }
+    step = unimesh.value_and_grad(program, argnums=2, backend="mlx")
+    compiled = unimesh.compile(step, backend="mlx")
+    native_mesh = unimesh.to_native(mesh, "mlx")
+    dp, tp = native_mesh.axis_group("dp").group, native_mesh.axis_group("tp").group
+
+    def native_loss(x: Any, t: Any, w1: Any, w2: Any) -> Any:
+        pre = x @ w1
+        y = mx.distributed.all_sum((pre * (pre > 0)) @ w2, group=tp)
+        diff = y - t
+        return mx.distributed.all_sum((diff * diff).sum() / x.shape[0], group=dp) / dp.size()
+
+    def native_step(x: Any, t: Any, w1: Any, w2: Any) -> Any:
+        loss, grads = mx.value_and_grad(native_loss, argnums=(2, 3))(x, t, w1, w2)
+        return (loss, *(mx.distributed.all_sum(g, group=dp) for g in grads))
+
+    native = mx.compile(native_step)
+    blocks = (xs.local, ts.local, params["w1"].local, params["w2"].local)
+    runs = {
+        "eager": lambda: step(xs, ts, params)[0],
+        "compiled": lambda: compiled(xs, ts, params)[0],
+        "native": lambda: native(*blocks)[0],
+    }
+    counted: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    programs._all_reduce.cache_clear()  # it keeps the functions it looked up
+    for name in real:
+        setattr(mx.distributed, name, counting(name))
+    try:
+        for name, run in runs.items():
+            calls.clear()
+            mx.eval(run())
+            counted[name] = sorted(calls)
+    finally:
+        for name, fn in real.items():
+            setattr(mx.distributed, name, fn)
+        programs._all_reduce.cache_clear()
+    if counted["compiled"] != counted["native"]:
+        return f"compiled {counted['compiled']} != hand-written {counted['native']}"
+    if len(counted["eager"]) != len(counted["native"]) + 2:
+        return f"eager {counted['eager']}: expected the hand-written step's and two more"
+    return 0.0

@@ -96,6 +96,11 @@ def main() -> int:
     except Exception:  # noqa: BLE001 - any failure is reported
         report["native-autodiff"] = traceback.format_exc(limit=6)
     if backend == "mlx":
+        if unimesh.to_native(mesh, "mlx").axis_group("dp").group is not None:  # MPI, not ring
+            try:
+                report["gradient-communication"] = program_cases.mlx_gradient_communication(mesh)
+            except Exception:  # noqa: BLE001 - any failure is reported
+                report["gradient-communication"] = traceback.format_exc(limit=6)
         try:
             report["rules-only-when-traced"] = program_cases.mlx_rules_only_when_traced(mesh)
         except Exception:  # noqa: BLE001 - any failure is reported
