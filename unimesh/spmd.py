@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from . import vmaplan
 from .backend import HOOKS, Backend
 from .errors import MeshMismatchError
 from .groups import Group, GroupComm
@@ -30,7 +31,6 @@ from .layout import Layout
 from .mesh import Mesh
 from .program import Body, Program, SpecTree
 from .vjp import ProcessAxisEnv
-from . import vmaplan
 from .vma import CheckVmaEnv, NoCheckVmaEnv
 from .vmaplan import Graph
 
@@ -337,7 +337,6 @@ class _Program(Program):
 
     def run_flat(self, leaves: list[Any], treedef: Any, layouts: tuple[Layout | None, ...]) -> Any:
         """The program on the arguments' leaves (of tree ``treedef``) laid out as ``layouts``."""
-        import optree
 
         if vmaplan.TRACING.get():
             raise vmaplan.PlanError("a program inside a body being traced for its graph")

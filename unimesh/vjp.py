@@ -329,7 +329,9 @@ class ProcessAxisEnv(AxisEnv):
                 ct = comm.all_gather_dim(ct, axes, dim, True)
             return ct
 
-        return self._vjp(("enter", layout, shape, replicated), lambda v: v[slices], whole)(block), False
+        return self._vjp(("enter", layout, shape, replicated), lambda v: v[slices], whole)(
+            block
+        ), False
 
     def whole(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any | None:
         """The global array (of ``shape``) whose block on this process is ``block`` under

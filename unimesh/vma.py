@@ -151,10 +151,10 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         plan = self.plan
         if plan is not None and plan.exact:
             axes = plan.copies_axes(replicated_axes(layout))
-            copies = self.size(axes) if axes else 1
-            if copies == 1 or not self.be.needs_grad(block):
+            n = self.size(axes) if axes else 1
+            if n == 1 or not self.be.needs_grad(block):
                 return block
-            return self._vjp(("leave", copies), same, lambda ct: ct / copies)(block)
+            return self._vjp(("leave", n), same, lambda ct: ct / n)(block)
         copies = self._out.get(layout)
         if copies is None:
             copies = self._out[layout] = math.prod(

@@ -96,7 +96,7 @@ class VmaPlan:
     at: int = 0
     entered: int = 0
 
-    # -- the engine's questions ---------------------------------------------------------------------
+    # -- the engine's questions --------------------------------------------------------------
     def input_axes(self, leaf: int, replicated: tuple[str, ...]) -> tuple[str, ...]:
         """The axes along which argument ``leaf``'s gradient is summed."""
         keep = self.inputs.get(leaf, frozenset())
@@ -127,7 +127,7 @@ class VmaPlan:
                 )
         return k
 
-    # -- solving ----------------------------------------------------------------------------------------
+    # -- solving -------------------------------------------------------------------------------
     def solve(
         self,
         graph: Graph,
@@ -192,7 +192,7 @@ class VmaPlan:
                 meets.setdefault(name, set()).update(fans)
             if replicated - w:
                 seeds.setdefault(name, set()).update(replicated - w)
-        for k, s in enumerate(sites):
+        for s in sites:
             if s.op in _UNPLACED:
                 unplaced |= set(s.axes)
         # backwards through the region: what each value's cotangent comes from
@@ -216,7 +216,7 @@ class VmaPlan:
                 if s_ - inside:
                     reach_s.setdefault(i, set()).update(s_ - inside)
         sources: list[tuple[str, frozenset[str]]] = []
-        for j, name in enumerate(graph.inputs):
+        for name in graph.inputs:
             if name is not None:
                 sources.append((name, axes - vma[name]))
         for k, names in made.items():
@@ -357,7 +357,7 @@ def trace(
     token = TRACING.set(True)
     try:
         graph = be.body_graph(run, blocks)
-    except Exception as exc:  # the body evaluates, calls a framework's collective, ...
+    except Exception as exc:  # noqa: BLE001 - any failure keeps the unchecked rules, e.g. the body evaluates
         plan.reason = f"{type(exc).__name__}: {exc}"[:300]
         return
     finally:
@@ -370,9 +370,7 @@ def trace(
             in_vma.append(None)
         else:
             in_vma.append(env._input_plan(layout)[2] if layout is not None else frozenset())
-    outs = [
-        (env._input_plan(layout)[2], frozenset(replicated_axes(layout))) for layout in seen[-1]
-    ]
+    outs = [(env._input_plan(layout)[2], frozenset(replicated_axes(layout))) for layout in seen[-1]]
     try:
         plan.solve(graph, tracer.sites, in_vma, outs, axes)
     except PlanError as exc:

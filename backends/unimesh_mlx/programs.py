@@ -192,7 +192,7 @@ class MLXPrograms(MLXTranslator):
         :meth:`body_graph`), broadcast to the collective's result."""
         mx = import_mx()
         tag = mx.array([*_MARK, site], dtype=mx.int32)
-        link = mx.array(0, mx.int32) if x is None else mx.sum((x == x).astype(mx.int32))
+        link = mx.array(0, mx.int32) if x is None else mx.sum(mx.equal(x, x).astype(mx.int32))
         mark = tag + link  # the one operation that takes the tag
         return mx.broadcast_to(mark[0].astype(dtype or mx.int32), shape)
 

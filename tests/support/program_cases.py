@@ -396,6 +396,8 @@ def compiled_names(backend: str) -> tuple[str, ...]:
     places its sums from the body's graph, unimesh.vmaplan: each collective's rule is checked
     against the reference)."""
     return tuple(c.name for c in CASES) if backend == "mlx" else COMPILED
+
+
 COMPILE_OPTIONS = {"torch": {"backend": "aot_eager"}}
 
 
