@@ -83,6 +83,10 @@ class ProcessBackend(Backend):
     #: the engine then chains them (each one's input depends on the previous one's result), so
     #: every process runs them in program order, whatever order its graph would be walked in
     lazy: ClassVar[bool] = False
+    #: whether the framework's own derivative of its all-reduce (``group_all_reduce`` with
+    #: "sum") is the identity (MLX's ``all_sum``), so a psum whose transpose sums nothing
+    #: needs no custom rule around it (:mod:`unimesh.vmaplan`)
+    sum_derivative_is_identity: ClassVar[bool] = False
     _is_engine_base: ClassVar[bool] = True
 
     def __init__(self) -> None:
@@ -372,6 +376,7 @@ class _Program(Program):
         blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]
         if plan is not None:
             vmaplan.trace(plan, env, self.body, blocks, treedef, layouts)
+            env.finish_edges(plan, blocks)
             self.plan = plan  # the last call's, for tests and debugging
         args = optree.tree_unflatten(treedef, blocks)
         if env.check_vma:

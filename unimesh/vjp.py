@@ -259,6 +259,9 @@ class ProcessAxisEnv(AxisEnv):
         """A result block, at the program's edge."""
         raise NotImplementedError
 
+    def finish_edges(self, plan: VmaPlan, blocks: list[Any]) -> None:
+        """Once ``plan`` is solved, the gradient rules of the edges it decides."""
+
     # -- the program's edges ----------------------------------------------------------------------
     def _input_plan(
         self, layout: Layout

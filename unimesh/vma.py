@@ -63,8 +63,8 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         back = plan.sum_axes(plan.visit("psum", axes), axes)
         fwd = self._reduction(axes, "sum")
         x = self._array(x)
-        if not self.be.needs_grad(x):
-            return fwd(x)
+        if not self.be.needs_grad(x) or (not back and self.be.sum_derivative_is_identity):
+            return fwd(x)  # no rule: the framework's own derivative is the transpose
         comm = self.comm
         # the transpose sums only along the axes where the cotangent can differ (vmaplan)
         bwd: Fn = same
@@ -132,18 +132,27 @@ class NoCheckVmaEnv(ProcessAxisEnv):
     def _planned_edge(
         self, arg: Any, layout: Layout, replicated: tuple[str, ...], plan: VmaPlan, leaf: int
     ) -> Any:
-        """An input's block whose gradient is summed along the axes the plan says, decided
-        once the body's graph is read (after the edges are made, before the backward runs)."""
+        """An input's block, its gradient rule left to :meth:`finish_edges` (the plan is
+        solved from the blocks the edges make)."""
         block, _ = self._block(arg, layout, ())
-        if not self.be.needs_grad(block):
-            return block
+        plan.edges.append((leaf, replicated))
+        return block
+
+    def finish_edges(self, plan: VmaPlan, blocks: list[Any]) -> None:
+        """Once ``plan`` is solved: each input block that sums its gradient along some axes
+        gets that rule (the others none)."""
         comm = self.comm
-
-        def back(ct: Any) -> Any:
+        for leaf, replicated in plan.edges:
             axes = plan.input_axes(leaf, replicated)
-            return comm.all_reduce(ct, comm.group(axes), "sum") if axes else ct
+            if axes and self.be.needs_grad(blocks[leaf]):
+                blocks[leaf] = self._vjp(("replicated", axes), same, self._summer(axes))(
+                    blocks[leaf]
+                )
 
-        return self.be.custom_vjp(same, back)(block)
+    def _summer(self, axes: tuple[str, ...]) -> Fn:
+        comm = self.comm
+        g = comm.group(axes)
+        return lambda ct: comm.all_reduce(ct, g, "sum")
 
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; replicated over some axes, it counts once in the gradient."""

@@ -95,6 +95,8 @@ class VmaPlan:
     reason: str | None = "not solved"
     at: int = 0
     entered: int = 0
+    #: (argument leaf, axes it is replicated along) of the edges waiting for the solution
+    edges: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
 
     # -- the engine's questions --------------------------------------------------------------
     def input_axes(self, leaf: int, replicated: tuple[str, ...]) -> tuple[str, ...]:

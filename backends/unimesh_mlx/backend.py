@@ -49,6 +49,7 @@ class MLXBackend(MLXPrograms):
         ),
     )
     lazy = True  # collectives run when evaluated: the engine chains them in program order
+    sum_derivative_is_identity = True  # all_sum's own vjp passes the cotangent through
     framework = "mlx"
     extra = "mlx"
     native_modules = ("mlx", "unimesh_mlx")

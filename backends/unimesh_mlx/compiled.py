@@ -31,8 +31,15 @@ from .programs import RULES, TRACING
 from .translate import MLXArray
 
 
-def _is_leaf(x: Any) -> bool:
-    return isinstance(x, MLXArray)
+def _signature(leaf: Any) -> Any:
+    """What picks a trace for one argument leaf: an MLXArray's layout (by id) and shape, an
+    array's type, a constant itself."""
+    kind = type(leaf)
+    if kind is MLXArray:
+        return (id(leaf.layout), leaf.shape)
+    if hasattr(leaf, "shape"):  # an mx.array (any other array is refused by split)
+        return kind
+    return (kind, leaf)
 
 
 @contextlib.contextmanager
@@ -54,7 +61,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
 
     def split(tree: Any, what: str) -> tuple[list[Any], list[Any], Any]:
         """(the arrays handed to mx.compile, what each leaf is, the tree's structure)."""
-        leaves, treedef = optree.tree_flatten(tree, is_leaf=_is_leaf, none_is_leaf=True)
+        leaves, treedef = optree.tree_flatten(tree, none_is_leaf=True)  # an MLXArray is a leaf
         arrays: list[Any] = []
         kinds: list[Any] = []
         for leaf in leaves:
@@ -93,6 +100,8 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
     #: positional MLXArray arguments: (id of each layout, shape) -> trace, without flattening
     #: (each trace holds its layouts, so an id found here is that layout's)
     quick: dict[Any, Any] = {}
+    #: any arguments: (tree structure, each leaf's signature) -> trace
+    by_signature: dict[Any, Any] = {}
 
     def call(*args: Any, **kwargs: Any) -> Any:
         # on 4 processes over 2 cores every microsecond of Python here counts twice
@@ -105,17 +114,34 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
         if trace is not None:
             arrays = [a.local for a in args]
         else:
-            arrays, kinds, treedef = split((args, kwargs), "an argument")
-            key = (treedef, tuple(kinds))
-            trace = traces.get(key)
-            if trace is None:
-                trace = traces[key] = _Trace(kinds, treedef)
-            if (
-                at is not None
-                and None not in at
-                and all(a.layout is k[1] for a, k in zip(args, trace.kinds))
-            ):
-                quick[at] = trace
+            # any tree: keyed by its structure and each leaf's (id of layout, shape), type
+            # or constant, as long as the trace holds those very layouts
+            leaves, treedef = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+            sig = (treedef, tuple([_signature(leaf) for leaf in leaves]))
+            try:
+                trace = by_signature.get(sig)
+            except TypeError:  # an unhashable constant: split() says so
+                trace = None
+            if trace is not None:
+                arrays = [
+                    leaf.local if type(leaf) is MLXArray else leaf
+                    for leaf, kind in zip(leaves, trace.kinds)
+                    if kind[0] != "constant"
+                ]
+            else:
+                arrays, kinds, treedef = split((args, kwargs), "an argument")
+                key = (treedef, tuple(kinds))
+                trace = traces.get(key)
+                if trace is None:
+                    trace = traces[key] = _Trace(kinds, treedef)
+                if all(
+                    leaf.layout is kind[1]
+                    for leaf, kind in zip(leaves, trace.kinds)
+                    if type(leaf) is MLXArray
+                ):
+                    by_signature[sig] = trace
+                    if at is not None and None not in at:
+                        quick[at] = trace
         # an outer transform (mx.grad of a function calling this one) differentiates the
         # compiled graph after it is traced: such calls keep the rules (asked only where the
         # answer matters: the first call, and calls that could run the lean trace)
