@@ -141,7 +141,6 @@ class NoCheckVmaEnv(ProcessAxisEnv):
     def finish_edges(self, plan: VmaPlan, blocks: list[Any]) -> None:
         """Once ``plan`` is solved: each input block that sums its gradient along some axes
         gets that rule (the others none)."""
-        comm = self.comm
         for leaf, replicated in plan.edges:
             axes = plan.input_axes(leaf, replicated)
             if axes and self.be.needs_grad(blocks[leaf]):

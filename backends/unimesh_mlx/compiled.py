@@ -116,7 +116,10 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
         else:
             # any tree: keyed by its structure and each leaf's (id of layout, shape), type
             # or constant, as long as the trace holds those very layouts
-            leaves, treedef = optree.tree_flatten((args, kwargs), none_is_leaf=True)
+            leaves, treedef = optree.tree_flatten(  # type: ignore[var-annotated]
+                (args, kwargs),  # type: ignore[arg-type]
+                none_is_leaf=True,
+            )
             sig = (treedef, tuple([_signature(leaf) for leaf in leaves]))
             try:
                 trace = by_signature.get(sig)
