@@ -157,3 +157,80 @@ def test_block_shapes_are_jax_collectives(
         jax.vmap(fns[op], axis_name="i"), jax.ShapeDtypeStruct((2, *shape), "float32")
     )
     assert tuple(out.shape[1:]) == want
+
+
+def _mlx_graph(body_fn, blocks):  # type: ignore[no-untyped-def]
+    """MLX's graph of ``body_fn`` on ``blocks`` (in one process: the collectives are the
+    trace's markers, nothing is communicated), its sites and which took an array."""
+    mx = pytest.importorskip("mlx.core")
+    import optree
+
+    import unimesh
+    from unimesh.program import Body, SpecTree
+    from unimesh.vmaplan import TraceEnv
+
+    be = unimesh.get_backend("mlx")
+    mesh = unimesh.Mesh.from_string("dp=2,tp=2")
+    tracer = TraceEnv(be, mesh, 0)
+    body = Body(body_fn, SpecTree(mesh, unimesh.P(), "out_specs"))
+    leaves, treedef = optree.tree_flatten(blocks)
+
+    def run(given):  # type: ignore[no-untyped-def]
+        _, outs, _, _ = body.flat(tracer, *optree.tree_unflatten(treedef, given))
+        return [be.as_array(o) for o in outs]
+
+    return be.body_graph(run, leaves), tracer, mx
+
+
+def test_mlx_graph_of_the_mlp_step_places_the_hand_written_sums() -> None:
+    """examples/mlp_step.py's loss traced by MLX's export callback: the same plan as the
+    hand-written graph above (the pmean's division and the relu's comparison included)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    import mlp_step
+
+    mx = pytest.importorskip("mlx.core")
+    blocks = (
+        mx.zeros((8, 8)),
+        mx.zeros((8, 4)),
+        {"w1": mx.zeros((8, 16)), "w2": mx.zeros((16, 4))},
+    )
+    graph, tracer, _ = _mlx_graph(mlp_step.loss, blocks)
+    assert tracer.sites == [Site("psum", ("tp",)), Site("psum", ("dp",))]
+    assert tracer.fed == [True, True]
+    plan = VmaPlan()
+    vma = [frozenset({"dp"}), frozenset({"dp"}), frozenset({"tp"}), frozenset({"tp"})]
+    plan.solve(graph, tracer.sites, list(vma), [(NONE, AXES)], AXES, tracer.fed)
+    assert plan.reason is None and plan.exact == AXES
+    assert plan.inputs == {0: {"tp"}, 1: NONE, 2: {"dp"}, 3: {"dp"}}
+    assert plan.sums == {0: NONE, 1: NONE}
+
+
+def test_mlx_graph_refuses_a_body_that_evaluates() -> None:
+    """A body that evaluates an array cannot be traced (the program then keeps the
+    unchecked rules: the error is the plan's reason, not the call's)."""
+    mx = pytest.importorskip("mlx.core")
+    import unimesh
+
+    def evaluates(x):  # type: ignore[no-untyped-def]
+        return unimesh.psum(x, "tp") if x.sum().item() >= 0 else x
+
+    with pytest.raises(ValueError, match="eval"):
+        _mlx_graph(evaluates, (mx.zeros((2, 2)),))
+
+
+def test_a_collective_missing_from_the_graph_is_refused() -> None:
+    """An unused collective is not in the exported graph (nothing depends on it): the plan
+    is refused rather than solved without it."""
+    mx = pytest.importorskip("mlx.core")
+    import unimesh
+
+    def unused(x):  # type: ignore[no-untyped-def]
+        unimesh.psum(x, "tp")
+        return unimesh.psum(x * 2, "dp")
+
+    graph, tracer, _ = _mlx_graph(unused, (mx.zeros((2, 2)),))
+    with pytest.raises(PlanError, match=r"collectives \[0\] of the body are not found"):
+        VmaPlan().solve(graph, tracer.sites, [AXES], [(NONE, AXES)], AXES, tracer.fed)

@@ -329,7 +329,7 @@ class _Program(Program):
         self.ins = ins
         self.outs = outs
         self.env: ProcessAxisEnv | None = None
-        #: the last call's gradient plan (None: the call read no graph)
+        #: the gradient plan of the last call that read the body's graph (None: none did)
         self.plan: vmaplan.VmaPlan | None = None
         self._shapes: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]] = {}
 
@@ -375,15 +375,17 @@ class _Program(Program):
 
         blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]
         if plan is not None:
+            self.plan = plan  # the last one made, for tests and debugging
             vmaplan.trace(plan, env, self.body, blocks, treedef, layouts)
             env.finish_edges(plan, blocks)
-            self.plan = plan  # the last call's, for tests and debugging
         args = optree.tree_unflatten(treedef, blocks)
         if env.check_vma:
             with self.be.vma_mode(env):
                 _, out_leaves, out_def, out_layouts = self.body.flat(env, *args)
         else:
             _, out_leaves, out_def, out_layouts = self.body.flat(env, *args)
+        if plan is not None:
+            plan.finished()
         last = env.comm.last
         wrapped = []
         for i, (block, layout) in enumerate(zip(out_leaves, out_layouts)):

@@ -8,7 +8,10 @@ its cotangent divided by the copies. The hand-written step (Megatron's ``f``/``g
 JAX's ``check_vma=True`` rules sum only where a value invariant along an axis meets one that
 varies along it (``pvary``). Where the backend can give the body's graph (MLX: the graph
 ``mx.export_function`` hands a callback, made while ``unimesh.compile`` traces a step), the
-engine finds those places and moves no more than they do.
+engine finds those places. It never moves more than the check_vma=False rules, and in the
+usual steps what the hand-written step moves; it sums at the source where check_vma sums at
+the meeting point, so where a value is reduced on its way there (``w.sum() * x``: JAX sums
+a scalar, the plan the weight's gradient) it can move more than JAX.
 
 Per mesh axis ``A``, the values invariant along ``A`` form a region. Its *sources* are the
 inputs replicated along ``A`` and the collectives over ``A`` whose result is invariant along it
@@ -137,10 +140,12 @@ class VmaPlan:
         in_vma: list[frozenset[str] | None],
         outs: list[tuple[frozenset[str], frozenset[str]]],
         axes: frozenset[str],
+        fed: list[bool] | None = None,
     ) -> None:
         """Place the sums for ``graph``. ``in_vma``: per argument leaf the axes it varies
         along (None: not an array); ``outs``: per result leaf (axes its spec names, axes it
-        is replicated along); ``axes``: the mesh axes of size > 1."""
+        is replicated along); ``axes``: the mesh axes of size > 1; ``fed``: per collective,
+        whether it took an array (whose link to it the graph must show)."""
         vma: dict[str, frozenset[str]] = {}
         for j, name in enumerate(graph.inputs):
             if name is not None:
@@ -162,12 +167,19 @@ class VmaPlan:
 
         for ins, outs_, site in graph.ops:
             u = frozenset().union(*(of(i) for i in ins)) if ins else frozenset()
+            if site is not None and (site in made or site >= len(sites)):
+                raise PlanError(f"collective {site} appears twice, or is not one of the body's")
+            if (
+                site is not None
+                and fed is not None
+                and fed[site]
+                and all(i in graph.constants for i in ins)
+            ):
+                raise PlanError(f"collective {site}'s operand is not in the graph")
             if site is None:
                 out = u
                 want = u
             else:
-                if site >= len(sites):
-                    raise PlanError(f"the graph names collective {site} of {len(sites)}")
                 s = sites[site]
                 over = frozenset(s.axes) & axes
                 want = u | over
@@ -184,6 +196,9 @@ class VmaPlan:
                     meets.setdefault(i, set()).update(missing)
             for o in outs_:
                 vma[o] = out
+        if len(made) != len(sites):
+            lost = sorted(set(range(len(sites))) - set(made))
+            raise PlanError(f"collectives {lost} of the body are not found in its graph")
         seeds: dict[str, set[str]] = {}
         unplaced: set[str] = set()
         for name, (named, replicated) in zip(graph.outputs, outs):
@@ -243,6 +258,15 @@ class VmaPlan:
         self.sites = list(sites)
         self.reason = None if exact else "every axis has a source reaching both kinds of sink"
 
+    def finished(self) -> None:
+        """At the end of the call: the body called every collective its trace did."""
+        if self.sites is not None and self.exact and self.at != len(self.sites):
+            raise PlanError(
+                f"the program's body called {self.at} collectives, where its trace for the "
+                f"same arguments called {len(self.sites)}: a body must call the same "
+                "collectives for the same arguments"
+            )
+
 
 def shape_after(
     op: str, shape: tuple[int, ...], n: int, dims: tuple[int, ...], tiled: bool
@@ -287,12 +311,15 @@ class TraceEnv(AxisEnv):
         super().__init__(mesh, device)
         self.be = be
         self.sites: list[Site] = []
+        #: per collective: whether it took an array
+        self.fed: list[bool] = []
 
     def _mark(
         self, op: str, axes: tuple[str, ...], x: Any, dims: tuple[int, ...] = (), tiled: bool = True
     ) -> Any:
         k = len(self.sites)
         self.sites.append(Site(op, axes))
+        self.fed.append(x is not None)
         if x is None:
             return self.be.vma_marker(k, None, (), None)
         if not hasattr(x, "shape"):
@@ -374,7 +401,7 @@ def trace(
             in_vma.append(env._input_plan(layout)[2] if layout is not None else frozenset())
     outs = [(env._input_plan(layout)[2], frozenset(replicated_axes(layout))) for layout in seen[-1]]
     try:
-        plan.solve(graph, tracer.sites, in_vma, outs, axes)
+        plan.solve(graph, tracer.sites, in_vma, outs, axes, tracer.fed)
     except PlanError as exc:
         plan.exact = frozenset()
         plan.reason = str(exc)

@@ -31,14 +31,16 @@ from .programs import RULES, TRACING
 from .translate import MLXArray
 
 
-def _signature(leaf: Any) -> Any:
-    """What picks a trace for one argument leaf: an MLXArray's layout (by id) and shape, an
-    array's type, a constant itself."""
+def _signature(leaf: Any, array: type) -> Any:
+    """What picks a trace for one argument leaf, as :func:`compiled`'s ``split`` sees it: an
+    MLXArray's layout (by id: an entry is kept only while its trace holds that layout, and
+    traces are never dropped) and shape, an ``mx.array``'s type, any other value (a constant
+    of the trace) with its type (1, 1.0 and True are equal but not the same constant)."""
     kind = type(leaf)
     if kind is MLXArray:
         return (id(leaf.layout), leaf.shape)
-    if hasattr(leaf, "shape"):  # an mx.array (any other array is refused by split)
-        return kind
+    if isinstance(leaf, array):
+        return array
     return (kind, leaf)
 
 
@@ -80,7 +82,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
                         f"({type(leaf).__name__}), neither an array nor a hashable constant; "
                         "pass arrays, MLXArrays, numbers or strings"
                     ) from None
-                kinds.append(("constant", leaf))
+                kinds.append(("constant", leaf, type(leaf)))  # 1 and True: two traces
         return arrays, kinds, treedef
 
     def join(arrays: Any, kinds: list[Any], treedef: Any) -> Any:
@@ -120,7 +122,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
                 (args, kwargs),  # type: ignore[arg-type]
                 none_is_leaf=True,
             )
-            sig = (treedef, tuple([_signature(leaf) for leaf in leaves]))
+            sig = (treedef, tuple([_signature(leaf, mx.array) for leaf in leaves]))
             try:
                 trace = by_signature.get(sig)
             except TypeError:  # an unhashable constant: split() says so

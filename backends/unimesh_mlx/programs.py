@@ -143,7 +143,9 @@ class MLXPrograms(MLXTranslator):
 
     def body_graph(self, run: Any, leaves: list[Any]) -> Graph:
         """The body's graph from ``mx.export_function`` with a callback (MLX hands it every
-        input, constant and primitive with the names of the arrays it takes and makes)."""
+        input, constant and primitive with the names of the arrays it takes and makes). A body
+        that draws from MLX's global random state draws once more here (MLX 0.32 gives no way
+        to put its key back), once per trace."""
         mx = import_mx()
         at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, mx.array)]
         examples = [mx.zeros(leaves[i].shape, leaves[i].dtype) for i in at]
@@ -160,8 +162,7 @@ class MLXPrograms(MLXTranslator):
         outputs: list[str] = []
         tags: dict[str, int] = {}
         constants: set[str] = set()
-        ops: list[tuple[tuple[str, ...], tuple[str, ...], int | None]] = []
-        for event in events:
+        for event in events:  # the inputs, outputs and constants first, wherever they come
             kind = event["type"]
             if kind == "inputs":
                 for i, (name, *_) in zip(at, event["inputs"]):
@@ -177,14 +178,23 @@ class MLXPrograms(MLXTranslator):
                         and tuple(value[:2].tolist()) == _MARK
                     ):
                         tags[name] = int(value[2].item())
-            elif kind == "primitive":
-                name = event["name"]
-                if name in _DISTRIBUTED:
-                    raise PlanError(f"the body calls MLX's {name} itself")
-                ins = tuple(n for n, *_ in event["inputs"])
-                outs = tuple(n for n, *_ in event["outputs"])
-                site = next((tags[n] for n in ins if n in tags), None)
-                ops.append((tuple(n for n in ins if n not in tags), outs, site))
+                    elif self.needs_grad(value):
+                        raise PlanError(
+                            "the body closes over an array an outer transform differentiates"
+                        )
+        ops: list[tuple[tuple[str, ...], tuple[str, ...], int | None]] = []
+        for event in events:
+            if event["type"] != "primitive":
+                continue
+            name = event["name"]
+            if name in _DISTRIBUTED:
+                raise PlanError(f"the body calls MLX's {name} itself")
+            ins = tuple(n for n, *_ in event["inputs"])
+            outs = tuple(n for n, *_ in event["outputs"])
+            marks = [tags[n] for n in ins if n in tags]
+            if len(marks) > 1:
+                raise PlanError(f"one {name} takes the marks of collectives {marks}")
+            ops.append((tuple(n for n in ins if n not in tags), outs, marks[0] if marks else None))
         return Graph(inputs, ops, outputs, frozenset(constants))
 
     def vma_marker(self, site: int, x: Any, shape: tuple[int, ...], dtype: Any) -> Any:

@@ -151,6 +151,23 @@ CASES: list[Case] = [
 ]
 
 
+def _both_sinks(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
+    """A psum's result that both meets a value varying along its axis and reaches the
+    replicated result: where the body's graph is read (MLX compiled), tp keeps the
+    check_vma=False rules and dp takes check_vma's (the mixed plan)."""
+
+    def body(b: Any) -> Any:
+        y = unimesh.psum(b, "tp")
+        return _total(_weighted(y)) + unimesh.psum((y * y).sum(), "dp")
+
+    return unimesh.shard_map(body, mesh, P("dp", "tp"), P(), backend=backend)
+
+
+CASES.append(Case("psum-both-sinks", _both_sinks, _data(16, (4, 6)), [P("dp", "tp")], (0,)))
+#: the axes a compiled MLX case's plan places, where not every axis of the mesh
+EXACT = {"psum-both-sinks": frozenset({"dp"}), "pbroadcast": frozenset({"dp"})}
+
+
 def _issue_example(mesh: unimesh.Mesh, backend: str) -> Callable[..., Any]:
     """The gradient that was wrong on torch (32 instead of 16)."""
 
@@ -431,6 +448,9 @@ def run(
             plan = program.plan  # the compiled trace must have read the body's graph
             if plan is None or plan.reason is not None:
                 raise AssertionError(f"{case.name}: no gradient plan ({plan and plan.reason})")
+            want = EXACT.get(case.name, frozenset(mesh.axis_names))
+            if plan.exact != want:
+                raise AssertionError(f"{case.name}: the plan places {plan.exact}, not {want}")
         whole = getattr(step, "unimesh_whole", None)  # torch 2.13: forward and backward one
         if whole is not None and whole() != (case.name != "pytree" and _whole_torch()):
             raise AssertionError(  # graph, but where nonstrict_trace cannot take an argument
