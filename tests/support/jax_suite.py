@@ -583,11 +583,17 @@ def ported(case: Case, backend: str) -> dict[str, np.ndarray]:
                 full[i] = x
             return total(tuple(optree.tree_leaves(program(*full))), wts)
 
-        _, grads = unimesh.value_and_grad(loss, argnums=tuple(range(len(nums))), backend=backend)(
-            *(args[i] for i in nums)
-        )
+        step = unimesh.value_and_grad(loss, argnums=tuple(range(len(nums))), backend=backend)
+        _, grads = step(*(args[i] for i in nums))
         for i, g in zip(nums, grads):
             out[f"grad{i}"] = np.asarray(unimesh.full_array(g, backend=backend), np.float64)
+        if backend == "mlx":  # compiled, the gradient follows the body's graph (vmaplan)
+            _, again = unimesh.compile(step, backend=backend)(*(args[i] for i in nums))
+            for i, g in zip(nums, again):
+                got = np.asarray(unimesh.full_array(g, backend=backend), np.float64)
+                np.testing.assert_allclose(
+                    got, out[f"grad{i}"], rtol=1e-6, atol=1e-6, err_msg="compiled gradient"
+                )
     return out
 
 
