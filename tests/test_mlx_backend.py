@@ -248,3 +248,24 @@ def test_one_watchdog_process_bounds_every_watched_call(tmp_path):  # type: igno
     assert proc.returncode == -15, (proc.returncode, proc.stderr)
     assert "a stuck call did not finish within 1 s" in proc.stderr, proc.stderr
     assert time.monotonic() - t0 < 60  # ended by the watchdog, not by the 30 s sleep
+
+
+def test_compiled_steps_keep_each_constant_its_own_trace():
+    """unimesh.compile keys a trace by each constant argument's type and, for floats, its
+    bits: 1 and True, 0.0 and -0.0 are different constants of the step (== says they are
+    equal); a NaN finds its trace again (== says it is not equal to itself)."""
+    calls = []
+
+    def step(x, c):
+        calls.append(c)
+        return x * 2.0, c
+
+    f = unimesh.compile(step, backend="mlx")
+    x = mx.array([1.0])
+    assert f(x, 1)[1] is not True and f(x, True)[1] is True
+    assert f(x, 0.0)[1].hex() == "0x0.0p+0" and f(x, -0.0)[1].hex() == "-0x0.0p+0"
+    assert f(x, np.float32(0.5))[1] == np.float32(0.5) and f(x, np.float32(2.0))[1] == 2.0
+    traced = len(calls)
+    for _ in range(6):
+        f(x, float("nan"))
+    assert len(calls) == traced + 2  # one trace for every NaN (and its lean retrace)

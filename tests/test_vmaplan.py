@@ -234,3 +234,40 @@ def test_a_collective_missing_from_the_graph_is_refused() -> None:
     graph, tracer, _ = _mlx_graph(unused, (mx.zeros((2, 2)),))
     with pytest.raises(PlanError, match=r"collectives \[0\] of the body are not found"):
         VmaPlan().solve(graph, tracer.sites, [AXES], [(NONE, AXES)], AXES, tracer.fed)
+
+
+def test_an_array_the_body_closes_over_keeps_the_unchecked_rules_where_it_meets_variation() -> None:
+    """A weight read from outside the body (not an argument) may be differentiated by a
+    transform around the program, and no edge can sum its gradient: the axes along which it
+    (through the region) meets a varying value keep the check_vma=False rules."""
+    graph, sites = _megatron()
+    graph.constants = frozenset({"n", "scale"})
+    graph.closed = frozenset({"scale"})
+    graph.ops.insert(0, (("scale", "n"), ("scaled",), None))  # through an invariant operation
+    graph.ops[1] = (("x", "w1", "scaled"), ("pre",), None)  # meets x (dp) and w1 (tp)
+    plan = _solve(graph, sites, [(NONE, AXES)])
+    assert plan.exact == NONE and plan.reason is not None
+    graph, sites = _megatron()
+    graph.constants = frozenset({"n", "scale"})
+    graph.closed = frozenset({"scale"})
+    graph.ops.append((("loss", "scale"), ("scaled_loss",), None))  # invariant: no sum needed
+    graph.outputs = ["scaled_loss"]
+    assert _solve(graph, sites, [(NONE, AXES)]).exact == AXES
+
+
+def test_mlx_graph_names_the_arrays_a_body_closes_over() -> None:
+    mx = pytest.importorskip("mlx.core")
+    import unimesh
+
+    weight = mx.ones((2, 2))
+    mx.eval(weight)  # a model's parameter, evaluated: a constant of the graph
+
+    def body(x):  # type: ignore[no-untyped-def]
+        return unimesh.psum((x @ weight * 3.0).sum(), ("dp", "tp"))
+
+    graph, tracer, _ = _mlx_graph(body, (mx.zeros((2, 2)),))
+    assert len(graph.closed) == 1 and graph.closed < graph.constants  # 3.0 is not one
+    assert len(graph.constants) > 1
+    plan = VmaPlan()
+    plan.solve(graph, tracer.sites, [AXES], [(NONE, AXES)], AXES, tracer.fed)
+    assert plan.exact == NONE  # the weight meets x, which varies along both

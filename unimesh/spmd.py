@@ -329,7 +329,8 @@ class _Program(Program):
         self.ins = ins
         self.outs = outs
         self.env: ProcessAxisEnv | None = None
-        #: the gradient plan of the last call that read the body's graph (None: none did)
+        #: the gradient plan of the last call that tried to read the body's graph (its
+        #: ``reason`` says why not, where it could not; None: no call tried)
         self.plan: vmaplan.VmaPlan | None = None
         self._shapes: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]] = {}
 

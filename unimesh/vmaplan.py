@@ -27,8 +27,12 @@ A source reaching both is what the check_vma=False rules exist for: that axis ke
 so does an axis where an output varies though its spec says it does not (JAX's check_vma
 refuses it; the unchecked rules give it a meaning), and an axis along which an invariant
 ``all_gather`` or ``pbroadcast`` is a source (their check_vma transposes are not placed here).
-Where the graph cannot be had (the body evaluates an array, calls a framework's collective
-itself, or another program), every axis keeps the check_vma=False rules.
+An axis also keeps them where an array the body closes over (a constant of the graph that
+may carry a gradient, e.g. a parameter read from a model rather than passed in) meets a value
+varying along it: no edge can sum its gradient. Where the graph cannot be had (the body
+evaluates an array, calls a framework's collective itself or another program, or calls a
+collective whose result nothing uses, which the exported graph leaves out), every axis keeps
+the check_vma=False rules.
 """
 
 from __future__ import annotations
@@ -77,8 +81,11 @@ class Graph:
     inputs: list[str | None]
     ops: list[tuple[tuple[str, ...], tuple[str, ...], int | None]]
     outputs: list[str]
-    #: names of the constants the body captured or made (invariant, no gradient)
+    #: names of the constants the body captured or made (invariant)
     constants: frozenset[str] = frozenset()
+    #: the constants that may carry a gradient (an array the body closes over, which a
+    #: transform around the program may differentiate: its sum cannot be placed)
+    closed: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -157,7 +164,9 @@ class VmaPlan:
         made: dict[int, tuple[str, ...]] = {}
 
         for name in graph.constants:
-            vma[name] = frozenset()  # invariant, no gradient
+            vma[name] = frozenset()  # invariant
+        #: values computed from constants alone (a collective's operand must not be one)
+        fixed = set(graph.constants)
 
         def of(name: str) -> frozenset[str]:
             try:
@@ -169,13 +178,10 @@ class VmaPlan:
             u = frozenset().union(*(of(i) for i in ins)) if ins else frozenset()
             if site is not None and (site in made or site >= len(sites)):
                 raise PlanError(f"collective {site} appears twice, or is not one of the body's")
-            if (
-                site is not None
-                and fed is not None
-                and fed[site]
-                and all(i in graph.constants for i in ins)
-            ):
-                raise PlanError(f"collective {site}'s operand is not in the graph")
+            if all(i in fixed for i in ins):
+                if site is not None and fed is not None and fed[site]:
+                    raise PlanError(f"collective {site}'s operand is not in the graph")
+                fixed.update(outs_)
             if site is None:
                 out = u
                 want = u
@@ -240,6 +246,8 @@ class VmaPlan:
             if sites[k].op == "psum":  # pmax and pmin have no derivative
                 for name in names:
                     sources.append((name, frozenset(sites[k].axes) & axes))
+        for name in graph.closed:  # its gradient would need a sum no edge can place
+            unplaced |= reach_p.get(name, set())
         both: set[str] = set()
         for name, along in sources:
             both |= along & reach_p.get(name, set()) & reach_s.get(name, set())

@@ -41,6 +41,19 @@ def _signature(leaf: Any, array: type) -> Any:
         return (id(leaf.layout), leaf.shape)
     if isinstance(leaf, array):
         return array
+    return _constant(leaf)
+
+
+def _constant(leaf: Any) -> Any:
+    """A constant leaf as a key: with its type, and a float by its bits (-0.0 is not 0.0,
+    and every NaN is the same key, where ``==`` says otherwise)."""
+    kind = type(leaf)
+    if kind is float:
+        return (kind, leaf.hex())
+    if kind is complex:
+        return (kind, leaf.real.hex(), leaf.imag.hex())
+    if hasattr(leaf, "dtype") and hasattr(leaf, "tobytes"):  # a numpy scalar
+        return (kind, leaf.dtype.str, leaf.tobytes())
     return (kind, leaf)
 
 
@@ -82,7 +95,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
                         f"({type(leaf).__name__}), neither an array nor a hashable constant; "
                         "pass arrays, MLXArrays, numbers or strings"
                     ) from None
-                kinds.append(("constant", leaf, type(leaf)))  # 1 and True: two traces
+                kinds.append(("constant", leaf, _constant(leaf)))  # 1 and True: two traces
         return arrays, kinds, treedef
 
     def join(arrays: Any, kinds: list[Any], treedef: Any) -> Any:
@@ -135,7 +148,10 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
                 ]
             else:
                 arrays, kinds, treedef = split((args, kwargs), "an argument")
-                key = (treedef, tuple(kinds))
+                key = (
+                    treedef,
+                    tuple([("constant", k[2]) if k[0] == "constant" else k for k in kinds]),
+                )
                 trace = traces.get(key)
                 if trace is None:
                     trace = traces[key] = _Trace(kinds, treedef)

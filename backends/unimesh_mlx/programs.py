@@ -162,6 +162,7 @@ class MLXPrograms(MLXTranslator):
         outputs: list[str] = []
         tags: dict[str, int] = {}
         constants: set[str] = set()
+        closed: set[str] = set()
         for event in events:  # the inputs, outputs and constants first, wherever they come
             kind = event["type"]
             if kind == "inputs":
@@ -178,10 +179,12 @@ class MLXPrograms(MLXTranslator):
                         and tuple(value[:2].tolist()) == _MARK
                     ):
                         tags[name] = int(value[2].item())
-                    elif self.needs_grad(value):
-                        raise PlanError(
-                            "the body closes over an array an outer transform differentiates"
-                        )
+                    elif value.size > 1 and mx.issubdtype(value.dtype, mx.inexact):
+                        # an array the body closes over, which a transform around the program
+                        # may differentiate (MLX hands the callback a copy: whether it is
+                        # traced cannot be asked; what it is computed from is in the graph);
+                        # a 0-d constant is a number written in the body
+                        closed.add(name)
         ops: list[tuple[tuple[str, ...], tuple[str, ...], int | None]] = []
         for event in events:
             if event["type"] != "primitive":
@@ -194,8 +197,9 @@ class MLXPrograms(MLXTranslator):
             marks = [tags[n] for n in ins if n in tags]
             if len(marks) > 1:
                 raise PlanError(f"one {name} takes the marks of collectives {marks}")
-            ops.append((tuple(n for n in ins if n not in tags), outs, marks[0] if marks else None))
-        return Graph(inputs, ops, outputs, frozenset(constants))
+            ins = tuple(n for n in ins if n not in tags)
+            ops.append((ins, outs, marks[0] if marks else None))
+        return Graph(inputs, ops, outputs, frozenset(constants), frozenset(closed))
 
     def vma_marker(self, site: int, x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         """``x``'s link to an operation on a constant that names ``site`` (found by
