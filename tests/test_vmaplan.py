@@ -221,9 +221,10 @@ def test_mlx_graph_refuses_a_body_that_evaluates() -> None:
         _mlx_graph(evaluates, (mx.zeros((2, 2)),))
 
 
-def test_a_collective_missing_from_the_graph_is_refused() -> None:
-    """An unused collective is not in the exported graph (nothing depends on it): the plan
-    is refused rather than solved without it."""
+def test_an_unused_collective_is_left_out_and_a_lost_one_refused() -> None:
+    """An unused collective is not in the exported graph (nothing depends on it; it adds
+    nothing to a gradient): the plan is solved without it. A collective whose mark is in the
+    graph but no operation takes it is refused."""
     mx = pytest.importorskip("mlx.core")
     import unimesh
 
@@ -232,7 +233,15 @@ def test_a_collective_missing_from_the_graph_is_refused() -> None:
         return unimesh.psum(x * 2, "dp")
 
     graph, tracer, _ = _mlx_graph(unused, (mx.zeros((2, 2)),))
+    assert graph.marked == {1}
+    plan = VmaPlan()
+    plan.solve(graph, tracer.sites, [AXES], [(NONE, AXES)], AXES, tracer.fed)
+    assert plan.reason is None and plan.visit("psum", ("tp",)) == 0
+    graph.marked = frozenset({0, 1})
     with pytest.raises(PlanError, match=r"collectives \[0\] of the body are not found"):
+        VmaPlan().solve(graph, tracer.sites, [AXES], [(NONE, AXES)], AXES, tracer.fed)
+    graph.marked = frozenset()
+    with pytest.raises(PlanError, match="no collective of the body is marked"):
         VmaPlan().solve(graph, tracer.sites, [AXES], [(NONE, AXES)], AXES, tracer.fed)
 
 

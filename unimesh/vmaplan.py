@@ -30,9 +30,9 @@ refuses it; the unchecked rules give it a meaning), and an axis along which an i
 An axis also keeps them where an array the body closes over (a constant of the graph that
 may carry a gradient, e.g. a parameter read from a model rather than passed in) meets a value
 varying along it: no edge can sum its gradient. Where the graph cannot be had (the body
-evaluates an array, calls a framework's collective itself or another program, or calls a
-collective whose result nothing uses, which the exported graph leaves out), every axis keeps
-the check_vma=False rules.
+evaluates an array, calls a framework's collective itself or another program), every axis
+keeps the check_vma=False rules. A collective whose result nothing uses is not in the graph
+(and adds nothing to a gradient); it still runs.
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ class Graph:
     #: the constants that may carry a gradient (an array the body closes over, which a
     #: transform around the program may differentiate: its sum cannot be placed)
     closed: frozenset[str] = frozenset()
+    #: the collectives whose mark is in the graph (None: all); one missing is one whose
+    #: result nothing uses (the trace leaves it out)
+    marked: frozenset[int] | None = None
 
 
 @dataclass
@@ -202,8 +205,11 @@ class VmaPlan:
                     meets.setdefault(i, set()).update(missing)
             for o in outs_:
                 vma[o] = out
-        if len(made) != len(sites):
-            lost = sorted(set(range(len(sites))) - set(made))
+        marked = set(range(len(sites))) if graph.marked is None else graph.marked
+        if sites and not marked:
+            raise PlanError("no collective of the body is marked in its graph")
+        if set(made) != marked:
+            lost = sorted(marked - set(made))
             raise PlanError(f"collectives {lost} of the body are not found in its graph")
         seeds: dict[str, set[str]] = {}
         unplaced: set[str] = set()

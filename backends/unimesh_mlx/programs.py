@@ -199,7 +199,9 @@ class MLXPrograms(MLXTranslator):
                 raise PlanError(f"one {name} takes the marks of collectives {marks}")
             ins = tuple(n for n in ins if n not in tags)
             ops.append((ins, outs, marks[0] if marks else None))
-        return Graph(inputs, ops, outputs, frozenset(constants), frozenset(closed))
+        return Graph(
+            inputs, ops, outputs, frozenset(constants), frozenset(closed), frozenset(tags.values())
+        )
 
     def vma_marker(self, site: int, x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
         """``x``'s link to an operation on a constant that names ``site`` (found by
