@@ -98,7 +98,8 @@ def _check(
     }
     assert sorted(reports) == list(range(ranks)), output[-4000:]
     for rank, report in reports.items():
-        compiled = [f"compiled:{name}" for name in program_cases.compiled_names(backend)]
+        compiled = [f"compiled:{name}" for name in program_cases.COMPILED]
+        compiled += [f"planned:{name}" for name in program_cases.planned_names(backend)]
         assert sorted(report) == sorted(
             [c.name for c in program_cases.CASES]
             + ["native-autodiff", "unused-collective", "psum-small-ints", *compiled, *extra]

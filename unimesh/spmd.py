@@ -342,7 +342,6 @@ class _Program(Program):
 
     def run_flat(self, leaves: list[Any], treedef: Any, layouts: tuple[Layout | None, ...]) -> Any:
         """The program on the arguments' leaves (of tree ``treedef``) laid out as ``layouts``."""
-
         if vmaplan.TRACING.get():
             raise vmaplan.PlanError("a program inside a body being traced for its graph")
         env = self.env

@@ -105,6 +105,17 @@ class ProcessAxisEnv(AxisEnv):
         self.calls += 1
         agree(self.comm, self.calls, op, axes, x, params)
 
+    def _planned_reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
+        """``op`` over ``axes`` while a plan is set: counted against the plan's trace (the
+        rule set may place its transpose)."""
+        if self.checked:
+            self._check("p" + op, axes, x)
+        self._visit("p" + op, axes)
+        run = self._collectives.get((axes, op))
+        if run is None:
+            run = self._collectives[axes, op] = self._reducer(axes, op)
+        return run(x)
+
     def _visit(self, op: str, axes: tuple[str, ...]) -> None:
         """Count a collective against the plan's trace of the body (when there is a plan)."""
         plan = self.plan
@@ -149,10 +160,10 @@ class ProcessAxisEnv(AxisEnv):
         return self._reduce(x, axes, "min")
 
     def _reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
+        if self.plan is not None:
+            return self._planned_reduce(x, axes, op)
         if self.checked:
             self._check("p" + op, axes, x)
-        if self.plan is not None:
-            self._visit("p" + op, axes)
         run = self._collectives.get((axes, op))
         if run is None:
             run = self._collectives[axes, op] = self._reducer(axes, op)

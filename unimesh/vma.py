@@ -54,10 +54,10 @@ class NoCheckVmaEnv(ProcessAxisEnv):
             return fwd(x)
         return self._vjp(key, fwd, bwd)(x)
 
-    def _reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
+    def _planned_reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         plan = self.plan
         if plan is None or op != "sum" or not plan.exact:
-            return super()._reduce(x, axes, op)
+            return super()._planned_reduce(x, axes, op)
         if self.checked:
             self._check("psum", axes, x)
         back = plan.sum_axes(plan.visit("psum", axes), axes)

@@ -76,13 +76,27 @@ def main() -> int:
         except Exception:  # noqa: BLE001 - any failure is reported for this case
             report[case.name] = traceback.format_exc(limit=6)
     for case in program_cases.CASES:  # the same steps under unimesh.compile
-        if case.name not in program_cases.compiled_names(backend):
+        if case.name not in program_cases.COMPILED:
             continue
         try:
             got = program_cases.run(case, mesh, backend, compiled=True)
             report[f"compiled:{case.name}"] = _error(got, want, case.name)
         except Exception:  # noqa: BLE001 - any failure is reported for this case
             report[f"compiled:{case.name}"] = traceback.format_exc(limit=6)
+    planned = program_cases.planned_names(backend)  # MLX: the gradient plan of every case
+    for case in program_cases.CASES:
+        if case.name not in planned:
+            continue
+        import mlx.core as mx
+
+        mx.disable_compile()  # unimesh.compile still traces (and plans) on every call
+        try:
+            got = program_cases.run(case, mesh, backend, compiled=True)
+            report[f"planned:{case.name}"] = _error(got, want, case.name)
+        except Exception:  # noqa: BLE001 - any failure is reported for this case
+            report[f"planned:{case.name}"] = traceback.format_exc(limit=6)
+        finally:
+            mx.enable_compile()
     try:  # the framework's own autodiff through a program
         native = program_cases.native_autodiff(mesh, backend)
         expected = want["issue-example:grad2"]
