@@ -105,6 +105,12 @@ class ProcessAxisEnv(AxisEnv):
         self.calls += 1
         agree(self.comm, self.calls, op, axes, x, params)
 
+    def _summer(self, axes: tuple[str, ...]) -> Fn:
+        """A transpose that sums the cotangent over ``axes`` (the group looked up once)."""
+        comm = self.comm
+        g = comm.group(axes)
+        return lambda ct: comm.all_reduce(ct, g, "sum")
+
     def _planned_reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
         """``op`` over ``axes`` while a plan is set: counted against the plan's trace (the
         rule set may place its transpose)."""

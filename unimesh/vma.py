@@ -65,12 +65,8 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         x = self._array(x)
         if not self.be.needs_grad(x) or (not back and self.be.sum_derivative_is_identity):
             return fwd(x)  # no rule: the framework's own derivative is the transpose
-        comm = self.comm
         # the transpose sums only along the axes where the cotangent can differ (vmaplan)
-        bwd: Fn = same
-        if back:
-            g = comm.group(back)
-            bwd = lambda ct: comm.all_reduce(ct, g, "sum")  # noqa: E731
+        bwd = self._summer(back) if back else same
         return self._vjp(("psum", axes, back), fwd, bwd)(x)
 
     def axis_index(self, axes: tuple[str, ...]) -> Any:
@@ -81,9 +77,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
     def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
         fwd = self._reduction(axes, op)
         if op == "sum":
-            comm, g = self.comm, self.comm.group(axes)
-            back: Fn = lambda ct: comm.all_reduce(ct, g, "sum")  # noqa: E731
-            key = ("psum", axes)
+            back, key = self._summer(axes), ("psum", axes)
         else:
             back, key = self._no_derivative("p" + op, axes), ("p" + op, axes)
         return lambda x: self._collective(key, x, axes, fwd, back)
@@ -148,26 +142,20 @@ class NoCheckVmaEnv(ProcessAxisEnv):
                     blocks[leaf]
                 )
 
-    def _summer(self, axes: tuple[str, ...]) -> Fn:
-        comm = self.comm
-        g = comm.group(axes)
-        return lambda ct: comm.all_reduce(ct, g, "sum")
-
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; replicated over some axes, it counts once in the gradient."""
         block = self.be.as_array(block)
         plan = self.plan
-        if plan is not None and plan.exact:
+        if plan is not None and plan.exact:  # only the copies along unplaced axes count
             axes = plan.copies_axes(replicated_axes(layout))
-            n = self.size(axes) if axes else 1
-            if n == 1 or not self.be.needs_grad(block):
-                return block
-            return self._vjp(("leave", n), same, lambda ct: ct / n)(block)
-        copies = self._out.get(layout)
-        if copies is None:
-            copies = self._out[layout] = math.prod(
-                self.mesh.axis_size(a) for a in replicated_axes(layout)
-            )
+            copies = self.size(axes) if axes else 1
+        else:
+            known = self._out.get(layout)
+            if known is None:
+                known = self._out[layout] = math.prod(
+                    self.mesh.axis_size(a) for a in replicated_axes(layout)
+                )
+            copies = known
         if copies == 1 or not self.be.needs_grad(block):
             return block
         # identity; the result counts once in the gradient

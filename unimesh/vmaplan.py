@@ -416,6 +416,5 @@ def trace(
     outs = [(env._input_plan(layout)[2], frozenset(replicated_axes(layout))) for layout in seen[-1]]
     try:
         plan.solve(graph, tracer.sites, in_vma, outs, axes, tracer.fed)
-    except PlanError as exc:
-        plan.exact = frozenset()
+    except PlanError as exc:  # solve sets nothing before it is sure
         plan.reason = str(exc)
