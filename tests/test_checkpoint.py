@@ -617,16 +617,21 @@ def test_hugging_face_safetensors_load_onto_a_mesh_reading_only_their_bytes(
 
 
 def test_checksums_catch_a_changed_byte(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Every saved box carries a crc32 of its bytes: load(verify=True), open_checkpoint(verify=
-    True) and `unimesh checkpoint verify` find a byte changed after the save, naming the
-    tensor, box and file; without verify a read trusts the file (and reads only its bytes)."""
+    """Every saved box carries an xxh3_64 of its bytes (xxhash's own digest, in the manifest
+    as 16 hex digits): load(verify=True), open_checkpoint(verify=True) and `unimesh checkpoint
+    verify` find a byte changed after the save, naming the tensor, box and file; without
+    verify a read trusts the file (and reads only its bytes)."""
+    import xxhash
+
     from unimesh.cli.main import main
 
     w = np.arange(64, dtype=np.float32).reshape(8, 8)
     unimesh.save(tmp_path / "ck", {"w": w, "b": np.ones(4, np.float16)})
     ck = unimesh.open_checkpoint(tmp_path / "ck")
     box = ck.tensor("w").boxes[0]
-    assert box.crc32 is not None and ck.tensor("b").boxes[0].crc32 is not None
+    assert box.checksum == ("xxh3", xxhash.xxh3_64_intdigest(w.tobytes()))
+    listed = json.loads((tmp_path / "ck" / "manifest.json").read_text())["tensors"]
+    assert listed["b"]["boxes"][0]["xxh3"] == xxhash.xxh3_64_hexdigest(np.ones(4, np.float16))
     assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 0
     good = unimesh.open_checkpoint(tmp_path / "ck", verify=True)
     assert good.read("w", (slice(0, 1),)).tobytes() == w[:1].tobytes()
@@ -645,9 +650,42 @@ def test_checksums_catch_a_changed_byte(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 1
     assert "fails its checksum" in capsys.readouterr().out
     bad = json.loads((tmp_path / "ck" / "manifest.json").read_text())
-    bad["tensors"]["w"]["boxes"][0]["crc32"] = -1
+    entry = bad["tensors"]["w"]["boxes"][0]
+    for value in ["ABCDEF0123456789", "0x12", 12, "g" * 16, "1" * 17, None]:
+        entry["xxh3"] = value
+        with pytest.raises(CheckpointError, match=r"xxh3 must be 16 lowercase hex digits"):
+            parse_manifest(json.dumps(bad).encode(), "m.json")
+    entry["crc32"] = 5
+    with pytest.raises(CheckpointError, match=r"give one checksum, crc32 or xxh3, not both"):
+        parse_manifest(json.dumps(bad).encode(), "m.json")
+    del entry["xxh3"]
+    entry["crc32"] = -1
     with pytest.raises(CheckpointError, match=r"crc32 must be an int in \[0, 2\*\*32\)"):
         parse_manifest(json.dumps(bad).encode(), "m.json")
+
+
+def test_an_earlier_saves_crc32_is_still_checked(tmp_path: Path) -> None:
+    """Checkpoints written before the xxh3 checksum carry zlib's crc32 per box: they load and
+    verify as before, and a changed byte still fails its crc32."""
+    import zlib
+
+    w = np.arange(48, dtype=np.float32).reshape(6, 8)
+    unimesh.save(tmp_path / "ck", {"w": w})
+    path = tmp_path / "ck" / "manifest.json"
+    doc = json.loads(path.read_text())
+    (entry,) = doc["tensors"]["w"]["boxes"]
+    del entry["xxh3"]
+    entry["crc32"] = zlib.crc32(w.tobytes())
+    path.write_text(json.dumps(doc))
+    ck = unimesh.open_checkpoint(tmp_path / "ck", verify=True)
+    assert ck.tensor("w").boxes[0].checksum == ("crc32", zlib.crc32(w.tobytes()))
+    np.testing.assert_array_equal(ck.read("w", (slice(2, 4),)), w[2:4])
+    data = tmp_path / "ck" / entry["file"]
+    raw = bytearray(data.read_bytes())
+    raw[entry["start"] + 7] ^= 0x80
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"fails its checksum: crc32 0x[0-9a-f]{8}, the"):
+        unimesh.open_checkpoint(tmp_path / "ck", verify=True).read("w", (slice(0, 1),))
 
 
 @pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), 1e9, True, "10"])

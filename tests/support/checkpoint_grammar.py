@@ -63,13 +63,17 @@ def _tensor(draw: Any) -> dict[str, Any]:
             "start": at,
             "end": at + n,
         }
-        if draw(st.booleans()):
+        kind = draw(st.sampled_from(["", "", "crc32", "xxh3"]))
+        if kind == "crc32":
             box["crc32"] = _int(draw, 0, 2**32 - 1)
+        elif kind == "xxh3":
+            box["xxh3"] = f"{draw(st.integers(0, 2**64 - 1)):016x}"
         at += n
         boxes.append(box)
     for _ in range(draw(st.sampled_from([0, 0, 0, 0, 1, 2]))):  # damage a field of a box
         box = draw(st.sampled_from(boxes))
-        field = draw(st.sampled_from(["offset", "size", "file", "start", "end", "crc32", "new"]))
+        fields = ["offset", "size", "file", "start", "end", "crc32", "xxh3", "new"]
+        field = draw(st.sampled_from(fields))
         choice = draw(st.integers(0, 3))
         if choice == 0:
             box.pop(field, None)

@@ -8,7 +8,6 @@ the byte runs of the boxes a region touches (:mod:`.runs`), read through the pla
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -20,7 +19,16 @@ from ..mesh import Mesh
 from ..messages import close_match, short
 from ..spec import PartitionSpec
 from . import huggingface as hf
-from .format import MANIFEST, MAX_HEADER, Box, Tensor, numpy_dtype, parse_manifest, read_header
+from .format import (
+    MANIFEST,
+    MAX_HEADER,
+    Box,
+    Tensor,
+    hasher,
+    numpy_dtype,
+    parse_manifest,
+    read_header,
+)
 from .raw import aligned_empty
 from .runs import BoxPart, overlaps, part
 from .storage import Storage, open_storage
@@ -124,7 +132,7 @@ class Checkpoint:
     shapes, dtypes and saved layouts; :meth:`read` gives any slice as numpy, reading only its
     bytes. ``bytes_read`` counts what was read from data files. ``kind``: the format found
     (``unimesh``, ``safetensors``, ``dcp``, ``orbax``). With ``verify=True`` every box a read
-    touches is first read whole and checked against the checksum the save wrote (``crc32``),
+    touches is first read whole and checked against the checksum the save wrote (``xxh3``),
     once."""
 
     def __init__(self, path: Any, *, verify: bool = False) -> None:
@@ -351,12 +359,14 @@ class Checkpoint:
         return out
 
     def check_box(self, name: str, box: Box) -> None:
-        """Read ``box`` of tensor ``name`` whole and compare its crc32 with the manifest's
-        (once per box; nothing to check where the writer gave no checksum)."""
+        """Read ``box`` of tensor ``name`` whole and compare its checksum (xxh3, or an earlier
+        save's crc32) with the manifest's (once per box; nothing to check where the writer
+        gave no checksum)."""
         key = (box.file, box.start)
-        if box.crc32 is None or key in self._checked:
+        if box.checksum is None or key in self._checked:
             return
-        crc, at = 0, box.start
+        kind, expected = box.checksum
+        running, at = hasher(kind), box.start
         self._data_file(box.file)
         while at < box.end:
             chunk = self.storage.read(box.file, at, min(at + (16 << 20), box.end))
@@ -365,14 +375,17 @@ class Checkpoint:
                     f"{self.path}: data file {box.file!r} is truncated (tensor {name!r} "
                     f"needs bytes {at}..{box.end})"
                 )
-            crc = zlib.crc32(chunk, crc)
+            running.update(chunk)
             at += len(chunk)
         self.bytes_read += box.end - box.start
-        if crc != box.crc32:
+        found = running.intdigest()
+        if found != expected:
+            digits = 16 if kind == "xxh3" else 8
             raise CheckpointError(
                 f"{self.path}: tensor {name!r}, the box at {list(box.offset)} in {box.file} "
-                f"(bytes {box.start}..{box.end}) fails its checksum: crc32 {crc:#010x}, the "
-                f"manifest says {box.crc32:#010x}; the file changed after the save"
+                f"(bytes {box.start}..{box.end}) fails its checksum: {kind} "
+                f"{found:#0{digits + 2}x}, the manifest says {expected:#0{digits + 2}x}; the "
+                "file changed after the save"
             )
         self._checked.add(key)
 

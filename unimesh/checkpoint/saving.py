@@ -10,7 +10,6 @@ import json
 import os
 import secrets
 import threading
-import zlib
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from .format import (
     Box,
     Tensor,
     check_file_name,
+    checksum,
     dtype_name,
     manifest_bytes,
     safetensors_header,
@@ -216,10 +216,10 @@ class SaveJob:
         ]
         head = safetensors_header(entries)
         views = [b.reshape(-1).view(np.uint8).data for *_, b in self.blocks]
-        crcs: list[int] = []
-        # the checksums in a thread while the file is written (zlib and the writes release
-        # the GIL): their time hides behind the writes' instead of following it
-        summing = threading.Thread(target=lambda: crcs.extend(map(zlib.crc32, views)))
+        sums: list[tuple[str, int]] = []
+        # the checksums in a thread while the file is written (each write releases the GIL):
+        # their time hides behind the writes' instead of following it
+        summing = threading.Thread(target=lambda: sums.extend(map(checksum, views)))
         summing.start()
         try:
             if self.blocks:  # a process with no block to write writes no file
@@ -229,14 +229,14 @@ class SaveJob:
             self._unlink(file)
         finally:
             summing.join()
-        if len(crcs) != len(views) and not problem:  # pragma: no cover - zlib failed
+        if len(sums) != len(views) and not problem:  # pragma: no cover - xxhash failed
             problem = f"process {rank} could not checksum the blocks of {file}"
             self._unlink(file)
         at = len(head)
         listing: dict[str, list[list[Any]]] = {}
-        for (name, offset, _, block), crc in zip(self.blocks, crcs):
+        for (name, offset, _, block), (kind, value) in zip(self.blocks, sums):
             listing.setdefault(name, []).append(
-                [list(offset), list(block.shape), at, at + block.nbytes, crc]
+                [list(offset), list(block.shape), at, at + block.nbytes, [kind, value]]
             )
             at += block.nbytes
         payload = {"file": file, "boxes": listing, "error": problem}
@@ -276,7 +276,8 @@ class SaveJob:
         for part in parts:
             for name, boxes in part["boxes"].items():
                 self.tensors[name].boxes.extend(
-                    Box(tuple(o), tuple(s), part["file"], a, b, c) for o, s, a, b, c in boxes
+                    Box(tuple(o), tuple(s), part["file"], a, b, (c[0], c[1]))
+                    for o, s, a, b, c in boxes
                 )
         text = manifest_bytes(self.tensors)
         keep = {p["file"] for p in parts} | {MANIFEST}
