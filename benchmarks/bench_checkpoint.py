@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -58,6 +59,19 @@ def _drop_cache(paths: list[Path]) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def best_save(fn: Any, place: Path, trials: int = 3) -> float:
+    """The best of ``trials`` saves to ``place``, each after an ``os.sync`` (no save pays
+    for an earlier write's writeback) and with the previous one removed (a job keeping its
+    latest checkpoint), as :func:`limits` takes the best of three writes: one write's time
+    moves by 2x and more on this project's virtual disk."""
+    best = math.inf
+    for _ in range(trials):
+        shutil.rmtree(place, ignore_errors=True)
+        os.sync()
+        best = min(best, timed(fn))
+    return best
 
 
 def timed(fn: Any) -> float:
@@ -302,8 +316,8 @@ def main() -> None:
             row("limit", name, seconds, "")
         # -- unimesh ------------------------------------------------------------------------
         path = work / "unimesh"
-        row("unimesh", "save (durable: fsync)", timed(lambda: unimesh.save(path, arrays)),
-            "pwrite+fsync")  # fmt: skip
+        row("unimesh", "save (durable: fsync)", best_save(lambda: unimesh.save(path, arrays),
+            path), "pwrite+fsync")  # fmt: skip
         target = {k: Layout(mesh, specs[k]) for k in values}
         stats: dict[str, int] = {}
         load = lambda t: jax.block_until_ready(  # noqa: E731
@@ -398,8 +412,9 @@ def main() -> None:
             tensors = {k: from_host(v) for k, v in values.items()}
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                row("torch DCP", "dcp.save (one process)", timed(lambda: dcp.save(
-                    tensors, checkpoint_id=str(work / "dcp"))), "pwrite+fsync")  # fmt: skip
+                row("torch DCP", "dcp.save (one process)", best_save(lambda: dcp.save(
+                    tensors, checkpoint_id=str(work / "dcp")), work / "dcp"),
+                    "pwrite+fsync")  # fmt: skip
                 into = {k: torch.empty_like(t) for k, t in tensors.items()}
                 dcp.load(into, checkpoint_id=str(work / "dcp"))
                 best = min(
@@ -421,7 +436,8 @@ def main() -> None:
                 checkpointer.save(work / "orbax", arrays)
                 checkpointer.wait_until_finished()
 
-            row("Orbax", "StandardCheckpointer.save", timed(orbax_save), "pwrite+fsync")
+            row("Orbax", "StandardCheckpointer.save", best_save(orbax_save, work / "orbax"),
+                "pwrite+fsync")  # fmt: skip
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
             restore = lambda: jax.block_until_ready(  # noqa: E731
                 checkpointer.restore(work / "orbax", abstract)
