@@ -373,7 +373,7 @@ class _Program(Program):
     ) -> Any:
         import optree
 
-        blocks = [env.enter(leaf, lay) for leaf, lay in zip(leaves, layouts)]
+        blocks = env.enter_all(leaves, layouts)
         if plan is not None:
             self.plan = plan  # the last one made, for tests and debugging
             vmaplan.trace(plan, env, self.body, blocks, treedef, layouts)
@@ -386,17 +386,7 @@ class _Program(Program):
             _, out_leaves, out_def, out_layouts = self.body.flat(env, *args)
         if plan is not None:
             plan.finished()
-        last = env.comm.last
-        wrapped = []
-        for i, (block, layout) in enumerate(zip(out_leaves, out_layouts)):
-            if last is not None:
-                # every collective the program issued runs, used or not: a lazy framework
-                # runs only what a result depends on, and a peer waits on the one left out
-                block = self.be.after(self.be.as_array(block), last)
-            block = env.leave(block, layout, i)
-            key = (layout, tuple(block.shape))
-            shape = self._shapes.get(key)
-            if shape is None:
-                shape = self._shapes[key] = layout.global_shape(key[1])
-            wrapped.append(self.be.wrap_result(block, layout, shape))
+        # every collective the program issued runs, used or not: a lazy framework runs only
+        # what a result depends on, and a peer waits on the one left out
+        wrapped = env.leave_all(out_leaves, out_layouts, env.comm.last, self._shapes)
         return optree.tree_unflatten(out_def, wrapped)

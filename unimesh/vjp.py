@@ -317,12 +317,46 @@ class ProcessAxisEnv(AxisEnv):
             return None
         return self._edge(arg, layout)
 
-    def _block(self, arg: Any, layout: Layout, replicated: tuple[str, ...]) -> tuple[Any, bool]:
+    def enter_all(self, leaves: list[Any], layouts: tuple[Layout | None, ...]) -> list[Any]:
+        """Every argument leaf's block (:meth:`enter` of each; a rule set may replay what
+        it decided for these layouts instead)."""
+        return [self.enter(leaf, layout) for leaf, layout in zip(leaves, layouts)]
+
+    def leave_all(
+        self,
+        blocks: list[Any],
+        layouts: tuple[Layout, ...],
+        last: Any,
+        shapes: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]],
+    ) -> list[Any]:
+        """Every result block through :meth:`leave`, each after ``last`` (the program's last
+        collective, on a lazy backend: a peer waits on every collective, used or not), as
+        the backend's distributed array; ``shapes`` keeps each global shape."""
+        be = self.be
+        out = []
+        for i, (block, layout) in enumerate(zip(blocks, layouts)):
+            if last is not None:
+                block = be.after(be.as_array(block), last)
+            block = self.leave(block, layout, i)
+            key = (layout, tuple(block.shape))
+            shape = shapes.get(key)
+            if shape is None:
+                shape = shapes[key] = layout.global_shape(key[1])
+            out.append(be.wrap_result(block, layout, shape))
+        return out
+
+    def _block(
+        self,
+        arg: Any,
+        layout: Layout,
+        replicated: tuple[str, ...],
+        got: tuple[Any, bool] | None = None,
+    ) -> tuple[Any, bool]:
         """(this process's block of ``arg``, whether it came from the backend's distributed
         array); a global array's block sends back the whole gradient, first summed over
-        ``replicated``."""
+        ``replicated``. ``got``: what the backend's ``local_block`` already gave for it."""
         assert self.device is not None
-        block, is_global = self.be.local_block(arg, layout, self.device)
+        block, is_global = self.be.local_block(arg, layout, self.device) if got is None else got
         if not is_global:
             return block, True
         _, sharded, _ = self._input_plan(layout)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import LayoutError
 from .groups import GroupComm
 from .layout import Layout
-from .vjp import Fn, ProcessAxisEnv, replicated_axes, same
+from .vjp import _HOST_VALUES, _SLICES_KEPT, Fn, ProcessAxisEnv, replicated_axes, same
 
 if TYPE_CHECKING:
     from .spmd import ProcessBackend
@@ -47,6 +47,8 @@ class NoCheckVmaEnv(ProcessAxisEnv):
     def __init__(self, be: ProcessBackend, comm: GroupComm) -> None:
         super().__init__(be, comm)
         self._out: dict[Layout, int] = {}
+        #: per argument layouts (by identity, the tuple kept): each input's replicated axes
+        self._edges: dict[int, tuple[tuple[Layout | None, ...], tuple[Any, ...]]] = {}
 
     def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
         x = self._array(x)
@@ -80,7 +82,16 @@ class NoCheckVmaEnv(ProcessAxisEnv):
             back, key = self._summer(axes), ("psum", axes)
         else:
             back, key = self._no_derivative("p" + op, axes), ("p" + op, axes)
-        return lambda x: self._collective(key, x, axes, fwd, back)
+        needs_grad, as_array = self.be.needs_grad, self.be.as_array
+
+        def run(x: Any) -> Any:  # _collective, inlined: the step's every reduction comes here
+            if isinstance(x, _HOST_VALUES):
+                x = as_array(x)
+            if not needs_grad(x):
+                return fwd(x)
+            return self._vjp(key, fwd, back)(x)
+
+        return run
 
     def _all_gather(
         self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
@@ -114,14 +125,75 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         block, distributed = self._block(arg, layout, replicated)
         if not distributed or not replicated or not self.be.needs_grad(block):
             return block
-        comm = self.comm
-        # identity; the gradient summed over the axes it is replicated on
-        edge = self._vjp(
-            ("replicated", replicated),
-            same,
-            lambda ct: comm.all_reduce(ct, comm.group(replicated), "sum"),
-        )
-        return edge(block)
+        return self._replicated_edge(replicated)(block)
+
+    def _replicated_edge(self, replicated: tuple[str, ...]) -> Fn:
+        """Identity, the gradient summed over the axes the input is replicated on."""
+        return self._vjp(("replicated", replicated), same, self._summer(replicated))
+
+    def enter_all(self, leaves: list[Any], layouts: tuple[Layout | None, ...]) -> list[Any]:
+        """:meth:`enter` of each leaf, replayed: what the edges decide for these layouts (the
+        axes each input is replicated on) is looked up once per ``layouts`` and kept; per
+        call only what can change is asked (the backend's block of the argument, whether it
+        may carry a gradient). A plan (:mod:`unimesh.vmaplan`) takes the full path."""
+        if self.plan is not None:
+            return super().enter_all(leaves, layouts)
+        kept = self._edges.get(id(layouts))
+        if kept is None or kept[0] is not layouts:
+            if len(self._edges) >= _SLICES_KEPT:
+                self._edges.clear()
+            replicated = tuple(None if lay is None else self._input_plan(lay)[0] for lay in layouts)
+            kept = self._edges[id(layouts)] = (layouts, replicated)
+        local_block, needs_grad, device = self.be.local_block, self.be.needs_grad, self.device
+        assert device is not None
+        out = []
+        for arg, layout, rep in zip(leaves, layouts, kept[1]):
+            if rep is None or arg is None:  # a None in_spec, or None: the full path
+                out.append(self.enter(arg, layout))
+                continue
+            assert layout is not None
+            got = local_block(arg, layout, device)
+            block = got[0]
+            if got[1]:  # a global array: cut, its gradient rule made there
+                block, _ = self._block(arg, layout, rep, got)
+            elif rep and needs_grad(block):
+                block = self._replicated_edge(rep)(block)
+            out.append(block)
+        return out
+
+    def leave_all(
+        self,
+        blocks: list[Any],
+        layouts: tuple[Layout, ...],
+        last: Any,
+        shapes: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]],
+    ) -> list[Any]:
+        """:meth:`leave` of each result, replayed: how many copies of each result count
+        (its replicated axes' sizes) and its global shape are looked up once per ``layouts``
+        and block shape; per call only whether a block may carry a gradient is asked."""
+        if self.plan is not None:
+            return super().leave_all(blocks, layouts, last, shapes)
+        be = self.be
+        as_array, after, needs_grad, wrap = be.as_array, be.after, be.needs_grad, be.wrap_result
+        copies_of = self._out
+        out = []
+        for block, layout in zip(blocks, layouts):
+            block = as_array(block)
+            if last is not None:
+                block = after(block, last)
+            copies = copies_of.get(layout)
+            if copies is None:
+                copies = copies_of[layout] = math.prod(
+                    self.mesh.axis_size(a) for a in replicated_axes(layout)
+                )
+            if copies != 1 and needs_grad(block):
+                block = self._vjp(("leave", copies), same, _divide(copies))(block)
+            key = (layout, tuple(block.shape))
+            shape = shapes.get(key)
+            if shape is None:
+                shape = shapes[key] = layout.global_shape(key[1])
+            out.append(wrap(block, layout, shape))
+        return out
 
     def _planned_edge(
         self, arg: Any, layout: Layout, replicated: tuple[str, ...], plan: VmaPlan, leaf: int
@@ -159,7 +231,12 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         if copies == 1 or not self.be.needs_grad(block):
             return block
         # identity; the result counts once in the gradient
-        return self._vjp(("leave", copies), same, lambda ct: ct / copies)(block)
+        return self._vjp(("leave", copies), same, _divide(copies))(block)
+
+
+def _divide(copies: int) -> Fn:
+    """A result's transpose: its cotangent counted once among ``copies`` copies."""
+    return lambda ct: ct / copies
 
 
 class CheckVmaEnv(ProcessAxisEnv):

@@ -128,7 +128,7 @@ class MLXPrograms(MLXTranslator):
         from ``distribute`` or numpy)."""
         if RULES.forward_only:
             return False
-        probe = tracer_probe()
+        probe = _PROBE[0] if _PROBE else _load_probe()
         return not is_fresh(x) if probe is None else probe(x)
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
@@ -230,11 +230,7 @@ class MLXPrograms(MLXTranslator):
                     treedef,
                     [(a.layout, a.shape) if isinstance(a, MLXArray) else None for a in flat],
                 )
-                locals_.append(
-                    optree.tree_unflatten(
-                        treedef, [a.local if isinstance(a, MLXArray) else a for a in flat]
-                    )
-                )
+                locals_.append(optree.tree_unflatten(treedef, [_differentiable(a) for a in flat]))
 
             def inner(*chosen: Any) -> Any:
                 full = list(args)
@@ -435,6 +431,26 @@ class _Tracing(threading.local):
 
 
 TRACING = _Tracing()
+
+
+def _differentiable(leaf: Any) -> Any:
+    """What ``mx.value_and_grad`` is given for an argument leaf: an :class:`MLXArray`'s block,
+    a numpy array (or float) as an ``mx.array`` (MLX differentiates only its own arrays; JAX
+    and torch take numpy there too), anything else as it is."""
+    if isinstance(leaf, MLXArray):
+        return leaf.local
+    if isinstance(leaf, (np.ndarray, np.generic, float)):
+        return host_to_mx(np.asarray(leaf))
+    return leaf
+
+
+def _load_probe() -> Any:
+    """:func:`tracer_probe`, kept in :data:`_PROBE` (asked on every collective and edge)."""
+    _PROBE.append(tracer_probe())
+    return _PROBE[0]
+
+
+_PROBE: list[Any] = []
 
 
 @functools.cache

@@ -14,6 +14,7 @@ import tempfile
 import _support  # noqa: F401 - tests/support on sys.path, before its modules are imported
 import mlx.core as mx
 import numpy as np
+import unimesh_mlx
 from worker_checks import Checks
 
 import unimesh
@@ -172,5 +173,54 @@ try:
     check(False, "a layout with more dims than the parameter must raise")
 except unimesh.LayoutError as exc:
     check("'bias'" in str(exc), f"shard_params names the parameter: {exc}")
+
+# the engine's edges and results, decided once per argument layouts and replayed (issue 55):
+# one program called again and again while its arguments change layout, shape and grad
+# mode; every call against numpy in float64 (the value, and the gradient 2 X^T X W)
+rng = np.random.default_rng(7)
+X8, X12 = rng.standard_normal((8, 6)), rng.standard_normal((12, 6))
+W = rng.standard_normal((6, 4))
+
+
+def square_sum(x, w):  # type: ignore[no-untyped-def]
+    y = unimesh.psum(x @ w, "tp")  # x's columns and w's rows over tp: partial sums
+    return unimesh.psum((y * y).sum(), "dp")
+
+
+prog = unimesh.shard_map(square_sum, mesh, (P("dp", "tp"), P("tp", None)), P(), backend=be)
+grad_w = unimesh.value_and_grad(prog, argnums=1, backend=be)
+
+
+def placed(a, spec):  # type: ignore[no-untyped-def]
+    return unimesh.distribute(a.astype(np.float32), Layout(mesh, spec), be)
+
+
+def as_global(g):  # type: ignore[no-untyped-def]
+    return unimesh.full_array(g, be) if isinstance(g, unimesh_mlx.MLXArray) else np.array(g)
+
+
+calls = [  # (what changes, x, w)
+    ("the in_specs' layouts", placed(X8, P("dp", "tp")), placed(W, P("tp", None))),
+    ("numpy arguments", X8.astype(np.float32), W.astype(np.float32)),
+    ("w laid out otherwise", placed(X8, P("dp", "tp")), placed(W, P(None, "tp"))),
+    ("another shape", placed(X12, P("dp", "tp")), placed(W, P("tp", None))),
+    ("the in_specs' layouts again", placed(X8, P("dp", "tp")), placed(W, P("tp", None))),
+]
+for what, x, w in calls * 2:
+    xs = X8 if x.shape[0] == 8 else X12
+    want = ((xs @ W) ** 2).sum()
+    for grad_mode in (False, True, False):
+        if grad_mode:
+            value, g = grad_w(x, w)
+            check(
+                np.allclose(as_global(g), 2 * xs.T @ xs @ W, rtol=1e-4, atol=1e-4),
+                f"replayed edges, {what}: the gradient is 2 X^T X W",
+            )
+        else:
+            value = prog(x, w)
+        check(
+            np.isclose(float(np.array(unimesh.full_array(value, be))), want, rtol=1e-5),
+            f"replayed edges, {what}, grad mode {grad_mode}: the value",
+        )
 
 check.done(f"RANK {rank}")
