@@ -435,3 +435,22 @@ def test_a_save_spreads_dtensor_replicas_over_the_processes_holding_them() -> No
             if name == f"w{i}":
                 count[offset[0] : offset[0] + shape[0], offset[1] : offset[1] + shape[1]] += 1
         assert (count == 1).all(), (i, np.unique(count))
+
+
+def test_value_and_grad_takes_numpy_arguments_as_jax_does() -> None:
+    """A numpy argument is differentiated as a tensor made from it (jax.grad takes numpy
+    too; torch's autograd.grad raised "inputs cannot be empty"): the value and gradient are
+    torch.func's of the same tensor; arguments with no floating-point leaf are refused by
+    name, as jax.grad refuses integer inputs."""
+    import jax
+
+    def loss(v: object) -> object:
+        return (v**3).sum()  # type: ignore[operator]
+
+    a = np.array([1.0, -2.0, 0.5], np.float32)
+    value, grad = unimesh.value_and_grad(loss, backend="torch")(a)
+    torch.testing.assert_close(grad, torch.func.grad(loss)(torch.from_numpy(a)))
+    np.testing.assert_allclose(grad.numpy(), np.asarray(jax.grad(loss)(a)), rtol=1e-6)
+    assert float(value) == pytest.approx(float((a**3).sum()))
+    with pytest.raises(unimesh.ConversionError, match=r"argument\(s\) \[0\]: none of their"):
+        unimesh.value_and_grad(lambda v: (v * 2.0).sum(), backend="torch")(np.arange(3))

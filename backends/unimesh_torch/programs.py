@@ -26,7 +26,7 @@ from .autograd import (
 )
 from .compiled import compiling, funcol, real_mesh, traced_permute
 from .runtime import import_dist, import_torch
-from .translate import TorchLayout, TorchTranslator, global_stride, to_host
+from .translate import TorchLayout, TorchTranslator, from_host, global_stride, to_host
 
 
 class TorchPrograms(TorchTranslator):
@@ -366,6 +366,14 @@ class TorchPrograms(TorchTranslator):
             trees = []
             for i in argnums:
                 flat, treedef = optree.tree_flatten(args[i])
+                # numpy (and floats) as tensors: torch differentiates only its own (as JAX
+                # takes numpy, a global array gets a global gradient)
+                flat = [
+                    from_host(np.asarray(leaf))
+                    if isinstance(leaf, (np.ndarray, np.generic, float))
+                    else leaf
+                    for leaf in flat
+                ]
                 fresh = [
                     fresh_leaf(leaf)
                     if torch.is_tensor(leaf) and (leaf.is_floating_point() or leaf.is_complex())
@@ -391,6 +399,13 @@ class TorchPrograms(TorchTranslator):
                     raise ConversionError(
                         f"value_and_grad needs {getattr(fn, '__name__', 'fn')} to return a "
                         f"scalar, got {short(value)}"
+                    )
+                if not leaves:
+                    raise ConversionError(
+                        f"value_and_grad of {getattr(fn, '__name__', 'fn')} with respect to "
+                        f"argument(s) {list(argnums)}: none of their leaves is a floating-point "
+                        "array (jax.grad refuses integer inputs too); pass float arrays there, or "
+                        "choose other argnums"
                     )
                 found = torch.autograd.grad(scalar.reshape(()), leaves, allow_unused=True)
             # the gradients in the order their leaves were listed: a copy, then its block where
