@@ -148,9 +148,17 @@ class ProcessAxisEnv(AxisEnv):
         g = self.comm.group(axes)
         if g.size > 1 and g.handle is not None:
             prim, handle = self.be.group_all_reduce, g.handle
-            if self.be.lazy:
-                run = self.comm.run
-                return lambda v: run(prim, v, handle, op)
+            if self.be.lazy:  # GroupComm.run's chain, inlined
+                comm, after = self.comm, self.be.after
+
+                def chained(v: Any) -> Any:
+                    last = comm.last
+                    if last is not None:
+                        v = after(v, last)
+                    comm.last = out = prim(v, handle, op)
+                    return out
+
+                return chained
             return lambda v: prim(v, handle, op)
         comm = self.comm
         return lambda v: comm.all_reduce(v, g, op)
