@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .spmd import ProcessBackend
     from .vmaplan import VmaPlan
 
-__all__ = ["Fn", "ProcessAxisEnv", "replicated_axes", "same"]
+__all__ = ["Fn", "ProcessAxisEnv", "global_shape", "replicated_axes", "same"]
 
 Fn = Callable[[Any], Any]
 #: how many (layout, shape) blocks of global arguments an env keeps
@@ -45,6 +45,17 @@ def replicated_axes(layout: Layout) -> tuple[str, ...]:
     return tuple(
         a for a in layout.mesh.axis_names if a not in used and layout.mesh.axis_size(a) > 1
     )
+
+
+def global_shape(
+    shapes: dict[tuple[Layout, tuple[int, ...]], tuple[int, ...]], layout: Layout, block: Any
+) -> tuple[int, ...]:
+    """The global shape of a result ``block`` laid out as ``layout``, kept in ``shapes``."""
+    key = (layout, tuple(block.shape))
+    shape = shapes.get(key)
+    if shape is None:
+        shape = shapes[key] = layout.global_shape(key[1])
+    return shape
 
 
 class ProcessAxisEnv(AxisEnv):
@@ -346,11 +357,7 @@ class ProcessAxisEnv(AxisEnv):
             if last is not None:
                 block = be.after(be.as_array(block), last)
             block = self.leave(block, layout, i)
-            key = (layout, tuple(block.shape))
-            shape = shapes.get(key)
-            if shape is None:
-                shape = shapes[key] = layout.global_shape(key[1])
-            out.append(be.wrap_result(block, layout, shape))
+            out.append(be.wrap_result(block, layout, global_shape(shapes, layout, block)))
         return out
 
     def _block(

@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING, Any
 from .errors import LayoutError
 from .groups import GroupComm
 from .layout import Layout
-from .vjp import _HOST_VALUES, _SLICES_KEPT, Fn, ProcessAxisEnv, replicated_axes, same
+from .vjp import (
+    _HOST_VALUES,
+    _SLICES_KEPT,
+    Fn,
+    ProcessAxisEnv,
+    global_shape,
+    replicated_axes,
+    same,
+)
 
 if TYPE_CHECKING:
     from .spmd import ProcessBackend
@@ -188,19 +196,21 @@ class NoCheckVmaEnv(ProcessAxisEnv):
             block = as_array(block)
             if last is not None:
                 block = after(block, last)
-            copies = copies_of.get(layout)
-            if copies is None:
-                copies = copies_of[layout] = math.prod(
-                    self.mesh.axis_size(a) for a in replicated_axes(layout)
-                )
+            copies = copies_of.get(layout) or self._copies(layout)
             if copies != 1 and needs_grad(block):
                 block = self._vjp(("leave", copies), same, _divide(copies))(block)
-            key = (layout, tuple(block.shape))
-            shape = shapes.get(key)
-            if shape is None:
-                shape = shapes[key] = layout.global_shape(key[1])
-            out.append(wrap(block, layout, shape))
+            out.append(wrap(block, layout, global_shape(shapes, layout, block)))
         return out
+
+    def _copies(self, layout: Layout) -> int:
+        """How many copies of a result laid out as ``layout`` there are (the sizes of the
+        axes it is replicated on), kept per layout."""
+        known = self._out.get(layout)
+        if known is None:
+            known = self._out[layout] = math.prod(
+                self.mesh.axis_size(a) for a in replicated_axes(layout)
+            )
+        return known
 
     def _planned_edge(
         self, arg: Any, layout: Layout, replicated: tuple[str, ...], plan: VmaPlan, leaf: int
@@ -229,12 +239,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
             axes = plan.copies_axes(replicated_axes(layout))
             copies = self.size(axes) if axes else 1
         else:
-            known = self._out.get(layout)
-            if known is None:
-                known = self._out[layout] = math.prod(
-                    self.mesh.axis_size(a) for a in replicated_axes(layout)
-                )
-            copies = known
+            copies = self._copies(layout)
         if copies == 1 or not self.be.needs_grad(block):
             return block
         # identity; the result counts once in the gradient
