@@ -851,3 +851,31 @@ def test_replicated_blocks_are_written_by_the_holder_with_the_least_to_write() -
     written = [sum(n for key, n in blocks if writer[key] == r) for r, blocks in enumerate(held)]
     assert written == [144] * 4
     assert writers(held) == writer  # the same lists give the same answer on every process
+
+
+def test_a_checksum_that_fails_in_the_save_names_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure while the save thread checksums the blocks (here: xxhash missing, as in an
+    install made with --no-deps) is a CheckpointError naming the cause and the fix, and the
+    checkpoint already there stays loadable; verify says the same."""
+    import builtins
+
+    from unimesh.checkpoint import format as fmt
+
+    unimesh.save(tmp_path / "ck", {"w": np.ones(4, np.float32)})
+    real = builtins.__import__
+
+    def no_xxhash(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "xxhash":
+            raise ImportError("No module named 'xxhash'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_xxhash)
+    with pytest.raises(CheckpointError, match=r"could not checksum .*pip install xxhash"):
+        unimesh.save(tmp_path / "ck", {"w": np.zeros(4, np.float32)})
+    with pytest.raises(CheckpointError, match=r"pip install xxhash"):
+        fmt.hasher("xxh3")
+    monkeypatch.setattr(builtins, "__import__", real)
+    ck = unimesh.open_checkpoint(tmp_path / "ck", verify=True)
+    np.testing.assert_array_equal(ck.read("w", (slice(0, 4),)), np.ones(4, np.float32))

@@ -273,12 +273,17 @@ def test_compiled_steps_keep_each_constant_its_own_trace():
 
 
 def test_value_and_grad_takes_numpy_arguments_as_jax_does():  # type: ignore[no-untyped-def]
-    """A numpy argument of a program is differentiated as an mx.array made from it (jax.grad
-    takes numpy too; MLX's value_and_grad raised its tree_flatten error): the gradient is a
-    global array, mx.grad's of the same array."""
+    """A floating numpy argument of a program is differentiated as an mx.array made from it
+    (jax.grad takes numpy too; MLX's value_and_grad raised its tree_flatten error): the
+    gradient is a global array, mx.grad's of the same array. A Python float is float32, MLX's
+    default; an integer numpy leaf is refused by name (jax.grad refuses it too)."""
     program = unimesh.shard_map(lambda v: (v * v * v).sum(), ONE, P(), P(), backend="mlx")
     a = np.array([1.0, -2.0, 0.5], np.float32)
     value, grad = unimesh.value_and_grad(program, backend="mlx")(a)
     native = mx.grad(lambda v: (v * v * v).sum())(mx.array(a))
     np.testing.assert_array_equal(np.array(grad), np.array(native))
     assert float(unimesh.full_array(value, "mlx")) == pytest.approx(float((a**3).sum()))
+    _, g = unimesh.value_and_grad(lambda v: v * v, backend="mlx")(1.5)
+    assert g.dtype == mx.float32 and float(g) == 3.0
+    with pytest.raises(unimesh.ConversionError, match=r"argument 0: its leaf .* not a float"):
+        unimesh.value_and_grad(program, backend="mlx")(np.arange(3))

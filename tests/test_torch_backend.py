@@ -438,11 +438,11 @@ def test_a_save_spreads_dtensor_replicas_over_the_processes_holding_them() -> No
 
 
 def test_value_and_grad_takes_numpy_arguments_as_jax_does() -> None:
-    """A numpy argument is differentiated as a tensor made from it (jax.grad takes numpy
-    too; torch's autograd.grad raised "inputs cannot be empty"): the value and gradient are
-    torch.func's of the same tensor; arguments with no floating-point leaf are refused by
-    name, as jax.grad refuses integer inputs."""
-    import jax
+    """A floating numpy argument is differentiated as a tensor made from it (jax.grad takes
+    numpy too; torch's autograd.grad raised "inputs cannot be empty"): the value and gradient
+    are torch.func's of the same tensor, 3 a^2. A Python float is torch's default float
+    dtype; an integer numpy leaf beside it stays numpy (no gradient, as before); arguments
+    with no floating-point leaf are refused by name before the function runs."""
 
     def loss(v: object) -> object:
         return (v**3).sum()  # type: ignore[operator]
@@ -450,7 +450,25 @@ def test_value_and_grad_takes_numpy_arguments_as_jax_does() -> None:
     a = np.array([1.0, -2.0, 0.5], np.float32)
     value, grad = unimesh.value_and_grad(loss, backend="torch")(a)
     torch.testing.assert_close(grad, torch.func.grad(loss)(torch.from_numpy(a)))
-    np.testing.assert_allclose(grad.numpy(), np.asarray(jax.grad(loss)(a)), rtol=1e-6)
+    np.testing.assert_allclose(grad.numpy(), 3 * a**2)
     assert float(value) == pytest.approx(float((a**3).sum()))
+    _, g = unimesh.value_and_grad(lambda v: v * v, backend="torch")(1.5)
+    assert g.dtype == torch.get_default_dtype() and float(g) == 3.0
+    seen: list[type] = []
+
+    def mixed(tree: dict[str, object]) -> object:
+        seen.append(type(tree["i"]))
+        return (tree["w"] ** 2).sum() * float(tree["i"].sum())  # type: ignore[attr-defined]
+
+    _, g = unimesh.value_and_grad(mixed, backend="torch")({"w": a, "i": np.arange(3)})
+    assert seen == [np.ndarray] and g["i"] is None
+    np.testing.assert_allclose(g["w"].numpy(), 2 * a * 3)
+    ran: list[int] = []
+
+    def counted(v: object) -> object:
+        ran.append(1)
+        return (v * 2.0).sum()  # type: ignore[operator]
+
     with pytest.raises(unimesh.ConversionError, match=r"argument\(s\) \[0\]: none of their"):
-        unimesh.value_and_grad(lambda v: (v * 2.0).sum(), backend="torch")(np.arange(3))
+        unimesh.value_and_grad(counted, backend="torch")(np.arange(3))
+    assert not ran  # refused before the function ran

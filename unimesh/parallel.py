@@ -272,6 +272,23 @@ def _argnums(argnums: object) -> tuple[int, ...]:
     return nums
 
 
+#: ml_dtypes' floating types (numpy's dtype kind for them is "V")
+_ML_FLOATS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+
+def host_float(leaf: Any) -> bool:
+    """Whether an argument leaf of :func:`value_and_grad` is host data differentiated as
+    ``jax.grad`` takes it: a numpy array or scalar of a floating or complex dtype (ml_dtypes'
+    bfloat16 and float8 too) or a Python float. A backend differentiates such a leaf as its
+    own array made from it (a Python float in the framework's default float dtype); other
+    host leaves (integers, strings) stay as they are."""
+    if type(leaf) is float:
+        return True
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return leaf.dtype.kind in "fc" or leaf.dtype.name in _ML_FLOATS
+    return False
+
+
 def value_and_grad(
     fn: Callable[..., Any],
     argnums: int | tuple[int, ...] = 0,

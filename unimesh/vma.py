@@ -144,13 +144,17 @@ class NoCheckVmaEnv(ProcessAxisEnv):
 
     def _replicated_edge(self, replicated: tuple[str, ...]) -> Fn:
         """Identity, the gradient summed over the axes the input is replicated on."""
-        return self._vjp(("replicated", replicated), same, self._summer(replicated))
+        key = ("replicated", replicated)
+        fn = self._fns.get(key)
+        return fn if fn is not None else self._vjp(key, same, self._summer(replicated))
 
     def enter_all(self, leaves: list[Any], layouts: tuple[Layout | None, ...]) -> list[Any]:
-        """:meth:`enter` of each leaf, replayed: what the edges decide for these layouts (the
-        axes each input is replicated on) is looked up once per ``layouts`` and kept; per
-        call only what can change is asked (the backend's block of the argument, whether it
-        may carry a gradient). A plan (:mod:`unimesh.vmaplan`) takes the full path."""
+        """:meth:`enter` of each leaf, replayed: what the edges decide for ``layouts`` (the
+        program's in_spec layouts for the arguments' tree: the axes each input is replicated
+        on) is looked up once per that tuple and kept; per call only what can change is asked
+        (the backend's block of the argument, which moves or cuts it where it must, and
+        whether it may carry a gradient). A plan (:mod:`unimesh.vmaplan`) takes the full
+        path."""
         if self.plan is not None:
             return super().enter_all(leaves, layouts)
         kept = self._edges.get(id(layouts))

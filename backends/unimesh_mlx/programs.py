@@ -13,6 +13,7 @@ import numpy as np
 
 from unimesh import ConversionError, Layout, LayoutError, Mesh, PartitionSpec, UnsupportedError
 from unimesh.messages import short
+from unimesh.parallel import host_float
 from unimesh.vmaplan import Graph, PlanError
 
 from .runtime import LIVE_LAYERS, host_to_mx, import_mx, mx_to_host
@@ -230,7 +231,9 @@ class MLXPrograms(MLXTranslator):
                     treedef,
                     [(a.layout, a.shape) if isinstance(a, MLXArray) else None for a in flat],
                 )
-                locals_.append(optree.tree_unflatten(treedef, [_differentiable(a) for a in flat]))
+                locals_.append(
+                    optree.tree_unflatten(treedef, [_differentiable(a, fn, i) for a in flat])
+                )
 
             def inner(*chosen: Any) -> Any:
                 full = list(args)
@@ -433,15 +436,24 @@ class _Tracing(threading.local):
 TRACING = _Tracing()
 
 
-def _differentiable(leaf: Any) -> Any:
-    """What ``mx.value_and_grad`` is given for an argument leaf: an :class:`MLXArray`'s block,
-    a numpy array (or float) as an ``mx.array`` (MLX differentiates only its own arrays; JAX
-    and torch take numpy there too), anything else as it is."""
+def _differentiable(leaf: Any, fn: Any, i: int) -> Any:
+    """What ``mx.value_and_grad`` is given for a leaf of argument ``i``: an :class:`MLXArray`'s
+    block, an ``mx.array``, floating numpy (or a float, in MLX's default float32) as an
+    ``mx.array`` (JAX and torch take numpy there too); MLX differentiates nothing else, so
+    anything else is refused by name (it raised MLX's own tree_flatten error)."""
+    mx = import_mx()
     if isinstance(leaf, MLXArray):
         return leaf.local
-    if isinstance(leaf, (np.ndarray, np.generic, float)):
-        return host_to_mx(np.asarray(leaf))
-    return leaf
+    if isinstance(leaf, mx.array):
+        return leaf
+    if host_float(leaf):
+        return mx.array(leaf) if type(leaf) is float else host_to_mx(np.array(leaf))
+    raise ConversionError(
+        f"value_and_grad of {getattr(fn, '__name__', 'fn')} with respect to argument {i}: "
+        f"its leaf {short(leaf)} is not a floating-point array, and MLX differentiates only "
+        "arrays (jax.grad refuses integer inputs too); pass it as an mx.array or float numpy, "
+        "or leave it out of argnums"
+    )
 
 
 def _load_probe() -> Any:

@@ -11,6 +11,7 @@ import numpy as np
 
 from unimesh import ConversionError, Layout, Mesh, MeshMismatchError
 from unimesh.messages import short
+from unimesh.parallel import host_float
 
 from . import compiled
 from .autograd import (
@@ -366,12 +367,14 @@ class TorchPrograms(TorchTranslator):
             trees = []
             for i in argnums:
                 flat, treedef = optree.tree_flatten(args[i])
-                # numpy (and floats) as tensors: torch differentiates only its own (as JAX
-                # takes numpy, a global array gets a global gradient)
+                # floating numpy (and floats) as tensors: torch differentiates only its own
+                # (JAX takes numpy; a global array gets a global gradient)
                 flat = [
-                    from_host(np.asarray(leaf))
-                    if isinstance(leaf, (np.ndarray, np.generic, float))
-                    else leaf
+                    (
+                        (torch.tensor(leaf) if type(leaf) is float else from_host(np.array(leaf)))
+                        if host_float(leaf)
+                        else leaf
+                    )
                     for leaf in flat
                 ]
                 fresh = [
@@ -385,6 +388,13 @@ class TorchPrograms(TorchTranslator):
                     if block is not False:
                         leaves += [copy] if block is None else [block] if traced else [copy, block]
                 args[i] = optree.tree_unflatten(treedef, [copy for copy, _ in fresh])
+            if not leaves and any(fresh for _, fresh in trees):  # refused before fn runs
+                raise ConversionError(
+                    f"value_and_grad of {getattr(fn, '__name__', 'fn')} with respect to "
+                    f"argument(s) {list(argnums)}: none of their leaves is a floating-point "
+                    "array (jax.grad refuses integer inputs too); pass float arrays there, or "
+                    "choose other argnums"
+                )
             with torch.enable_grad():
                 out = fn(*args)
                 value, aux = out if has_aux else (out, None)
@@ -400,14 +410,11 @@ class TorchPrograms(TorchTranslator):
                         f"value_and_grad needs {getattr(fn, '__name__', 'fn')} to return a "
                         f"scalar, got {short(value)}"
                     )
-                if not leaves:
-                    raise ConversionError(
-                        f"value_and_grad of {getattr(fn, '__name__', 'fn')} with respect to "
-                        f"argument(s) {list(argnums)}: none of their leaves is a floating-point "
-                        "array (jax.grad refuses integer inputs too); pass float arrays there, or "
-                        "choose other argnums"
-                    )
-                found = torch.autograd.grad(scalar.reshape(()), leaves, allow_unused=True)
+                found = (
+                    torch.autograd.grad(scalar.reshape(()), leaves, allow_unused=True)
+                    if leaves
+                    else ()  # argument trees with no leaf: empty gradients, as JAX gives
+                )
             # the gradients in the order their leaves were listed: a copy, then its block where
             # it has one (positions, not ids: ids are guards torch.compile cannot keep)
             taken: Iterator[Any] = iter(found)

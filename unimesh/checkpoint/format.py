@@ -11,7 +11,7 @@ import math
 import struct
 import zlib
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -25,12 +25,15 @@ __all__ = [
     "MAX_HEADER",
     "VERSION",
     "Box",
+    "Hasher",
     "Tensor",
     "check_file_name",
     "check_ints",
     "check_tiling",
+    "checksum",
     "dtype_name",
     "dtype_text",
+    "hasher",
     "load_json",
     "manifest_bytes",
     "numpy_dtype",
@@ -359,21 +362,30 @@ class _Crc32:
         return self.value
 
 
+def _xxhash() -> Any:
+    """The ``xxhash`` module (a dependency of unimesh), or a CheckpointError saying so."""
+    try:
+        import xxhash
+    except ImportError as exc:
+        raise CheckpointError(
+            f"checkpoint checksums need the xxhash package ({exc}): pip install xxhash (a "
+            "dependency of unimesh, missing from an install made with --no-deps)"
+        ) from None
+    return xxhash
+
+
 def hasher(kind: str) -> Hasher:
     """A running checksum of ``kind`` (``"xxh3"`` or ``"crc32"``, as :class:`Box` holds)."""
     if kind == "crc32":
         return _Crc32()
-    import xxhash
-
-    return xxhash.xxh3_64()
+    return cast("Hasher", _xxhash().xxh3_64())
 
 
 def checksum(data: Any) -> tuple[str, int]:
     """The checksum :func:`~unimesh.checkpoint.save` writes for a block's bytes: xxh3_64
-    (xxhash), about 18 GB/s a core against zlib crc32's 2 here."""
-    import xxhash
-
-    return "xxh3", xxhash.xxh3_64_intdigest(data)
+    (xxhash, which releases the GIL for inputs over 64 KiB), about 18 GB/s a core against
+    zlib crc32's 2 here."""
+    return "xxh3", int(_xxhash().xxh3_64_intdigest(data))
 
 
 def _check_bytes_once(where: str, tensors: dict[str, Tensor]) -> None:

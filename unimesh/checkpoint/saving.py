@@ -217,9 +217,17 @@ class SaveJob:
         head = safetensors_header(entries)
         views = [b.reshape(-1).view(np.uint8).data for *_, b in self.blocks]
         sums: list[tuple[str, int]] = []
-        # the checksums in a thread while the file is written (each write releases the GIL):
-        # their time hides behind the writes' instead of following it
-        summing = threading.Thread(target=lambda: sums.extend(map(checksum, views)))
+        failed: list[str] = []
+
+        def sum_all() -> None:
+            try:
+                sums.extend(map(checksum, views))
+            except Exception as exc:  # noqa: BLE001 - told to every process below
+                failed.append(_error_text(exc))
+
+        # the checksums in a thread while the file is written (the writes and xxhash release
+        # the GIL): their time hides behind the writes' instead of following it
+        summing = threading.Thread(target=sum_all)
         summing.start()
         try:
             if self.blocks:  # a process with no block to write writes no file
@@ -229,8 +237,8 @@ class SaveJob:
             self._unlink(file)
         finally:
             summing.join()
-        if len(sums) != len(views) and not problem:  # pragma: no cover - xxhash failed
-            problem = f"process {rank} could not checksum the blocks of {file}"
+        if len(sums) != len(views) and not problem:
+            problem = f"process {rank} could not checksum the blocks of {file}: {failed[0]}"
             self._unlink(file)
         at = len(head)
         listing: dict[str, list[list[Any]]] = {}
