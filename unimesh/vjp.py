@@ -26,13 +26,21 @@ if TYPE_CHECKING:
     from .spmd import ProcessBackend
     from .vmaplan import VmaPlan
 
-__all__ = ["Fn", "ProcessAxisEnv", "global_shape", "replicated_axes", "same"]
+__all__ = [
+    "HOST_VALUES",
+    "SLICES_KEPT",
+    "Fn",
+    "ProcessAxisEnv",
+    "global_shape",
+    "replicated_axes",
+    "same",
+]
 
 Fn = Callable[[Any], Any]
-#: how many (layout, shape) blocks of global arguments an env keeps
-_SLICES_KEPT = 1024
+#: how many (layout, shape) blocks of global arguments an env keeps (and argument layouts)
+SLICES_KEPT = 1024
 #: values that are not a framework's array: numbers, sequences and numpy
-_HOST_VALUES = (int, float, complex, list, tuple, np.ndarray, np.generic)
+HOST_VALUES = (int, float, complex, list, tuple, np.ndarray, np.generic)
 
 
 def same(v: Any) -> Any:
@@ -101,7 +109,7 @@ class ProcessAxisEnv(AxisEnv):
         """``x`` as the framework's array: only Python and numpy values ask the backend (an
         array's own attributes are not read: under torch's vma mode each read is an
         operation)."""
-        if isinstance(x, _HOST_VALUES):
+        if isinstance(x, HOST_VALUES):
             return self.be.as_array(x)
         return x
 
@@ -383,7 +391,7 @@ class ProcessAxisEnv(AxisEnv):
             )
         slices = self._slices.get((layout, shape))
         if slices is None:
-            if len(self._slices) >= _SLICES_KEPT:  # a program called with ever new shapes
+            if len(self._slices) >= SLICES_KEPT:  # a program called with ever new shapes
                 self._slices.clear()
             slices = self._slices[layout, shape] = layout.shard_slices(shape, self.device)
         block = self._array(block)

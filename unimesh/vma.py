@@ -30,8 +30,8 @@ from .errors import LayoutError
 from .groups import GroupComm
 from .layout import Layout
 from .vjp import (
-    _HOST_VALUES,
-    _SLICES_KEPT,
+    HOST_VALUES,
+    SLICES_KEPT,
     Fn,
     ProcessAxisEnv,
     global_shape,
@@ -100,7 +100,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         needs_grad, as_array = self.be.needs_grad, self.be.as_array
 
         def run(x: Any) -> Any:  # _collective, inlined: the step's every reduction comes here
-            if isinstance(x, _HOST_VALUES):
+            if isinstance(x, HOST_VALUES):
                 x = as_array(x)
             if not needs_grad(x):
                 return fwd(x)
@@ -159,7 +159,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
             return super().enter_all(leaves, layouts)
         kept = self._edges.get(id(layouts))
         if kept is None or kept[0] is not layouts:
-            if len(self._edges) >= _SLICES_KEPT:
+            if len(self._edges) >= SLICES_KEPT:
                 self._edges.clear()
             replicated = tuple(None if lay is None else self._input_plan(lay)[0] for lay in layouts)
             kept = self._edges[id(layouts)] = (layouts, replicated)
