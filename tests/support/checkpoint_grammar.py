@@ -43,6 +43,18 @@ def _value(draw: Any) -> Any:
     return draw(st.sampled_from([None, True, 1.5, "x", [], {}, [1, "a"], {"a": 1}, -1, 2**70]))
 
 
+#: xxh3 values a hand-written manifest might carry, each one refused
+XXH3_NEAR_MISSES = [
+    "ABCDEF0123456789",
+    "0x0123456789abcd",
+    "0" * 15,
+    "0" * 17,
+    "g" * 16,
+    "",
+    " " * 16,
+]
+
+
 @st.composite
 def _tensor(draw: Any) -> dict[str, Any]:
     ndim = draw(st.integers(0, 3))
@@ -81,6 +93,8 @@ def _tensor(draw: Any) -> dict[str, Any]:
             box[field] = draw(st.sampled_from(HOSTILE_NAMES))
         elif choice == 2 and field in ("offset", "size"):
             box[field] = [_int(draw, 0, 8) for _ in range(draw(st.integers(0, 4)))]
+        elif choice == 1 and field == "xxh3":  # near misses of 16 lowercase hex digits
+            box[field] = draw(st.sampled_from(XXH3_NEAR_MISSES))
         else:
             box[field] = _int(draw, 0, 10**6) if draw(st.booleans()) else _value(draw)
     tensor: dict[str, Any] = {"shape": shape, "dtype": dtype, "layout": None, "boxes": boxes}
