@@ -879,3 +879,38 @@ def test_a_checksum_that_fails_in_the_save_names_its_cause(
     monkeypatch.setattr(builtins, "__import__", real)
     ck = unimesh.open_checkpoint(tmp_path / "ck", verify=True)
     np.testing.assert_array_equal(ck.read("w", (slice(0, 4),)), np.ones(4, np.float32))
+
+
+def test_one_process_reads_a_tensors_blocks_box_by_box_in_file_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One process holding 8 devices' column blocks of row-major boxes reads the tensor's
+    parts box by box, in file order (each box once from the disk, one pass along the file),
+    not device by device; the values are the saved ones either way and bytes read = bytes
+    held. Above TOGETHER_MAX (the load's memory bound) blocks are read one at a time."""
+    jax = pytest.importorskip("jax")
+    from unimesh.checkpoint import loading
+    from unimesh.checkpoint.reader import Checkpoint
+
+    w = np.arange(32 * 64, dtype=np.float32).reshape(32, 64)
+    saved = jax.device_put(
+        w, unimesh.to_native(Layout(Mesh.from_string("x=4,y=2"), P("x", "y")), "jax")
+    )
+    unimesh.save(tmp_path / "ck", {"w": saved})
+    columns = {"w": Layout(Mesh.from_string("all=8"), P(None, "all"))}
+    real = Checkpoint._read_part
+    for limit, in_order in ((loading.TOGETHER_MAX, True), (0, False)):
+        seen: list[tuple[str, int]] = []
+
+        def spy(self: Any, t: Any, box: Any, *rest: Any, seen: list[Any] = seen) -> None:
+            seen.append((box.file, box.start))
+            real(self, t, box, *rest)
+
+        monkeypatch.setattr(Checkpoint, "_read_part", spy)
+        monkeypatch.setattr(loading, "TOGETHER_MAX", limit)
+        stats: dict[str, int] = {}
+        got = unimesh.load(tmp_path / "ck", columns, backend="jax", stats=stats, verify=True)
+        np.testing.assert_array_equal(np.asarray(got["w"]), w)
+        assert stats["bytes_read"] == stats["bytes_held"] + w.nbytes  # verify read each box once
+        assert len(seen) == 32  # 8 blocks, each from 4 boxes
+        assert (seen == sorted(seen)) is in_order, seen

@@ -332,31 +332,67 @@ class Checkpoint:
             out[...] = whole.view(dtype)  # the same bytes, seen as the target's items
             return out
         for box, first, after in overlaps(t.boxes, start, stop) if parts is None else parts:
-            piece = part(box, first, after, t.itemsize)
-            box = piece.box
-            if self.verify:
-                self.check_box(t.name, box)
-            self._data_file(box.file)
-            where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
-            self.bytes_read += piece.nbytes
-            if not box.strides:  # straight into ``out``
-                self.storage.read_into(box.file, piece.runs, out, where, t.name)
-                continue
-            # a strided box (a DCP chunk of a transposed tensor): read whole, then viewed
-            data = self.storage.read(box.file, box.start, box.end)
-            if len(data) != box.end - box.start:
-                raise CheckpointError(
-                    f"{self.path}: data file {box.file!r} is truncated (tensor {t.name!r} "
-                    f"needs bytes {box.start}..{box.end})"
-                )
-            view = np.lib.stride_tricks.as_strided(
-                np.frombuffer(data, dtype=dtype),
-                box.size,
-                tuple(s * dtype.itemsize for s in box.strides),
-                writeable=False,
-            )[tuple(slice(a - o, b - o) for a, b, o in zip(piece.start, piece.stop, box.offset))]
-            out[where] = view
+            self._read_part(t, box, first, after, out, start)
         return out
+
+    def read_regions(
+        self, t: Tensor, regions: list[tuple[tuple[int, ...], tuple[int, ...], Any]]
+    ) -> list[np.ndarray]:
+        """Several regions of tensor ``t``, each ``(start, stop, parts)`` as
+        :meth:`read_region` takes them, as new C-order arrays: their parts read box by box in
+        file order, so a box that several regions touch (one process's column blocks of a
+        row-major box) is read once from the disk while its pages are fresh, and the disk
+        sees one pass along the file instead of one per region."""
+        if self._read_other is not None or any(box.strides for box in t.boxes):
+            return [self.read_region(t, a, b, parts=p) for a, b, p in regions]
+        dtype = numpy_dtype(t.dtype)
+        outs = [aligned_empty(tuple(y - x for x, y in zip(a, b)), dtype) for a, b, _ in regions]
+        jobs = []
+        for i, (start, stop, parts) in enumerate(regions):
+            if outs[i].size:
+                found = overlaps(t.boxes, start, stop) if parts is None else parts
+                jobs += [(box.file, box.start, first, i, box, after) for box, first, after in found]
+        jobs.sort(key=lambda job: job[:3])
+        for _, _, first, i, box, after in jobs:
+            self._read_part(t, box, first, after, outs[i], regions[i][0])
+        return outs
+
+    def _read_part(
+        self,
+        t: Tensor,
+        box: Box,
+        first: tuple[int, ...],
+        after: tuple[int, ...],
+        out: np.ndarray,
+        start: tuple[int, ...],
+    ) -> None:
+        """Box ``box``'s part ``first:after`` (global index) of tensor ``t`` into ``out``, the
+        region that starts at ``start``."""
+        dtype = out.dtype
+        piece = part(box, first, after, t.itemsize)
+        box = piece.box
+        if self.verify:
+            self.check_box(t.name, box)
+        self._data_file(box.file)
+        where = tuple(slice(a - s, b - s) for a, b, s in zip(piece.start, piece.stop, start))
+        self.bytes_read += piece.nbytes
+        if not box.strides:  # straight into ``out``
+            self.storage.read_into(box.file, piece.runs, out, where, t.name)
+            return
+        # a strided box (a DCP chunk of a transposed tensor): read whole, then viewed
+        data = self.storage.read(box.file, box.start, box.end)
+        if len(data) != box.end - box.start:
+            raise CheckpointError(
+                f"{self.path}: data file {box.file!r} is truncated (tensor {t.name!r} "
+                f"needs bytes {box.start}..{box.end})"
+            )
+        view = np.lib.stride_tricks.as_strided(
+            np.frombuffer(data, dtype=dtype),
+            box.size,
+            tuple(s * dtype.itemsize for s in box.strides),
+            writeable=False,
+        )[tuple(slice(a - o, b - o) for a, b, o in zip(piece.start, piece.stop, box.offset))]
+        out[where] = view
 
     def check_box(self, name: str, box: Box) -> None:
         """Read ``box`` of tensor ``name`` whole and compare its checksum (xxh3, or an earlier
