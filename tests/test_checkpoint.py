@@ -914,3 +914,9 @@ def test_one_process_reads_a_tensors_blocks_box_by_box_in_file_order(
         assert stats["bytes_read"] == stats["bytes_held"] + w.nbytes  # verify read each box once
         assert len(seen) == 32  # 8 blocks, each from 4 boxes
         assert (seen == sorted(seen)) is in_order, seen
+    # devices sharing a block (replicated over y): each distinct block read once
+    shared = {"w": Layout(Mesh.from_string("x=4,y=2"), P(None, "x"))}
+    stats = {}
+    got = unimesh.load(tmp_path / "ck", shared, backend="jax", stats=stats)
+    np.testing.assert_array_equal(np.asarray(got["w"]), w)
+    assert stats["bytes_read"] == stats["bytes_held"] == w.nbytes

@@ -336,7 +336,9 @@ class Checkpoint:
         return out
 
     def read_regions(
-        self, t: Tensor, regions: list[tuple[tuple[int, ...], tuple[int, ...], Any]]
+        self,
+        t: Tensor,
+        regions: list[tuple[tuple[int, ...], tuple[int, ...], list[BoxPart] | None]],
     ) -> list[np.ndarray]:
         """Several regions of tensor ``t``, each ``(start, stop, parts)`` as
         :meth:`read_region` takes them, as new C-order arrays: their parts read box by box in
