@@ -97,6 +97,22 @@ class GroupComm:
         self.last = out = primitive(x, *args)
         return out
 
+    def bound(self, primitive: Callable[..., Any], *args: Any) -> Callable[[Any], Any]:
+        """``lambda x: self.run(primitive, x, *args)``, with the chain's test made once (a
+        step's reductions call this function, not :meth:`run`)."""
+        if not self.be.lazy:
+            return lambda x: primitive(x, *args)
+        after = self.be.after
+
+        def chained(x: Any) -> Any:
+            last = self.last
+            if last is not None:
+                x = after(x, last)
+            self.last = out = primitive(x, *args)
+            return out
+
+        return chained
+
     def gather_members(self, x: Any, g: Group) -> Any:
         """The members' ``x`` stacked on dim 0, in member order."""
         if g.handle is not None:

@@ -166,19 +166,7 @@ class ProcessAxisEnv(AxisEnv):
         the group (the common case: no engine code between the step and the primitive)."""
         g = self.comm.group(axes)
         if g.size > 1 and g.handle is not None:
-            prim, handle = self.be.group_all_reduce, g.handle
-            if self.be.lazy:  # GroupComm.run's chain, inlined
-                comm, after = self.comm, self.be.after
-
-                def chained(v: Any) -> Any:
-                    last = comm.last
-                    if last is not None:
-                        v = after(v, last)
-                    comm.last = out = prim(v, handle, op)
-                    return out
-
-                return chained
-            return lambda v: prim(v, handle, op)
+            return self.comm.bound(self.be.group_all_reduce, g.handle, op)
         comm = self.comm
         return lambda v: comm.all_reduce(v, g, op)
 

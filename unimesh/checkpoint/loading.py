@@ -212,14 +212,15 @@ def _read_blocks(ckpt: Checkpoint, plan: LoadPlan) -> dict[Key, np.ndarray]:
     for device, key in plan.keys.items():
         first.setdefault(key, device)
     regions = [
-        (
-            tuple(a for a, _ in key),
-            tuple(b for _, b in key),
-            None if plan.parts is None else plan.parts[device],
-        )
+        (*_bounds(key), None if plan.parts is None else plan.parts[device])
         for key, device in first.items()
     ]
     return dict(zip(first, ckpt.read_regions(plan.tensor, regions)))
+
+
+def _bounds(key: Key) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A block's (start, stop) in the global index, from its key of (start, stop) pairs."""
+    return tuple(a for a, _ in key), tuple(b for _, b in key)
 
 
 def _cast(block: np.ndarray, cast: Any) -> np.ndarray:
@@ -234,7 +235,7 @@ def _cast(block: np.ndarray, cast: Any) -> np.ndarray:
 def _read_block(ckpt: Checkpoint, plan: LoadPlan, device: int) -> np.ndarray:
     assert plan.tensor is not None
     key, cast = plan.keys[device], plan.cast
-    start, stop = tuple(a for a, _ in key), tuple(b for _, b in key)
+    start, stop = _bounds(key)
     parts = None if plan.parts is None else plan.parts[device]
     return _cast(ckpt.read_region(plan.tensor, start, stop, parts=parts), cast)
 
@@ -273,7 +274,7 @@ def _fill_in_place(ckpt: Checkpoint, plan: LoadPlan) -> bool:
         if key in first:  # two devices of this process hold this block
             np.copyto(views[device], first[key])
             continue
-        start, stop = tuple(a for a, _ in key), tuple(b for _, b in key)
+        start, stop = _bounds(key)
         parts = None if plan.parts is None else plan.parts[device]
         ckpt.read_region(t, start, stop, views[device], parts)
         first[key] = views[device]
@@ -368,11 +369,9 @@ def load(
             else:
                 be, layout = plan.be, plan.layout
                 assert layout is not None
-                together = (  # within the memory bound; a cast would hold both copies;
-                    # where unimesh reads the boxes' runs itself, none of them strided
+                together = (  # within the memory bound; a cast would hold both copies
                     cast is None
-                    and ckpt.reads_boxes
-                    and not any(box.strides for box in t.boxes)
+                    and ckpt.reads_runs(t)
                     and len(set(plan.keys.values())) > 1
                     and plan.held_bytes() <= TOGETHER_MAX
                 )

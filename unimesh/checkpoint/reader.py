@@ -182,6 +182,11 @@ class Checkpoint:
             "read Orbax's from its store with Orbax)"
         )
 
+    def reads_runs(self, t: Tensor) -> bool:
+        """Whether each part of tensor ``t`` is read as its own byte runs (no other library
+        reads the chunks, and no box is strided): what :meth:`read_regions` orders."""
+        return self._read_other is None and not any(box.strides for box in t.boxes)
+
     @property
     def reads_boxes(self) -> bool:
         """Whether unimesh reads the saved boxes' byte runs itself (its own format, DCP's,
@@ -345,7 +350,7 @@ class Checkpoint:
         file order, so a box that several regions touch (one process's column blocks of a
         row-major box) is read once from the disk while its pages are fresh, and the disk
         sees one pass along the file instead of one per region."""
-        if self._read_other is not None or any(box.strides for box in t.boxes):
+        if not self.reads_runs(t):
             return [self.read_region(t, a, b, parts=p) for a, b, p in regions]
         dtype = numpy_dtype(t.dtype)
         outs = [aligned_empty(tuple(y - x for x, y in zip(a, b)), dtype) for a, b, _ in regions]
