@@ -472,3 +472,42 @@ def test_value_and_grad_takes_numpy_arguments_as_jax_does() -> None:
     with pytest.raises(unimesh.ConversionError, match=r"argument\(s\) \[0\]: none of their"):
         unimesh.value_and_grad(counted, backend="torch")(np.arange(3))
     assert not ran  # refused before the function ran
+
+
+def test_check_vma_tags_name_only_axes_of_size_above_one() -> None:
+    """Along an axis of size 1 nothing differs, so the check_vma tags (what the engine's
+    TorchFunctionMode compares for every operation) leave such axes out: an operand that
+    varies only there is not lifted through a pvary (none existed to sum over), and a
+    result that varies only there is not refused by its out_spec (the check looked at axes
+    of size > 1 already). Axes of size > 1 keep JAX's rules: the weight varying along "pp"
+    only meets an activation that varies along "pp"; axis_index is tagged with its axes of
+    size > 1, and the index it gives is this rank's coordinate (rank 6 of a pp=4 x dp=2 mesh
+    is pp 3, dp 0), asked twice (it is kept per axes after the first)."""
+    from unimesh_torch.autograd import VMA
+
+    fake_world(6, 8)
+    seen: dict[str, object] = {}
+    for axes in ({"pp": 4, "dp": 2, "sp": 1}, {"pp": 8, "dp": 1, "sp": 1}):
+        mesh = unimesh.make_mesh(axes)
+
+        def body(x: object, w: object) -> object:
+            seen["x"], seen["w"] = getattr(x, VMA), getattr(w, VMA)
+            h = x * w  # type: ignore[operator]
+            seen["h"] = getattr(h, VMA)
+            seen["pp"] = [int(unimesh.axis_index("pp")) for _ in range(2)]
+            seen["pp,sp"] = getattr(unimesh.axis_index(("pp", "sp")), VMA)
+            return unimesh.psum(h.sum(), ("pp", "dp"))  # type: ignore[attr-defined]
+
+        program = unimesh.shard_map(
+            body, mesh, in_specs=(P("dp", "sp"), P("pp")), out_specs=P(), backend="torch"
+        )
+        x = torch.ones(axes["dp"] * 2, 3)
+        w = torch.ones(axes["pp"] * 2, 3, requires_grad=True)
+        program(x, w)
+        dp = {"dp"} if axes["dp"] > 1 else set()
+        assert seen["x"] == frozenset(dp)  # "sp" (size 1) is left out
+        assert seen["w"] == frozenset({"pp"})
+        assert seen["h"] == frozenset({"pp"} | dp)
+        assert seen["pp"] == [6 // axes["dp"]] * 2
+        assert seen["pp,sp"] == frozenset({"pp"})
+    dist.destroy_process_group()

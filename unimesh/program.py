@@ -40,6 +40,8 @@ class AxisEnv:
         self.device = device
         self._checked: dict[Any, tuple[str, ...]] = {}
         self._sizes: dict[tuple[str, ...], int] = {}
+        #: this device's index along axes, per (device, axes)
+        self._indices: dict[tuple[int, tuple[str, ...]], int] = {}
         #: the axes the running function is manual over (None: every axis)
         self.manual: frozenset[str] | None = None
 
@@ -94,10 +96,14 @@ class AxisEnv:
         """This device's row-major index along ``axes``."""
         if self.device is None:
             raise NotImplementedError
-        coords = self.mesh.coords(self.device)
-        index = 0
-        for axis in axes:
-            index = index * self.mesh.axis_size(axis) + coords[axis]
+        key = (self.device, axes)
+        index = self._indices.get(key)
+        if index is None:  # once per axes: a mesh coordinate costs tens of us
+            coords = self.mesh.coords(self.device)
+            index = 0
+            for axis in axes:
+                index = index * self.mesh.axis_size(axis) + coords[axis]
+            self._indices[key] = index
         return index
 
 

@@ -262,12 +262,24 @@ class CheckVmaEnv(ProcessAxisEnv):
 
     check_vma = True
 
+    def __init__(self, be: ProcessBackend, comm: GroupComm) -> None:
+        super().__init__(be, comm)
+        #: the mesh axes of size > 1: the only ones a tag names. Along an axis of size 1
+        #: every value is invariant (nothing differs, a pvary sums nothing, and the out_spec
+        #: check looks at axes of size > 1 only), so a tag that named it would make the
+        #: backend's watcher compare and lift operands for nothing.
+        self._big = frozenset(a for a in comm.mesh.axis_names if comm.mesh.axis_size(a) > 1)
+        #: per layout: the tag of an argument's block (its spec's axes of size > 1)
+        self._tags: dict[Layout, frozenset[str]] = {}
+        #: per out layout: the axes of size > 1 along which its spec says a result is the same
+        self._same: dict[Layout, frozenset[str]] = {}
+
     def pvary(self, x: Any, axes: frozenset[str] | set[str]) -> Any:
         """``x`` as an operand varying along ``axes`` too (identity forward; the backward sums
         the cotangent over them). Its callers tag the results they make from it, so over axes
         of size 1 (nothing to sum) it is ``x`` itself, no graph node."""
-        ordered = self._mesh_order(axes)
-        if self.size(ordered) == 1:
+        ordered = self._mesh_order(axes & self._big)
+        if not ordered:
             return x
         be, comm = self.be, self.comm
         x = self._array(x)
@@ -289,12 +301,12 @@ class CheckVmaEnv(ProcessAxisEnv):
         x = self._array(x)
         have = be.vma_of(x)
         grad = be.needs_grad(x)
-        missing = set(axes) - have
+        missing = self._big.intersection(axes) - have
         if missing:
             if grad:
                 x = self.pvary(x, missing)
             have = have | missing
-        vma = have - set(axes) if invariant else have
+        vma = have.difference(axes) if invariant else have
         return be.unwatched(self._vjp(key, fwd, bwd) if grad else fwd, x, vma)
 
     def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
@@ -348,11 +360,18 @@ class CheckVmaEnv(ProcessAxisEnv):
 
     def axis_index(self, axes: tuple[str, ...]) -> Any:
         """An array tagged as varying along ``axes``."""
-        return self.be.tag(self.be.as_array(super().axis_index(axes)), frozenset(axes))
+        return self.be.tag(self.be.as_array(super().axis_index(axes)), self._big.intersection(axes))
+
+    def _tag(self, layout: Layout) -> frozenset[str]:
+        """The tag of a block laid out as ``layout``: the axes of size > 1 it varies along."""
+        tag = self._tags.get(layout)
+        if tag is None:
+            tag = self._tags[layout] = self._input_plan(layout)[2] & self._big
+        return tag
 
     def _edge(self, arg: Any, layout: Layout) -> Any:
         block, _ = self._block(arg, layout, ())
-        return self.be.tag(block, self._input_plan(layout)[2])
+        return self.be.tag(block, self._tag(layout))
 
     def _plain(self, fn: Fn, x: Any) -> Any:
         return self.be.unwatched(fn, x)
@@ -360,7 +379,10 @@ class CheckVmaEnv(ProcessAxisEnv):
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; it must not vary along the axes its out_spec omits (JAX's check)."""
         block = self.be.as_array(block)
-        varies = self.be.vma_of(block) & set(replicated_axes(layout))
+        same_along = self._same.get(layout)
+        if same_along is None:
+            same_along = self._same[layout] = frozenset(replicated_axes(layout))
+        varies = self.be.vma_of(block) & same_along
         if varies:
             axes = self._mesh_order(varies)
             raise LayoutError(
@@ -372,7 +394,7 @@ class CheckVmaEnv(ProcessAxisEnv):
         # an axis the out_spec names but the value is invariant along: the result holds one
         # copy per device there, each counted in the gradient (JAX's implicit pvary at the
         # boundary: its backward sums the copies' cotangents)
-        fans = self._input_plan(layout)[2] - self.be.vma_of(block)
+        fans = self._tag(layout) - self.be.vma_of(block)
         if fans and self.be.needs_grad(block):
             block = self.pvary(block, fans)
         return block

@@ -30,6 +30,23 @@ from .runtime import import_dist, import_torch
 from .translate import TorchLayout, TorchTranslator, from_host, global_stride, to_host
 
 
+def _bind_hot() -> tuple[Callable[[], bool], Any]:
+    """torch's functions that the engine calls for every collective, looked up once torch is
+    imported (they replace :func:`_grad_enabled` and :func:`_unwatching`)."""
+    global _grad_enabled, _unwatching
+    torch = import_torch()
+    _grad_enabled, _unwatching = torch.is_grad_enabled, torch._C.DisableTorchFunction
+    return _grad_enabled, _unwatching
+
+
+def _grad_enabled() -> bool:
+    return _bind_hot()[0]()
+
+
+def _unwatching() -> Any:
+    return _bind_hot()[1]()
+
+
 class TorchPrograms(TorchTranslator):
     """The program layer, on the primitives of the core's SPMD engine."""
 
@@ -190,7 +207,7 @@ class TorchPrograms(TorchTranslator):
         return x.detach().cpu().numpy()  # type: ignore[no-any-return]
 
     def needs_grad(self, x: Any) -> bool:
-        return bool(x.requires_grad) and import_torch().is_grad_enabled()
+        return bool(x.requires_grad) and _grad_enabled()
 
     def vma_mode(self, env: Any) -> Any:
         """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
@@ -212,7 +229,7 @@ class TorchPrograms(TorchTranslator):
         return x
 
     def unwatched(self, fn: Any, x: Any, vma: frozenset[str] | None = None) -> Any:
-        with import_torch()._C.DisableTorchFunction():
+        with _unwatching():
             out = fn(x)
         return out if vma is None else self.tag(out, vma)
 
@@ -440,7 +457,10 @@ class TorchPrograms(TorchTranslator):
                     out_leaves.append(torch.zeros_like(copy) if whole is None else whole)
                 per_tree.append(optree.tree_unflatten(treedef, out_leaves))
             grads = tuple(per_tree)
-            value = value.detach()
+            if isinstance(value, DTensor) and not traced:  # without DTensor's dispatch (4 us)
+                value = dtensor(value._local_tensor.detach(), value._spec, requires_grad=False)
+            else:
+                value = value.detach()
             return ((value, aux) if has_aux else value), grads
 
         return run
