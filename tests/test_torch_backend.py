@@ -474,27 +474,40 @@ def test_value_and_grad_takes_numpy_arguments_as_jax_does() -> None:
     assert not ran  # refused before the function ran
 
 
-def test_check_vma_tags_name_only_axes_of_size_above_one() -> None:
+def test_check_vma_tags_name_only_axes_of_size_above_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Along an axis of size 1 nothing differs, so the check_vma tags (what the engine's
     TorchFunctionMode compares for every operation) leave such axes out: an operand that
-    varies only there is not lifted through a pvary (none existed to sum over), and a
-    result that varies only there is not refused by its out_spec (the check looked at axes
-    of size > 1 already). Axes of size > 1 keep JAX's rules: the weight varying along "pp"
-    only meets an activation that varies along "pp"; axis_index is tagged with its axes of
-    size > 1, and the index it gives is this rank's coordinate (rank 6 of a pp=4 x dp=2 mesh
-    is pp 3, dp 0), asked twice (it is kept per axes after the first)."""
+    varies only there is not lifted through a pvary (it summed nothing), and a result that
+    varies only there is not refused by its out_spec (the check looked at axes of size > 1
+    already). Axes of size > 1 keep JAX's rules: the weight (varying along "pp", needing a
+    gradient) meeting the activation (varying along "dp" too) is lifted along "dp" where dp
+    has 2 devices, and along nothing where it has 1; axis_index is tagged with its axes of
+    size > 1 and gives this rank's coordinate (rank 6: pp 3 of a pp=4 x dp=2 mesh, pp 6 of
+    pp=8 x dp=1). The weight's gradient comes back (the fake group's collectives do nothing,
+    so it is the local one: x, all ones)."""
     from unimesh_torch.autograd import VMA
 
+    from unimesh.vma import CheckVmaEnv
+
+    lifted: list[frozenset[str]] = []
+    pvary = CheckVmaEnv.pvary
+
+    def spy(self: CheckVmaEnv, x: object, axes: frozenset[str] | set[str]) -> object:
+        lifted.append(frozenset(axes))
+        return pvary(self, x, axes)
+
+    monkeypatch.setattr(CheckVmaEnv, "pvary", spy)
     fake_world(6, 8)
     seen: dict[str, object] = {}
     for axes in ({"pp": 4, "dp": 2, "sp": 1}, {"pp": 8, "dp": 1, "sp": 1}):
         mesh = unimesh.make_mesh(axes)
+        lifted.clear()
 
         def body(x: object, w: object) -> object:
             seen["x"], seen["w"] = getattr(x, VMA), getattr(w, VMA)
             h = x * w  # type: ignore[operator]
             seen["h"] = getattr(h, VMA)
-            seen["pp"] = [int(unimesh.axis_index("pp")) for _ in range(2)]
+            seen["pp"] = int(unimesh.axis_index("pp"))
             seen["pp,sp"] = getattr(unimesh.axis_index(("pp", "sp")), VMA)
             return unimesh.psum(h.sum(), ("pp", "dp"))  # type: ignore[attr-defined]
 
@@ -503,11 +516,14 @@ def test_check_vma_tags_name_only_axes_of_size_above_one() -> None:
         )
         x = torch.ones(axes["dp"] * 2, 3)
         w = torch.ones(axes["pp"] * 2, 3, requires_grad=True)
-        program(x, w)
+        (grad,) = torch.autograd.grad(program(x, w).to_local(), [w])
         dp = {"dp"} if axes["dp"] > 1 else set()
         assert seen["x"] == frozenset(dp)  # "sp" (size 1) is left out
         assert seen["w"] == frozenset({"pp"})
         assert seen["h"] == frozenset({"pp"} | dp)
-        assert seen["pp"] == [6 // axes["dp"]] * 2
+        assert lifted == ([frozenset({"dp"})] if dp else [])  # never along "sp"
+        assert seen["pp"] == 6 // axes["dp"]
         assert seen["pp,sp"] == frozenset({"pp"})
+        mine = slice(seen["pp"] * 2, seen["pp"] * 2 + 2)
+        assert torch.equal(grad[mine], torch.ones(2, 3))
     dist.destroy_process_group()

@@ -4,6 +4,7 @@ groups (DeviceMesh groups), DTensors in and out, JAX's check_vma gradient rules 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,21 +31,12 @@ from .runtime import import_dist, import_torch
 from .translate import TorchLayout, TorchTranslator, from_host, global_stride, to_host
 
 
-def _bind_hot() -> tuple[Callable[[], bool], Any]:
-    """torch's functions that the engine calls for every collective, looked up once torch is
-    imported (they replace :func:`_grad_enabled` and :func:`_unwatching`)."""
-    global _grad_enabled, _unwatching
+@functools.cache
+def _hot() -> tuple[Callable[[], bool], Any]:
+    """torch's functions that the engine calls for every collective (``is_grad_enabled``,
+    ``DisableTorchFunction``), looked up once torch is imported."""
     torch = import_torch()
-    _grad_enabled, _unwatching = torch.is_grad_enabled, torch._C.DisableTorchFunction
-    return _grad_enabled, _unwatching
-
-
-def _grad_enabled() -> bool:
-    return _bind_hot()[0]()
-
-
-def _unwatching() -> Any:
-    return _bind_hot()[1]()
+    return torch.is_grad_enabled, torch._C.DisableTorchFunction
 
 
 class TorchPrograms(TorchTranslator):
@@ -207,7 +199,7 @@ class TorchPrograms(TorchTranslator):
         return x.detach().cpu().numpy()  # type: ignore[no-any-return]
 
     def needs_grad(self, x: Any) -> bool:
-        return bool(x.requires_grad) and _grad_enabled()
+        return bool(x.requires_grad) and _hot()[0]()
 
     def vma_mode(self, env: Any) -> Any:
         """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
@@ -229,7 +221,7 @@ class TorchPrograms(TorchTranslator):
         return x
 
     def unwatched(self, fn: Any, x: Any, vma: frozenset[str] | None = None) -> Any:
-        with _unwatching():
+        with _hot()[1]():
             out = fn(x)
         return out if vma is None else self.tag(out, vma)
 
