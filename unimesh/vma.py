@@ -269,10 +269,6 @@ class CheckVmaEnv(ProcessAxisEnv):
         #: check looks at axes of size > 1 only), so a tag that named it would make the
         #: backend's watcher compare and lift operands for nothing.
         self._big = frozenset(a for a in comm.mesh.axis_names if comm.mesh.axis_size(a) > 1)
-        #: per layout: the tag of an argument's block (its spec's axes of size > 1)
-        self._tags: dict[Layout, frozenset[str]] = {}
-        #: per out layout: the axes of size > 1 along which its spec says a result is the same
-        self._same: dict[Layout, frozenset[str]] = {}
 
     def pvary(self, x: Any, axes: frozenset[str] | set[str]) -> Any:
         """``x`` as an operand varying along ``axes`` too (identity forward; the backward sums
@@ -364,10 +360,7 @@ class CheckVmaEnv(ProcessAxisEnv):
 
     def _tag(self, layout: Layout) -> frozenset[str]:
         """The tag of a block laid out as ``layout``: the axes of size > 1 it varies along."""
-        tag = self._tags.get(layout)
-        if tag is None:
-            tag = self._tags[layout] = self._input_plan(layout)[2] & self._big
-        return tag
+        return self._input_plan(layout)[2] & self._big
 
     def _edge(self, arg: Any, layout: Layout) -> Any:
         block, _ = self._block(arg, layout, ())
@@ -379,10 +372,7 @@ class CheckVmaEnv(ProcessAxisEnv):
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; it must not vary along the axes its out_spec omits (JAX's check)."""
         block = self.be.as_array(block)
-        same_along = self._same.get(layout)
-        if same_along is None:
-            same_along = self._same[layout] = frozenset(replicated_axes(layout))
-        varies = self.be.vma_of(block) & same_along
+        varies = self.be.vma_of(block).intersection(self._input_plan(layout)[0])
         if varies:
             axes = self._mesh_order(varies)
             raise LayoutError(
