@@ -129,7 +129,7 @@ class MLXPrograms(MLXTranslator):
         from ``distribute`` or numpy)."""
         if RULES.forward_only:
             return False
-        probe = _PROBE[0] if _PROBE else _load_probe()
+        probe = tracer_probe()
         return not is_fresh(x) if probe is None else probe(x)
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
@@ -454,15 +454,6 @@ def _differentiable(leaf: Any, fn: Any, i: int) -> Any:
         "arrays (jax.grad refuses integer inputs too); pass it as an mx.array or float numpy, "
         "or leave it out of argnums"
     )
-
-
-def _load_probe() -> Any:
-    """:func:`tracer_probe`, kept in :data:`_PROBE` (asked on every collective and edge)."""
-    _PROBE.append(tracer_probe())
-    return _PROBE[0]
-
-
-_PROBE: list[Any] = []
 
 
 @functools.cache
