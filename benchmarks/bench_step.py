@@ -9,13 +9,14 @@ Two steps of examples/mlp_step.py's model (Megatron column/row split over "tp", 
 "dp"): ``manual`` with a hand-written backward (``manual_step``), and ``grad``, the loss
 differentiated by ``unimesh.value_and_grad`` against the framework's own autodiff idiom (JAX
 ``jax.value_and_grad`` of ``jax.shard_map``; torch Megatron-style autograd functions and a
-DistributedDataParallel-style all-reduce of the gradients; MLX ``mx.value_and_grad`` with
-``all_sum`` and an ``average_gradients``-style all-reduce). Each native step is checked to compute
-the same loss and gradients as unimesh's before it is timed. Native versions: JAX
-``jax.shard_map`` with ``lax.psum``; torch local
-tensors of the DTensors, ``_functional_collectives.all_reduce`` on the DeviceMesh's groups and
-``DTensor.from_local``; MLX ``mx.distributed.all_sum`` on ``Group.split`` groups. The two are
-timed alternately in one run; the ratio of medians is the figure (goal <= 1.02).
+DistributedDataParallel-style all-reduce of the gradients, after the backward and, in the
+``grad/in_backward`` row, inside it, where DDP's hooks and unimesh's rules put it; MLX
+``mx.value_and_grad`` with ``all_sum`` and an ``average_gradients``-style all-reduce). Each
+native step is checked to compute the same loss and gradients as unimesh's before it is timed.
+Native versions: JAX ``jax.shard_map`` with ``lax.psum``; torch local tensors of the DTensors,
+``_functional_collectives.all_reduce`` on the DeviceMesh's groups and ``DTensor.from_local``;
+MLX ``mx.distributed.all_sum`` on ``Group.split`` groups. The two are timed alternately in one
+run; the ratio of medians is the figure (goal <= 1.02).
 """
 
 from __future__ import annotations
@@ -223,15 +224,31 @@ def bench_torch(repeat: int) -> dict[str, float]:
         def backward(ctx: Any, g: Any) -> Any:
             return g, None
 
-    def native_grad() -> Any:
+    class Summed(torch.autograd.Function):  # identity forward, the gradient summed backward
+        @staticmethod
+        def forward(ctx: Any, w: Any, group: Any) -> Any:
+            ctx.group = group
+            return w.view_as(w)
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            g = g.clone()  # autograd may hand this cotangent to another consumer too
+            torch.distributed.all_reduce(g, group=ctx.group)
+            return g, None
+
+    def native_grad(in_backward: bool = False) -> Any:
+        """Megatron's f/g by hand, and DDP's sum of the weights' gradients over dp: after
+        ``torch.autograd.grad`` returns (in place, back to back), or ``in_backward`` where
+        each weight's backward falls (where DDP's hooks and unimesh's rules put it)."""
         x, t = placed[0].to_local(), placed[1].to_local()
         w1, w2 = (a.to_local().detach().requires_grad_(True) for a in placed[2:])
         dp, tp = dm.get_group("dp"), dm.get_group("tp")
-        pre = x @ w1
-        diff = Sum.apply((pre * (pre > 0)) @ w2, tp) - t
+        u1, u2 = (Summed.apply(w1, dp), Summed.apply(w2, dp)) if in_backward else (w1, w2)
+        pre = x @ u1
+        diff = Sum.apply((pre * (pre > 0)) @ u2, tp) - t
         loss = Sum.apply((diff * diff).sum() / x.shape[0], dp) / dm.size(0)
         grads = torch.autograd.grad(loss, (w1, w2))
-        for g in grads:  # what DistributedDataParallel does: sum over the data-parallel group
+        for g in grads if not in_backward else ():
             torch.distributed.all_reduce(g, group=dp)
         return (
             loss,
@@ -255,6 +272,7 @@ def bench_torch(repeat: int) -> dict[str, float]:
         return [o.to_local() if isinstance(o, DTensor) else o for o in out]
 
     same(local(native_grad()), local(our_grad()))
+    same(local(native_grad(in_backward=True)), local(our_grad()))
 
     # compiled (inductor, or TORCH_COMPILE_BACKEND): torch.compile of the native steps as
     # functions of this rank's blocks (functional collectives, which dynamo traces) against
@@ -338,6 +356,7 @@ def bench_torch(repeat: int) -> dict[str, float]:
             "native": native,
             "unimesh": lambda: ours(*placed),
             "native_grad": native_grad,
+            "native_grad_in_backward": lambda: native_grad(in_backward=True),
             "unimesh_grad": our_grad,
             "native_compiled": native_compiled,
             "unimesh_compiled": lambda: ours_c(*placed),
@@ -482,6 +501,7 @@ def report(backend: str, scale: int, medians: dict[str, float]) -> str:
     for step, (a, b) in {
         "manual": ("native", "unimesh"),
         "grad": ("native_grad", "unimesh_grad"),
+        "grad/in_backward": ("native_grad_in_backward", "unimesh_grad"),
         "manual/compiled": ("native_compiled", "unimesh_compiled"),
         "grad/compiled": ("native_grad_compiled", "unimesh_grad_compiled"),
         "grad/whole": ("native_grad_whole", "unimesh_grad_compiled"),
