@@ -232,7 +232,7 @@ def bench_torch(repeat: int) -> dict[str, float]:
 
         @staticmethod
         def backward(ctx: Any, g: Any) -> Any:
-            g = g.clone()  # autograd may hand this cotangent to another consumer too
+            g = g.clone()  # copied before gloo's in-place sum, as unimesh's rule does
             torch.distributed.all_reduce(g, group=ctx.group)
             return g, None
 

@@ -259,7 +259,9 @@ def steps(repeat: int) -> dict[str, Any]:
         "written natively, {repeat} steps alternating (under torchrun and mpirun: "
         "medians of blocks of 10 steps, each block started after a barrier): manual = a "
         "hand-written backward, grad = the loss differentiated by "
-        "unimesh.value_and_grad vs the framework's own autodiff idiom. Goal: 1.02 "
+        "unimesh.value_and_grad vs the framework's own autodiff idiom (torch: the data-parallel "
+        "gradient sums after the backward; grad/in_backward: inside it, where DDP's hooks and "
+        "unimesh's rules put them). Goal: 1.02 "
         "(JAX), 1.05 (torch, MLX).".replace("{repeat}", str(repeat)),
         "columns": ["backend", "step", "size", "native", "unimesh", "ratio", "note"],
         "rows": rows,
