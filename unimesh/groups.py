@@ -20,7 +20,20 @@ from .mesh import Mesh
 if TYPE_CHECKING:
     from .spmd import ProcessBackend
 
-__all__ = ["Group", "GroupComm"]
+__all__ = ["Chain", "Group", "GroupComm"]
+
+
+class Chain:
+    """A lazy backend's collectives in program order: one chain per process, through every
+    mesh (an MLX mesh spans the whole world). ``last`` is the latest collective's result (the
+    next one runs after it); ``depth`` counts the programs running, so that a program called
+    inside another's body continues the caller's chain instead of starting its own."""
+
+    __slots__ = ("depth", "last")
+
+    def __init__(self) -> None:
+        self.last: Any = None
+        self.depth = 0
 
 
 class Group:
@@ -45,7 +58,7 @@ class GroupComm:
     """The groups of one process (logical device ``device``) on one mesh, and the collectives
     on them through the backend's primitives."""
 
-    def __init__(self, be: ProcessBackend, mesh: Mesh, device: int) -> None:
+    def __init__(self, be: ProcessBackend, mesh: Mesh, device: int, chain: Chain) -> None:
         self.be = be
         self.mesh = mesh
         self.device = device
@@ -53,8 +66,8 @@ class GroupComm:
         self._groups: dict[tuple[str, ...], Group] = {}
         self._world: Any = None
         self._can_split: bool | None = None if "split" in self.native else False
-        #: the latest collective's result, on a lazy backend (the next one runs after it)
-        self.last: Any = None
+        #: this process's chain of collectives, on a lazy backend (shared by every mesh)
+        self.chain = chain
 
     # -- groups -----------------------------------------------------------------------------------
     def group(self, axes: tuple[str, ...]) -> Group:
@@ -92,9 +105,10 @@ class GroupComm:
         without the chain, two processes could pair one's all-gather with another's."""
         if not self.be.lazy:
             return primitive(x, *args)
-        if self.last is not None:
-            x = self.be.after(x, self.last)
-        self.last = out = primitive(x, *args)
+        chain = self.chain
+        if chain.last is not None:
+            x = self.be.after(x, chain.last)
+        chain.last = out = primitive(x, *args)
         return out
 
     def bound(self, primitive: Callable[..., Any], *args: Any) -> Callable[[Any], Any]:
@@ -103,12 +117,13 @@ class GroupComm:
         if not self.be.lazy:
             return lambda x: primitive(x, *args)
         after = self.be.after
+        chain = self.chain
 
         def chained(x: Any) -> Any:
-            last = self.last
+            last = chain.last
             if last is not None:
                 x = after(x, last)
-            self.last = out = primitive(x, *args)
+            chain.last = out = primitive(x, *args)
             return out
 
         return chained

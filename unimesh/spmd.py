@@ -18,7 +18,8 @@ backend); :mod:`unimesh.checked` the checked mode.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from . import vmaplan
 from .backend import HOOKS, Backend
 from .errors import MeshMismatchError
-from .groups import Group, GroupComm
+from .groups import Chain, Group, GroupComm
 from .layout import Layout
 from .mesh import Mesh
 from .program import Body, Program, SpecTree
@@ -92,6 +93,8 @@ class ProcessBackend(Backend):
     def __init__(self) -> None:
         #: this process's collectives per mesh (:meth:`axis_env`)
         self._axis_envs: dict[Any, ProcessAxisEnv] = {}
+        #: the program order of this process's collectives on a lazy backend, every mesh's
+        self._chain = Chain()
 
     def instance_problems(self) -> list[str]:
         if "_axis_envs" not in self.__dict__:
@@ -257,11 +260,23 @@ class ProcessBackend(Backend):
         """Runs ``body`` on this process's blocks; the engine does the rest."""
         return _Program(self, body, mesh, ins, outs)
 
+    @contextlib.contextmanager
+    def own_chain(self) -> Iterator[None]:
+        """A chain of collectives of its own while a framework's compiler traces a step (MLX's
+        ``mx.compile``): the trace's collectives depend on nothing outside it, and the traced
+        arrays they leave in the chain do not leak out; the caller's chain resumes after."""
+        chain = self._chain
+        saved = chain.last, chain.depth
+        chain.last, chain.depth = None, 0
+        try:
+            yield
+        finally:
+            chain.last, chain.depth = saved
+
     def forget_pending(self) -> None:
         """Drop the engine's references to collective results (a lazy backend's chain), e.g.
         before the framework's runtime shuts down: an unevaluated result may hold a group."""
-        for env in self._axis_envs.values():
-            env.comm.last = None
+        self._chain.last = None
 
     def axis_env(self, mesh: Mesh, check_vma: bool | None = None) -> ProcessAxisEnv:
         """The (cached) collectives of this process on ``mesh``, with the backend's rule set
@@ -285,7 +300,7 @@ class ProcessBackend(Backend):
                         f"process {device} is not a device of {mesh!r}; shard_map runs on the "
                         "mesh's processes: call it there only"
                     )
-                comm = GroupComm(self, mesh, device)
+                comm = GroupComm(self, mesh, device, self._chain)
             rules = CheckVmaEnv if check else NoCheckVmaEnv
             env = envs[key] = rules(self, comm)
         return env
@@ -351,16 +366,23 @@ class _Program(Program):
         if env.check_vma and not (self.body.check_vma and self.be.vma_watched()):
             env = self.be.axis_env(self.mesh, check_vma=False)
         env.checked, env.calls = self.body.checked, 0
-        env.comm.last = None  # a chain starts with each call (and never reaches into mx.compile)
-        outer = env.plan  # a program inside a program's body
+        chain = env.comm.chain
+        if not chain.depth:  # a chain starts with each call (and never reaches into mx.compile)
+            chain.last = None
+        # a program inside a program's body continues the caller's chain: the caller's
+        # collectives before it stay in the graph (a peer may use their results where this
+        # process does not) and every process runs the two programs' collectives in one order
+        outer = env.plan
         plan = env.plan = (
             vmaplan.VmaPlan()
             if not env.check_vma and self.body.manual is None and self.be.plans_vma()
             else None
         )
+        chain.depth += 1
         try:
             return self._run(env, plan, leaves, treedef, layouts)
         finally:
+            chain.depth -= 1
             env.plan = outer
 
     def _run(
@@ -388,5 +410,5 @@ class _Program(Program):
             plan.finished()
         # every collective the program issued runs, used or not: a lazy framework runs only
         # what a result depends on, and a peer waits on the one left out
-        wrapped = env.leave_all(out_leaves, out_layouts, env.comm.last, self._shapes)
+        wrapped = env.leave_all(out_leaves, out_layouts, env.comm.chain.last, self._shapes)
         return optree.tree_unflatten(out_def, wrapped)

@@ -67,8 +67,13 @@ def _tracing() -> Iterator[None]:
         TRACING.compiling = before
 
 
-def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
-    """``fn`` under ``mx.compile(..., **options)``, taking and returning MLXArrays."""
+def compiled(
+    fn: Callable[..., Any],
+    options: dict[str, Any],
+    own_chain: Callable[[], contextlib.AbstractContextManager[None]],
+) -> Callable[..., Any]:
+    """``fn`` under ``mx.compile(..., **options)``, taking and returning MLXArrays;
+    ``own_chain``: the backend's context for a trace's own chain of collectives."""
     import mlx.core as mx
     import optree
 
@@ -215,7 +220,7 @@ def compiled(fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., A
             """The step on blocks: what ``mx.compile`` traces (this Python runs only while it
             traces, on every trace it makes: a first call, a new shape, after an error)."""
             a, kw = join(given, self.kinds, self.treedef)
-            with _tracing():
+            with _tracing(), own_chain():
                 result = fn(*a, **kw)
             out, self.out_kinds, self.out_treedef = split(result, "the result")
             self.out_blocks = (

@@ -348,7 +348,7 @@ class MLXPrograms(MLXTranslator):
         as their blocks (see :func:`unimesh_mlx.compiled`)."""
         from .compiled import compiled
 
-        return compiled(fn, options)
+        return compiled(fn, options, self.own_chain)
 
     def stop_gradient(self, x: Any) -> Any:
         local = x.local if isinstance(x, MLXArray) else x

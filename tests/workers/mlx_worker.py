@@ -223,4 +223,36 @@ for what, x, w in calls * 2:
             f"replayed edges, {what}, grad mode {grad_mode}: the value",
         )
 
+# a program called inside another program's body continues the caller's chain of
+# collectives: the caller's psum over tp, whose result only the tp=0 member uses, still runs
+# on its tp=1 partner (before, the inner call started a chain of its own, the partner's graph
+# dropped that psum and the tp=0 member waited for it forever); an inner program on another
+# mesh of the same processes joins the same chain, so every process runs the two programs'
+# collectives in one order
+M, M2 = Mesh((2, 2), ("dp", "tp")), Mesh((4,), ("all",))
+V, Z, Z2 = np.arange(4.0).reshape(2, 2), 10 * np.arange(4.0).reshape(2, 2), 100 * np.arange(4.0)
+v_on, z_on = (
+    unimesh.distribute(a.astype(np.float32), Layout(M, P("dp", "tp")), be) for a in (V, Z)
+)
+z2_on = unimesh.distribute(Z2.astype(np.float32), Layout(M2, P("all")), be)
+summed_dp = unimesh.shard_map(
+    lambda u: unimesh.psum(u, "dp"), M, P("dp", "tp"), P(None, "tp"), backend=be
+)
+summed_all = unimesh.shard_map(lambda u: unimesh.psum(u, "all"), M2, P("all"), P(), backend=be)
+tp0 = np.arange(2)[None, :] == 0
+for what, inner, whole in (
+    ("the same mesh", lambda: summed_dp(z_on).local, np.broadcast_to(Z.sum(0), (2, 2))),
+    ("another mesh", lambda: summed_all(z2_on).local.reshape(1, 1), np.full((2, 2), Z2.sum())),
+):
+
+    def body(b, inner=inner):  # type: ignore[no-untyped-def]
+        s = unimesh.psum(b * 2.0, "tp")
+        w = inner()
+        return s + w if unimesh.axis_index("tp") == 0 else w * 1.0
+
+    out = unimesh.shard_map(body, M, P("dp", "tp"), P("dp", "tp"), backend=be)(v_on)
+    got = unimesh.full_array(out, be)
+    want = whole + np.where(tp0, 2 * V.sum(1, keepdims=True), 0)
+    check(np.allclose(got, want), f"a program inside a body, on {what}: {got.tolist()}")
+
 check.done(f"RANK {rank}")
