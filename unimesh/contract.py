@@ -147,7 +147,7 @@ HELPERS: frozenset[str] = frozenset(
     {
         "supports", "require", "reject_options", "request_devices", "implements", "layers",
         "contract_problems", "instance_problems", "available", "framework_version",
-        "install_hint", "pip_extra", "axis_env", "forget_pending",
+        "install_hint", "pip_extra", "axis_env", "forget_pending", "own_chain",
     }
 )  # fmt: skip
 

@@ -10,6 +10,7 @@ it calls (``group_all_reduce`` ...) and of the key in ``native_primitives``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,13 +24,11 @@ if TYPE_CHECKING:
 __all__ = ["Chain", "Group", "GroupComm"]
 
 
-class Chain:
-    """A lazy backend's collectives in program order: one chain per process, through every
-    mesh (an MLX mesh spans the whole world). ``last`` is the latest collective's result (the
-    next one runs after it); ``depth`` counts the programs running, so that a program called
-    inside another's body continues the caller's chain instead of starting its own."""
-
-    __slots__ = ("depth", "last")
+class Chain(threading.local):
+    """A lazy backend's collectives in program order, per thread and through every mesh (an
+    MLX mesh spans the whole world). ``last`` is the latest collective's result (the next one
+    runs after it); ``depth`` counts the programs running, so that a program called inside
+    another's body continues the caller's chain instead of starting its own."""
 
     def __init__(self) -> None:
         self.last: Any = None

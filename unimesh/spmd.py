@@ -262,9 +262,11 @@ class ProcessBackend(Backend):
 
     @contextlib.contextmanager
     def own_chain(self) -> Iterator[None]:
-        """A chain of collectives of its own while a framework's compiler traces a step (MLX's
-        ``mx.compile``): the trace's collectives depend on nothing outside it, and the traced
-        arrays they leave in the chain do not leak out; the caller's chain resumes after."""
+        """A chain of collectives of its own while a framework's compiler traces a step (a
+        lazy backend's ``compile`` wraps its traced function in it; MLX: ``mx.compile``): the
+        trace's collectives depend on nothing outside it, and the traced arrays they leave in
+        the chain do not leak out; the caller's chain resumes after (not ordered with the
+        trace's collectives)."""
         chain = self._chain
         saved = chain.last, chain.depth
         chain.last, chain.depth = None, 0
@@ -365,14 +367,16 @@ class _Program(Program):
             self.be.prepare_program(self.mesh, self.ins.layouts + self.outs.layouts)
         if env.check_vma and not (self.body.check_vma and self.be.vma_watched()):
             env = self.be.axis_env(self.mesh, check_vma=False)
+        # a program inside a program's body (on any mesh) shares the env of its mesh: what
+        # the caller set is put back after it
+        outer = env.plan, env.checked, env.calls
         env.checked, env.calls = self.body.checked, 0
         chain = env.comm.chain
-        if not chain.depth:  # a chain starts with each call (and never reaches into mx.compile)
+        if not chain.depth:  # a chain starts with each top-level call
             chain.last = None
         # a program inside a program's body continues the caller's chain: the caller's
         # collectives before it stay in the graph (a peer may use their results where this
         # process does not) and every process runs the two programs' collectives in one order
-        outer = env.plan
         plan = env.plan = (
             vmaplan.VmaPlan()
             if not env.check_vma and self.body.manual is None and self.be.plans_vma()
@@ -383,7 +387,7 @@ class _Program(Program):
             return self._run(env, plan, leaves, treedef, layouts)
         finally:
             chain.depth -= 1
-            env.plan = outer
+            env.plan, env.checked, env.calls = outer
 
     def _run(
         self,

@@ -226,9 +226,10 @@ for what, x, w in calls * 2:
 # a program called inside another program's body continues the caller's chain of
 # collectives: the caller's psum over tp, whose result only the tp=0 member uses, still runs
 # on its tp=1 partner (before, the inner call started a chain of its own, the partner's graph
-# dropped that psum and the tp=0 member waited for it forever); an inner program on another
-# mesh of the same processes joins the same chain, so every process runs the two programs'
-# collectives in one order
+# dropped that psum and the tp=0 member waited for it forever: this case hung before the
+# fix); an inner program on another mesh of the same processes joins the same chain, so every
+# process runs the two programs' collectives in one order (that case checks the values; it
+# did not hang before, MLX happening to walk both graphs in one order)
 M, M2 = Mesh((2, 2), ("dp", "tp")), Mesh((4,), ("all",))
 V, Z, Z2 = np.arange(4.0).reshape(2, 2), 10 * np.arange(4.0).reshape(2, 2), 100 * np.arange(4.0)
 v_on, z_on = (
