@@ -248,8 +248,9 @@ def bench_torch(repeat: int) -> dict[str, float]:
         diff = Sum.apply((pre * (pre > 0)) @ u2, tp) - t
         loss = Sum.apply((diff * diff).sum() / x.shape[0], dp) / dm.size(0)
         grads = torch.autograd.grad(loss, (w1, w2))
-        for g in grads if not in_backward else ():
-            torch.distributed.all_reduce(g, group=dp)
+        if not in_backward:  # summed already, in the backward, where in_backward
+            for g in grads:
+                torch.distributed.all_reduce(g, group=dp)
         return (
             loss,
             *(
