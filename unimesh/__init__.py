@@ -33,12 +33,15 @@ from .errors import (
     ConversionError,
     LaunchError,
     LayoutError,
+    LinkError,
     MeshMismatchError,
     MeshSpecError,
     UnimeshError,
     UnsupportedError,
 )
+from .fusion import Concat, Slice
 from .layout import Layout
+from .link import Link, link
 from .mesh import Mesh, current_mesh
 from .mesh_utils import make_mesh
 from .parallel import compile, full_array, grad, shard_map, stop_gradient, value_and_grad
@@ -66,6 +69,7 @@ __all__ = [
     "BackendUnavailableError",
     "Checkpoint",
     "CheckpointError",
+    "Concat",
     "Config",
     "ConfigError",
     "ConversionError",
@@ -74,6 +78,8 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LayoutMap",
+    "Link",
+    "LinkError",
     "Mesh",
     "MeshMismatchError",
     "MeshSpecError",
@@ -84,6 +90,7 @@ __all__ = [
     "Replicate",
     "SaveHandle",
     "Shard",
+    "Slice",
     "StridedShard",
     "UnimeshError",
     "UnsupportedError",
@@ -104,6 +111,7 @@ __all__ = [
     "grad",
     "initialize",
     "layout_of",
+    "link",
     "load",
     "load_config",
     "local_shards",

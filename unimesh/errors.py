@@ -17,6 +17,7 @@ __all__ = [
     "ConversionError",
     "LaunchError",
     "LayoutError",
+    "LinkError",
     "MeshMismatchError",
     "MeshSpecError",
     "UnimeshError",
@@ -77,6 +78,12 @@ class ConfigError(UnimeshError, ValueError):
 class LaunchError(MeshMismatchError):
     """The launcher's environment is incomplete, or the distributed runtime could not start
     (a variable is missing, a peer never joined)."""
+
+
+class LinkError(UnimeshError):
+    """A transfer between two jobs (:func:`unimesh.link`) cannot go on: the two jobs disagree
+    on a tensor (shape, dtype, version, a name nothing sent), or a process of either job died
+    or stopped answering. Raised on every process of both jobs."""
 
 
 class CheckpointError(UnimeshError):

@@ -22,7 +22,15 @@ from .mesh import Mesh
 from .messages import short
 from .registry import ENV_VAR, REGISTRY, get_backend
 
-__all__ = ["Launch", "Launcher", "detect_launcher", "fingerprint", "initialize", "verify"]
+__all__ = [
+    "Launch",
+    "Launcher",
+    "detect_launcher",
+    "fingerprint",
+    "initialize",
+    "started",
+    "verify",
+]
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> Launcher | None:
@@ -206,7 +214,22 @@ def initialize(
                 capability="multi_process",
             )
         started = be.initialize(seconds, launch=launch)
+    _STARTED[:] = [(be, started)]
     return started
+
+
+#: the backend :func:`initialize` started in this process, and its answer (what a link between
+#: two jobs reads to know this process's place in its job)
+_STARTED: list[tuple[Any, tuple[int, int]]] = []
+
+
+def started() -> tuple[Any, int, int] | None:
+    """``(backend, this process's index, process count)`` of the runtime :func:`initialize`
+    started in this process, or None before it ran."""
+    if not _STARTED:
+        return None
+    be, (rank, world) = _STARTED[0]
+    return be, rank, world
 
 
 def fingerprint(mesh: Mesh, layout: Any = None) -> dict[str, Any]:

@@ -1,0 +1,67 @@
+"""The engine of ``unimesh.link`` on torch.distributed: a ``TCPStore`` at the link's address is
+the rendezvous, and a ``ProcessGroupGloo`` of both jobs' processes, made from it and apart
+from each job's own default group, moves the byte buffers point to point (``send``/``recv``
+with a tag per round). It works whatever framework each job computes with: the buffers are
+numpy arrays wrapped as CPU tensors, no copy."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from .runtime import import_dist, import_torch
+
+__all__ = ["GlooEngine", "GlooWire"]
+
+
+class GlooEngine:
+    """The ``unimesh.links`` entry point ``gloo``."""
+
+    def store(self, host: str, port: int, is_host: bool, timeout: float) -> Any:
+        """The rendezvous: a ``TCPStore`` served here (``is_host``) or reached at
+        ``host:port``, waiting up to ``timeout`` seconds for an answer."""
+        dist = import_dist()
+        return dist.TCPStore(
+            host,
+            port,
+            None,
+            is_host,
+            timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+
+    def connect(self, store: Any, prefix: str, rank: int, size: int, timeout: float) -> GlooWire:
+        """A gloo group of ``size`` processes over the store (keys under ``prefix``)."""
+        dist = import_dist()
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout)
+        )
+        return GlooWire(group)
+
+
+class GlooWire:
+    """Byte buffers between the link's processes on one gloo group."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def exchange(
+        self, sends: Mapping[int, np.ndarray], receives: Mapping[int, np.ndarray], tag: int
+    ) -> None:
+        torch = import_torch()
+        works = [
+            self.group.send([torch.from_numpy(buf)], q, tag) for q, buf in sends.items() if buf.size
+        ]
+        works += [
+            self.group.recv([torch.from_numpy(buf)], q, tag)
+            for q, buf in receives.items()
+            if buf.size
+        ]
+        for work in works:
+            work.wait()
+
+    def close(self) -> None:
+        self.group = None
