@@ -149,13 +149,13 @@ def link(address: str, *, job: str, peer: str, timeout: float = 300.0) -> Link:
     dies or stops answering makes every survivor raise :class:`~unimesh.LinkError` naming
     it, within ``timeout`` + 15 s.
     """
-    from .runtime import _timeout
-
     host, port = _address(address)
     mine, theirs = _name(job, "job"), _name(peer, "peer")
     if mine == theirs:
         raise LinkError(f"link(job={job!r}, peer={peer!r}): the two jobs need different names")
-    seconds = _timeout(timeout, "link(timeout=...)")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e7:
+        raise LinkError(f"link(timeout=...) takes seconds > 0, got {short(timeout)}")
+    seconds = float(timeout)
     be, me, count = _place(seconds)
     return Link(_engine(), host, port, mine, theirs, be, me, count, seconds)
 
@@ -218,25 +218,35 @@ class Link:
         deadline = time.monotonic() + timeout
         self._safe(lambda: st.set(f"size/{job}", str(count)))
         self._safe(lambda: st.set(f"in/{job}/{me}", where))
-        if not self._poll([f"size/{peer}"], deadline, None):
-            raise LaunchError(
+        if not self._poll([f"size/{peer}"], deadline, "join/fail", LaunchError):
+            raise self._give_up(
+                "join/fail",
                 f"job {peer!r} did not join the link at {self.address} within {timeout:g} s "
-                f"(job {job!r} process {me} waited); start it with link(..., job={peer!r}, "
-                f"peer={job!r})"
+                f"(job {job!r} waited); start it with link(..., job={peer!r}, peer={job!r})",
+                LaunchError,
+                [f"{job}/{i}" for i in range(count) if st.check([f"in/{job}/{i}"])],
             )
         theirs = int(self._safe(lambda: st.get(f"size/{peer}")))
         self.mine = _Side(job, count, 0 if first else theirs)
         self.other = _Side(peer, theirs, count if first else 0)
         keys = [f"in/{s.name}/{i}" for s in (self.mine, self.other) for i in range(s.count)]
-        if not self._poll(keys, deadline, None):
+        if not self._poll(keys, deadline, "join/fail", LaunchError):
             missing = {
                 s.name: [i for i in range(s.count) if not st.check([f"in/{s.name}/{i}"])]
                 for s in (self.mine, self.other)
             }
             said = "; ".join(f"job {n!r} processes {m}" for n, m in missing.items() if m)
-            raise LaunchError(
+            raise self._give_up(
+                "join/fail",
                 f"the link at {self.address} did not fill within {timeout:g} s: missing {said} "
-                "(each process of both jobs must call unimesh.link)"
+                "(each process of both jobs must call unimesh.link)",
+                LaunchError,
+                [
+                    f"{s.name}/{i}"
+                    for s in (self.mine, self.other)
+                    for i in range(s.count)
+                    if i not in missing[s.name]
+                ],
             )
         self.rank = self.mine.offset + me
         self.size = count + theirs
@@ -299,26 +309,59 @@ class Link:
                 f"answering ({self._store_host}; {type(exc).__name__}: {exc})"
             ) from None
 
-    def _poll(self, keys: list[str], deadline: float, fail: str | None) -> bool:
-        """Wait until every key is set (True), or the deadline passes (False); raise
-        :class:`LinkError` as soon as ``fail`` is set or a process stops answering."""
+    def _poll(
+        self,
+        keys: list[str],
+        deadline: float,
+        fail: str | None,
+        kind: type[Exception] = LinkError,
+        watch: bool = True,
+    ) -> bool:
+        """Wait until every key is set (True), or the deadline passes (False); raise ``kind``
+        as soon as ``fail`` is set (another process's error, acknowledged) or a process stops
+        answering."""
         pause = 0.002
         next_look = time.monotonic() + 1.0
         while True:
             if self._safe(lambda: self._store.check(keys)):
                 return True
             if fail is not None and self._safe(lambda: self._store.check([fail])):
-                raise LinkError(self._safe(lambda: self._store.get(fail)).decode())
+                text = self._safe(lambda: self._store.get(fail)).decode()
+                self._ack(fail)
+                raise kind(text)
             now = time.monotonic()
             if now >= deadline:
                 return False
-            if now >= next_look and hasattr(self, "rank"):
+            if watch and now >= next_look and hasattr(self, "rank"):
                 stalled = self._stalled()
                 if stalled:
                     raise self._failed(fail, None, stalled)
                 next_look = now + 1.0
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
+
+    def _ack(self, fail: str) -> None:
+        """Say this process has seen the failure ``fail`` (the rendezvous's host waits for
+        every survivor's word before it goes)."""
+        with contextlib.suppress(Exception):
+            self._store.set(f"{fail}/ack/{self.job}/{self._me}", "1")
+
+    def _give_up(
+        self, fail: str, text: str, kind: type[Exception], waiting: list[str]
+    ) -> Exception:
+        """Publish a failure every process of both jobs raises, acknowledge it, and, on the
+        process hosting the rendezvous, wait (bounded) for ``waiting`` (``job/index`` of the
+        survivors) to acknowledge it too, so that they read it before the store goes."""
+        with contextlib.suppress(Exception):
+            if not self._store.check([fail]):
+                self._store.set(fail, text)
+            text = self._store.get(fail).decode()
+        self._ack(fail)
+        if self._hosting:
+            keys = [f"{fail}/ack/{w}" for w in waiting]
+            with contextlib.suppress(Exception):
+                self._poll(keys, time.monotonic() + self.timeout + STALE, None, watch=False)
+        return kind(text)
 
     def _failed(
         self, fail: str | None, cause: BaseException | None, stalled: list[int]
@@ -343,10 +386,17 @@ class Link:
                 f"{self.address} failed ({type(cause).__name__}: {cause})"
             )
         self._broken = True
-        if fail is not None:
-            with contextlib.suppress(Exception):  # the rendezvous may be what is gone
-                self._store.set(fail, text)
-        return LinkError(text)
+        if fail is None:
+            return LinkError(text)
+        survivors = [
+            f"{(self.mine if self.mine.owns(r) else self.other).name}/"
+            f"{r - (self.mine if self.mine.owns(r) else self.other).offset}"
+            for r in range(self.size)
+            if r not in stalled
+        ]
+        made = self._give_up(fail, text, LinkError, survivors)
+        assert isinstance(made, LinkError)
+        return made
 
     # -- transfers ---------------------------------------------------------------------------
     def _open(self, what: str) -> int:
@@ -533,7 +583,7 @@ class Link:
             self._store.set(f"closed/{self.rank}", "1")
             if self._hosting and not self._broken:
                 keys = [f"closed/{r}" for r in range(self.size)]
-                self._poll(keys, time.monotonic() + min(self.timeout, 60.0), None)
+                self._poll(keys, time.monotonic() + min(self.timeout, 60.0), None, watch=False)
         except UnimeshError:
             pass
         finally:

@@ -307,7 +307,11 @@ def faults(ln: Any, rank: int) -> None:
         except unimesh.LinkError as exc:
             record["errors"].append(str(exc))
             record["seconds"] = time.monotonic() - t0
-            return
+            record["ok"] = True
+            (OUT / f"{JOB}-{rank}.json").write_text(json.dumps(record))
+            # the job lost a process: its runtime's own shutdown would wait for it (JAX's
+            # coordination service), so this survivor ends here, its result written
+            os._exit(0)
 
 
 def main() -> None:
@@ -331,7 +335,7 @@ def main() -> None:
     except unimesh.LaunchError as exc:
         record["errors"].append(f"LaunchError: {exc}")
         (OUT / f"{JOB}-{rank}.json").write_text(json.dumps(record))
-        return
+        os._exit(0)  # a job missing a process: its runtime's shutdown would wait for it
     with ln:
         {"torch-jax": torch_jax, "torch-torch": torch_torch, "torch-mlx": torch_mlx}.get(
             SCENARIO, faults
