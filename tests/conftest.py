@@ -182,65 +182,43 @@ if os.environ.get("UNIMESH_LAUNCH_LOG"):
     _log_launches(os.environ["UNIMESH_LAUNCH_LOG"])
 
 
-# -- what a run leaves behind (issue 51, item 5): checked when the session ends -----------------
-#: temporary folders the launchers and unimesh's MLX sign-ins make (tests/support/launch.py
-#: gives each launch a TMPDIR of its own, so none should be left in the real one)
-_LEFT = ("torchelastic_", "ompi.", "unimesh-launch-", "unimesh-ranks-", "unimesh-mlx-")
-_BEFORE: set[str] = set()
+# -- what a run leaves behind (issues 51 and 70): checked when the session ends -----------------
+#: whether this session's start marked its processes (the check judges nothing otherwise)
+_MARKED: list[bool] = []
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    import tempfile
+    """Mark every process this run starts (their environment), so that the check at the end
+    finds the run's own, and only those (tests/support/launch.py)."""
+    from .support.launch import LAUNCH_VAR, RUN
 
-    _BEFORE.update(os.listdir(tempfile.gettempdir()))
-
-
-def _live_descendants() -> list[tuple[int, str]]:
-    """This process's descendants still running, with their command lines; aside: zombies,
-    and the helpers that live exactly as long as this process by design (multiprocessing's
-    resource tracker; OpenMPI's singleton daemon, which MLX's ``mx.distributed.init`` starts
-    in a process not launched by mpirun, and which exits when its pipe to this process
-    closes)."""
-    from unimesh.cli.ending import descendants
-
-    found = []
-    for pid in descendants(os.getpid()):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        if state != "Z" and "resource_tracker" not in cmd and "--singleton-died-pipe" not in cmd:
-            found.append((pid, cmd[:200]))
-    return found
+    os.environ[LAUNCH_VAR] = RUN
+    _MARKED.append(True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run if it left a launcher's temporary folder or a process behind (those
-    processes are killed, by process id)."""
-    import tempfile
-
-    if os.environ.get(CHILD) or not _BEFORE:
+    """Fail the run if it left something of its own behind: a launch's temporary folder not
+    removed, or a process it started still running (ended now, by process id, and the folder
+    removed). Only the run's own launches and processes are judged: folders that other
+    programs make in the temporary folder meanwhile (another user's torchrun jobs, a CI
+    runner's parallel jobs) are theirs, and left alone."""
+    if os.environ.get(CHILD) or not _MARKED:
         return
-    folder = tempfile.gettempdir()
-    left = sorted(n for n in os.listdir(folder) if n.startswith(_LEFT) and n not in _BEFORE)
     mlx_runtime = sys.modules.get("unimesh_mlx.runtime")
     if mlx_runtime is not None:  # MLX's watchdog lives as long as this process: end it now
         mlx_runtime.stop_watchdog()
-    alive = _live_descendants()
-    if not left and not alive:
-        return
-    from .support.launch import kill_tree
+    from .support.launch import left_behind
 
-    for pid, _ in alive:
-        kill_tree(pid)
-    lines = [f"left in {folder}: {name}" for name in left]
-    lines += [f"still running: pid {pid}: {cmd}" for pid, cmd in alive]
+    left = left_behind()
+    if not left:
+        return
+    lines = left.lines()  # before the cleaning: what each folder held
+    left.clean()
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    text = "the run left these behind (a launch that is not cleaned up):\n" + "\n".join(lines)
+    text = "the run left these behind (a launch that is not cleaned up; ended and removed now):\n"
+    text += "\n".join(lines)
     if reporter is not None:
+        reporter.ensure_newline()
         reporter.write_sep("=", "leftovers", red=True)
         reporter.write_line(text)
     else:
