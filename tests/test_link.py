@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import unimesh
+from unimesh import Concat, Slice
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 from launch import free_port
@@ -130,3 +135,175 @@ def test_a_process_that_never_joins_is_named(tmp_path: Path) -> None:
         (r,) = [results(tmp_path, job, 2)[i]] if job == "a" else [results(tmp_path, "b", 1)[0]]
         (error,) = r["errors"]
         assert error.startswith("LaunchError") and "job 'b' processes [1]" in error, error
+
+
+# -- one process per job, the two jobs in two threads of the test process (numpy) --------------
+
+
+def pair(a_side, b_side, timeout: float = 30.0) -> tuple[object, object]:
+    """Run ``a_side(link)`` and ``b_side(link)`` as two one-process jobs in two threads;
+    return what each gave back (or raised)."""
+    port = free_port()
+    out: dict[str, object] = {}
+
+    def run(job: str, peer: str, side) -> None:
+        try:
+            with unimesh.link(f"127.0.0.1:{port}", job=job, peer=peer, timeout=timeout) as ln:
+                out[job] = side(ln)
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            out[job] = exc
+
+    threads = [threading.Thread(target=run, args=("a", "b", a_side)),
+               threading.Thread(target=run, args=("b", "a", b_side))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 3)
+    assert not any(t.is_alive() for t in threads), "a link thread hung"
+    return out["a"], out["b"]
+
+
+@pytest.mark.quick
+def test_numpy_jobs_rename_fuse_slice_and_cast() -> None:
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((n, 4)).astype(np.float32) for n in (3, 2, 2))
+    qkv = np.concatenate([q, k, v])
+
+    def a(ln):
+        stats: dict[str, int] = {}
+        ln.send({"q": q, "k": k, "v": v, "qkv": qkv}, version=7, stats=stats)
+        return stats, ln.version
+
+    def b(ln):
+        stats: dict[str, int] = {}
+        target = {
+            "fused": np.zeros((7, 4), np.float32),
+            "k2": np.zeros((2, 4), np.float32),
+            "half": np.zeros((3, 4), ml_dtypes.bfloat16),
+            "q": np.zeros((3, 4), np.float32),
+        }
+        got = ln.receive(
+            target,
+            stats=stats,
+            version=7,
+            sources={
+                "fused": Concat(["q", "k", "v"], 0),
+                "k2": Slice("qkv", 0, 3, 5),
+                "half": "q",
+                "q": Slice("qkv", 0, 0, 3),
+            },
+        )
+        return got, target, stats, ln.version
+
+    (sent, sent_version), (got, target, stats, version) = pair(a, b)
+    assert got["fused"] is target["fused"] and (got["fused"] == qkv).all()
+    assert (got["k2"] == k).all() and (got["q"] == q).all()
+    assert got["half"].tobytes() == q.astype(ml_dtypes.bfloat16).tobytes()  # cast at the sender
+    assert stats["bytes_received"] == (7 + 2 + 3) * 4 * 4 + 3 * 4 * 2
+    assert sent["bytes_sent"] == stats["bytes_received"] and version == sent_version == 7
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("sends", "receives", "words"),
+    [
+        ({"w": np.zeros((2, 3), np.float32)}, {"w": np.zeros((3, 2), np.float32)},
+         ["'w'", "(2, 3)", "(3, 2)"]),
+        ({"w": np.zeros(3, np.float32)}, {"w": np.zeros(3, np.int32)},
+         ["'w'", "float32", "int32", "does not cast"]),
+        ({"w": np.zeros(3, np.float32)}, {"x": np.zeros(3, np.float32)},
+         ["'x'", "nothing sent provides"]),
+    ],
+)  # fmt: skip
+def test_a_mismatch_is_a_link_error_on_both_jobs_and_the_link_stays_usable(
+    sends, receives, words
+) -> None:
+    def a(ln):
+        errors = []
+        try:
+            ln.send(sends)
+        except unimesh.LinkError as exc:
+            errors.append(str(exc))
+        ln.send({"ok": np.arange(3.0)})
+        return errors
+
+    def b(ln):
+        errors = []
+        try:
+            ln.receive(receives)
+        except unimesh.LinkError as exc:
+            errors.append(str(exc))
+        return errors, ln.receive({"ok": np.zeros(3)})["ok"]
+
+    sent, (received, ok) = pair(a, b)
+    assert len(sent) == len(received) == 1 and sent == received, (sent, received)
+    assert all(w in sent[0] for w in words), sent[0]
+    assert (ok == np.arange(3.0)).all()
+
+
+@pytest.mark.quick
+def test_versions_are_checked_before_anything_moves() -> None:
+    def a(ln):
+        ln.send({"w": np.ones(2)}, version=3)
+        try:
+            ln.send({"w": np.ones(2)}, version=4)
+        except unimesh.LinkError as exc:
+            return str(exc)
+
+    def b(ln):
+        target = np.zeros(2)
+        ln.receive({"w": target}, version=3)
+        target[:] = 5
+        try:
+            ln.receive({"w": target}, version=5)
+        except unimesh.LinkError as exc:
+            return str(exc), target.copy(), ln.version
+
+    sent, (received, target, version) = pair(a, b)
+    assert sent == received and "version 4" in sent and "version 5" in sent
+    assert (target == 5).all() and version == 3  # nothing was written; the last version kept
+
+
+@pytest.mark.quick
+def test_a_peer_that_never_joins_is_a_launch_error() -> None:
+    with pytest.raises(unimesh.LaunchError, match="job 'nobody' did not join"):
+        unimesh.link(f"127.0.0.1:{free_port()}", job="alone", peer="nobody", timeout=1.5)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"address": "localhost"}, "host:port"),
+        ({"address": "127.0.0.1:0"}, "1..65535"),
+        ({"address": 29500}, "host:port"),
+        ({"job": "same", "peer": "same"}, "different names"),
+        ({"job": ""}, "job's name"),
+        ({"job": "a/b"}, "no '/'"),
+        ({"timeout": -1}, "seconds > 0"),
+        ({"timeout": float("inf")}, "seconds > 0"),
+    ],
+)
+def test_bad_link_arguments_name_the_value_and_the_fix(kwargs: dict, words: str) -> None:
+    args = {"address": "127.0.0.1:1234", "job": "a", "peer": "b", "timeout": 1.0, **kwargs}
+    with pytest.raises(unimesh.LinkError, match=words):
+        unimesh.link(args.pop("address"), **args)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: Concat([], 0), "non-empty list"),
+        (lambda: Concat("qkv", 0), "non-empty list"),
+        (lambda: Concat(["q"], -1), "Concat dim"),
+        (lambda: Slice("", 0, 0, 1), "sent tensor's name"),
+        (lambda: Slice("qkv", 0, 5, 2), "stop must be >= start"),
+        (lambda: Slice("qkv", 0, 2**80, 2**81), "Slice start"),
+    ],
+)
+def test_bad_sources_name_the_value_and_the_fix(make, words: str) -> None:
+    with pytest.raises(unimesh.UnimeshError, match=words):
+        make()

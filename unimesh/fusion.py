@@ -54,8 +54,8 @@ class Slice:
             raise UnimeshError(f"Slice takes the sent tensor's name first, got {short(name)}")
         self.name = name
         self.dim = check_int(dim, "Slice dim", minimum=0, maximum=63, cls=UnimeshError)
-        self.start = check_int(start, "Slice start", minimum=0, cls=UnimeshError)
-        self.stop = check_int(stop, "Slice stop", minimum=0, cls=UnimeshError)
+        self.start = check_int(start, "Slice start", minimum=0, maximum=2**62, cls=UnimeshError)
+        self.stop = check_int(stop, "Slice stop", minimum=0, maximum=2**62, cls=UnimeshError)
         if self.stop < self.start:
             raise UnimeshError(
                 f"Slice({name!r}, {dim}, {start}, {stop}): stop must be >= start; give the "
