@@ -307,3 +307,22 @@ def test_bad_link_arguments_name_the_value_and_the_fix(kwargs: dict, words: str)
 def test_bad_sources_name_the_value_and_the_fix(make, words: str) -> None:
     with pytest.raises(unimesh.UnimeshError, match=words):
         make()
+
+
+def test_the_trainer_to_server_example_serves_what_the_trainer_trained() -> None:
+    pytest.importorskip("jax")
+    import re
+    import subprocess
+
+    example = Path(__file__).parents[1] / "examples" / "trainer_to_server.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                          timeout=LIMIT, start_new_session=True)  # fmt: skip
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-6000:]
+    said = {
+        (who, int(step)): words
+        for who, step, words in re.findall(r"^(trainer|server) step (\d+)[^:]*: (.*)$", text, re.M)
+    }
+    assert len(said) == 8, text[-6000:]
+    for step in range(4):  # the server's bfloat16 weights give what torch's cast of them gives
+        assert said["server", step] == said["trainer", step], said
