@@ -495,6 +495,13 @@ def cross_cases(
          (8, 8), "float32"),
         ("back-bfloat16", other, "torch", Layout(line, P("x")), Layout(sq, P(None, "tp")),
          (8, 4), "bfloat16"),
+        # uneven blocks, which JAX cannot hold: to torch's uneven rows (6 over 4: the move
+        # runs on torch's engine after the blocks cross), and from torch's uneven rows to
+        # even columns (on torch's engine, then across)
+        ("back-uneven", other, "torch", Layout(line, P(None, "x")),
+         Layout(Mesh((world,), ("w",)), P("w")), (6, 12), "float32"),
+        ("uneven-source", "torch", other, Layout(line, P("x")),
+         Layout(sq, P(None, ("dp", "tp"))), (6, 12), "float32"),
     ]  # fmt: skip
     return out
 
