@@ -86,6 +86,10 @@ def _check(
     extra += tuple(
         f"reshard:{name}" for name, *_ in reshard_cases.cases(4, backend == "torch", uneven)
     )
+    if backend == "mlx":  # unimesh.value_and_grad through a reshard and a program's psum
+        extra += tuple(
+            f"psum-gradient:{name}" for name, *_ in reshard_cases.psum_gradient_cases(4, uneven)
+        )
     if backend == "torch":  # pending reductions, and torch's autograd through a reshard
         extra += tuple(f"reshard:{name}" for name, *_ in reshard_cases.partial_cases(4))
     extra += ("reshard:gradient",)  # torch's autograd, MLX under unimesh.value_and_grad

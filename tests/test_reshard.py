@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import unimesh
 from unimesh import Layout, Mesh, P
-from unimesh.moves import plan
+from unimesh.moves import crosses, plan
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 import reshard_cases
@@ -79,6 +79,8 @@ def test_the_plan_tiles_every_target_block_and_moves_the_minimum(problem: tuple)
     source, target, shape, where = problem
     itemsize = 2
     plans = {p: plan(source, target, shape, itemsize, where, p) for p in sorted(set(where))}
+    # whether anything moves between processes: one answer, the same as the plans'
+    assert crosses(source, target, shape, where) == any(m.receive for m in plans.values())
     s_ids = source.mesh.device_ids.ravel().tolist()
     t_ids = target.mesh.device_ids.ravel().tolist()
     for p, mine in plans.items():
@@ -336,6 +338,19 @@ def test_jax_eight_devices(name: str) -> None:
     case = next(c for c in reshard_cases.cases(8, True, False) if c[0] == name)
     _, source, target, shape, dtype = case
     assert reshard_cases.check("jax", source, target, shape, dtype, set(range(POOL))) == 0.0
+
+
+@pytest.mark.parametrize("name", [c[0] for c in reshard_cases.psum_gradient_cases(8, False)])
+def test_jax_grad_of_a_reshard_then_a_psum_is_the_reference(name: str) -> None:
+    """The reference the MLX launches check their gradients against: ``jax.grad`` (through
+    ``unimesh.value_and_grad`` on JAX's 8 devices) of each loss of
+    ``reshard_cases.psum_loss`` (a reshard, then a program ending in a psum over all, one or
+    none of the target's axes) is ``cos(x)`` in float64, laid out like the source."""
+    pytest.importorskip("jax")
+    case = next(c for c in reshard_cases.psum_gradient_cases(8, False) if c[0] == name)
+    _, source, target, shape, over = case
+    got = reshard_cases.check_psum_gradient("jax", source, target, shape, over, set(range(POOL)))
+    assert got == 0.0
 
 
 def test_jax_a_tree_moves_whole_with_a_layout_per_leaf() -> None:

@@ -126,6 +126,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("zeros_like", _E, "yes", "", "array glue: zeros"),
     Hook("to_host", _E, "no", "", "an array as numpy (checked mode)"),
     Hook("after", _E, "lazy frameworks", "", "x computed after done (program order)"),
+    Hook("evaluate", _E, "lazy frameworks", "", "arrays computed now (before a reshard's sends)"),
     Hook("custom_vjp", _E, "with grad", "", "a function of one array with a given transpose"),
     Hook("needs_grad", _E, "no", "", "False lets the engine skip its gradient wrappers"),
     Hook("vma_mode", _E, "with check_vma", "", "a mode tagging every operation's varying axes"),
@@ -147,7 +148,7 @@ HELPERS: frozenset[str] = frozenset(
     {
         "supports", "require", "reject_options", "request_devices", "implements", "layers",
         "contract_problems", "instance_problems", "available", "framework_version",
-        "install_hint", "pip_extra", "axis_env", "forget_pending", "own_chain",
+        "install_hint", "pip_extra", "axis_env", "forget_pending", "own_chain", "settle",
     }
 )  # fmt: skip
 

@@ -37,6 +37,7 @@ __all__ = [
     "Plan",
     "cells",
     "clear_cache",
+    "crosses",
     "plan",
     "rounds",
     "units",
@@ -275,6 +276,42 @@ def _demand(
     return len(np.unique(where[ids])), int(per_process.max()) if per_process.size else 0
 
 
+def crosses(
+    source: Layout, target: Layout, shape: Sequence[int], process_of: Sequence[int] | np.ndarray
+) -> bool:
+    """Whether a move from ``source`` to ``target`` sends any element from one process to
+    another: the same answer on every process (a :class:`Plan` is one process's part)."""
+    key = (source, target, tuple(shape), tuple(int(p) for p in process_of))
+    return _crosses(*key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _crosses(
+    source: Layout, target: Layout, shape: tuple[int, ...], process_of: tuple[int, ...]
+) -> bool:
+    where = np.asarray(process_of, dtype=np.int64)
+    s_ids, t_ids = source.mesh.device_ids.ravel(), target.mesh.device_ids.ravel()
+    s_lo, s_hi = source.shard_bounds(shape)
+    t_lo, t_hi = target.shard_bounds(shape)
+    row = {int(d): i for i, d in enumerate(s_ids.tolist())}
+    # each non-empty target block inside its own device's source block: nothing moves
+    inside = True
+    for i, d in enumerate(t_ids.tolist()):
+        if (t_hi[i] <= t_lo[i]).any():
+            continue
+        j = row.get(int(d))
+        if j is None or (t_lo[i] < s_lo[j]).any() or (t_hi[i] > s_hi[j]).any():
+            inside = False
+            break
+    if inside:
+        return False
+    ids = np.unique(np.concatenate([s_ids, t_ids]))
+    processes = np.unique(where[ids])
+    if len(processes) == len(ids):  # one device per process: that block must receive
+        return True
+    return any(_plan(source, target, shape, 1, process_of, int(p)).receive for p in processes)
+
+
 def units(pieces: Sequence[Piece], itemsize: int, budget: int) -> list[tuple[int, int, int, int]]:
     """The pieces of one pair of processes as the units the exchange moves, in order:
     ``(piece index, first row, end row, round)``, a piece cut along its first dim into runs of
@@ -377,6 +414,7 @@ def _csr(
 def clear_cache() -> None:
     """Forget the plans made so far (they are cached per layouts, shape and process map)."""
     _plan.cache_clear()
+    _crosses.cache_clear()
 
 
 @functools.lru_cache(maxsize=256)

@@ -234,6 +234,37 @@ def _check_handoff(
             f"reshard() of {name} from {be.name} to {to.name}: neither framework moves data "
             "between processes here; reshard through unimesh.save and unimesh.load"
         )
+    shape = tuple(int(n) for n in leaf.shape)
+    if _engine(be, to, target, shape) is None:
+        raise UnsupportedError(
+            f"reshard() of {name} from {be.name} to {to.name}: {be.name} cannot hold the "
+            f"target layout {target!r} ({_unheld(be, target, shape)}) and {to.name} moves no "
+            "data between processes here; choose a target both frameworks can hold, or "
+            "reshard through unimesh.save and unimesh.load"
+        )
+
+
+def _unheld(be: Backend, layout: Layout, shape: tuple[int, ...]) -> str | None:
+    """Why ``be`` cannot lay out an array of ``shape`` as ``layout`` (uneven blocks, a
+    feature of the layout it lacks); None where it can."""
+    from .convert import placing_backend
+
+    try:
+        placing_backend(be, "from_local", layout, shape)
+    except UnimeshError as exc:
+        return str(exc.args[0]) if exc.args else type(exc).__name__
+    return None
+
+
+def _engine(be: Backend, to: Backend, target: Layout, shape: tuple[int, ...]) -> Backend | None:
+    """Whose engine moves the pieces of a reshard from ``be``'s array to ``to``'s: the
+    source's where it moves data between processes and can hold the target (the pieces
+    move, then each target block crosses), else the target's where it moves data between
+    processes (each source block crosses, then the pieces move; ``to`` holds the target,
+    checked before); None where neither can."""
+    if _moves_between_processes(be) and _unheld(be, target, shape) is None:
+        return be
+    return to if _moves_between_processes(to) else None
 
 
 def _handoff(
@@ -245,18 +276,22 @@ def _handoff(
     target: Layout,
     stats: dict[str, int] | None,
 ) -> Any:
-    """``leaf`` (of ``be``) as ``to``'s array laid out as ``target``: the pieces move on
-    ``be``'s engine (or on ``to``'s where ``be`` moves nothing between processes: a backend
-    without ``Transport.exchange_pieces``), and each block crosses by DLPack."""
+    """``leaf`` (of ``be``) as ``to``'s array laid out as ``target``, each block crossing by
+    DLPack: the pieces move on ``be``'s engine, then cross; or, where ``be`` cannot (it moves
+    nothing between processes, or cannot hold the target: JAX's uneven blocks), the source
+    blocks cross and the pieces move on ``to``'s (:func:`_engine`)."""
 
     def cross(blocks: Mapping[int, Any]) -> dict[int, Any]:
         return {d: to.import_block(be.export_block(b), d) for d, b in blocks.items()}
 
-    moved = _native(be, leaf, source, target, shape, stats)
-    if moved is not None:  # in place already: every block crosses as it is
-        blocks = cross(be.native_blocks(moved))
-    elif _moves_between_processes(be):
-        blocks = cross(move_blocks(be, be.native_blocks(leaf), leaf, shape, source, target, stats))
+    if _engine(be, to, target, shape) is be:
+        moved = _native(be, leaf, source, target, shape, stats)
+        if moved is not None:  # in place already: every block crosses as it is
+            blocks = cross(be.native_blocks(moved))
+        else:
+            blocks = cross(
+                move_blocks(be, be.native_blocks(leaf), leaf, shape, source, target, stats)
+            )
     else:  # the blocks cross first, and the target's engine moves them
         held = cross(be.native_blocks(leaf))
         like = next(iter(held.values()), None)

@@ -19,7 +19,7 @@ backend); :mod:`unimesh.checked` the checked mode.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -207,6 +207,10 @@ class ProcessBackend(Backend):
         is unused on one process, and its peers would wait for it forever)."""
         return x
 
+    def evaluate(self, arrays: Sequence[Any]) -> None:
+        """Compute ``arrays`` now (a lazy framework; MLX: ``mx.eval``), in one call: before a
+        step that communicates as it is called rather than when evaluated (:meth:`settle`)."""
+
     def vma_mode(self, env: ProcessAxisEnv) -> Any:
         """With :attr:`check_vma`: a context manager under which every operation the function runs
         tags its array results with the union of its array arguments' :meth:`vma_of`, and
@@ -274,6 +278,20 @@ class ProcessBackend(Backend):
             yield
         finally:
             chain.last, chain.depth = saved
+
+    def settle(self, arrays: Sequence[Any]) -> None:
+        """Before communication that runs as it is called (a reshard's sends and receives on
+        a lazy backend), on every process alike: this thread's pending collectives (the
+        chain, so in program order), then what ``arrays`` are computed from. Else a process
+        whose first send evaluates a collective left in its graph waits there for a peer that
+        is already waiting on a receive from it."""
+        if not self.lazy:
+            return
+        last = self._chain.last
+        if last is not None:
+            self.evaluate([last])
+        if arrays:
+            self.evaluate(arrays)
 
     def forget_pending(self) -> None:
         """Drop the engine's references to collective results (a lazy backend's chain), e.g.

@@ -20,9 +20,9 @@ import numpy as np
 from .backend import Backend
 from .errors import LayoutError, UnsupportedError
 from .layout import Layout
-from .moves import Piece, plan, rounds, units
+from .moves import Piece, crosses, plan, rounds, units
 
-__all__ = ["add_stats", "device_ids", "itemsize", "move_blocks"]
+__all__ = ["add_stats", "addends", "device_ids", "itemsize", "move_blocks", "process_map"]
 
 
 def device_ids(*layouts: Layout) -> list[int]:
@@ -61,6 +61,7 @@ def move_blocks(
                 capability="grad",
             )
         plain = Layout(source.mesh, PartitionSpec(*source.spec))
+        be.check_reshard(None, target, plain, shape)  # checked as any move, before it moves
         got = _plain(be, cotangents, kind, shape, target, plain, None)
         if ops == {"avg"}:
             n = math.prod(source.mesh.axis_size(a) for a in source.spec.partial)
@@ -80,7 +81,7 @@ def _plain(
     stats: dict[str, int] | None,
 ) -> dict[int, Any]:
     """:func:`move_blocks` outside autodiff; ``kind``: the framework's dtype and its item size."""
-    process_of = _process_of(be, source, target)
+    process_of = process_map(be, source, target)
     me, _ = be.initialize(300.0)  # this process's index (the runtime is already up)
     if not source.spec.partial:
         return _blocks(be, blocks, source, target, shape, kind, process_of, me, stats)
@@ -90,7 +91,7 @@ def _plain(
     parts = [
         _blocks(be, {d: b for d, b in blocks.items() if d in addend.mesh.device_ids},
                 addend, target, shape, kind, process_of, me, stats)
-        for addend in _addends(source)
+        for addend in addends(source)
     ]  # fmt: skip
     out = {}
     for t in parts[0]:
@@ -102,9 +103,11 @@ def _plain(
     return out
 
 
-def _addends(source: Layout) -> list[Layout]:
+def addends(source: Layout) -> list[Layout]:
     """A partial layout as one plain layout per coordinate along its partial axes, each over
-    the devices at that coordinate."""
+    the devices at that coordinate (a plain layout: itself)."""
+    if not source.spec.partial:
+        return [source]
     from .mesh import Mesh
     from .spec import PartitionSpec
 
@@ -139,6 +142,11 @@ def _blocks(
     their dtype and item size): the plan's pieces cut, exchanged and joined."""
     dtype, itemsize = kind
     the_plan = plan(source, target, shape, itemsize, process_of, me)
+    settle = getattr(be, "settle", None)  # the per-process engine's (a lazy framework's)
+    if settle is not None and crosses(source, target, shape, process_of):
+        # what is pending runs first, on every process of the move alike: the exchange
+        # below may run as it is called, while a collective waits until it is evaluated
+        settle(list(blocks.values()))
     origin: dict[int, tuple[int, ...]] = {}
     if blocks:
         s_lo, _ = source.shard_bounds(shape, sorted(blocks))
@@ -251,11 +259,11 @@ def plan_stats(
     be: Backend, source: Layout, target: Layout, shape: tuple[int, ...], size: int
 ) -> dict[str, int]:
     """This process's bytes in the plan of a move (what a framework's own verb must move)."""
-    return plan(source, target, shape, size, _process_of(be, source, target),
+    return plan(source, target, shape, size, process_map(be, source, target),
                 be.initialize(300.0)[0]).stats()  # fmt: skip
 
 
-def _process_of(be: Backend, source: Layout, target: Layout) -> np.ndarray:
+def process_map(be: Backend, source: Layout, target: Layout) -> np.ndarray:
     """The process of each device id of either layout (by id; 0 for ids of neither)."""
     ids = device_ids(source, target)
     process_of = np.zeros(max(ids) + 1, dtype=np.int64)

@@ -80,6 +80,9 @@ class MLXPrograms(MLXTranslator):
     def after(self, x: Any, done: Any) -> Any:
         return import_mx().depends(x, done)
 
+    def evaluate(self, arrays: Any) -> None:
+        import_mx().eval(*arrays)
+
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
         function = import_mx().custom_function(fwd)
 

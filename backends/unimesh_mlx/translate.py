@@ -308,8 +308,28 @@ class MLXTranslator(MLXRuntime):
         self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
     ) -> None:
         """Under an MLX transform, a pending max or min is refused (its gradient is not a
-        move); the rest is as the default."""
+        move); while ``unimesh.compile`` traces a step, a move that sends between processes
+        (its rounds run as they are called, which a trace cannot); the rest is as the
+        default. ``array`` None: the reverse move of a gradient."""
         super().check_reshard(array, source, target, shape)
+        from unimesh.moves import crosses
+        from unimesh.transfer import addends, process_map
+
+        from .programs import TRACING
+
+        if TRACING.compiling and any(
+            crosses(part, target, shape, process_map(self, source, target))
+            for part in addends(source)
+        ):
+            what = "the gradient of a reshard, the reverse move" if array is None else "the move"
+            raise UnsupportedError(
+                f"{what} {source!r} -> {target!r} under unimesh.compile: MLX sends its "
+                "pieces between processes in rounds that run as they are called, which "
+                "mx.compile cannot trace; reshard outside the compiled step (before it, or on "
+                "its results), or call the step eagerly",
+                backend=self.name,
+                capability="reshard",
+            )
         traced = getattr(self, "needs_grad", None)
         local = array.local if isinstance(array, MLXArray) else array
         ops = sorted(set(source.spec.partial.values()) & {"max", "min"})

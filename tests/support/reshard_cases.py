@@ -10,12 +10,14 @@ that none of its source blocks holds, counted with numpy masks (not with the pla
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 import unimesh
 from unimesh import Layout, Mesh, P
+from unimesh.spec import entry_axes
 
 
 def meshes(world: int) -> dict[str, Mesh]:
@@ -177,6 +179,14 @@ def run_all(backend: str, world: int, mine: set[int], subsets: bool) -> dict[str
             report["reshard:gradient"] = gradient(min(mine))
         except Exception:  # noqa: BLE001 - any failure is this case's
             report["reshard:gradient"] = traceback.format_exc(limit=8)
+    if backend == "mlx":  # a program with a psum after the reshard, differentiated
+        for name, source, target, shape, over in psum_gradient_cases(world, uneven):
+            try:
+                report[f"psum-gradient:{name}"] = check_psum_gradient(
+                    backend, source, target, shape, over, mine
+                )
+            except Exception:  # noqa: BLE001 - any failure is this case's
+                report[f"psum-gradient:{name}"] = traceback.format_exc(limit=8)
     if unimesh.get_backend(backend).supports("partial") and backend != "jax":
         for name, source, target, shape, dtype in partial_cases(world):
             try:
@@ -346,6 +356,120 @@ def mlx_gradient(rank: int) -> float | str:
     return 0.0
 
 
+#: where the program after a reshard sums, case by case in turn: over every axis that splits
+#: the target, over its first (a second program sums over the rest), over none (the second
+#: program sums over all)
+PSUM_OVER = ("all", "one", "none")
+
+
+def psum_gradient_cases(
+    world: int, uneven: bool
+) -> list[tuple[str, Layout, Layout, tuple[int, ...], str]]:
+    """(name, source, target, shape, where the psum is) for every source/target pair of
+    :func:`cases` (float32, whatever the case's dtype), the psum variant rotating through
+    :data:`PSUM_OVER`."""
+    return [
+        (name, source, target, shape, PSUM_OVER[i % len(PSUM_OVER)])
+        for i, (name, source, target, shape, _) in enumerate(cases(world, False, uneven))
+    ]
+
+
+def psum_loss(backend: str, target: Layout, over: str, shape: tuple[int, ...]) -> Any:
+    """The loss of a training step: reshard the parameter to ``target``, then a program
+    summing ``sin`` of its block with a psum over ``over`` of the target's axes; where that
+    leaves a value varying along some axes, a second program sums them. Every variant is
+    the global ``sum(sin(x))``, so ``jax.grad`` of it is ``cos(x)``."""
+    if backend == "jax":
+        import jax.numpy as sin_of  # jnp.sin and mx.sin alike
+    else:
+        import mlx.core as sin_of
+    mesh, axes = target.mesh, target.spec.axes()
+    first = axes if over == "all" else axes[:1] if over == "one" else ()
+    rest = tuple(a for a in axes if a not in first)
+    spec, share = target.spec, 1
+    if not _even(target, shape):  # shard_map takes equal blocks: the program takes the whole value
+        # (moved by a second reshard as it enters) and sums it, a 1/n share on each device
+        spec, share, first, rest = P(), math.prod(mesh.axis_size(a) for a in axes), axes, ()
+
+    def body(b: Any) -> Any:
+        total = sin_of.sin(b).sum() / share
+        if not rest:  # nothing varies after this psum: the loss itself
+            return unimesh.psum(total, first) if first else total
+        total = total.reshape((1,))
+        return unimesh.psum(total, first) if first else total
+
+    def loss(x: Any) -> Any:
+        y = unimesh.reshard(x, target)
+        out = P() if not rest else P(rest)
+        z = unimesh.shard_map(body, mesh, in_specs=spec, out_specs=out, backend=backend)(y)
+        if not rest:
+            return z
+        return unimesh.shard_map(
+            lambda c: unimesh.psum(c.sum(), rest), mesh, in_specs=P(rest), out_specs=P(),
+            backend=backend,
+        )(z)  # fmt: skip
+
+    return loss
+
+
+def _even(layout: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether every dim splits into equal blocks under ``layout``."""
+    return all(
+        shape[d] % math.prod(layout.mesh.axis_size(a) for a in entry_axes(e)) == 0
+        for d, e in enumerate(layout.spec)
+    )
+
+
+def _crosses_processes(source: Layout, target: Layout, shape: tuple[int, ...]) -> bool:
+    """Whether some device's target block holds elements its source block does not (one
+    device per process: a move between processes), counted with numpy masks."""
+    ids = {int(d) for lay in (source, target) for d in lay.mesh.device_ids.ravel().tolist()}
+    return any(minimum_received(source, target, shape, {d}, 1) for d in ids)
+
+
+def check_psum_gradient(
+    backend: str, source: Layout, target: Layout, shape: tuple[int, ...], over: str,
+    mine: set[int],
+) -> float | str:  # fmt: skip
+    """0.0 when ``unimesh.value_and_grad`` of :func:`psum_loss` gives the value ``sum(sin(x))``
+    and the gradient ``cos(x)`` (float64, to 1e-5 of max(1, |x|)) laid out like the source,
+    on every device here: eagerly, and under ``unimesh.compile`` where neither the move nor
+    its reverse sends between processes (else an UnsupportedError naming unimesh.compile
+    before anything moves, which the MLX engine gives where its sends run as called)."""
+    x = value(shape, "float32") / 32
+    want_value = float(np.sin(x.astype(np.float64)).sum())
+    want_grad = np.cos(x.astype(np.float64))
+    placed = unimesh.distribute(x, source, backend=backend)
+    step = unimesh.value_and_grad(psum_loss(backend, target, over, shape), backend=backend)
+    runs = {"eager": step}
+    if backend != "jax":
+        runs["compiled"] = unimesh.compile(step, backend=backend)
+    refused = _crosses_processes(source, target, shape) or _crosses_processes(target, source, shape)
+    for how, run in runs.items():
+        try:
+            val, grad = run(placed)
+        except unimesh.UnsupportedError as exc:
+            if how == "compiled" and refused and "under unimesh.compile" in str(exc):
+                continue
+            raise
+        if how == "compiled" and refused:
+            return "compiled: a move between processes was traced, not refused"
+        got = float(np.asarray(getattr(val, "local", val)))
+        if abs(got - want_value) > 1e-5 * max(1.0, abs(want_value)):
+            return f"{how}: value {got}, wanted {want_value}"
+        for d, block in unimesh.local_shards(grad, backend=backend).items():
+            if d not in mine:
+                continue
+            want = want_grad[source.shard_slices(shape, d)]
+            have = np.asarray(block, dtype=np.float64)
+            if (
+                have.shape != want.shape
+                or (np.abs(have - want) > 1e-5 * np.maximum(1.0, np.abs(want))).any()
+            ):
+                return f"{how}: device {d}: gradient {have!r}, wanted {want!r}"
+    return 0.0
+
+
 def cross_cases(
     world: int, other: str
 ) -> list[tuple[str, str, str, Layout, Layout, tuple[int, ...], str]]:
@@ -371,6 +495,13 @@ def cross_cases(
          (8, 8), "float32"),
         ("back-bfloat16", other, "torch", Layout(line, P("x")), Layout(sq, P(None, "tp")),
          (8, 4), "bfloat16"),
+        # uneven blocks, which JAX cannot hold: to torch's uneven rows (6 over 4: the move
+        # runs on torch's engine after the blocks cross), and from torch's uneven rows to
+        # even columns (on torch's engine, then across)
+        ("back-uneven", other, "torch", Layout(line, P(None, "x")),
+         Layout(Mesh((world,), ("w",)), P("w")), (6, 12), "float32"),
+        ("uneven-source", "torch", other, Layout(line, P("x")),
+         Layout(sq, P(None, ("dp", "tp"))), (6, 12), "float32"),
     ]  # fmt: skip
     return out
 
