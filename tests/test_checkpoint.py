@@ -920,3 +920,58 @@ def test_one_process_reads_a_tensors_blocks_box_by_box_in_file_order(
     got = unimesh.load(tmp_path / "ck", shared, backend="jax", stats=stats)
     np.testing.assert_array_equal(np.asarray(got["w"]), w)
     assert stats["bytes_read"] == stats["bytes_held"] == w.nbytes
+
+
+def test_load_with_sources_fuses_slices_and_renames_block_by_block(tmp_path: Path) -> None:
+    """A Hugging Face-style q/k/v checkpoint into one fused qkv, a part of a saved fused
+    tensor, and a rename, on JAX's 8 devices: each device's block is its slice of numpy's
+    concatenate / slice, and each process reads only the bytes of its blocks."""
+    pytest.importorskip("jax")
+    import unimesh
+    from unimesh import Concat, Layout, Mesh, P, Slice
+
+    rng = np.random.default_rng(3)
+    saved = {
+        "q": rng.standard_normal((8, 6)).astype(np.float32),
+        "k": rng.standard_normal((4, 6)).astype(np.float32),
+        "v": rng.standard_normal((4, 6)).astype(np.float32),
+        "gate_up": rng.standard_normal((6, 10)).astype(np.float32),
+    }
+    unimesh.save(str(tmp_path / "c"), saved)
+    mesh = Mesh((2, 4), ("dp", "tp"))
+    target = {
+        "qkv": Layout(mesh, P("tp", "dp")),
+        "up": Layout(mesh, P(None, "tp")),
+        "query": Layout(mesh, P("dp")),
+    }
+    stats: dict[str, int] = {}
+    got = unimesh.load(
+        str(tmp_path / "c"),
+        target,
+        backend="jax",
+        stats=stats,
+        sources={
+            "qkv": Concat(["q", "k", "v"], 0),
+            "up": Slice("gate_up", 1, 2, 10),
+            "query": "q",
+        },
+    )
+    want = {
+        "qkv": np.concatenate([saved["q"], saved["k"], saved["v"]]),
+        "up": saved["gate_up"][:, 2:10],
+        "query": saved["q"],
+    }
+    for name, layout in target.items():
+        assert got[name].shape == want[name].shape
+        for device, block in unimesh.local_shards(got[name]).items():
+            assert np.array_equal(block, want[name][layout.shard_slices(want[name].shape, device)])
+    # one process holds every block: it reads the target's bytes, not the whole saved tensors
+    assert stats["bytes_read"] <= sum(w.nbytes for w in want.values())
+    with pytest.raises(unimesh.CheckpointError, match="has no tensor 'o'"):
+        unimesh.load(str(tmp_path / "c"), {"x": target["qkv"]}, backend="jax",
+                     sources={"x": Concat(["q", "o"], 0)})  # fmt: skip
+    with pytest.raises(unimesh.CheckpointError, match="differ outside dim 1"):
+        unimesh.load(str(tmp_path / "c"), {"x": target["qkv"]}, backend="jax",
+                     sources={"x": Concat(["q", "k"], 1)})  # fmt: skip
+    with pytest.raises(unimesh.CheckpointError, match="does not have"):
+        unimesh.load(str(tmp_path / "c"), target, backend="jax", sources={"nope": "q"})

@@ -20,7 +20,7 @@ from ..layout import Layout
 from ..mesh import Mesh
 from ..messages import short
 from ..spec import PartitionSpec
-from .format import Tensor, dtype_name, dtype_text
+from .format import Tensor, dtype_name, dtype_text, numpy_dtype
 from .raw import aligned_empty
 from .reader import Checkpoint, open_checkpoint
 from .runs import BoxPart, planned
@@ -56,18 +56,26 @@ class LoadPlan:
 
 
 def plan_leaf(
-    ckpt: Checkpoint, name: str, leaf: Any, backend: Any, dtype: Any, strict: bool
+    ckpt: Checkpoint,
+    name: str,
+    leaf: Any,
+    backend: Any,
+    dtype: Any,
+    strict: bool,
+    saved: str | None = None,
 ) -> LoadPlan:
-    """``leaf``'s plan, every mismatch with the checkpoint refused by name."""
+    """``leaf``'s plan, every mismatch with the checkpoint refused by name; ``saved``: the
+    checkpoint's name for it where the target renames it."""
     from ..convert import layout_of
     from ..registry import get_backend
 
     plan = LoadPlan(name, leaf)
-    if name not in ckpt.tensors:
+    saved = name if saved is None else saved
+    if saved not in ckpt.tensors:
         if strict:
-            ckpt.tensor(name)  # raises, naming the closest names
+            ckpt.tensor(saved)  # raises, naming the closest names
         return plan
-    t = plan.tensor = ckpt.tensor(name)
+    t = plan.tensor = ckpt.tensor(saved)
     if dtype is not None:
         plan.cast = np.dtype(dtype)
     if isinstance(leaf, np.ndarray):  # a host array: read whole, as numpy
@@ -281,6 +289,77 @@ def _fill_in_place(ckpt: Checkpoint, plan: LoadPlan) -> bool:
     return True
 
 
+def _load_fused(
+    ckpt: Checkpoint, name: str, leaf: Any, source: Any, backend: Any, dtype: Any
+) -> tuple[Any, int]:
+    """A target made of several saved tensors (:class:`~unimesh.Concat`) or of a part of one
+    (:class:`~unimesh.Slice`): each of this process's blocks read run by run, each run only
+    the region of its saved tensor that the block covers, never a whole tensor. Returns the
+    array and the bytes of its blocks."""
+    from ..convert import from_blocks, layout_of, placing_backend
+    from ..fusion import segments
+    from ..registry import get_backend
+
+    def problem(text: str) -> CheckpointError:
+        return CheckpointError(f"target {name!r} ({source!r}): {text}")
+
+    try:
+        used = {n: ckpt.tensor(n) for n in _names_of(source)}
+        whole, runs = segments(name, source, {n: t.shape for n, t in used.items()})
+    except UnimeshError as exc:
+        raise problem(str(exc)) from None
+    kinds = {used[r.name].dtype for r in runs}
+    if dtype is None and len(kinds) > 1:
+        raise problem(f"its parts are saved as {sorted(kinds)}; pass dtype= to say its own")
+    want = np.dtype(dtype) if dtype is not None else numpy_dtype(kinds.pop())
+    if isinstance(leaf, np.ndarray):
+        raise problem("a fused target is a Layout or a distributed array, not numpy")
+    if isinstance(leaf, Layout):
+        layout, be = leaf, get_backend(backend)
+    else:
+        found = layout_of(leaf)
+        if found is None:
+            raise problem(f"give a unimesh.Layout or a distributed array, not {short(leaf)}")
+        be, layout = found
+        if tuple(int(n) for n in leaf.shape) != whole:
+            raise problem(f"the saved parts make shape {whole}, the target is {tuple(leaf.shape)}")
+    be = placing_backend(be, "from_local", layout, whole)
+    devices = be.process_devices(layout.mesh)
+    blocks: dict[int, np.ndarray] = {}
+    done: dict[Key, np.ndarray] = {}
+    for device in devices:
+        index = layout.shard_slices(whole, device)
+        key = tuple((s.start, s.stop) for s in index)
+        if key in done:
+            blocks[device] = done[key]
+            continue
+        block = aligned_empty(tuple(b - a for a, b in key), want)
+        for run in runs if block.size else ():
+            assert run.dim is not None  # (a rename is read as the saved tensor itself)
+            lo, hi = [a for a, _ in key], [b for _, b in key]
+            d = run.dim  # the block's part in this run, in the saved tensor's index
+            a, b = max(lo[d], run.at), min(hi[d], run.at + run.stop - run.start)
+            if a >= b:
+                continue
+            lo[d], hi[d] = a - run.at + run.start, b - run.at + run.start
+            part = ckpt.read_region(used[run.name], tuple(lo), tuple(hi))
+            where = [slice(None)] * len(key)
+            where[d] = slice(a - key[d][0], b - key[d][0])
+            np.copyto(block[tuple(where)], part, casting="unsafe")
+        blocks[device] = done[key] = block
+    return from_blocks(blocks, layout, whole, be), sum(b.nbytes for b in done.values())
+
+
+def _names_of(source: Any) -> list[str]:
+    from ..fusion import Concat, Slice
+
+    if isinstance(source, Concat):
+        return list(source.names)
+    if isinstance(source, Slice):
+        return [source.name]
+    return [source]
+
+
 def _by_rule(
     ckpt: Checkpoint, rules: Any, logical_axes: Any, mesh: Mesh | None, strict: bool
 ) -> dict[str, Layout]:
@@ -315,6 +394,7 @@ def load(
     logical_axes: Any = None,
     stats: dict[str, int] | None = None,
     verify: bool = False,
+    sources: Mapping[str, Any] | None = None,
 ) -> Any:
     """The checkpoint's tensors laid out as ``target`` says, as the backend's distributed
     arrays in ``target``'s tree. ``target`` is a pytree whose leaves are :class:`Layout` s
@@ -331,12 +411,21 @@ def load(
     checks the checksum of every saved box a block comes from (reading those boxes whole, so
     more than the blocks' bytes). A numpy leaf is read whole, as numpy.
 
+    ``sources`` maps a target name to what it is read from: a saved name (a rename),
+    :class:`~unimesh.Concat` (a fused qkv from saved q, k, v) or :class:`~unimesh.Slice` (q
+    from a saved qkv), each block read run by run from the saved tensors, never whole.
+
     ``target`` may also be a framework's model (a torch ``nn.Module``, a Keras model, an
     ``mlx.nn.Module``): each of its arrays is loaded in its own layout (no gather) and
     written into the model in place, which is returned."""
     from ..convert import from_blocks
+    from ..fusion import check_sources
     from ..rules import AxisRules, LayoutMap
 
+    try:
+        made_of = check_sources(sources)
+    except UnimeshError as exc:
+        raise CheckpointError(str(exc)) from None
     as_model = model_state(target, backend)
     if as_model is not None:  # a model: its arrays loaded in their layouts, then written into it
         be, state = as_model
@@ -349,18 +438,36 @@ def load(
             target = _by_rule(ckpt, target, logical_axes, mesh, strict)
         names, leaves, treedef = flatten(target)
         # every leaf checked and planned before any byte is read
-        plans = [plan_leaf(ckpt, name, leaf, backend, dtype, strict)
-                 for name, leaf in zip(names, leaves)]  # fmt: skip
+        unknown = sorted(set(made_of) - set(names))
+        if unknown:
+            raise CheckpointError(
+                f"sources names targets {unknown} that the target does not have (targets: "
+                f"{short(names, 200)})"
+            )
+        fused = {n: v for n, v in made_of.items() if not isinstance(v, str)}
+        renamed = {n: v for n, v in made_of.items() if isinstance(v, str)}
+        plans = [plan_leaf(ckpt, name, leaf, backend, dtype, strict, renamed.get(name))
+                 for name, leaf in zip(names, leaves) if name not in fused]  # fmt: skip
+        made_fused = {
+            name: _load_fused(ckpt, name, leaf, fused[name], backend, dtype)
+            for name, leaf in zip(names, leaves)
+            if name in fused
+        }
         out = []
-        held = 0
+        held = sum(n for _, n in made_fused.values())
         memo: dict[Any, Any] = {}
-        for plan in plans:
+        by_name = {p.name: p for p in plans}
+        for name in names:
+            if name in made_fused:
+                out.append(made_fused[name][0])
+                continue
+            plan = by_name[name]
             t, cast = plan.tensor, plan.cast
             _plan_reads(ckpt, plan, memo)
             if t is None:  # not in the checkpoint (strict=False): left as given
                 out.append(plan.leaf)
             elif plan.be is None:  # a host array: read whole, as numpy
-                whole = ckpt.read(plan.name)
+                whole = ckpt.read(t.name)
                 out.append(whole if cast is None else whole.astype(cast))
                 held += whole.nbytes
             elif _fill_in_place(ckpt, plan):  # the target's own memory holds the values now
