@@ -252,7 +252,6 @@ class Link:
         self.size = count + theirs
         self._beats: dict[int, tuple[int, float]] = {}
         self._stop = threading.Event()
-        self._beat_error: list[BaseException] = []
         beat_store = engine.store(host, port, False, timeout)
         self._beater = threading.Thread(
             target=self._beat, args=(beat_store,), name="unimesh-link-heartbeat", daemon=True
@@ -273,8 +272,7 @@ class Link:
         while not self._stop.is_set():
             try:
                 store.add(key, 1)
-            except Exception as exc:  # noqa: BLE001 - the rendezvous is gone: the waits say so
-                self._beat_error.append(exc)
+            except Exception:  # noqa: BLE001 - the rendezvous is gone: the waits say so
                 return
             self._stop.wait(BEAT)
 
@@ -1009,19 +1007,17 @@ class _Targets:
             self.dtypes.append(want)
             self.shapes.append(shape)
             self.backends.append(be)
-        for name, layout, be in zip(self.names, self.layouts, self.backends):
-            if be is not None:
-                ids = layout.mesh.device_ids.ravel().tolist()
-                try:
-                    from .convert import to_native
+        from .convert import to_native
 
+        for name, layout, be in zip(self.names, self.layouts, self.backends):
+            if be is not None:  # its mesh on this job's devices (built collectively, once)
+                try:
                     to_native(layout.mesh, be)
                 except UnimeshError as exc:
                     raise LinkError(
                         f"target {name!r}: its layout {layout!r} is not on this job's devices "
                         f"({exc})"
                     ) from None
-                del ids
 
     def manifest(self, version: int | None) -> dict[str, Any]:
         tensors = []

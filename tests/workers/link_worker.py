@@ -228,10 +228,19 @@ def torch_torch(ln: Any, rank: int) -> None:
         qkv = unimesh.distribute(value("qkv", (12, 10)), Layout(mesh, P("tp", "dp")),
                                  backend="torch")  # fmt: skip
         o = unimesh.distribute(value("o", (7, 5)), Layout(mesh, P(("dp", "tp"))), backend="torch")
+        # a tensor on half of the ranks: ranks 0 and 2 hold none of it
+        half = Layout(Mesh((2,), ("h",), device_ids=[1, 3]), P("h"))
+        b = unimesh.distribute(value("b", (6, 4)), half, backend="torch")
         stats: dict[str, int] = {}
-        ln.send({"attn": {"qkv": qkv, "o": o}}, stats=stats)
+        ln.send({"attn": {"qkv": qkv, "o": o}, "b": b}, stats=stats)
         record["sent1"] = stats["bytes_sent"]
+        if rank in (0, 2):
+            assert stats["bytes_sent"] == 0, stats
         ln.send({"attn": {"qkv": qkv, "o": o}})
+        # a pending sum is refused by name on both jobs
+        pending = Layout(mesh, P(partial={"tp": "sum"}))
+        summed = unimesh.from_local({rank: np.ones(3, np.float32)}, pending, (3,), backend="torch")
+        expect_error("partial", lambda: ln.send({"s": summed}), "'s'", "pending", "reduce")
         return
     import torch
 
@@ -241,17 +250,19 @@ def torch_torch(ln: Any, rank: int) -> None:
     o = unimesh.distribute(np.zeros((7, 5), np.float32), lay_o, backend="torch")
     ptr = q.to_local().data_ptr()
     stats: dict[str, int] = {}
-    got = ln.receive({"q": q, "o": o}, stats=stats,
+    got = ln.receive({"q": q, "o": o, "b": lay_q}, stats=stats,
                      sources={"q": Slice("attn.qkv", 0, 3, 8), "o": "attn.o"})  # fmt: skip
     assert got["q"] is q and q.to_local().data_ptr() == ptr and got["o"] is o
     least = check_blocks("q in place", q, value("qkv", (12, 10))[3:8], lay_q)
     least += check_blocks("o in place", o, value("o", (7, 5)), lay_o)
+    least += check_blocks("b from half the ranks", got["b"], value("b", (6, 4)), lay_q)
     record["min"], record["received"] = least, stats["bytes_received"]
     rules = LayoutMap(mesh, {r".*qkv": P(None, "tp"), r".*\.o": P("tp")})
     got = ln.receive(rules)
     assert isinstance(got["attn.qkv"], torch.distributed.tensor.DTensor)
     check_blocks("qkv by rules", got["attn.qkv"], value("qkv", (12, 10)), rules.get("attn.qkv"))
     check_blocks("o by rules", got["attn.o"], value("o", (7, 5)), rules.get("attn.o"))
+    expect_error("partial", lambda: ln.receive({"s": lay_q}), "'s'", "pending", "reduce")
 
 
 def torch_mlx(ln: Any, rank: int) -> None:
@@ -289,12 +300,13 @@ def faults(ln: Any, rank: int) -> None:
 
     mesh = Mesh((2,), ("x",))
     lay = Layout(mesh, P("x"))
-    victim = ("a" if SCENARIO == "kill-sender" else "b", 1)
+    victim = ("a" if SCENARIO.endswith("sender") else "b", 1)
     for turn in range(2):
         if turn == 1 and (JOB, rank) == victim:
-            record["checks"].append("killing myself")
+            stall = SCENARIO.startswith("stall")
+            record["checks"].append("stopping" if stall else "killing myself")
             (OUT / f"{JOB}-{rank}.json").write_text(json.dumps(record))
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGSTOP if stall else signal.SIGKILL)
         t0 = time.monotonic()
         try:
             if JOB == "a":
