@@ -421,6 +421,11 @@ def test_a_process_backend_gets_shard_map_only_with_the_engine_primitives():
     assert liar.contract_problems() == [
         "lists 'split' in native_primitives but implements no split_group"
     ]
+    # a lazy framework: its collectives ordered with after, run before a reshard's sends
+    lazy = type("Lazy", (ProcessBackend,), {**base, **engine, "full_array": _hook("fa"),
+                                            "lazy": True, "after": _hook("after")})  # fmt: skip
+    (problem,) = lazy.contract_problems()
+    assert problem.startswith("declares lazy = True but implements no evaluate: "), problem
 
 
 def test_a_process_backend_whose_init_skips_the_engine_is_refused_naming_the_fix():

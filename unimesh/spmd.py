@@ -128,6 +128,14 @@ class ProcessBackend(Backend):
             hook = _PRIMITIVE_HOOK[prim]
             if getattr(cls, hook) is getattr(ProcessBackend, hook):
                 problems.append(f"lists {prim!r} in native_primitives but implements no {hook}")
+        base = _engine_base(cls)
+        lacking = [h for h in ("after", "evaluate") if getattr(cls, h) is getattr(base, h)]
+        if cls.lazy and lacking:
+            problems.append(
+                f"declares lazy = True but implements no {' or '.join(lacking)}: the engine "
+                "orders a lazy framework's collectives with after, and runs them before a "
+                "reshard's sends with evaluate"
+            )
         missing = cls._engine_missing()
         if 0 < len(missing) < len(ENGINE_REQUIRED) and cls.shard_map is ProcessBackend.shard_map:
             problems.append(

@@ -131,7 +131,8 @@ class Transport:
         self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
     ) -> None:
         """Refuse (``UnsupportedError``) a move this backend cannot make, before any array of
-        the call moves. Default: a move between processes needs :meth:`exchange_pieces`."""
+        the call moves; ``array`` None: the reverse move of a gradient (the cotangents), checked
+        before it moves. Default: a move between processes needs :meth:`exchange_pieces`."""
         if (
             type(self).exchange_pieces is Transport.exchange_pieces
             and self.initialize(300.0)[1] > 1
