@@ -277,8 +277,8 @@ class Link:
             self._stop.wait(BEAT)
 
     def _who(self, rank: int) -> str:
-        side = self.mine if self.mine.owns(rank) else self.other
-        return f"process {rank - side.offset} of job {side.name!r}"
+        job, index = self._ident(rank).split("/")
+        return f"process {index} of job {job!r}"
 
     def _stalled(self) -> list[int]:
         """Link ranks whose heartbeat stood still for ``STALE`` seconds (each call samples)."""
@@ -325,8 +325,7 @@ class Link:
                 return True
             if fail is not None and self._safe(lambda: self._store.check([fail])):
                 text = self._safe(lambda: self._store.get(fail)).decode()
-                self._ack(fail)
-                raise kind(text)
+                raise self._give_up(fail, text, kind, self._members())
             now = time.monotonic()
             if now >= deadline:
                 return False
@@ -355,24 +354,51 @@ class Link:
                 self._store.set(fail, text)
             text = self._store.get(fail).decode()
         self._ack(fail)
-        if self._hosting:
-            keys = [f"{fail}/ack/{w}" for w in waiting]
+        if self._hosting:  # the store goes with this process: wait for the others' word
+            deadline = time.monotonic() + self.timeout + STALE
+            left = list(waiting)
             with contextlib.suppress(Exception):
-                self._poll(keys, time.monotonic() + self.timeout + STALE, None, watch=False)
+                while left and time.monotonic() < deadline:
+                    left = [w for w in left if not self._store.check([f"{fail}/ack/{w}"])]
+                    if left and hasattr(self, "rank"):  # no word to wait for from the stopped
+                        gone = {self._ident(r) for r in self._stalled()}
+                        left = [w for w in left if w not in gone]
+                    time.sleep(0.1)
         return kind(text)
+
+    def _ident(self, rank: int) -> str:
+        """``job/index`` of a link rank."""
+        side = self.mine if self.mine.owns(rank) else self.other
+        return f"{side.name}/{rank - side.offset}"
+
+    def _members(self) -> list[str]:
+        """``job/index`` of every process that joined (all of both jobs once the link is up)."""
+        if hasattr(self, "rank"):
+            return [self._ident(r) for r in range(self.size)]
+        st, out = self._store, []
+        with contextlib.suppress(Exception):
+            for job in (self.job, self.peer):
+                count = int(st.get(f"size/{job}")) if st.check([f"size/{job}"]) else 0
+                out += [f"{job}/{i}" for i in range(count) if st.check([f"in/{job}/{i}"])]
+        return out
 
     def _failed(
         self, fail: str | None, cause: BaseException | None, stalled: list[int]
     ) -> LinkError:
-        """The error every survivor raises: the processes that stopped, else the cause."""
+        """The error every survivor raises: another process's published failure, else the
+        processes that stopped, else the cause."""
+        found = None
         if not stalled and cause is not None:  # a peer's socket closed: find who stopped
             until = time.monotonic() + STALE + 2 * BEAT + 1.0
             while not stalled and time.monotonic() < until:
                 if fail is not None and self._safe(lambda: self._store.check([fail])):
-                    return LinkError(self._safe(lambda: self._store.get(fail)).decode())
+                    found = self._safe(lambda: self._store.get(fail)).decode()
+                    break
                 time.sleep(0.25)
                 stalled = self._stalled()
-        if stalled:
+        if found is not None:
+            text = found
+        elif stalled:
             text = (
                 f"the link between jobs {self.job!r} and {self.peer!r} lost "
                 + ", ".join(self._who(r) for r in stalled)
@@ -386,12 +412,7 @@ class Link:
         self._broken = True
         if fail is None:
             return LinkError(text)
-        survivors = [
-            f"{(self.mine if self.mine.owns(r) else self.other).name}/"
-            f"{r - (self.mine if self.mine.owns(r) else self.other).offset}"
-            for r in range(self.size)
-            if r not in stalled
-        ]
+        survivors = [self._ident(r) for r in range(self.size) if r not in stalled]
         made = self._give_up(fail, text, LinkError, survivors)
         assert isinstance(made, LinkError)
         return made

@@ -234,8 +234,6 @@ def torch_torch(ln: Any, rank: int) -> None:
         stats: dict[str, int] = {}
         ln.send({"attn": {"qkv": qkv, "o": o}, "b": b}, stats=stats)
         record["sent1"] = stats["bytes_sent"]
-        if rank in (0, 2):
-            assert stats["bytes_sent"] == 0, stats
         ln.send({"attn": {"qkv": qkv, "o": o}})
         # a pending sum is refused by name on both jobs
         pending = Layout(mesh, P(partial={"tp": "sum"}))
