@@ -89,7 +89,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook("axis_groups", _R, "no", "axis_groups", "each device's group along a mesh axis"),
     Hook("device_processes", _R, "no", "", "reshard: the process of each device id"),
     Hook("native_blocks", _R, "no", "", "reshard: this process's blocks, unconverted"),
-    Hook("exchange_pieces", _R, "with multi_process", "", "reshard: pieces sent and received"),
+    Hook("exchange_buffers", _R, "with multi_process", "", "reshard: buffers to and from peers"),
     Hook("move_with_gradient", _R, "no", "", "reshard: the move, differentiable (reverse move)"),
     Hook("place", _R, "no", "", "reshard: a piece on a device"),
     Hook("concatenate", _R, "no", "", "reshard: pieces joined along a dim"),

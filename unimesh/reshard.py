@@ -199,7 +199,7 @@ def _owner(leaf: Any) -> Backend | None:
 
 
 def _moves_between_processes(be: Backend) -> bool:
-    return be.implements("exchange_pieces") or be.initialize(300.0)[1] == 1
+    return be.implements("exchange_buffers") or be.initialize(300.0)[1] == 1
 
 
 def _check_handoff(

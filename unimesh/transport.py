@@ -43,17 +43,18 @@ class Transport:
         each on its device (no copy). Default: :meth:`local_shards` (numpy copies)."""
         return self.local_shards(array)
 
-    def exchange_pieces(
+    def exchange_buffers(
         self,
         sends: Mapping[int, Sequence[Any]],
-        receives: Mapping[int, Sequence[tuple[int, ...]]],
+        counts: Mapping[int, int],
         dtype: Any,
-    ) -> dict[int, list[Any]]:
-        """Send ``sends[q]`` (native pieces, in order) to process ``q`` and receive
-        ``receives[q]`` (pieces of these shapes, of the framework's ``dtype``) from each
-        ``q``, on the framework's own transport; every process calls it with the matching
-        lists. Default: one process, nothing to exchange."""
-        if sends or receives:
+    ) -> dict[int, Any]:
+        """Send ``sends[q]`` (flat native buffers, in order: one message) to process ``q`` and
+        receive from each ``q`` of ``counts`` one flat buffer of ``counts[q]`` elements of the
+        framework's ``dtype`` (what ``q`` sent, its buffers one after another), on the
+        framework's own transport; every process calls it with the matching arguments. The
+        core packs and unpacks. Default: one process, nothing to exchange."""
+        if sends or counts:
             raise UnsupportedError(
                 f"the {self.name} backend moves no data between processes; reshard within "
                 "this process's devices",
@@ -132,9 +133,9 @@ class Transport:
     ) -> None:
         """Refuse (``UnsupportedError``) a move this backend cannot make, before any array of
         the call moves; ``array`` None: the reverse move of a gradient (the cotangents), checked
-        before it moves. Default: a move between processes needs :meth:`exchange_pieces`."""
+        before it moves. Default: a move between processes needs :meth:`exchange_buffers`."""
         if (
-            type(self).exchange_pieces is Transport.exchange_pieces
+            type(self).exchange_buffers is Transport.exchange_buffers
             and self.initialize(300.0)[1] > 1
         ):
             raise UnsupportedError(

@@ -248,8 +248,8 @@ class KerasBackend(Backend):
         """JAX's: each shard's ``jax.Array`` on its device (no host copy)."""
         return self._jax("reshard()").native_blocks(self._value(array))
 
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
-        return self._jax("reshard()").exchange_pieces(sends, receives, dtype)
+    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
+        return self._jax("reshard()").exchange_buffers(sends, counts, dtype)
 
     def place(self, piece: Any, device_id: int) -> Any:
         return self._jax("reshard()").place(piece, device_id)

@@ -291,18 +291,13 @@ class MLXTranslator(MLXRuntime):
         local = array.local if isinstance(array, MLXArray) else array
         return {int(self._world().rank()): local}
 
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
-        """The pieces for each rank packed into one array, moved with ``mx.distributed.send``
-        and ``recv`` (:func:`_transport`)."""
-        import math
-
+    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
+        """Each rank's buffers joined into one array, moved with ``mx.distributed.send`` and
+        ``recv`` (:func:`_transport`)."""
         mx = import_mx()
-        packed = {q: mx.concatenate([p.reshape(-1) for p in ps]) for q, ps in sends.items()}
-        totals = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
-        got = _transport(self._world(), packed, totals, dtype)
-        from unimesh.moves import unpack
-
-        return {q: unpack(got[q], receives[q]) for q in receives}
+        packed = {q: ps[0] if len(ps) == 1 else mx.concatenate(list(ps)) for q, ps in sends.items()}
+        got = _transport(self._world(), packed, dict(counts), dtype)
+        return {q: got[q] for q in counts}
 
     def check_reshard(
         self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]

@@ -6,7 +6,6 @@ and from another framework."""
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -50,26 +49,20 @@ class TorchTransport(TorchRuntime):
             return {}
         return {import_dist().get_rank(): array.to_local()}
 
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
-        """One message per pair of ranks each way (the pieces for a rank packed into one
-        buffer, as bytes), on the default process group: ``batch_isend_irecv``."""
+    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
+        """One message per pair of ranks each way (a rank's buffers joined, as bytes), on the
+        default process group: ``batch_isend_irecv``."""
         torch, dist = import_torch(), import_dist()
         world = dist.group.WORLD
         if world is not None and world not in _P2P_READY:  # every rank's first round
             if dist.get_world_size() > 1:
                 dist.all_reduce(torch.zeros(1, device=torch.device(self._device_type(None))))
             _P2P_READY.add(world)
-        if not sends and not receives:
+        if not sends and not counts:
             return {}
         device = torch.device(self._device_type(None))
-        outgoing = {
-            q: torch.cat([p.contiguous().reshape(-1) for p in ps]) for q, ps in sends.items()
-        }
-        counts = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
-        got = _p2p(outgoing, counts, dtype, device)
-        from unimesh.moves import unpack
-
-        return {q: unpack(got[q], receives[q]) for q in receives}
+        outgoing = {q: ps[0] if len(ps) == 1 else torch.cat(list(ps)) for q, ps in sends.items()}
+        return _p2p(outgoing, dict(counts), dtype, device)
 
     def move_with_gradient(
         self, blocks: Any, forward: Any, backward: Any, like: Any
