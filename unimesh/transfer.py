@@ -3,7 +3,7 @@ its target blocks out.
 
 :mod:`unimesh.moves` says which piece goes where (pure arithmetic); this module asks the
 backend's ``reshard`` hooks (:class:`unimesh.transport.Transport`: ``device_processes``,
-``exchange_buffers``, ``place``, ``writable_block``, ``concatenate``, ``combine``) to move them,
+``exchange_buffers``, ``place``, ``empty_block``, ``concatenate``) to move them,
 inside the framework's autodiff where it records one (``move_with_gradient``).
 :func:`unimesh.reshard` (``reshard.py``) is the public verb above it: trees, targets, checks,
 and handoffs between frameworks.
@@ -22,7 +22,15 @@ from .errors import LayoutError, UnsupportedError
 from .layout import Layout
 from .moves import Piece, plan
 
-__all__ = ["add_stats", "addends", "device_ids", "itemsize", "move_blocks", "process_map"]
+__all__ = [
+    "add_stats",
+    "addends",
+    "device_ids",
+    "itemsize",
+    "move_blocks",
+    "process_map",
+    "refuse_gradient_of_extreme",
+]
 
 
 def device_ids(*layouts: Layout) -> list[int]:
@@ -53,19 +61,13 @@ def move_blocks(
         from .spec import PartitionSpec
 
         ops = set(source.spec.partial.values())
-        if ops & {"max", "min"}:
-            raise UnsupportedError(
-                f"reshard() of {source!r}: the gradient of a pending {min(ops)} is not a "
-                "move; reduce it before the differentiated function",
-                backend=be.name,
-                capability="grad",
-            )
+        refuse_gradient_of_extreme(be.name, source)
         plain = Layout(source.mesh, PartitionSpec(*source.spec))
         be.check_reshard(None, target, plain, shape)  # checked as any move, before it moves
         got = _plain(be, cotangents, kind, shape, target, plain, None)
         if ops == {"avg"}:
             n = math.prod(source.mesh.axis_size(a) for a in source.spec.partial)
-            got = {d: be.combine("avg", b, n) for d, b in got.items()}
+            got = {d: b / n for d, b in got.items()}
         return got
 
     return be.move_with_gradient(blocks, forward, backward, like)
@@ -97,10 +99,35 @@ def _plain(
     for t in parts[0]:
         total = parts[0][t]
         for more in parts[1:]:
-            total = be.combine("max" if op == "max" else "min" if op == "min" else "sum",
-                               total, more[t])  # fmt: skip
-        out[t] = be.combine("avg", total, len(parts)) if op == "avg" else total
+            total = _reduce(be, op, total, more[t])
+        out[t] = total / len(parts) if op == "avg" else total
     return out
+
+
+def _reduce(be: Backend, op: str, a: Any, b: Any) -> Any:
+    """Two native blocks reduced elementwise, in the core: a sum (``sum``, ``avg``) with the
+    framework's ``+``; ``max``, ``min`` over the two stacked (``concatenate``), with the
+    array's own method (torch's gives ``(values, indices)``)."""
+    if op in ("sum", "avg"):
+        return a + b
+    both = be.concatenate([a[None], b[None]], 0)
+    got = both.max(axis=0) if op == "max" else both.min(axis=0)
+    return got[0] if isinstance(got, tuple) else got
+
+
+def refuse_gradient_of_extreme(backend: str, source: Layout) -> None:
+    """Refuse a pending max or min under autodiff: its gradient is not a move. The one
+    refusal, called where a framework finds the array under its autodiff (its
+    ``check_reshard``, before any byte moves) and by the reverse move itself."""
+    ops = sorted(set(source.spec.partial.values()) & {"max", "min"})
+    if ops:
+        raise UnsupportedError(
+            f"reshard() of {source!r} under autodiff: the gradient of a pending {ops[0]} is "
+            "not a move; reduce it outside the differentiated function (or outside the "
+            "framework's gradient recording)",
+            backend=backend,
+            capability="grad",
+        )
 
 
 def addends(source: Layout) -> list[Layout]:
@@ -165,9 +192,8 @@ def _blocks(
         if t in the_plan.kept or not pieces:
             continue
         size = tuple(b[-1] - b[0] for b in bounds)
-        block = be.writable_block(dtype, size, t)
-        if block is not None:
-            sinks[t] = block
+        if be.writes_in_place:
+            sinks[t] = block = be.empty_block(dtype, size, t)
             for p in pieces:
                 if id(p) in local:  # held here: written now
                     _write(block, bounds, p, be.place(cut(p), t))
@@ -220,7 +246,7 @@ def _assemble(
     grid = [len(b) - 1 for b in bounds]
     if not pieces:  # an empty block (this process may hold no block to take a dtype from)
         shape = tuple(max(b[-1] - b[0], 0) if len(b) > 1 else 0 for b in bounds)
-        return be.place(be.empty_block(dtype, shape), device)
+        return be.place(be.empty_block(dtype, shape, device), device)
     parts = []
     for p in pieces:
         arr = data[id(p)] if id(p) in data else cut(p)

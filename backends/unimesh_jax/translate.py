@@ -428,13 +428,6 @@ class JaxTranslator(JaxRuntime):
         got = import_jax().dlpack.from_dlpack(block)
         return got if device_id is None else self.place(got, device_id)
 
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        if op == "tie":
-            return a
-        if op in ("sum", "avg"):
-            return a + b if op == "sum" else a / b
-        return import_jax().numpy.maximum(a, b) if op == "max" else import_jax().numpy.minimum(a, b)
-
     def concatenate(self, parts: Any, axis: int) -> Any:
         return import_jax().numpy.concatenate(parts, axis=axis)
 
@@ -468,8 +461,10 @@ class JaxTranslator(JaxRuntime):
             return None  # the plan
         return _identity(self.layout_to_native(target))(array), None
 
-    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        return import_jax().numpy.zeros(shape, dtype=dtype)
+    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
+        """Zeros (JAX's arrays are immutable: the core joins the pieces instead)."""
+        block = import_jax().numpy.zeros(shape, dtype=dtype)
+        return block if device_id is None else self.place(block, device_id)
 
     def process_count(self) -> int:
         return int(import_jax().process_count())

@@ -257,11 +257,8 @@ class KerasBackend(Backend):
     def concatenate(self, parts: Any, axis: int) -> Any:
         return self._jax("reshard()").concatenate(parts, axis)
 
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        return self._jax("reshard()").combine(op, a, b)
-
-    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        return self._jax("reshard()").empty_block(dtype, shape)
+    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
+        return self._jax("reshard()").empty_block(dtype, shape, device_id)
 
     def import_block(self, block: Any, device_id: int | None) -> Any:
         return self._jax("reshard()").import_block(block, device_id)
