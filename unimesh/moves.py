@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -245,16 +245,20 @@ class Plan:
             processes, most = _demand(source, target, shape, self.itemsize, process_of)
             pair = max(self.budget // (2 * processes), 1)  # what a process sends and receives
             out = [Round({}, {}, {}) for _ in range(max(1, -(-most // pair)))]
-            for lists, side in ((self.send, "sends"), (self.receive, "receives")):
+            for lists, receiving in ((self.send, False), (self.receive, True)):
                 for q, pieces in lists.items():
-                    for i, lo, hi, r in units(pieces, self.itemsize, pair):
-                        run = _rows(pieces[i], lo, hi)
-                        at = out[r].counts if side == "receives" else None
-                        got = getattr(out[r], side).setdefault(q, [])
-                        offset = got[-1].offset + got[-1].run.size if got else 0
-                        got.append(Unit(pieces[i], run, offset))
-                        if at is not None:
-                            at[q] = offset + run.size
+                    at = -1, 0  # (round, elements in the pair's buffer of that round)
+                    for p, lo, hi, r, row in _units(pieces, self.itemsize, pair):
+                        run = p if hi - lo == (p.stop[0] - p.start[0] if p.start else 1) else (
+                            _rows(p, lo, hi))  # fmt: skip
+                        offset = at[1] if at[0] == r else 0
+                        step = out[r]
+                        (step.receives if receiving else step.sends).setdefault(q, []).append(
+                            Unit(p, run, offset)
+                        )
+                        at = r, offset + (hi - lo) * row
+                        if receiving:
+                            step.counts[q] = at[1]
             self._schedule = tuple(out)
         return self._schedule
 
@@ -393,17 +397,25 @@ def units(pieces: Sequence[Piece], itemsize: int, budget: int) -> list[tuple[int
     rows of at most ``budget`` bytes (a row is never cut), each unit in the round where its
     first byte falls in the pair's stream. The sender's and the receiver's piece lists are
     the same, so both sides cut and count alike."""
-    out, offset = [], 0
-    for i, p in enumerate(pieces):
-        shape = p.shape
-        rows = shape[0] if shape else 1
-        row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
+    index = {id(p): i for i, p in enumerate(pieces)}
+    return [(index[id(p)], lo, hi, r) for p, lo, hi, r, _ in _units(pieces, itemsize, budget)]
+
+
+def _units(
+    pieces: Sequence[Piece], itemsize: int, budget: int
+) -> Iterator[tuple[Piece, int, int, int, int]]:
+    """:func:`units`, each with its piece and the elements in one of its rows."""
+    offset = 0
+    for p in pieces:
+        start, stop = p.start, p.stop
+        rows = stop[0] - start[0] if start else 1
+        row = math.prod([b - a for a, b in zip(start[1:], stop[1:])])
+        row_bytes = row * itemsize
         step = max(1, budget // max(row_bytes, 1))
         for lo in range(0, max(rows, 1), step):
             hi = min(lo + step, rows)
-            out.append((i, lo, hi, offset // budget))
+            yield p, lo, hi, offset // budget, row
             offset += (hi - lo) * row_bytes
-    return out
 
 
 class _Side:

@@ -156,18 +156,17 @@ def planned(t: Tensor, target: Layout, devices: Sequence[int]) -> dict[int, list
     the_plan = plan(sources, target, t.shape, t.itemsize, process_of, 0, cache=False)
     parts: dict[int, list[BoxPart]] = {}
     for device in devices:
-        bounds, found = the_plan.blocks[device]
-        first = tuple(b[0] for b in bounds)
-        last = tuple(b[-1] for b in bounds)
-        seen: dict[int, None] = {}  # the boxes, in the order the pieces name them
-        for p in found:
-            seen[int(parent[p.source - base])] = None
-        parts[device] = []
-        for i in seen:
-            box = boxes[i]
-            a = tuple(max(s, o) for s, o in zip(first, box.offset))
-            b = tuple(min(e, o + n) for e, o, n in zip(last, box.offset, box.size))
-            parts[device].append((box, a, b))
+        # the plan's pieces of each box, in the order they name the boxes, joined: together
+        # they tile the box's part of the block
+        joined: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        for p in the_plan.blocks[device][1]:
+            i = int(parent[p.source - base])
+            first, after = joined.get(i, (p.start, p.stop))
+            joined[i] = (
+                tuple(map(min, first, p.start)),
+                tuple(map(max, after, p.stop)),
+            )
+        parts[device] = [(boxes[i], a, b) for i, (a, b) in joined.items()]
     return parts
 
 
