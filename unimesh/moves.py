@@ -336,15 +336,21 @@ def _demand(
 ) -> tuple[int, int]:
     """(processes taking part, the most target-block bytes one of them holds)."""
     where = np.asarray(process_of, dtype=np.int64)
-    sources, targets = _boxes(source, shape), _boxes(target, shape)
-    ids = np.unique(np.concatenate([sources.ids, targets.ids]))
-    sizes = np.prod(np.maximum(targets.hi - targets.lo, 0), axis=1)
-    per_process = np.bincount(where[targets.ids], weights=sizes * itemsize)
+    s_ids = _bounds(source, shape)[0]
+    t_ids, t_lo, t_hi = _bounds(target, shape)
+    ids = np.unique(np.concatenate([s_ids, t_ids]))
+    sizes = np.prod(np.maximum(t_hi - t_lo, 0), axis=1)
+    per_process = np.bincount(where[t_ids], weights=sizes * itemsize)
     return len(np.unique(where[ids])), int(per_process.max()) if per_process.size else 0
 
 
-def _boxes(side: Layout | Boxes, shape: tuple[int, ...]) -> Boxes:
-    return side if isinstance(side, Boxes) else Boxes.of(side, shape)
+def _bounds(side: Layout | Boxes, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """A side's ids and their boxes' ``lo``, ``hi`` (a layout's without checking them as a
+    :class:`Boxes` would: they are a grid)."""
+    if isinstance(side, Boxes):
+        return side.ids, side.lo, side.hi
+    lo, hi = side.shard_bounds(shape)
+    return side.mesh.device_ids.ravel(), lo, hi
 
 
 def crosses(
@@ -367,9 +373,8 @@ def _crosses(
     process_of: tuple[int, ...],
 ) -> bool:
     where = np.asarray(process_of, dtype=np.int64)
-    sources, targets = _boxes(source, shape), _boxes(target, shape)
-    s_ids, s_lo, s_hi = sources.ids, sources.lo, sources.hi
-    t_ids, t_lo, t_hi = targets.ids, targets.lo, targets.hi
+    s_ids, s_lo, s_hi = _bounds(source, shape)
+    t_ids, t_lo, t_hi = _bounds(target, shape)
     row = {int(d): i for i, d in enumerate(s_ids.tolist())}
     # each non-empty target block inside its own device's source block: nothing moves
     inside = True
