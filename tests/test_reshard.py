@@ -245,18 +245,18 @@ def test_saved_boxes_that_would_make_too_many_cells_are_read_by_intersection() -
 
 
 def test_blocks_that_are_no_grid_are_refused_by_name() -> None:
-    from unimesh.moves import Blocks
+    from unimesh.moves import Boxes
 
     with pytest.raises(unimesh.LayoutError, match=r"2 ids, lo \(1, 2\)"):
-        Blocks([1, 2], [[0, 0]], [[1, 1]])
+        Boxes([1, 2], [[0, 0]], [[1, 1]])
     with pytest.raises(unimesh.LayoutError, match="each id once"):
-        Blocks([1, 1], [[0], [2]], [[2], [4]])
+        Boxes([1, 1], [[0], [2]], [[2], [4]])
     with pytest.raises(unimesh.LayoutError, match="along dim 1 two of their intervals overlap"):
-        Blocks([0, 1], [[0, 0], [2, 1]], [[2, 4], [4, 3]])
+        Boxes([0, 1], [[0, 0], [2, 1]], [[2, 4], [4, 3]])
     with pytest.raises(unimesh.LayoutError, match="along dim 1 two of their intervals overlap"):
-        Blocks([0, 1, 2], [[0, 0], [0, 2], [2, 0]], [[2, 2], [2, 4], [4, 4]])  # a guillotine cut
+        Boxes([0, 1, 2], [[0, 0], [0, 2], [2, 0]], [[2, 2], [2, 4], [4, 4]])  # a guillotine cut
     lo, hi = [[0, 0], [0, 2], [2, 0], [2, 2]], [[2, 2], [2, 4], [4, 2], [4, 4]]
-    assert Blocks([0, 1, 2, 3], lo, hi) == Blocks([0, 1, 2, 3], lo, hi)
+    assert Boxes([0, 1, 2, 3], lo, hi) == Boxes([0, 1, 2, 3], lo, hi)
 
 
 def test_cells_refuse_bad_boxes_and_too_many_cells_by_name() -> None:

@@ -39,7 +39,7 @@ from .fusion import Concat, Segment, Slice, check_sources, segments
 from .layout import Layout
 from .mesh import Mesh
 from .messages import short
-from .moves import IN_FLIGHT, Blocks, Piece, plan
+from .moves import IN_FLIGHT, Boxes, Piece, plan
 from .spec import PartitionSpec
 
 __all__ = ["ENGINES", "Engine", "Link", "Store", "Wire", "link"]
@@ -859,8 +859,8 @@ class _Schedule:
                 process_of[s_ids] = s_procs
                 process_of[off + t_ids] = t_procs
                 the_plan = plan(
-                    Blocks(s_ids, lo_s, hi_s),
-                    Blocks(t_ids + off, lo_t, hi_t),
+                    Boxes(s_ids, lo_s, hi_s),
+                    Boxes(t_ids + off, lo_t, hi_t),
                     whole,
                     want.itemsize,
                     process_of,

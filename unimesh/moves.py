@@ -10,20 +10,24 @@ holds, once however many of its devices need it, from one process that holds it:
 of a source block take turns (round robin over every piece that block sends, in the order all
 processes list them), so the load spreads evenly over them.
 
-Either side may also be :class:`Blocks`: boxes held by any ids, as a checkpoint's saved boxes
+Either side may also be :class:`Boxes`: boxes held by any ids, as a checkpoint's saved boxes
 are held by its storage. The checkpoint loader plans its reads with this same :func:`plan` (the
 storage a process of its own that holds every box, :func:`cells` making any tiling a grid), so
 a load and a live reshard read and move the same pieces.
 
-Plans are cached for a repeated (source, target, shape, itemsize, process map, process).
+A :class:`Plan` carries everything the move needs, asked for once: the pieces, who sends which
+to whom, the exchange's rounds under :data:`IN_FLIGHT` (:attr:`Plan.schedule`: per round and
+peer the runs of rows moved, each at its element offset in the one buffer of that pair), and
+whether anything crosses between processes at all (:attr:`Plan.crosses`). Plans are cached for
+a repeated (source, target, shape, itemsize, process map, process, in-flight budget).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -32,16 +36,16 @@ from .layout import Layout
 
 __all__ = [
     "IN_FLIGHT",
-    "Blocks",
+    "Boxes",
     "Piece",
     "Plan",
+    "Round",
+    "Unit",
     "cells",
     "clear_cache",
     "crosses",
     "plan",
-    "rounds",
     "units",
-    "unpack",
 ]
 
 #: bytes a process has in flight in one round of a reshard's exchange, over all its peers
@@ -81,7 +85,7 @@ class Piece:
         return f"Piece([{box}] from device {self.source} to {list(self.devices)})"
 
 
-class Blocks:
+class Boxes:
     """One side of a move given as boxes: id ``ids[i]`` holds the box ``lo[i]:hi[i]`` (global
     index). An id may appear once; one box may be held by many ids. Along each dim two boxes'
     intervals are equal or disjoint (a grid, as a layout's blocks always are: :func:`cells`
@@ -96,30 +100,30 @@ class Blocks:
         n = len(self.ids)
         if self.lo.ndim != 2 or self.lo.shape[0] != n or self.hi.shape != self.lo.shape:
             raise LayoutError(
-                f"Blocks takes one id per box and lo, hi of shape (boxes, dims): got {n} ids, "
+                f"Boxes takes one id per box and lo, hi of shape (boxes, dims): got {n} ids, "
                 f"lo {self.lo.shape}, hi {self.hi.shape}"
             )
         if len(np.unique(self.ids)) != n or (self.hi < self.lo).any():
-            raise LayoutError("Blocks takes each id once, and boxes with lo <= hi in every dim")
+            raise LayoutError("Boxes takes each id once, and boxes with lo <= hi in every dim")
         for d in range(self.lo.shape[1]):  # along each dim, two intervals equal or disjoint
             pairs = np.unique(np.stack([self.lo[:, d], self.hi[:, d]], 1), axis=0)
             full = pairs[pairs[:, 1] > pairs[:, 0]]
             if len(full) > 1 and (full[1:, 0] < full[:-1, 1]).any():
                 raise LayoutError(
-                    f"Blocks' boxes are no grid: along dim {d} two of their intervals overlap "
+                    f"Boxes' boxes are no grid: along dim {d} two of their intervals overlap "
                     "and differ; cut them into a grid's cells first (unimesh.moves.cells)"
                 )
         self._hash = hash((self.lo.shape, self.ids.tobytes(), self.lo.tobytes(), self.hi.tobytes()))
 
     @classmethod
-    def of(cls, layout: Layout, shape: Sequence[int]) -> Blocks:
+    def of(cls, layout: Layout, shape: Sequence[int]) -> Boxes:
         """Each device's block of ``layout`` for an array of ``shape``."""
         lo, hi = layout.shard_bounds(tuple(shape))
         return cls(layout.mesh.device_ids.ravel(), lo, hi)
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, Blocks)
+            isinstance(other, Boxes)
             and self._hash == other._hash
             and np.array_equal(self.ids, other.ids)
             and np.array_equal(self.lo, other.lo)
@@ -130,7 +134,7 @@ class Blocks:
         return self._hash
 
     def __repr__(self) -> str:
-        return f"Blocks({len(self.ids)} boxes of {self.lo.shape[1]} dims)"
+        return f"Boxes({len(self.ids)} boxes of {self.lo.shape[1]} dims)"
 
 
 def cells(
@@ -171,22 +175,53 @@ def cells(
     return np.concatenate(out_lo), np.concatenate(out_hi), np.concatenate(parent)
 
 
-class Plan:
-    """One process's part of a reshard.
+class Unit(NamedTuple):
+    """One run of rows of a piece in one round's buffer between two processes: ``piece`` the
+    whole piece, ``run`` the rows moved (a :class:`Piece` itself), ``offset`` the element at
+    which they start in the buffer (both sides list the pair's units alike)."""
 
-    - ``grid[d]``: this process's target devices' pieces, per target device, as a nested grid
-      (``cuts``: per dim the segment bounds inside the block), so that a block is the pieces
-      put together in order;
+    piece: Piece
+    run: Piece
+    offset: int
+
+
+class Round(NamedTuple):
+    """One round of the exchange: per peer process, the units sent to it and those received
+    from it, in buffer order, and the element count of each buffer received."""
+
+    sends: dict[int, list[Unit]]
+    receives: dict[int, list[Unit]]
+    counts: dict[int, int]
+
+
+class Plan:
+    """One process's part of a reshard, everything its move needs.
+
+    - ``blocks[d]``: this process's target devices' pieces, per target device, with per dim
+      the segment bounds inside the block, so that a block is the pieces put together in order;
     - ``local``: pieces one of this process's devices already holds, one per target device
       (``source`` is that device itself where it holds the piece);
     - ``receive[q]``: pieces process ``q`` sends here, in the order both sides list them;
     - ``send[q]``: pieces this process sends to process ``q``, same order as ``q``'s receive;
-    - ``kept``: target devices whose block is their source block already (nothing moves).
+    - ``kept``: target devices whose block is their source block already (nothing moves);
+    - :attr:`schedule`: the exchange, round by round (made on first use, then kept);
+    - :attr:`crosses`: whether any process sends to another (every process's same answer).
     """
 
-    __slots__ = ("blocks", "itemsize", "kept", "local", "receive", "send")
+    __slots__ = (
+        "_crosses",
+        "_key",
+        "_schedule",
+        "blocks",
+        "budget",
+        "itemsize",
+        "kept",
+        "local",
+        "receive",
+        "send",
+    )
 
-    def __init__(self, itemsize: int) -> None:
+    def __init__(self, itemsize: int, key: tuple[Any, ...] = (), budget: int = IN_FLIGHT) -> None:
         self.itemsize = itemsize
         #: target device -> (per-dim segment bounds inside its block, pieces in row-major order)
         self.blocks: dict[int, tuple[tuple[tuple[int, ...], ...], list[Piece]]] = {}
@@ -194,6 +229,46 @@ class Plan:
         self.receive: dict[int, list[Piece]] = {}
         self.send: dict[int, list[Piece]] = {}
         self.kept: tuple[int, ...] = ()
+        #: bytes in flight per process per round (``IN_FLIGHT`` when the plan was made)
+        self.budget = budget
+        self._key = key  # (source, target, shape, process_of): for the whole move's answers
+        self._schedule: tuple[Round, ...] | None = None
+        self._crosses: bool | None = None
+
+    @property
+    def schedule(self) -> tuple[Round, ...]:
+        """The exchange in rounds every process of the move counts alike (enough for the most
+        bytes any process receives, ``budget`` shared by the pairs), each piece cut into runs
+        of rows (:func:`units`) and each run at its offset in its pair's buffer of the round."""
+        if self._schedule is None:
+            source, target, shape, process_of = self._key
+            processes, most = _demand(source, target, shape, self.itemsize, process_of)
+            pair = max(self.budget // (2 * processes), 1)  # what a process sends and receives
+            out = [Round({}, {}, {}) for _ in range(max(1, -(-most // pair)))]
+            for lists, receiving in ((self.send, False), (self.receive, True)):
+                for q, pieces in lists.items():
+                    at = -1, 0  # (round, elements in the pair's buffer of that round)
+                    for p, lo, hi, r, row in _units(pieces, self.itemsize, pair):
+                        run = p if hi - lo == (p.stop[0] - p.start[0] if p.start else 1) else (
+                            _rows(p, lo, hi))  # fmt: skip
+                        offset = at[1] if at[0] == r else 0
+                        step = out[r]
+                        (step.receives if receiving else step.sends).setdefault(q, []).append(
+                            Unit(p, run, offset)
+                        )
+                        at = r, offset + (hi - lo) * row
+                        if receiving:
+                            step.counts[q] = at[1]
+            self._schedule = tuple(out)
+        return self._schedule
+
+    @property
+    def crosses(self) -> bool:
+        """Whether the move sends any element from one process to another, on any process
+        (this plan is one process's part; a lazy framework settles before such a move)."""
+        if self._crosses is None:
+            self._crosses = _crosses(*self._key)
+        return self._crosses
 
     @property
     def bytes_received(self) -> int:
@@ -221,9 +296,18 @@ class Plan:
         }
 
 
+def _rows(piece: Piece, lo: int, hi: int) -> Piece:
+    """Rows ``lo:hi`` of ``piece`` (along its first dim; a 0-d piece whole)."""
+    if not piece.start or (lo == 0 and hi == piece.shape[0]):
+        return piece
+    start = (piece.start[0] + lo, *piece.start[1:])
+    stop = (piece.start[0] + hi, *piece.stop[1:])
+    return Piece(start, stop, piece.source, piece.devices)
+
+
 def plan(
-    source: Layout | Blocks,
-    target: Layout | Blocks,
+    source: Layout | Boxes,
+    target: Layout | Boxes,
     shape: Sequence[int],
     itemsize: int,
     process_of: Sequence[int] | np.ndarray,
@@ -233,51 +317,47 @@ def plan(
 ) -> Plan:
     """This process's plan to move an array of global ``shape`` from ``source`` to ``target``.
 
-    ``process_of[id]`` is the process of each device (or id of a :class:`Blocks`) of either
+    ``process_of[id]`` is the process of each device (or id of a :class:`Boxes`) of either
     side; ``me`` is this process. Pure, and cached unless ``cache`` is False (a checkpoint
     load's plans, used once): every process computes the same sends and receives for a pair.
+    The plan's :attr:`~Plan.schedule` shares :data:`IN_FLIGHT` as it is at this call.
     """
     key = (source, target, tuple(shape), itemsize, tuple(int(p) for p in process_of), me)
-    return _plan(*key) if cache else _plan.__wrapped__(*key)
-
-
-def rounds(
-    source: Layout,
-    target: Layout,
-    shape: Sequence[int],
-    itemsize: int,
-    process_of: Sequence[int] | np.ndarray,
-) -> tuple[int, int]:
-    """``(budget, count)``: the bytes each pair of processes moves per round (``IN_FLIGHT``
-    shared by the processes of the move), and a round count every process computes alike:
-    enough for the most bytes any process receives (its target blocks)."""
-    key = (source, target, tuple(shape), itemsize, tuple(int(p) for p in process_of))
-    processes, most = _demand(*key)
-    budget = max(IN_FLIGHT // (2 * processes), 1)  # what a process sends and receives
-    return budget, max(1, -(-most // budget))
+    return _plan(*key, IN_FLIGHT) if cache else _plan.__wrapped__(*key, IN_FLIGHT)
 
 
 @functools.lru_cache(maxsize=1024)
 def _demand(
-    source: Layout,
-    target: Layout,
+    source: Layout | Boxes,
+    target: Layout | Boxes,
     shape: tuple[int, ...],
     itemsize: int,
     process_of: tuple[int, ...],
 ) -> tuple[int, int]:
     """(processes taking part, the most target-block bytes one of them holds)."""
     where = np.asarray(process_of, dtype=np.int64)
-    ids = np.unique(
-        np.concatenate([source.mesh.device_ids.ravel(), target.mesh.device_ids.ravel()])
-    )
-    lo, hi = target.shard_bounds(shape)
-    sizes = np.prod(np.maximum(hi - lo, 0), axis=1)
-    per_process = np.bincount(where[target.mesh.device_ids.ravel()], weights=sizes * itemsize)
+    s_ids = _bounds(source, shape)[0]
+    t_ids, t_lo, t_hi = _bounds(target, shape)
+    ids = np.unique(np.concatenate([s_ids, t_ids]))
+    sizes = np.prod(np.maximum(t_hi - t_lo, 0), axis=1)
+    per_process = np.bincount(where[t_ids], weights=sizes * itemsize)
     return len(np.unique(where[ids])), int(per_process.max()) if per_process.size else 0
 
 
+def _bounds(side: Layout | Boxes, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """A side's ids and their boxes' ``lo``, ``hi`` (a layout's without checking them as a
+    :class:`Boxes` would: they are a grid)."""
+    if isinstance(side, Boxes):
+        return side.ids, side.lo, side.hi
+    lo, hi = side.shard_bounds(shape)
+    return side.mesh.device_ids.ravel(), lo, hi
+
+
 def crosses(
-    source: Layout, target: Layout, shape: Sequence[int], process_of: Sequence[int] | np.ndarray
+    source: Layout | Boxes,
+    target: Layout | Boxes,
+    shape: Sequence[int],
+    process_of: Sequence[int] | np.ndarray,
 ) -> bool:
     """Whether a move from ``source`` to ``target`` sends any element from one process to
     another: the same answer on every process (a :class:`Plan` is one process's part)."""
@@ -287,12 +367,14 @@ def crosses(
 
 @functools.lru_cache(maxsize=1024)
 def _crosses(
-    source: Layout, target: Layout, shape: tuple[int, ...], process_of: tuple[int, ...]
+    source: Layout | Boxes,
+    target: Layout | Boxes,
+    shape: tuple[int, ...],
+    process_of: tuple[int, ...],
 ) -> bool:
     where = np.asarray(process_of, dtype=np.int64)
-    s_ids, t_ids = source.mesh.device_ids.ravel(), target.mesh.device_ids.ravel()
-    s_lo, s_hi = source.shard_bounds(shape)
-    t_lo, t_hi = target.shard_bounds(shape)
+    s_ids, s_lo, s_hi = _bounds(source, shape)
+    t_ids, t_lo, t_hi = _bounds(target, shape)
     row = {int(d): i for i, d in enumerate(s_ids.tolist())}
     # each non-empty target block inside its own device's source block: nothing moves
     inside = True
@@ -309,7 +391,9 @@ def _crosses(
     processes = np.unique(where[ids])
     if len(processes) == len(ids):  # one device per process: that block must receive
         return True
-    return any(_plan(source, target, shape, 1, process_of, int(p)).receive for p in processes)
+    return any(
+        _plan(source, target, shape, 1, process_of, int(p), IN_FLIGHT).receive for p in processes
+    )
 
 
 def units(pieces: Sequence[Piece], itemsize: int, budget: int) -> list[tuple[int, int, int, int]]:
@@ -318,17 +402,25 @@ def units(pieces: Sequence[Piece], itemsize: int, budget: int) -> list[tuple[int
     rows of at most ``budget`` bytes (a row is never cut), each unit in the round where its
     first byte falls in the pair's stream. The sender's and the receiver's piece lists are
     the same, so both sides cut and count alike."""
-    out, offset = [], 0
-    for i, p in enumerate(pieces):
-        shape = p.shape
-        rows = shape[0] if shape else 1
-        row_bytes = math.prod(shape[1:]) * itemsize if shape else itemsize
+    index = {id(p): i for i, p in enumerate(pieces)}
+    return [(index[id(p)], lo, hi, r) for p, lo, hi, r, _ in _units(pieces, itemsize, budget)]
+
+
+def _units(
+    pieces: Sequence[Piece], itemsize: int, budget: int
+) -> Iterator[tuple[Piece, int, int, int, int]]:
+    """:func:`units`, each with its piece and the elements in one of its rows."""
+    offset = 0
+    for p in pieces:
+        start, stop = p.start, p.stop
+        rows = stop[0] - start[0] if start else 1
+        row = math.prod([b - a for a, b in zip(start[1:], stop[1:])])
+        row_bytes = row * itemsize
         step = max(1, budget // max(row_bytes, 1))
         for lo in range(0, max(rows, 1), step):
             hi = min(lo + step, rows)
-            out.append((i, lo, hi, offset // budget))
+            yield p, lo, hi, offset // budget, row
             offset += (hi - lo) * row_bytes
-    return out
 
 
 class _Side:
@@ -336,7 +428,7 @@ class _Side:
     segment, length), each device's interval per dim, and each device's block number (the
     intervals' row-major index; -1 for an empty block)."""
 
-    def __init__(self, blocks: Blocks, shape: tuple[int, ...], cuts: list[np.ndarray]) -> None:
+    def __init__(self, blocks: Boxes, shape: tuple[int, ...], cuts: list[np.ndarray]) -> None:
         lo, hi = blocks.lo, blocks.hi
         self.ids = blocks.ids
         self.lo, self.hi = lo, hi
@@ -415,21 +507,23 @@ def clear_cache() -> None:
     """Forget the plans made so far (they are cached per layouts, shape and process map)."""
     _plan.cache_clear()
     _crosses.cache_clear()
+    _demand.cache_clear()
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(
-    source: Layout | Blocks,
-    target: Layout | Blocks,
+    source: Layout | Boxes,
+    target: Layout | Boxes,
     shape: tuple[int, ...],
     itemsize: int,
     process_of: tuple[int, ...],
     me: int,
+    budget: int,
 ) -> Plan:
     procs = np.asarray(process_of, dtype=np.int64)
     ndim = len(shape)
-    sources = source if isinstance(source, Blocks) else Blocks.of(source, shape)
-    targets = target if isinstance(target, Blocks) else Blocks.of(target, shape)
+    sources = source if isinstance(source, Boxes) else Boxes.of(source, shape)
+    targets = target if isinstance(target, Boxes) else Boxes.of(target, shape)
     s_lo, s_hi, t_lo, t_hi = sources.lo, sources.hi, targets.lo, targets.hi
     cuts = [
         np.unique(np.concatenate([s_lo[:, d], s_hi[:, d], t_lo[:, d], t_hi[:, d]]))
@@ -454,7 +548,7 @@ def _plan(
             mine_src.setdefault(b, did)
             own_block[did] = b
     s_row = {did: i for i, did in enumerate(src.ids.tolist())}
-    out = Plan(itemsize)
+    out = Plan(itemsize, (source, target, shape, process_of), budget)
     kept: list[int] = []
 
     def box(segs: np.ndarray) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -525,15 +619,4 @@ def _plan(
     for qq, _tb, _pos, did, lo, hi in rows:
         out.send.setdefault(qq, []).append(Piece(lo, hi, did, ()))
     out.kept = tuple(kept)
-    return out
-
-
-def unpack(flat: Any, shapes: Sequence[tuple[int, ...]]) -> list[Any]:
-    """A received 1-D buffer (any framework's array) cut into pieces of ``shapes``, in order:
-    the inverse of packing a peer's pieces, flattened, one after another."""
-    out, at = [], 0
-    for shape in shapes:
-        count = math.prod(shape)
-        out.append(flat[at : at + count].reshape(shape))
-        at += count
     return out

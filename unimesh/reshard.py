@@ -13,7 +13,7 @@ A backend may move an array its own compiled way where that is as cheap
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -25,6 +25,24 @@ from .rules import LayoutMap
 from .transfer import add_stats, device_ids, itemsize, move_blocks, plan_stats
 
 __all__ = ["reshard"]
+
+
+class _Job(NamedTuple):
+    """One array of a reshard, checked: what moves it and what it becomes."""
+
+    leaf: Any
+    shape: tuple[int, ...]
+    #: its layout; None for an array that is not distributed (laid out by ``distribute``)
+    source: Layout | None
+    target: Layout
+    #: the framework whose array it is (for one not distributed: the one that lays it out)
+    be: Backend
+    #: the framework of the result (``be`` but for a handoff between two frameworks)
+    to: Backend
+    #: an array not distributed: its own framework, whose tracer may move it (else None)
+    owner: Backend | None = None
+    #: a handoff: an empty block of ``to`` in the dtype the array takes there
+    there: Any = None
 
 
 def _is_leaf(x: Any) -> bool:
@@ -72,7 +90,7 @@ def reshard(
         )
     paths = ["/".join(str(k) for k in p) for p in optree.treespec_paths(treedef)]
     targets = _targets(x, target, treedef, paths, leaves)
-    jobs: list[tuple[str, Any, tuple[int, ...], Layout | None, Layout, tuple[Any, Any]]] = []
+    jobs: list[_Job] = []
     # (owning backend, layout) of each distributed array, None for anything else
     found = [None if isinstance(leaf, Layout) else layout_of(leaf) for leaf in leaves]
     # a host array in the tree goes to the framework of the tree's distributed arrays
@@ -98,10 +116,11 @@ def reshard(
             ):
                 owner = None  # another framework's: distribute converts it
             be = placing_backend(placing if owner is None else owner, "distribute", want, shape)
-            jobs.append((name, leaf, shape, None, want, (be, owner)))
+            jobs.append(_Job(leaf, shape, None, want, be, be, owner))
             continue
         be, source = owned
         to = be if backend is None else get_backend(backend)
+        there = None
         try:
             if to.name != be.name and not to.implements("import_block"):
                 to.import_block(None, None)  # its refusal, before its runtime is started
@@ -112,7 +131,7 @@ def reshard(
             if to.name == be.name:
                 be.check_reshard(leaf, source, want, shape)
             else:
-                _check_handoff(be, to, leaf, source, want, name)
+                there = _check_handoff(be, to, leaf, source, want, name)
         except UnimeshError as exc:
             if name not in str(exc):  # the backend's refusal, said of this array
                 exc.args = (f"reshard() of {name}: {exc.args[0]}", *exc.args[1:])
@@ -122,21 +141,23 @@ def reshard(
                 f"reshard() of {name}: its layout {source!r} holds pending reductions of "
                 f"different ops ({source.spec.partial}); reduce all but one first"
             )
-        jobs.append((name, leaf, shape, source, want, (be, to)))
+        jobs.append(_Job(leaf, shape, source, want, be, to, None, there))
     out = []
-    for _name, leaf, shape, origin, want, (be, to) in jobs:
-        if origin is None:
-            moved = None if to is None else to.native_reshard(leaf, None, want, shape)
+    for job in jobs:
+        if job.source is None:
+            moved = None
+            if job.owner is not None:
+                moved = job.owner.native_reshard(job.leaf, None, job.target, job.shape)
             if moved is not None:  # a tracer: the framework's own differentiable move
                 out.append(moved[0])
                 continue
             from .convert import distribute
 
-            out.append(distribute(leaf, want, be))
-        elif to.name == be.name:
-            out.append(_move(be, leaf, shape, origin, want, stats))
+            out.append(distribute(job.leaf, job.target, job.be))
+        elif job.there is None:
+            out.append(_move(job.be, job.leaf, job.shape, job.source, job.target, stats))
         else:
-            out.append(_handoff(be, to, leaf, shape, origin, want, stats))
+            out.append(_handoff(job, job.source, stats))
     return optree.tree_unflatten(treedef, out)
 
 
@@ -199,20 +220,21 @@ def _owner(leaf: Any) -> Backend | None:
 
 
 def _moves_between_processes(be: Backend) -> bool:
-    return be.implements("exchange_pieces") or be.initialize(300.0)[1] == 1
+    return be.implements("exchange_buffers") or be.initialize(300.0)[1] == 1
 
 
 def _check_handoff(
     be: Backend, to: Backend, leaf: Any, source: Layout, target: Layout, name: str
-) -> None:
+) -> Any:
     """Two frameworks in one job: the target framework takes the source's blocks (DLPack)
     in a dtype as wide (JAX without x64 would narrow int64), each device in the same process
-    in both, and one of them moves data between processes."""
+    in both, and one of them moves data between processes. Returns an empty block of ``to``
+    in the dtype ``leaf`` takes there (asked of DLPack once per array)."""
     if not to.implements("import_block"):
         to.import_block(None, None)  # its refusal, naming the backend
-    there = _empty_there(be, to, leaf)
-    theirs = there.dtype
-    if itemsize(leaf) != itemsize(there):
+    empty = _empty_there(be, to, leaf)
+    theirs = empty.dtype
+    if itemsize(leaf) != itemsize(empty):
         raise UnsupportedError(
             f"reshard() of {name} from {be.name} to {to.name}: its dtype {leaf.dtype} would "
             f"become {theirs} there, losing values; cast it first, or widen {to.name}'s types "
@@ -242,6 +264,7 @@ def _check_handoff(
             "data between processes here; choose a target both frameworks can hold, or "
             "reshard through unimesh.save and unimesh.load"
         )
+    return empty
 
 
 def _unheld(be: Backend, layout: Layout, shape: tuple[int, ...]) -> str | None:
@@ -267,19 +290,12 @@ def _engine(be: Backend, to: Backend, target: Layout, shape: tuple[int, ...]) ->
     return to if _moves_between_processes(to) else None
 
 
-def _handoff(
-    be: Backend,
-    to: Backend,
-    leaf: Any,
-    shape: tuple[int, ...],
-    source: Layout,
-    target: Layout,
-    stats: dict[str, int] | None,
-) -> Any:
-    """``leaf`` (of ``be``) as ``to``'s array laid out as ``target``, each block crossing by
-    DLPack: the pieces move on ``be``'s engine, then cross; or, where ``be`` cannot (it moves
-    nothing between processes, or cannot hold the target: JAX's uneven blocks), the source
-    blocks cross and the pieces move on ``to``'s (:func:`_engine`)."""
+def _handoff(job: _Job, source: Layout, stats: dict[str, int] | None) -> Any:
+    """``job``'s array (of ``job.be``) as ``job.to``'s laid out as its target, each block
+    crossing by DLPack: the pieces move on ``be``'s engine, then cross; or, where ``be`` cannot
+    (it moves nothing between processes, or cannot hold the target: JAX's uneven blocks), the
+    source blocks cross and the pieces move on ``to``'s (:func:`_engine`)."""
+    be, to, leaf, shape, target = job.be, job.to, job.leaf, job.shape, job.target
 
     def cross(blocks: Mapping[int, Any]) -> dict[int, Any]:
         return {d: to.import_block(be.export_block(b), d) for d, b in blocks.items()}
@@ -294,11 +310,9 @@ def _handoff(
             )
     else:  # the blocks cross first, and the target's engine moves them
         held = cross(be.native_blocks(leaf))
-        like = next(iter(held.values()), None)
-        if like is None:
-            like = _empty_there(be, to, leaf)
+        like = next(iter(held.values()), job.there)
         blocks = move_blocks(to, held, like, shape, source, target, stats)
-    return to.from_local(blocks, target, shape, dtype=_empty_there(be, to, leaf).dtype)
+    return to.from_local(blocks, target, shape, dtype=job.there.dtype)
 
 
 def _empty_there(be: Backend, to: Backend, leaf: Any) -> Any:

@@ -3,7 +3,7 @@ its target blocks out.
 
 :mod:`unimesh.moves` says which piece goes where (pure arithmetic); this module asks the
 backend's ``reshard`` hooks (:class:`unimesh.transport.Transport`: ``device_processes``,
-``exchange_pieces``, ``place``, ``writable_block``, ``concatenate``, ``combine``) to move them,
+``exchange_buffers``, ``place``, ``empty_block``, ``concatenate``) to move them,
 inside the framework's autodiff where it records one (``move_with_gradient``).
 :func:`unimesh.reshard` (``reshard.py``) is the public verb above it: trees, targets, checks,
 and handoffs between frameworks.
@@ -20,9 +20,17 @@ import numpy as np
 from .backend import Backend
 from .errors import LayoutError, UnsupportedError
 from .layout import Layout
-from .moves import Piece, crosses, plan, rounds, units
+from .moves import Piece, plan
 
-__all__ = ["add_stats", "addends", "device_ids", "itemsize", "move_blocks", "process_map"]
+__all__ = [
+    "add_stats",
+    "addends",
+    "device_ids",
+    "itemsize",
+    "move_blocks",
+    "process_map",
+    "refuse_gradient_of_extreme",
+]
 
 
 def device_ids(*layouts: Layout) -> list[int]:
@@ -53,19 +61,13 @@ def move_blocks(
         from .spec import PartitionSpec
 
         ops = set(source.spec.partial.values())
-        if ops & {"max", "min"}:
-            raise UnsupportedError(
-                f"reshard() of {source!r}: the gradient of a pending {min(ops)} is not a "
-                "move; reduce it before the differentiated function",
-                backend=be.name,
-                capability="grad",
-            )
+        refuse_gradient_of_extreme(be.name, source)
         plain = Layout(source.mesh, PartitionSpec(*source.spec))
         be.check_reshard(None, target, plain, shape)  # checked as any move, before it moves
         got = _plain(be, cotangents, kind, shape, target, plain, None)
         if ops == {"avg"}:
             n = math.prod(source.mesh.axis_size(a) for a in source.spec.partial)
-            got = {d: be.combine("avg", b, n) for d, b in got.items()}
+            got = {d: b / n for d, b in got.items()}
         return got
 
     return be.move_with_gradient(blocks, forward, backward, like)
@@ -97,10 +99,35 @@ def _plain(
     for t in parts[0]:
         total = parts[0][t]
         for more in parts[1:]:
-            total = be.combine("max" if op == "max" else "min" if op == "min" else "sum",
-                               total, more[t])  # fmt: skip
-        out[t] = be.combine("avg", total, len(parts)) if op == "avg" else total
+            total = _reduce(be, op, total, more[t])
+        out[t] = total / len(parts) if op == "avg" else total
     return out
+
+
+def _reduce(be: Backend, op: str, a: Any, b: Any) -> Any:
+    """Two native blocks reduced elementwise, in the core: a sum (``sum``, ``avg``) with the
+    framework's ``+``; ``max``, ``min`` over the two stacked (``concatenate``), with the
+    array's own method (torch's gives ``(values, indices)``)."""
+    if op in ("sum", "avg"):
+        return a + b
+    both = be.concatenate([a[None], b[None]], 0)
+    got = both.max(axis=0) if op == "max" else both.min(axis=0)
+    return got[0] if isinstance(got, tuple) else got
+
+
+def refuse_gradient_of_extreme(backend: str, source: Layout) -> None:
+    """Refuse a pending max or min under autodiff: its gradient is not a move. The one
+    refusal, called where a framework finds the array under its autodiff (its
+    ``check_reshard``, before any byte moves) and by the reverse move itself."""
+    ops = sorted(set(source.spec.partial.values()) & {"max", "min"})
+    if ops:
+        raise UnsupportedError(
+            f"reshard() of {source!r} under autodiff: the gradient of a pending {ops[0]} is "
+            "not a move; reduce it outside the differentiated function (or outside the "
+            "framework's gradient recording)",
+            backend=backend,
+            capability="grad",
+        )
 
 
 def addends(source: Layout) -> list[Layout]:
@@ -139,11 +166,12 @@ def _blocks(
     stats: dict[str, int] | None,
 ) -> dict[int, Any]:
     """This process's target blocks, from its ``blocks`` laid out as ``source`` (``kind``:
-    their dtype and item size): the plan's pieces cut, exchanged and joined."""
+    their dtype and item size): the plan's pieces cut, packed, exchanged round by round as
+    its schedule says, unpacked and joined."""
     dtype, itemsize = kind
     the_plan = plan(source, target, shape, itemsize, process_of, me)
     settle = getattr(be, "settle", None)  # the per-process engine's (a lazy framework's)
-    if settle is not None and crosses(source, target, shape, process_of):
+    if settle is not None and the_plan.crosses:
         # what is pending runs first, on every process of the move alike: the exchange
         # below may run as it is called, while a collective waits until it is evaluated
         settle(list(blocks.values()))
@@ -152,9 +180,9 @@ def _blocks(
         s_lo, _ = source.shard_bounds(shape, sorted(blocks))
         origin = {d: tuple(s_lo[i].tolist()) for i, d in enumerate(sorted(blocks))}
 
-    def cut(device: int, start: tuple[int, ...], stop: tuple[int, ...]) -> Any:
-        o = origin[device]
-        return blocks[device][tuple(slice(a - b, c - b) for a, b, c in zip(start, o, stop))]
+    def cut(p: Piece) -> Any:
+        o = origin[p.source]
+        return blocks[p.source][tuple(slice(a - b, c - b) for a, b, c in zip(p.start, o, p.stop))]
 
     data: dict[int, Any] = {}
     # target blocks the framework lets the core write into as pieces arrive (torch): no join
@@ -164,32 +192,20 @@ def _blocks(
         if t in the_plan.kept or not pieces:
             continue
         size = tuple(b[-1] - b[0] for b in bounds)
-        block = be.writable_block(dtype, size, t)
-        if block is not None:
-            sinks[t] = block
+        if be.writes_in_place:
+            sinks[t] = block = be.empty_block(dtype, size, t)
             for p in pieces:
                 if id(p) in local:  # held here: written now
-                    _write(block, bounds, p, be.place(cut(p.source, p.start, p.stop), t))
-    budget, count = rounds(source, target, shape, itemsize, process_of)
-    # per round, per peer: (piece, its rows to move) to send, and to receive
-    send_at: dict[int, dict[int, list[Piece]]] = {}
-    take_at: dict[int, dict[int, list[tuple[Piece, Piece]]]] = {}
-    for q, ps in the_plan.send.items():
-        for i, lo, hi, r in units(ps, itemsize, budget):
-            send_at.setdefault(r, {}).setdefault(q, []).append(_rows(ps[i], lo, hi))
-    for q, ps in the_plan.receive.items():
-        for i, lo, hi, r in units(ps, itemsize, budget):
-            take_at.setdefault(r, {}).setdefault(q, []).append((ps[i], _rows(ps[i], lo, hi)))
+                    _write(block, bounds, p, be.place(cut(p), t))
     parts: dict[int, list[Any]] = {}
-    for r in range(count):  # every process makes the same calls (a transport may need it)
-        outgoing = {q: [cut(p.source, p.start, p.stop) for p in ps]
-                    for q, ps in send_at.get(r, {}).items()}  # fmt: skip
-        wanted = take_at.get(r, {})
-        shapes = {q: [run.shape for _, run in runs] for q, runs in wanted.items()}
-        got = be.exchange_pieces(outgoing, shapes, dtype)
+    for step in the_plan.schedule:  # every process makes the same calls (a transport may need it)
+        outgoing = {q: [cut(u.run).reshape(-1) for u in us] for q, us in step.sends.items()}
+        got = be.exchange_buffers(outgoing, step.counts, dtype)
         del outgoing
-        for q, runs in wanted.items():
-            for (whole, run), arr in zip(runs, got[q]):
+        for q, us in step.receives.items():
+            flat = got[q]
+            for whole, run, at in us:
+                arr = flat[at : at + run.size].reshape(run.shape)
                 for t in whole.devices:
                     if t in sinks:
                         _write(sinks[t], the_plan.blocks[t][0], run, be.place(arr, t))
@@ -217,15 +233,6 @@ def _write(block: Any, bounds: tuple[tuple[int, ...], ...], piece: Piece, arr: A
     block[index] = arr
 
 
-def _rows(piece: Piece, lo: int, hi: int) -> Piece:
-    """Rows ``lo:hi`` of ``piece`` (along its first dim; a 0-d piece whole)."""
-    if not piece.start or (lo == 0 and hi == piece.shape[0]):
-        return piece
-    start = (piece.start[0] + lo, *piece.start[1:])
-    stop = (piece.start[0] + hi, *piece.stop[1:])
-    return Piece(start, stop, piece.source, piece.devices)
-
-
 def _assemble(
     be: Backend,
     device: int,
@@ -239,10 +246,10 @@ def _assemble(
     grid = [len(b) - 1 for b in bounds]
     if not pieces:  # an empty block (this process may hold no block to take a dtype from)
         shape = tuple(max(b[-1] - b[0], 0) if len(b) > 1 else 0 for b in bounds)
-        return be.place(be.empty_block(dtype, shape), device)
+        return be.place(be.empty_block(dtype, shape, device), device)
     parts = []
     for p in pieces:
-        arr = data[id(p)] if id(p) in data else cut(p.source, p.start, p.stop)
+        arr = data[id(p)] if id(p) in data else cut(p)
         parts.append(be.place(arr, device))
 
     def join(items: list[Any], dim: int) -> Any:

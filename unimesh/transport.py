@@ -22,11 +22,16 @@ __all__ = ["Transport"]
 
 class Transport:
     """The ``reshard`` layer of the backend contract (see :data:`unimesh.contract.HOOKS`):
-    where each device's process is, this process's native blocks, moving pieces between
-    processes and devices, joining and reducing them, and handing blocks to another
-    framework. :class:`unimesh.Backend` inherits it; nothing else does."""
+    where each device's process is, this process's native blocks, moving flat buffers between
+    processes and pieces between devices, joining them, and handing blocks to another
+    framework. The core cuts, packs, unpacks and reduces. :class:`unimesh.Backend` inherits
+    it; nothing else does."""
 
     name: ClassVar[str] = ""  # the backend's (declared on Backend)
+    #: whether the framework's arrays take item assignment (torch): the core then writes each
+    #: piece into an :meth:`empty_block` as it arrives; else it joins them with
+    #: :meth:`concatenate` once all are there (JAX and MLX arrays are immutable)
+    writes_in_place: ClassVar[bool] = False
 
     def local_shards(self, array: Any) -> dict[int, Any]:  # Backend's translator hook
         raise NotImplementedError
@@ -43,17 +48,18 @@ class Transport:
         each on its device (no copy). Default: :meth:`local_shards` (numpy copies)."""
         return self.local_shards(array)
 
-    def exchange_pieces(
+    def exchange_buffers(
         self,
         sends: Mapping[int, Sequence[Any]],
-        receives: Mapping[int, Sequence[tuple[int, ...]]],
+        counts: Mapping[int, int],
         dtype: Any,
-    ) -> dict[int, list[Any]]:
-        """Send ``sends[q]`` (native pieces, in order) to process ``q`` and receive
-        ``receives[q]`` (pieces of these shapes, of the framework's ``dtype``) from each
-        ``q``, on the framework's own transport; every process calls it with the matching
-        lists. Default: one process, nothing to exchange."""
-        if sends or receives:
+    ) -> dict[int, Any]:
+        """Send ``sends[q]`` (flat native buffers, in order: one message) to process ``q`` and
+        receive from each ``q`` of ``counts`` one flat buffer of ``counts[q]`` elements of the
+        framework's ``dtype`` (what ``q`` sent, its buffers one after another), on the
+        framework's own transport; every process calls it with the matching arguments. The
+        core packs and unpacks. Default: one process, nothing to exchange."""
+        if sends or counts:
             raise UnsupportedError(
                 f"the {self.name} backend moves no data between processes; reshard within "
                 "this process's devices",
@@ -87,24 +93,11 @@ class Transport:
 
         return np.concatenate(parts, axis=axis)
 
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        """Two native blocks reduced elementwise: ``sum``, ``max`` or ``min``; or ``avg``:
-        ``a`` divided by the count ``b`` (a partial source reduced on the way)."""
-        import numpy as np
-
-        if op == "avg":
-            return a / b
-        return a + b if op == "sum" else np.maximum(a, b) if op == "max" else np.minimum(a, b)
-
-    def writable_block(self, dtype: Any, shape: tuple[int, ...], device_id: int) -> Any:
-        """A new block of ``shape`` on the device that the core fills by item assignment
-        (``block[index] = piece``) as pieces arrive, so that no piece waits to be joined;
-        None (the default) for a framework whose arrays are immutable (the pieces are joined
-        with :meth:`concatenate` once all are there)."""
-        return None
-
-    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        """A block of ``shape`` (with a zero dim) of the framework's ``dtype``."""
+    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
+        """A new block of ``shape`` of the framework's ``dtype`` on logical device
+        ``device_id`` (None: where the framework puts a new array). Where
+        :attr:`writes_in_place`, the core fills it by item assignment (``block[index] =
+        piece``) as pieces arrive, so that no piece waits to be joined."""
         import numpy as np
 
         return np.empty(shape, dtype=np.dtype(dtype))
@@ -132,9 +125,9 @@ class Transport:
     ) -> None:
         """Refuse (``UnsupportedError``) a move this backend cannot make, before any array of
         the call moves; ``array`` None: the reverse move of a gradient (the cotangents), checked
-        before it moves. Default: a move between processes needs :meth:`exchange_pieces`."""
+        before it moves. Default: a move between processes needs :meth:`exchange_buffers`."""
         if (
-            type(self).exchange_pieces is Transport.exchange_pieces
+            type(self).exchange_buffers is Transport.exchange_buffers
             and self.initialize(300.0)[1] > 1
         ):
             raise UnsupportedError(

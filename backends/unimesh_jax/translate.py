@@ -364,9 +364,9 @@ class JaxTranslator(JaxRuntime):
             return piece
         return jax.device_put(piece, device)
 
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
-        """Between processes, on JAX's own collectives: each process's pieces for a peer are
-        packed on its first device, the message sizes are shared (one small
+    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
+        """Between processes, on JAX's own collectives: each process's buffers for a peer are
+        joined on its first device, the message sizes are shared (one small
         ``process_allgather``), and one jitted ``shard_map`` over the processes' first devices
         moves every message with ``ppermute``, one permutation per distance between sender
         and receiver (each padded to that distance's longest message; pairs without a
@@ -385,8 +385,8 @@ class JaxTranslator(JaxRuntime):
         wide = jnp.dtype(dtype) == jnp.bool_  # the wire carries bytes for booleans
         packed = {}
         row = np.zeros(count, np.int64)
-        for q, pieces in sends.items():
-            flat = [jax.device_put(p, mine).reshape(-1) for p in pieces]
+        for q, buffers in sends.items():
+            flat = [jax.device_put(p, mine) for p in buffers]
             packed[q] = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
             if wide:
                 packed[q] = packed[q].astype(jnp.uint8)
@@ -396,7 +396,7 @@ class JaxTranslator(JaxRuntime):
             s for s in range(1, count) if any(sizes[i, (i + s) % count] for i in range(count))
         ]
         if not shifts:
-            return {q: [] for q in receives}
+            return {q: jnp.zeros((0,), dtype) for q in counts}
         widths = [int(max(sizes[i, (i + s) % count] for i in range(count))) for s in shifts]
         perms = tuple(
             tuple((i, (i + s) % count) for i in range(count) if sizes[i, (i + s) % count])
@@ -414,14 +414,12 @@ class JaxTranslator(JaxRuntime):
                 block = jnp.pad(message, (0, width - message.size))[None]
             inputs.append(jax.make_array_from_single_device_arrays((count, width), layout, [block]))
         outs = _permuter(mesh, perms)(*inputs)
-        from unimesh.moves import unpack
-
         got = {}
         for s, out in zip(shifts, outs):
             src = (me - s) % count
-            if src in receives:
+            if src in counts:
                 data = out.addressable_shards[0].data.reshape(-1)[: int(sizes[src, me])]
-                got[src] = unpack(data.astype(jnp.bool_) if wide else data, receives[src])
+                got[src] = data.astype(jnp.bool_) if wide else data
         return got
 
     def import_block(self, block: Any, device_id: int | None) -> Any:
@@ -429,13 +427,6 @@ class JaxTranslator(JaxRuntime):
         another dtype: int64 without x64), then on the device."""
         got = import_jax().dlpack.from_dlpack(block)
         return got if device_id is None else self.place(got, device_id)
-
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        if op == "tie":
-            return a
-        if op in ("sum", "avg"):
-            return a + b if op == "sum" else a / b
-        return import_jax().numpy.maximum(a, b) if op == "max" else import_jax().numpy.minimum(a, b)
 
     def concatenate(self, parts: Any, axis: int) -> Any:
         return import_jax().numpy.concatenate(parts, axis=axis)
@@ -448,7 +439,7 @@ class JaxTranslator(JaxRuntime):
         does inside ``jit``), never through the host. Its bytes are the plan's (None): what
         must move (XLA's SPMD partitioner moves more where it warns of a rematerialization).
         Another device list: None (the plan: device-to-device copies in one process, and
-        :meth:`exchange_pieces` between processes). A tracer: JAX's differentiable moves to
+        :meth:`exchange_buffers` between processes). A tracer: JAX's differentiable moves to
         the target's ``NamedSharding``: eagerly (``grad`` outside ``jit``) ``jax.device_put``, whose
         cotangent goes back to the argument's sharding; under ``jit``
         ``with_sharding_constraint`` (XLA's reshard; the target must be on the jitted
@@ -470,8 +461,10 @@ class JaxTranslator(JaxRuntime):
             return None  # the plan
         return _identity(self.layout_to_native(target))(array), None
 
-    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        return import_jax().numpy.zeros(shape, dtype=dtype)
+    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
+        """Zeros (JAX's arrays are immutable: the core joins the pieces instead)."""
+        block = import_jax().numpy.zeros(shape, dtype=dtype)
+        return block if device_id is None else self.place(block, device_id)
 
     def process_count(self) -> int:
         return int(import_jax().process_count())

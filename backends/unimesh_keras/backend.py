@@ -248,8 +248,8 @@ class KerasBackend(Backend):
         """JAX's: each shard's ``jax.Array`` on its device (no host copy)."""
         return self._jax("reshard()").native_blocks(self._value(array))
 
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
-        return self._jax("reshard()").exchange_pieces(sends, receives, dtype)
+    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
+        return self._jax("reshard()").exchange_buffers(sends, counts, dtype)
 
     def place(self, piece: Any, device_id: int) -> Any:
         return self._jax("reshard()").place(piece, device_id)
@@ -257,11 +257,8 @@ class KerasBackend(Backend):
     def concatenate(self, parts: Any, axis: int) -> Any:
         return self._jax("reshard()").concatenate(parts, axis)
 
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        return self._jax("reshard()").combine(op, a, b)
-
-    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
-        return self._jax("reshard()").empty_block(dtype, shape)
+    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
+        return self._jax("reshard()").empty_block(dtype, shape, device_id)
 
     def import_block(self, block: Any, device_id: int | None) -> Any:
         return self._jax("reshard()").import_block(block, device_id)

@@ -291,18 +291,13 @@ class MLXTranslator(MLXRuntime):
         local = array.local if isinstance(array, MLXArray) else array
         return {int(self._world().rank()): local}
 
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
-        """The pieces for each rank packed into one array, moved with ``mx.distributed.send``
-        and ``recv`` (:func:`_transport`)."""
-        import math
-
+    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
+        """Each rank's buffers joined into one array, moved with ``mx.distributed.send`` and
+        ``recv`` (:func:`_transport`)."""
         mx = import_mx()
-        packed = {q: mx.concatenate([p.reshape(-1) for p in ps]) for q, ps in sends.items()}
-        totals = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
-        got = _transport(self._world(), packed, totals, dtype)
-        from unimesh.moves import unpack
-
-        return {q: unpack(got[q], receives[q]) for q in receives}
+        packed = {q: ps[0] if len(ps) == 1 else mx.concatenate(list(ps)) for q, ps in sends.items()}
+        got = _transport(self._world(), packed, dict(counts), dtype)
+        return {q: got[q] for q in counts}
 
     def check_reshard(
         self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
@@ -313,7 +308,7 @@ class MLXTranslator(MLXRuntime):
         default. ``array`` None: the reverse move of a gradient."""
         super().check_reshard(array, source, target, shape)
         from unimesh.moves import crosses
-        from unimesh.transfer import addends, process_map
+        from unimesh.transfer import addends, process_map, refuse_gradient_of_extreme
 
         from .programs import TRACING
 
@@ -332,14 +327,8 @@ class MLXTranslator(MLXRuntime):
             )
         traced = getattr(self, "needs_grad", None)
         local = array.local if isinstance(array, MLXArray) else array
-        ops = sorted(set(source.spec.partial.values()) & {"max", "min"})
-        if ops and traced is not None and traced(local):
-            raise UnsupportedError(
-                f"reshard() of {source!r} under autodiff: the gradient of a pending {ops[0]} "
-                "is not a move; reduce it outside the differentiated function",
-                backend=self.name,
-                capability="grad",
-            )
+        if traced is not None and traced(local):
+            refuse_gradient_of_extreme(self.name, source)
 
     def move_with_gradient(
         self, blocks: Any, forward: Any, backward: Any, like: Any
@@ -367,11 +356,6 @@ class MLXTranslator(MLXRuntime):
         moved = function([blocks[d] for d in devices])
         return dict(zip(box["out"], moved))
 
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        if op in ("sum", "avg"):
-            return a + b if op == "sum" else a / b
-        return import_mx().maximum(a, b) if op == "max" else import_mx().minimum(a, b)
-
     def import_block(self, block: Any, device_id: int | None) -> Any:
         """``mx.array`` of the block through DLPack: a copy (an ``mx.array`` owns its memory)."""
         return import_mx().array(block)
@@ -379,7 +363,8 @@ class MLXTranslator(MLXRuntime):
     def concatenate(self, parts: Any, axis: int) -> Any:
         return import_mx().concatenate(list(parts), axis=axis)
 
-    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
+        """Zeros on this rank's device (the core joins the pieces of an MLX block)."""
         return import_mx().zeros(shape, dtype=dtype)
 
     def native_code(self, mesh: Mesh) -> str:

@@ -6,12 +6,11 @@ and from another framework."""
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
 from unimesh import Layout, UnsupportedError
-from unimesh.transfer import same_blocks
+from unimesh.transfer import refuse_gradient_of_extreme, same_blocks
 
 from .autograd import move_function
 from .runtime import TorchRuntime, import_dist, import_torch
@@ -27,6 +26,8 @@ _P2P_READY: weakref.WeakSet[Any] = weakref.WeakSet()
 
 class TorchTransport(TorchRuntime):
     """The reshard transport, over the runtime (a rank is a device)."""
+
+    writes_in_place = True
 
     def device_processes(self, device_ids: Any) -> list[int]:
         """A mesh's device id is a global rank: each device is its own process."""
@@ -50,26 +51,20 @@ class TorchTransport(TorchRuntime):
             return {}
         return {import_dist().get_rank(): array.to_local()}
 
-    def exchange_pieces(self, sends: Any, receives: Any, dtype: Any) -> dict[int, list[Any]]:
-        """One message per pair of ranks each way (the pieces for a rank packed into one
-        buffer, as bytes), on the default process group: ``batch_isend_irecv``."""
+    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
+        """One message per pair of ranks each way (a rank's buffers joined, as bytes), on the
+        default process group: ``batch_isend_irecv``."""
         torch, dist = import_torch(), import_dist()
         world = dist.group.WORLD
         if world is not None and world not in _P2P_READY:  # every rank's first round
             if dist.get_world_size() > 1:
                 dist.all_reduce(torch.zeros(1, device=torch.device(self._device_type(None))))
             _P2P_READY.add(world)
-        if not sends and not receives:
+        if not sends and not counts:
             return {}
         device = torch.device(self._device_type(None))
-        outgoing = {
-            q: torch.cat([p.contiguous().reshape(-1) for p in ps]) for q, ps in sends.items()
-        }
-        counts = {q: sum(math.prod(s) for s in shapes) for q, shapes in receives.items()}
-        got = _p2p(outgoing, counts, dtype, device)
-        from unimesh.moves import unpack
-
-        return {q: unpack(got[q], receives[q]) for q in receives}
+        outgoing = {q: ps[0] if len(ps) == 1 else torch.cat(list(ps)) for q, ps in sends.items()}
+        return _p2p(outgoing, dict(counts), dtype, device)
 
     def move_with_gradient(
         self, blocks: Any, forward: Any, backward: Any, like: Any
@@ -90,11 +85,6 @@ class TorchTransport(TorchRuntime):
         )
         return dict(zip(box["out"], outs))
 
-    def combine(self, op: str, a: Any, b: Any) -> Any:
-        if op in ("sum", "avg"):
-            return a + b if op == "sum" else a / b
-        return import_torch().maximum(a, b) if op == "max" else import_torch().minimum(a, b)
-
     def export_block(self, block: Any) -> Any:
         """The block detached (DLPack carries no autograd; no gradient crosses frameworks)."""
         return block.detach()
@@ -103,12 +93,9 @@ class TorchTransport(TorchRuntime):
         """``torch.from_dlpack``: the other framework's memory, shared (no copy)."""
         return import_torch().from_dlpack(block)
 
-    def writable_block(self, dtype: Any, shape: tuple[int, ...], device_id: int) -> Any:
-        """``torch.empty``: each piece is copied in as it arrives (no join, no waiting piece)."""
-        torch = import_torch()
-        return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
-
-    def empty_block(self, dtype: Any, shape: tuple[int, ...]) -> Any:
+    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
+        """``torch.empty`` on this rank's device: each piece is copied in as it arrives (no
+        join, no waiting piece)."""
         torch = import_torch()
         return torch.empty(shape, dtype=dtype, device=torch.device(self._device_type(None)))
 
@@ -121,7 +108,7 @@ class TorchTransport(TorchRuntime):
         torch = import_torch()
         if not (getattr(array, "requires_grad", False) and torch.is_grad_enabled()):
             return
-        _no_gradient_of_max(self.name, source)
+        refuse_gradient_of_extreme(self.name, source)
         outside = sorted(
             set(source.mesh.device_ids.ravel().tolist())
             - set(target.mesh.device_ids.ravel().tolist())
@@ -158,15 +145,3 @@ def _p2p(
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return {q: buffer.view(dtype) for q, buffer in inbox.items()}
-
-
-def _no_gradient_of_max(backend: str, source: Layout) -> None:
-    """Refuse a pending max or min under autodiff: its gradient is not a move."""
-    ops = sorted(set(source.spec.partial.values()) & {"max", "min"})
-    if ops:
-        raise UnsupportedError(
-            f"reshard() of {source!r} under autodiff: the gradient of a pending {ops[0]} is "
-            "not a move; reduce it outside the differentiated code (or under torch.no_grad())",
-            backend=backend,
-            capability="grad",
-        )

@@ -16,10 +16,10 @@ import numpy as np
 
 from ..errors import LayoutError
 from ..layout import Layout
-from ..moves import Blocks, cells, plan
+from ..moves import Boxes, cells, plan
 from .format import Box, Tensor
 
-__all__ = ["BoxPart", "Piece", "Runs", "overlaps", "part", "pieces", "planned", "runs"]
+__all__ = ["BoxPart", "Part", "Runs", "overlaps", "part", "pieces", "planned", "runs"]
 
 
 class Runs(Sequence[tuple[int, int]]):
@@ -61,8 +61,9 @@ class Runs(Sequence[tuple[int, int]]):
         return f"Runs({list(self)!r})"
 
 
-class Piece:
-    """The part of one saved box inside a wanted region: ``start``/``stop`` in global index,
+class Part:
+    """The part of one saved box inside a wanted region (the planner's pieces of one box in one
+    block, joined): ``start``/``stop`` in global index,
     and the byte runs ``(file offset, length)`` that hold it, in its row-major order."""
 
     __slots__ = ("box", "runs", "start", "stop")
@@ -105,12 +106,12 @@ def runs(box: Box, start: tuple[int, ...], stop: tuple[int, ...], itemsize: int)
     return Runs(np.stack([starts, np.full_like(starts, length)], axis=1))
 
 
-def part(box: Box, a: tuple[int, ...], b: tuple[int, ...], itemsize: int) -> Piece:
+def part(box: Box, a: tuple[int, ...], b: tuple[int, ...], itemsize: int) -> Part:
     """The part ``a:b`` of ``box`` with its byte runs (a strided box: its whole range)."""
     found = (
         Runs.of([(box.start, box.end - box.start)]) if box.strides else runs(box, a, b, itemsize)
     )
-    return Piece(box, a, b, found)
+    return Part(box, a, b, found)
 
 
 #: a part of a saved box inside a wanted region: the box, and the part's start and stop
@@ -151,27 +152,26 @@ def planned(t: Tensor, target: Layout, devices: Sequence[int]) -> dict[int, list
     process_of[np.asarray(list(devices), dtype=np.int64)] = 0  # this process: 0
     process_of[base:] = 2  # the storage
     ids = np.arange(base, base + len(c_lo), dtype=np.int64)
-    sources = Blocks(ids, c_lo, c_hi)
+    sources = Boxes(ids, c_lo, c_hi)
     the_plan = plan(sources, target, t.shape, t.itemsize, process_of, 0, cache=False)
     parts: dict[int, list[BoxPart]] = {}
     for device in devices:
-        bounds, found = the_plan.blocks[device]
-        first = tuple(b[0] for b in bounds)
-        last = tuple(b[-1] for b in bounds)
-        seen: dict[int, None] = {}  # the boxes, in the order the pieces name them
-        for p in found:
-            seen[int(parent[p.source - base])] = None
-        parts[device] = []
-        for i in seen:
-            box = boxes[i]
-            a = tuple(max(s, o) for s, o in zip(first, box.offset))
-            b = tuple(min(e, o + n) for e, o, n in zip(last, box.offset, box.size))
-            parts[device].append((box, a, b))
+        # the plan's pieces of each box, in the order they name the boxes, joined: together
+        # they tile the box's part of the block
+        joined: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        for p in the_plan.blocks[device][1]:
+            i = int(parent[p.source - base])
+            first, after = joined.get(i, (p.start, p.stop))
+            joined[i] = (
+                tuple(map(min, first, p.start)),
+                tuple(map(max, after, p.stop)),
+            )
+        parts[device] = [(boxes[i], a, b) for i, (a, b) in joined.items()]
     return parts
 
 
 def pieces(
     boxes: list[Box], start: tuple[int, ...], stop: tuple[int, ...], itemsize: int
-) -> list[Piece]:
+) -> list[Part]:
     """Every saved box's part of the region ``start:stop``, with its byte runs."""
     return [part(box, a, b, itemsize) for box, a, b in overlaps(boxes, start, stop)]
