@@ -67,12 +67,13 @@ class Store(Protocol):
 class Wire(Protocol):
     """A group of both jobs' processes moving byte buffers point to point."""
 
-    def exchange(
+    def start(
         self, sends: Mapping[int, np.ndarray], receives: Mapping[int, np.ndarray], tag: int
-    ) -> None:
-        """Send each ``sends[q]`` (uint8) to link process ``q`` and fill each ``receives[q]``
-        (uint8, its size known) from ``q``, with message tag ``tag``; raise on a failure or
-        after the engine's timeout."""
+    ) -> Callable[[], None]:
+        """Start sending each ``sends[q]`` (uint8) to link process ``q`` and filling each
+        ``receives[q]`` (uint8, its size known) from ``q``, with message tag ``tag``; the
+        returned call waits until all are done, raising on a failure or after the engine's
+        timeout. A process may have two such exchanges (two tags) in flight."""
         ...
 
     def close(self) -> None: ...
@@ -318,8 +319,9 @@ class Link:
         """Wait until every key is set (True), or the deadline passes (False); raise ``kind``
         as soon as ``fail`` is set (another process's error, acknowledged) or a process stops
         answering."""
-        pause = 0.002
-        next_look = time.monotonic() + 1.0
+        pause = 0.001
+        started = time.monotonic()
+        next_look = started + 1.0
         while True:
             if self._safe(lambda: self._store.check(keys)):
                 return True
@@ -335,7 +337,8 @@ class Link:
                     raise self._failed(fail, None, stalled)
                 next_look = now + 1.0
             time.sleep(pause)
-            pause = min(pause * 2, 0.1)
+            # a transfer's waits are short: answer within 5 ms for 2 s, then poll gently
+            pause = min(pause * 2, 0.005 if now - started < 2.0 else 0.1)
 
     def _ack(self, fail: str) -> None:
         """Say this process has seen the failure ``fail`` (the rendezvous's host waits for
@@ -562,35 +565,66 @@ class Link:
         return found
 
     def _send(self, schedule: _Schedule, blocks: dict[str, dict[int, np.ndarray]]) -> None:
+        """Each round packed while the one before is on the wire (two in flight)."""
+        waiting: Callable[[], None] | None = None
         for r in range(schedule.rounds):
             sends = {}
             for q, units in schedule.units.items():
                 mine = [u for u in units if u.round == r]
                 if not mine:
                     continue
+                parts = [blocks[u.name][u.device][_box(u.lo, u.hi)] for u in mine]
+                flat = _flat(parts[0], mine[0].dtype) if len(mine) == 1 else None
+                if flat is not None:  # one run of the block's own memory: sent as it is
+                    sends[q] = flat
+                    continue
                 buf = np.empty(sum(u.nbytes for u in mine), dtype=np.uint8)
                 at = 0
-                for u in mine:
-                    block = blocks[u.name][u.device]
-                    part = block[tuple(slice(a, b) for a, b in zip(u.lo, u.hi))]
+                for u, part in zip(mine, parts):  # packed, cast to the target's dtype
                     buf[at : at + u.nbytes].view(u.dtype).reshape(u.shape)[...] = part
                     at += u.nbytes
                 sends[q] = buf
-            self._wire.exchange(sends, {}, r)
+            posted = self._wire.start(sends, {}, r)
+            if waiting is not None:
+                waiting()
+            waiting = posted
+        if waiting is not None:
+            waiting()
 
     def _receive(self, schedule: _Schedule, blocks: dict[str, dict[int, np.ndarray]]) -> None:
-        for r in range(schedule.rounds):
+        """Each round's receives posted before the round before is unpacked (two in flight)."""
+
+        def post(r: int) -> tuple[dict[int, list[_Unit]], dict[int, np.ndarray], set[int], Any]:
             todo = {q: [u for u in us if u.round == r] for q, us in schedule.units.items()}
             todo = {q: us for q, us in todo.items() if us}
-            inbox = {q: np.empty(sum(u.nbytes for u in us), np.uint8) for q, us in todo.items()}
-            self._wire.exchange({}, inbox, r)
+            inbox, direct = {}, set()
             for q, us in todo.items():
+                u = us[0]
+                if len(us) == 1 and len(u.into) == 1:  # straight into the target block
+                    device, lo, hi = u.into[0]
+                    flat = _flat(blocks[u.name][device][_box(lo, hi)], u.dtype)
+                    if flat is not None:
+                        inbox[q] = flat
+                        direct.add(q)
+                        continue
+                inbox[q] = np.empty(sum(u.nbytes for u in us), np.uint8)
+            return todo, inbox, direct, self._wire.start({}, inbox, r)
+
+        ahead = post(0) if schedule.rounds else None
+        for r in range(schedule.rounds):
+            assert ahead is not None
+            todo, inbox, direct, wait = ahead
+            ahead = post(r + 1) if r + 1 < schedule.rounds else None
+            wait()
+            for q, us in todo.items():
+                if q in direct:
+                    continue
                 at = 0
                 for u in us:
                     part = inbox[q][at : at + u.nbytes].view(u.dtype).reshape(u.shape)
                     at += u.nbytes
                     for device, lo, hi in u.into:
-                        blocks[u.name][device][tuple(slice(a, b) for a, b in zip(lo, hi))] = part
+                        blocks[u.name][device][_box(lo, hi)] = part
 
     def close(self) -> None:
         """Leave the link; the process hosting the rendezvous waits (up to the timeout) for
@@ -620,6 +654,18 @@ class Link:
             f"Link({self.address}, job={self.job!r} ({self.mine.count} processes), "
             f"peer={self.peer!r} ({self.other.count}))"
         )
+
+
+def _box(lo: tuple[int, ...], hi: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in zip(lo, hi))
+
+
+def _flat(view: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray | None:
+    """``view``'s own bytes as one flat writable uint8 array, where it is one C-order run of
+    ``dtype`` (no copy); else None (it is packed)."""
+    if view.dtype != dtype or not view.flags.c_contiguous or not view.flags.writeable:
+        return None
+    return view.reshape(-1).view(np.uint8)
 
 
 # -- manifests -------------------------------------------------------------------------------
@@ -824,7 +870,8 @@ class _Schedule:
         by_name = {t[0]: t for t in sent["tensors"]}
         shapes = {t[0]: tuple(t[1]) for t in sent["tensors"]}
         s_side, r_side = (link.mine, link.other) if is_sender else (link.other, link.mine)
-        budget = max(IN_FLIGHT // max(s_side.count, r_side.count), 1)
+        # two rounds in flight, each pair an equal share: at most IN_FLIGHT per process
+        budget = max(IN_FLIGHT // (2 * max(s_side.count, r_side.count)), 1)
         streams: dict[
             int, list[tuple[str, Piece, int, Segment, np.dtype[Any], tuple[int, ...]]]
         ] = {}

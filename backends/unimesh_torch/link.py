@@ -6,7 +6,7 @@ numpy arrays wrapped as CPU tensors, no copy."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -48,9 +48,11 @@ class GlooWire:
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def exchange(
+    def start(
         self, sends: Mapping[int, np.ndarray], receives: Mapping[int, np.ndarray], tag: int
-    ) -> None:
+    ) -> Callable[[], None]:
+        """Post every send and receive (gloo's ``send``/``recv``); the returned call waits
+        for all of them."""
         torch = import_torch()
         works = [
             self.group.send([torch.from_numpy(buf)], q, tag) for q, buf in sends.items() if buf.size
@@ -60,8 +62,12 @@ class GlooWire:
             for q, buf in receives.items()
             if buf.size
         ]
-        for work in works:
-            work.wait()
+
+        def wait() -> None:
+            for work in works:
+                work.wait()
+
+        return wait
 
     def close(self) -> None:
         self.group = None
