@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .checkpoint.format import DTYPES, dtype_text, numpy_dtype
 from .errors import BackendUnavailableError, LaunchError, LinkError, UnimeshError
 from .fusion import Concat, Segment, Slice, check_sources, segments
 from .layout import Layout
@@ -706,15 +707,7 @@ def _layout(doc: Mapping[str, Any]) -> Layout:
 WHOLE = Layout(Mesh((1,), ("whole",)), PartitionSpec())
 
 
-def _dtype_text(dtype: Any) -> str:
-    from .checkpoint.format import dtype_text
-
-    return dtype_text(dtype)
-
-
 def _numpy_dtype(name: str) -> np.dtype[Any]:
-    from .checkpoint.format import DTYPES, numpy_dtype
-
     if name not in DTYPES:
         raise LinkError(
             f"dtype {name} cannot travel on a link; it carries {', '.join(DTYPES)}: cast first"
@@ -753,7 +746,7 @@ def _outgoing(
                 "in the program)"
             )
         shape = [int(n) for n in leaf.shape]
-        dtype = _dtype_text(leaf.dtype)
+        dtype = dtype_text(leaf.dtype)
         _numpy_dtype(dtype)
         tensors.append([name, shape, dtype, _layout_json(layout, processes)])
         blocks[name] = held
@@ -872,6 +865,8 @@ class _Schedule:
         s_side, r_side = (link.mine, link.other) if is_sender else (link.other, link.mine)
         # two rounds in flight, each pair an equal share: at most IN_FLIGHT per process
         budget = max(IN_FLIGHT // (2 * max(s_side.count, r_side.count)), 1)
+        #: per peer, in stream order: (target, piece, id offset, run, dtype, the origin of
+        #: the sent block it is cut from: the sender's only)
         streams: dict[
             int, list[tuple[str, Piece, int, Segment, np.dtype[Any], tuple[int, ...]]]
         ] = {}
@@ -918,9 +913,11 @@ class _Schedule:
                 pieces = the_plan.send if is_sender else the_plan.receive
                 for q, ps in pieces.items():
                     for p in ps:
-                        streams.setdefault(q, []).append(
-                            (name, p, off, run, want, tuple(int(x) for x in s_shape))
-                        )
+                        origin: tuple[int, ...] = ()
+                        if is_sender:
+                            row = int(np.flatnonzero(s_ids == p.source)[0])
+                            origin = tuple(int(x) for x in s_lo[row])
+                        streams.setdefault(q, []).append((name, p, off, run, want, origin))
         self.units: dict[int, list[_Unit]] = {}
         self.rounds = 0
         mine_lo: dict[str, dict[int, tuple[int, ...]]] = {}
@@ -934,7 +931,7 @@ class _Schedule:
         for q, stream in sorted(streams.items()):
             at = 0
             units = []
-            for name, p, off, run, want, _s_shape in stream:
+            for name, p, off, run, want, origin in stream:
                 shape = p.shape
                 rows = shape[0] if shape else 1
                 row_bytes = math.prod(shape[1:]) * want.itemsize if shape else want.itemsize
@@ -955,19 +952,16 @@ class _Schedule:
                         if run.dim is not None:
                             first[run.dim] += run.start - run.at
                             last[run.dim] += run.start - run.at
-                        s_layout = _layout(by_name[run.name][3])
-                        block_lo, _ = s_layout.shard_bounds(_s_shape, [p.source])
-                        origin = block_lo[0].tolist()
                         u.lo = tuple(a - o for a, o in zip(first, origin))
                         u.hi = tuple(b - o for b, o in zip(last, origin))
                     else:
                         for t in p.devices:
-                            origin = mine_lo[name][t - off]
+                            corner = mine_lo[name][t - off]
                             u.into.append(
                                 (
                                     t - off,
-                                    tuple(a - o for a, o in zip(box_lo, origin)),
-                                    tuple(b - o for b, o in zip(box_hi, origin)),
+                                    tuple(a - o for a, o in zip(box_lo, corner)),
+                                    tuple(b - o for b, o in zip(box_hi, corner)),
                                 )
                             )
                     units.append(u)
@@ -1032,7 +1026,7 @@ class _Targets:
                 want = (
                     None
                     if given is None
-                    else _dtype_text(np.dtype(given) if isinstance(given, str) else given)
+                    else dtype_text(np.dtype(given) if isinstance(given, str) else given)
                 )
             elif isinstance(leaf, np.ndarray):
                 if link.mine.count > 1:
@@ -1046,7 +1040,7 @@ class _Targets:
                         f"target {name!r}: a numpy target must be writable and C-contiguous"
                     )
                 layout, array, shape, be = WHOLE, leaf, tuple(leaf.shape), None
-                want = _dtype_text(leaf.dtype)
+                want = dtype_text(leaf.dtype)
             else:
                 found = layout_of(leaf)
                 if found is None:
@@ -1056,7 +1050,7 @@ class _Targets:
                     )
                 be, layout = found
                 array, shape = leaf, tuple(int(n) for n in leaf.shape)
-                want = _dtype_text(leaf.dtype)
+                want = dtype_text(leaf.dtype)
             if layout.spec.partial:
                 raise LinkError(
                     f"target {name!r} is laid out as a pending reduction ({layout.spec!r}); "
