@@ -288,21 +288,6 @@ class Simulated(ProcessBackend):
     def group_all_gather(self, x: Any, group: Any) -> Any:
         return np.stack([x] * group)
 
-    def as_array(self, value: Any) -> Any:
-        return np.asarray(value)
-
-    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
-        return np.moveaxis(x, source, destination)
-
-    def take(self, x: Any, index: list[int]) -> Any:
-        return x[index]
-
-    def reduce_stack(self, x: Any, op: str) -> Any:
-        return {"sum": np.sum, "max": np.max, "min": np.min}[op](x, axis=0)
-
-    def zeros_like(self, x: Any) -> Any:
-        return np.zeros_like(x)
-
     def needs_grad(self, x: Any) -> bool:
         return False
 

@@ -91,6 +91,17 @@ def hooks_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def transport_table() -> str:
+    """A reshard transport's operations (``unimesh.transport.TRANSPORT_OPS``), with which of
+    them each backend's transport overrides."""
+    from unimesh.transport import TRANSPORT_OPS
+
+    lines = ["| operation | promise |", "| --- | --- |"]
+    for op, promise in TRANSPORT_OPS.items():
+        lines.append(f"| `{op}` | {_cell(promise)} |")
+    return "\n".join(lines) + "\n"
+
+
 def collectives_table() -> str:
     """Per backend, which primitives of the per-process engine are the framework's own and
     which the engine builds (from ``ProcessBackend.native_primitives``)."""
@@ -202,6 +213,7 @@ def generate(docs: Path) -> None:
         "collectives-table.md": collectives_table(),
         "capability-names.md": capability_names(),
         "hooks-table.md": hooks_table(),
+        "transport-table.md": transport_table(),
     }
     data = docs / "_data"
     tables["capabilities-table.md"] = capability_table(

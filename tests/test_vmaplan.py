@@ -177,7 +177,7 @@ def _mlx_graph(body_fn, blocks):  # type: ignore[no-untyped-def]
 
     def run(given):  # type: ignore[no-untyped-def]
         _, outs, _, _ = body.flat(tracer, *optree.tree_unflatten(treedef, given))
-        return [be.as_array(o) for o in outs]
+        return [be.arrays().asarray(o) for o in outs]
 
     return be.body_graph(run, leaves), tracer, mx
 

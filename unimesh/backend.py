@@ -41,14 +41,15 @@ from .contract import (
 )
 from .contract import hook_capability as _HOOK_CAPABILITY
 from .errors import UnsupportedError
-from .transport import Transport
 
 if TYPE_CHECKING:
+    from .arrays import Arrays
     from .launchers import LauncherSign
     from .layout import Layout
     from .mesh import Mesh
     from .program import Body, SpecTree
     from .rules import LayoutMap
+    from .transport import Transport
 
 __all__ = [
     "CAPABILITIES",
@@ -64,7 +65,7 @@ __all__ = [
 ]
 
 
-class Backend(Transport):
+class Backend:
     """Base class of a unimesh backend.
 
     The smallest backend sets :attr:`name` and :attr:`framework` and implements
@@ -357,6 +358,11 @@ class Backend(Transport):
             ``{logical device id: numpy view}``, or None."""
         return None
 
+    def native_blocks(self, array: Any) -> dict[int, Any]:
+        """This process's blocks of a native distributed array, ``{device id: native block}``,
+        each on its device (no copy), for a reshard. Default: :meth:`local_shards` (numpy)."""
+        return self.local_shards(array)
+
     def from_local(
         self,
         blocks: Mapping[int, Any],
@@ -454,7 +460,50 @@ class Backend(Transport):
         demo."""
         return None
 
-    # -- live reshard: the transport hooks are :class:`unimesh.transport.Transport`'s ---------
+    # -- live reshard -----------------------------------------------------------------------
+    def arrays(self) -> Arrays:
+        """The framework's array operations (:class:`unimesh.arrays.Arrays`), one object the
+        engine and the reshard transport share. Default: numpy's."""
+        from .arrays import NUMPY
+
+        return NUMPY
+
+    def transport(self) -> Transport:
+        """The transport of this backend's reshards (:class:`unimesh.transport.Transport`:
+        six operations only the framework can do). Default: one process, numpy blocks."""
+        from .transport import Transport
+
+        return Transport(self)
+
+    def move_with_gradient(
+        self,
+        blocks: Mapping[int, Any],
+        forward: Callable[[Mapping[int, Any]], dict[int, Any]],
+        backward: Callable[[Mapping[int, Any]], dict[int, Any]],
+        like: Any,
+    ) -> dict[int, Any]:
+        """``forward(blocks)`` (this process's target blocks from its source ``blocks``), as
+        one step of the framework's autodiff where it records one: given the cotangents of
+        the target blocks, ``backward`` gives those of the source blocks (it moves data too,
+        so every process that took part in the forward must run it). ``like`` is the array
+        moved. Default: ``forward(blocks)``, outside any autodiff."""
+        return forward(blocks)
+
+    def check_reshard(
+        self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
+    ) -> None:
+        """Refuse (``UnsupportedError``) a move this backend cannot make, before any array of
+        the call moves; ``array`` None: the reverse move of a gradient (the cotangents), checked
+        before it moves. Default: a move between processes needs a transport whose
+        ``exchange`` moves data."""
+        if not type(self.transport()).has("exchange") and self.initialize(300.0)[1] > 1:
+            raise UnsupportedError(
+                f"the {self.name} backend moves no data between processes, so it cannot "
+                f"reshard {source!r} -> {target!r} across its {self.initialize(300.0)[1]} "
+                "processes; save and load through a checkpoint instead",
+                backend=self.name,
+                capability="multi_process",
+            )
 
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         """For each of this process's devices in the native mesh, the members of its

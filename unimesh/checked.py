@@ -87,10 +87,10 @@ def agree(
     of a small descriptor over the whole mesh (which cannot itself wait on a disagreement
     about axes)."""
     be, mesh = comm.be, comm.mesh
-    x = be.as_array(x)
+    x = be.arrays().asarray(x)
     mine = _describe(op, axes, mesh, x, params)
     everyone = comm.group(mesh.axis_names)
-    rows = be.to_host(comm.gather_members(be.as_array(mine), everyone))
+    rows = be.arrays().to_host(comm.gather_members(be.arrays().asarray(mine), everyone))
     rows = np.asarray(rows).reshape(len(rows), -1)
     if (rows == rows[0]).all():
         return

@@ -59,6 +59,8 @@ class GroupComm:
 
     def __init__(self, be: ProcessBackend, mesh: Mesh, device: int, chain: Chain) -> None:
         self.be = be
+        #: the framework's array operations
+        self.xp = be.arrays()
         self.mesh = mesh
         self.device = device
         self.native = be.native_primitives
@@ -132,11 +134,11 @@ class GroupComm:
         if g.handle is not None:
             return self.run(self.be.group_all_gather, x, g.handle)
         every = self.run(self.be.group_all_gather, x, self.world())
-        return self.be.take(every, list(g.members))
+        return self.xp.take(every, list(g.members))
 
     def row(self, x: Any, i: int) -> Any:
         """``x[i]`` along dim 0 (the dim dropped)."""
-        return self.be.take(x, [i]).reshape(tuple(x.shape[1:]))
+        return self.xp.take(x, [i]).reshape(tuple(x.shape[1:]))
 
     def all_reduce(self, x: Any, g: Group, op: str) -> Any:
         """``op`` (sum/max/min) of the members' ``x``."""
@@ -144,7 +146,7 @@ class GroupComm:
             return x
         if g.handle is not None:
             return self.run(self.be.group_all_reduce, x, g.handle, op)
-        return self.be.reduce_stack(self.gather_members(x, g), op)
+        return self.xp.reduce(self.gather_members(x, g), op)
 
     def reduce_scatter(self, x: Any, g: Group) -> Any:
         """``x`` of shape (n, ...): the sum over members of their ``x[my index]``."""
@@ -162,7 +164,7 @@ class GroupComm:
         if g.handle is not None and "all_to_all" in self.native:
             return self.run(self.be.group_all_to_all, x, g.handle)
         every = self.gather_members(x, g)  # (n, n, ...): every[j] = member j's x
-        return self.row(self.be.moveaxis(every, 1, 0), g.index)
+        return self.row(self.xp.moveaxis(every, 1, 0), g.index)
 
     def permute(self, x: Any, g: Group, sources: tuple[int | None, ...]) -> Any:
         """Member ``sources[i]``'s ``x`` on member i (zeros where None)."""
@@ -171,7 +173,7 @@ class GroupComm:
         src = sources[g.index]
         every = self.gather_members(x, g)
         if src is None:
-            return self.be.after(self.be.zeros_like(x), every)
+            return self.be.after(self.xp.zeros_like(x), every)
         return self.row(every, src)
 
     def broadcast(self, x: Any, g: Group, root: int) -> Any:
@@ -180,12 +182,12 @@ class GroupComm:
             return x
         if g.handle is not None and "broadcast" in self.native:
             return self.run(self.be.group_broadcast, x, g.handle, root)
-        return self.all_reduce(x if g.index == root else self.be.zeros_like(x), g, "sum")
+        return self.all_reduce(x if g.index == root else self.xp.zeros_like(x), g, "sum")
 
     # -- the same along a dim of the block --------------------------------------------------------
     def _stacked_to(self, stacked: Any, dim: int, tiled: bool) -> Any:
         """(n, *s) -> the pieces stacked at ``dim``, or concatenated along it when tiled."""
-        moved = self.be.moveaxis(stacked, 0, dim)
+        moved = self.xp.moveaxis(stacked, 0, dim)
         if not tiled:
             return moved
         shape = tuple(moved.shape)
@@ -196,7 +198,7 @@ class GroupComm:
         shape = tuple(x.shape)
         if tiled:
             x = x.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1 :])
-        return self.be.moveaxis(x, dim, 0)
+        return self.xp.moveaxis(x, dim, 0)
 
     def all_gather_dim(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
         """The members' ``x`` along ``dim`` (stacked there, or concatenated when tiled)."""

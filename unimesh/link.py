@@ -738,7 +738,7 @@ def _outgoing(
         else:
             be, layout = found
             held = {d: np.asarray(b) for d, b in local_shards(leaf, backend=be).items()}
-            processes = be.device_processes(layout.mesh.device_ids.ravel().tolist())
+            processes = be.transport().processes(layout.mesh.device_ids.ravel().tolist())
         if layout.spec.partial:
             raise LinkError(
                 f"tensor {name!r} is sent as a pending reduction ({layout.spec!r}): a link "
@@ -1087,7 +1087,7 @@ class _Targets:
             self.names, self.layouts, self.shapes, self.dtypes, self.backends
         ):
             ids = layout.mesh.device_ids.ravel().tolist()
-            processes = [0] * len(ids) if be is None else be.device_processes(ids)
+            processes = [0] * len(ids) if be is None else be.transport().processes(ids)
             tensors.append(
                 [
                     name,

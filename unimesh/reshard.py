@@ -4,10 +4,9 @@ devices, moving only the bytes that must move.
 This module is the verb: trees and targets, every check before any byte moves, and the
 handoff of blocks between two frameworks (DLPack). The move itself is a plan
 (:mod:`unimesh.moves`, pure arithmetic) that :mod:`unimesh.transfer` carries out on the
-backend's hooks of the ``reshard`` layer (:class:`unimesh.transport.Transport`), from its
-``native_blocks`` to its ``from_local``.
-A backend may move an array its own compiled way where that is as cheap
-(:meth:`~unimesh.transport.Transport.native_reshard`, JAX within one device set).
+backend's transport (:class:`unimesh.transport.Transport`), from its ``native_blocks`` to
+its ``from_local``. A backend may move an array its own compiled way where that is as cheap
+(:meth:`~unimesh.transport.Transport.native`, JAX within one device set).
 """
 
 from __future__ import annotations
@@ -122,8 +121,8 @@ def reshard(
         to = be if backend is None else get_backend(backend)
         there = None
         try:
-            if to.name != be.name and not to.implements("import_block"):
-                to.import_block(None, None)  # its refusal, before its runtime is started
+            if to.name != be.name:
+                to.transport().refuse_foreign()  # before its runtime is started
             # the target on its framework, and its mesh on the job's devices, before any move
             placing_backend(to, "from_local", want, shape)
             to_native(want, to)
@@ -147,7 +146,7 @@ def reshard(
         if job.source is None:
             moved = None
             if job.owner is not None:
-                moved = job.owner.native_reshard(job.leaf, None, job.target, job.shape)
+                moved = job.owner.transport().native(job.leaf, None, job.target, job.shape)
             if moved is not None:  # a tracer: the framework's own differentiable move
                 out.append(moved[0])
                 continue
@@ -220,7 +219,7 @@ def _owner(leaf: Any) -> Backend | None:
 
 
 def _moves_between_processes(be: Backend) -> bool:
-    return be.implements("exchange_buffers") or be.initialize(300.0)[1] == 1
+    return type(be.transport()).has("exchange") or be.initialize(300.0)[1] == 1
 
 
 def _check_handoff(
@@ -230,8 +229,7 @@ def _check_handoff(
     in a dtype as wide (JAX without x64 would narrow int64), each device in the same process
     in both, and one of them moves data between processes. Returns an empty block of ``to``
     in the dtype ``leaf`` takes there (asked of DLPack once per array)."""
-    if not to.implements("import_block"):
-        to.import_block(None, None)  # its refusal, naming the backend
+    to.transport().refuse_foreign()
     empty = _empty_there(be, to, leaf)
     theirs = empty.dtype
     if itemsize(leaf) != itemsize(empty):
@@ -241,7 +239,7 @@ def _check_handoff(
             "(JAX: jax.config.update('jax_enable_x64', True))"
         )
     ids = device_ids(source, target)
-    here, there = be.device_processes(ids), to.device_processes(ids)
+    here, there = be.transport().processes(ids), to.transport().processes(ids)
     if here != there:
         bad = next(i for i, a, b in zip(ids, here, there) if a != b)
         at = ids.index(bad)
@@ -297,8 +295,10 @@ def _handoff(job: _Job, source: Layout, stats: dict[str, int] | None) -> Any:
     source blocks cross and the pieces move on ``to``'s (:func:`_engine`)."""
     be, to, leaf, shape, target = job.be, job.to, job.leaf, job.shape, job.target
 
+    out, into = be.transport(), to.transport()
+
     def cross(blocks: Mapping[int, Any]) -> dict[int, Any]:
-        return {d: to.import_block(be.export_block(b), d) for d, b in blocks.items()}
+        return {d: into.take(out.export(b), d) for d, b in blocks.items()}
 
     if _engine(be, to, target, shape) is be:
         moved = _native(be, leaf, source, target, shape, stats)
@@ -317,7 +317,8 @@ def _handoff(job: _Job, source: Layout, stats: dict[str, int] | None) -> Any:
 
 def _empty_there(be: Backend, to: Backend, leaf: Any) -> Any:
     """An empty block of ``be``'s array ``leaf`` as ``to`` takes it (its dtype there)."""
-    return to.import_block(be.export_block(be.empty_block(leaf.dtype, (0,))), None)
+    out = be.transport()
+    return to.transport().take(out.export(out.empty(leaf.dtype, (0,))), None)
 
 
 def _native(
@@ -332,7 +333,7 @@ def _native(
     added to ``stats``), else None; never for a pending reduction."""
     if source.spec.partial:
         return None
-    native = be.native_reshard(leaf, source, target, shape)
+    native = be.transport().native(leaf, source, target, shape)
     if native is None:
         return None
     moved, counted = native

@@ -3,10 +3,11 @@
 torch, MLX and third-party backends whose processes each hold one device of the mesh derive
 from :class:`ProcessBackend` and supply a few primitives on a group of processes (all-reduce,
 all-gather, and where the framework has them reduce-scatter, all-to-all, permute, broadcast,
-splitting a group) plus array glue. Everything else lives here, once: cutting arguments into
-blocks, pytrees, assembling results, the collectives with ``jax.lax``'s meaning (member order
-along the axis index, tuple axes), collectives the framework lacks (built from all-gather),
-groups a framework cannot split (emulated over the world), and the gradient rules.
+splitting a group) and its array operations (``Backend.arrays``). Everything else lives here,
+once: cutting arguments into blocks, pytrees, assembling results, the collectives with
+``jax.lax``'s meaning (member order along the axis index, tuple axes), collectives the
+framework lacks (built from all-gather), groups a framework cannot split (emulated over the
+world), and the gradient rules.
 
 The engine's floor plan: this module holds the contract a per-process backend implements
 (:class:`ProcessBackend`) and runs a program (its blocks in, its results out);
@@ -71,7 +72,7 @@ class ProcessBackend(Backend):
     """A backend whose processes each run one device (logical device id = process index).
 
     Override the ``group_*`` primitives named in :attr:`native_primitives` (members of a group
-    handle come in the order :meth:`split_group` was given them) and the array glue; the
+    handle come in the order :meth:`split_group` was given them) and :meth:`arrays`; the
     engine provides :meth:`shard_map` and the collectives.
     """
 
@@ -187,29 +188,7 @@ class ProcessBackend(Backend):
     def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
         raise NotImplementedError
 
-    # -- array glue ---------------------------------------------------------------------------
-    def as_array(self, value: Any) -> Any:
-        """``value`` (an array, or a Python/numpy number or array) as the framework's array."""
-        raise NotImplementedError
-
-    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
-        raise NotImplementedError
-
-    def take(self, x: Any, index: list[int]) -> Any:
-        """``x[index]`` along dim 0 for a list of indices."""
-        raise NotImplementedError
-
-    def reduce_stack(self, x: Any, op: str) -> Any:
-        """``op`` (sum/max/min) over dim 0."""
-        raise NotImplementedError
-
-    def zeros_like(self, x: Any) -> Any:
-        raise NotImplementedError
-
-    def to_host(self, x: Any) -> np.ndarray:
-        """``x`` as a numpy array (used by the checked mode)."""
-        return np.asarray(x)
-
+    # -- a lazy framework's order (array operations: ``Backend.arrays``) -------------------
     def after(self, x: Any, done: Any) -> Any:
         """``x``, computed only after ``done`` (lazy frameworks drop a collective whose result
         is unused on one process, and its peers would wait for it forever)."""

@@ -2,9 +2,9 @@
 its target blocks out.
 
 :mod:`unimesh.moves` says which piece goes where (pure arithmetic); this module asks the
-backend's ``reshard`` hooks (:class:`unimesh.transport.Transport`: ``device_processes``,
-``exchange_buffers``, ``place``, ``empty_block``, ``concatenate``) to move them,
-inside the framework's autodiff where it records one (``move_with_gradient``).
+backend's transport (:class:`unimesh.transport.Transport`: ``processes``, ``exchange``,
+``take``, ``empty``) to move them and joins them with its :class:`~unimesh.arrays.Arrays`,
+inside the framework's autodiff where it records one (``Backend.move_with_gradient``).
 :func:`unimesh.reshard` (``reshard.py``) is the public verb above it: trees, targets, checks,
 and handoffs between frameworks.
 """
@@ -21,6 +21,7 @@ from .backend import Backend
 from .errors import LayoutError, UnsupportedError
 from .layout import Layout
 from .moves import Piece, plan
+from .transport import Transport
 
 __all__ = [
     "add_stats",
@@ -48,7 +49,7 @@ def move_blocks(
 ) -> dict[int, Any]:
     """This process's target blocks, on ``be``'s engine, from its source ``blocks`` (native
     blocks of ``be``, of ``like``'s dtype), in the framework's autodiff where it records
-    (``Transport.move_with_gradient``): the gradient of the move is the reverse move, the
+    (``Backend.move_with_gradient``): the gradient of the move is the reverse move, the
     cotangent blocks resharded from ``target`` to ``source`` (a pending sum's addends each
     get the whole cotangent, as the derivative of a sum says; an avg's, a share)."""
 
@@ -106,13 +107,11 @@ def _plain(
 
 def _reduce(be: Backend, op: str, a: Any, b: Any) -> Any:
     """Two native blocks reduced elementwise, in the core: a sum (``sum``, ``avg``) with the
-    framework's ``+``; ``max``, ``min`` over the two stacked (``concatenate``), with the
-    array's own method (torch's gives ``(values, indices)``)."""
+    framework's ``+``; ``max``, ``min`` over the two stacked, with its ``Arrays.reduce``."""
     if op in ("sum", "avg"):
         return a + b
-    both = be.concatenate([a[None], b[None]], 0)
-    got = both.max(axis=0) if op == "max" else both.min(axis=0)
-    return got[0] if isinstance(got, tuple) else got
+    arrays = be.arrays()
+    return arrays.reduce(arrays.concatenate([a[None], b[None]], 0), op)
 
 
 def refuse_gradient_of_extreme(backend: str, source: Layout) -> None:
@@ -169,6 +168,8 @@ def _blocks(
     their dtype and item size): the plan's pieces cut, packed, exchanged round by round as
     its schedule says, unpacked and joined."""
     dtype, itemsize = kind
+    wire = be.transport()
+    join = wire.arrays.concatenate
     the_plan = plan(source, target, shape, itemsize, process_of, me)
     settle = getattr(be, "settle", None)  # the per-process engine's (a lazy framework's)
     if settle is not None and the_plan.crosses:
@@ -192,15 +193,15 @@ def _blocks(
         if t in the_plan.kept or not pieces:
             continue
         size = tuple(b[-1] - b[0] for b in bounds)
-        if be.writes_in_place:
-            sinks[t] = block = be.empty_block(dtype, size, t)
+        if wire.writes_in_place:
+            sinks[t] = block = wire.empty(dtype, size, t)
             for p in pieces:
                 if id(p) in local:  # held here: written now
-                    _write(block, bounds, p, be.place(cut(p), t))
+                    _write(block, bounds, p, wire.take(cut(p), t))
     parts: dict[int, list[Any]] = {}
     for step in the_plan.schedule:  # every process makes the same calls (a transport may need it)
         outgoing = {q: [cut(u.run).reshape(-1) for u in us] for q, us in step.sends.items()}
-        got = be.exchange_buffers(outgoing, step.counts, dtype)
+        got = wire.exchange(outgoing, step.counts, dtype)
         del outgoing
         for q, us in step.receives.items():
             flat = got[q]
@@ -208,12 +209,12 @@ def _blocks(
                 arr = flat[at : at + run.size].reshape(run.shape)
                 for t in whole.devices:
                     if t in sinks:
-                        _write(sinks[t], the_plan.blocks[t][0], run, be.place(arr, t))
+                        _write(sinks[t], the_plan.blocks[t][0], run, wire.take(arr, t))
                 if any(t not in sinks for t in whole.devices):
                     parts.setdefault(id(whole), []).append(arr)
         del got
     for key, arrs in parts.items():  # a piece cut into runs of rows is joined again
-        data[key] = arrs[0] if len(arrs) == 1 else be.concatenate(arrs, 0)
+        data[key] = arrs[0] if len(arrs) == 1 else join(arrs, 0)
     out = {}
     for t, (bounds, pieces) in the_plan.blocks.items():
         if t in the_plan.kept:
@@ -221,7 +222,7 @@ def _blocks(
         elif t in sinks:
             out[t] = sinks[t]
         else:
-            out[t] = _assemble(be, t, bounds, pieces, data, cut, dtype)
+            out[t] = _assemble(wire, t, bounds, pieces, data, cut, dtype)
     add_stats(stats, the_plan.stats())
     return out
 
@@ -234,7 +235,7 @@ def _write(block: Any, bounds: tuple[tuple[int, ...], ...], piece: Piece, arr: A
 
 
 def _assemble(
-    be: Backend,
+    wire: Transport,
     device: int,
     bounds: tuple[tuple[int, ...], ...],
     pieces: list[Any],
@@ -246,18 +247,18 @@ def _assemble(
     grid = [len(b) - 1 for b in bounds]
     if not pieces:  # an empty block (this process may hold no block to take a dtype from)
         shape = tuple(max(b[-1] - b[0], 0) if len(b) > 1 else 0 for b in bounds)
-        return be.place(be.empty_block(dtype, shape, device), device)
+        return wire.take(wire.empty(dtype, shape, device), device)
     parts = []
     for p in pieces:
         arr = data[id(p)] if id(p) in data else cut(p)
-        parts.append(be.place(arr, device))
+        parts.append(wire.take(arr, device))
 
     def join(items: list[Any], dim: int) -> Any:
         if dim == len(grid):
             return items[0]
         step = math.prod(grid[dim + 1 :])
         rows = [join(items[i * step : (i + 1) * step], dim + 1) for i in range(grid[dim])]
-        return rows[0] if len(rows) == 1 else be.concatenate(rows, dim)
+        return rows[0] if len(rows) == 1 else wire.arrays.concatenate(rows, dim)
 
     return join(parts, 0)
 
@@ -274,7 +275,7 @@ def process_map(be: Backend, source: Layout, target: Layout) -> np.ndarray:
     """The process of each device id of either layout (by id; 0 for ids of neither)."""
     ids = device_ids(source, target)
     process_of = np.zeros(max(ids) + 1, dtype=np.int64)
-    process_of[ids] = be.device_processes(ids)
+    process_of[ids] = be.transport().processes(ids)
     return process_of
 
 
@@ -282,7 +283,7 @@ def same_blocks(a: Layout, b: Layout) -> bool:
     """Whether two layouts are the same placement, so that a reshard from one to the other
     moves nothing: equal, or differing only in the processes their meshes record
     (``devices_per_process``, which the backend knows anyway). Axis types count (JAX's
-    arrays carry them). For a backend's :meth:`~unimesh.transport.Transport.native_reshard`,
+    arrays carry them). For a backend's :meth:`~unimesh.transport.Transport.native`,
     which gives the framework's result of such a move (the array itself, or its own verb's)."""
     if a == b:
         return True

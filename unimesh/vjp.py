@@ -77,6 +77,8 @@ class ProcessAxisEnv(AxisEnv):
     def __init__(self, be: ProcessBackend, comm: GroupComm) -> None:
         super().__init__(comm.mesh, comm.device)
         self.be = be
+        #: the framework's array operations
+        self.xp = be.arrays()
         #: this process's groups on the mesh, shared by both rule sets' envs of that mesh
         self.comm = comm
         self.checked = False  # set per run by the program (shard_map(checked=...))
@@ -110,7 +112,7 @@ class ProcessAxisEnv(AxisEnv):
         array's own attributes are not read: under torch's vma mode each read is an
         operation)."""
         if isinstance(x, HOST_VALUES):
-            return self.be.as_array(x)
+            return self.xp.asarray(x)
         return x
 
     def _vjp(self, key: Any, fwd: Fn, bwd: Fn) -> Fn:
@@ -351,7 +353,7 @@ class ProcessAxisEnv(AxisEnv):
         out = []
         for i, (block, layout) in enumerate(zip(blocks, layouts)):
             if last is not None:
-                block = be.after(be.as_array(block), last)
+                block = be.after(self.xp.asarray(block), last)
             block = self.leave(block, layout, i)
             out.append(be.wrap_result(block, layout, global_shape(shapes, layout, block)))
         return out

@@ -97,7 +97,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
             back, key = self._summer(axes), ("psum", axes)
         else:
             back, key = self._no_derivative("p" + op, axes), ("p" + op, axes)
-        needs_grad, as_array = self.be.needs_grad, self.be.as_array
+        needs_grad, as_array = self.be.needs_grad, self.xp.asarray
 
         def run(x: Any) -> Any:  # _collective, inlined: the step's every reduction comes here
             if isinstance(x, HOST_VALUES):
@@ -126,7 +126,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
 
         def back(ct: Any) -> Any:
             total = comm.all_reduce(ct, g, "sum")
-            return total if g.index == source else be.after(be.zeros_like(total), total)
+            return total if g.index == source else be.after(self.xp.zeros_like(total), total)
 
         return self._collective(
             ("pbroadcast", axes, source), x, axes, lambda v: comm.broadcast(v, g, source), back
@@ -193,7 +193,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         if self.plan is not None:
             return super().leave_all(blocks, layouts, last, shapes)
         be = self.be
-        as_array, after, needs_grad, wrap = be.as_array, be.after, be.needs_grad, be.wrap_result
+        as_array, after, needs_grad, wrap = self.xp.asarray, be.after, be.needs_grad, be.wrap_result
         copies_of = self._out
         out = []
         for block, layout in zip(blocks, layouts):
@@ -237,7 +237,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
 
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; replicated over some axes, it counts once in the gradient."""
-        block = self.be.as_array(block)
+        block = self.xp.asarray(block)
         plan = self.plan
         if plan is not None and plan.exact:  # only the copies along unplaced axes count
             axes = plan.copies_axes(replicated_axes(layout))
@@ -342,7 +342,7 @@ class CheckVmaEnv(ProcessAxisEnv):
         )
 
     def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
-        comm, be = self.comm, self.be
+        comm = self.comm
         g = comm.group(axes)
         # the cotangent is whole on every device: the source keeps it
         return self._typed(
@@ -350,13 +350,13 @@ class CheckVmaEnv(ProcessAxisEnv):
             x,
             axes,
             lambda v: comm.broadcast(v, g, source),
-            lambda ct: ct if g.index == source else be.zeros_like(ct),
+            lambda ct: ct if g.index == source else self.xp.zeros_like(ct),
             True,
         )
 
     def axis_index(self, axes: tuple[str, ...]) -> Any:
         """An array tagged as varying along ``axes``."""
-        return self.be.tag(self.be.as_array(super().axis_index(axes)), self._big.intersection(axes))
+        return self.be.tag(self.xp.asarray(super().axis_index(axes)), self._big.intersection(axes))
 
     def _tag(self, layout: Layout) -> frozenset[str]:
         """The tag of a block laid out as ``layout``: the axes of size > 1 it varies along."""
@@ -371,7 +371,7 @@ class CheckVmaEnv(ProcessAxisEnv):
 
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; it must not vary along the axes its out_spec omits (JAX's check)."""
-        block = self.be.as_array(block)
+        block = self.xp.asarray(block)
         varies = self.be.vma_of(block).intersection(self._input_plan(layout)[0])
         if varies:
             axes = self._mesh_order(varies)

@@ -337,7 +337,7 @@ class TraceEnv(AxisEnv):
         if x is None:
             return self.be.vma_marker(k, None, (), None)
         if not hasattr(x, "shape"):
-            x = self.be.as_array(x)
+            x = self.be.arrays().asarray(x)
         shape = shape_after(op, tuple(int(d) for d in x.shape), self.size(axes), dims, tiled)
         return self.be.vma_marker(k, x, shape, x.dtype)
 
@@ -395,7 +395,7 @@ def trace(
         args = optree.tree_unflatten(treedef, leaves)
         _, outs, _, out_layouts = body.flat(tracer, *args)
         seen.append(out_layouts)
-        return [be.as_array(o) for o in outs]
+        return [be.arrays().asarray(o) for o in outs]
 
     token = TRACING.set(True)
     try:

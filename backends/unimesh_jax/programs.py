@@ -16,6 +16,7 @@ from unimesh.program import AxisEnv
 
 from .runtime import import_jax
 from .translate import JaxTranslator
+from .transport import JAX_ARRAYS, JaxArrays, JaxTransport
 
 
 def key_path(path: Any) -> str:
@@ -156,6 +157,12 @@ def use_mesh(mesh: Mesh) -> Iterator[Any]:
 
 class JaxPrograms(JaxTranslator):
     """The program layer: unimesh programs are ``jax.shard_map`` programs."""
+
+    def arrays(self) -> JaxArrays:
+        return JAX_ARRAYS
+
+    def transport(self) -> JaxTransport:
+        return JaxTransport(self)
 
     def stop_gradient(self, x: Any) -> Any:
         return import_jax().lax.stop_gradient(x)

@@ -20,7 +20,6 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh.messages import short
-from unimesh.transfer import same_blocks
 
 from .runtime import JaxRuntime, device_array, global_devices, import_jax
 
@@ -346,146 +345,10 @@ class JaxTranslator(JaxRuntime):
         return {position[s.device]: np.asarray(s.data) for s in array.addressable_shards}
 
     # -- live reshard: unimesh.reshard's transport on JAX --------------------------------------
-    def device_processes(self, device_ids: Any) -> list[int]:
-        """``jax.Device.process_index`` of each logical device."""
-        devices = global_devices()
-        return [int(devices[i].process_index) for i in device_ids]
-
     def native_blocks(self, array: Any) -> dict[int, Any]:
         """``{logical device id: the shard's jax.Array}``, each on its device (no copy)."""
         position = {d: i for i, d in enumerate(global_devices())}
         return {position[s.device]: s.data for s in array.addressable_shards}
 
-    def place(self, piece: Any, device_id: int) -> Any:
-        """``jax.device_put`` onto the device: device to device, never through the host."""
-        jax = import_jax()
-        device = global_devices()[device_id]
-        if getattr(piece, "devices", None) is not None and piece.devices() == {device}:
-            return piece
-        return jax.device_put(piece, device)
-
-    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
-        """Between processes, on JAX's own collectives: each process's buffers for a peer are
-        joined on its first device, the message sizes are shared (one small
-        ``process_allgather``), and one jitted ``shard_map`` over the processes' first devices
-        moves every message with ``ppermute``, one permutation per distance between sender
-        and receiver (each padded to that distance's longest message; pairs without a
-        message take no part)."""
-        jax = import_jax()
-        count = jax.process_count()
-        if count == 1:
-            return {}
-        from jax.experimental import multihost_utils
-
-        jnp = jax.numpy
-        me = jax.process_index()
-        devices = global_devices()
-        lead = [next(d for d in devices if d.process_index == p) for p in range(count)]
-        mine = lead[me]
-        wide = jnp.dtype(dtype) == jnp.bool_  # the wire carries bytes for booleans
-        packed = {}
-        row = np.zeros(count, np.int64)
-        for q, buffers in sends.items():
-            flat = [jax.device_put(p, mine) for p in buffers]
-            packed[q] = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-            if wide:
-                packed[q] = packed[q].astype(jnp.uint8)
-            row[q] = packed[q].size
-        sizes = np.asarray(multihost_utils.process_allgather(row)).reshape(count, count)
-        shifts = [
-            s for s in range(1, count) if any(sizes[i, (i + s) % count] for i in range(count))
-        ]
-        if not shifts:
-            return {q: jnp.zeros((0,), dtype) for q in counts}
-        widths = [int(max(sizes[i, (i + s) % count] for i in range(count))) for s in shifts]
-        perms = tuple(
-            tuple((i, (i + s) % count) for i in range(count) if sizes[i, (i + s) % count])
-            for s in shifts
-        )
-        mesh = jax.sharding.Mesh(np.array(lead), ("_process",))
-        layout = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("_process"))
-        wire = jnp.uint8 if wide else dtype
-        inputs = []
-        for s, width in zip(shifts, widths):
-            message = packed.get((me + s) % count)
-            if message is None:
-                block = jnp.zeros((1, width), wire, device=mine)
-            else:
-                block = jnp.pad(message, (0, width - message.size))[None]
-            inputs.append(jax.make_array_from_single_device_arrays((count, width), layout, [block]))
-        outs = _permuter(mesh, perms)(*inputs)
-        got = {}
-        for s, out in zip(shifts, outs):
-            src = (me - s) % count
-            if src in counts:
-                data = out.addressable_shards[0].data.reshape(-1)[: int(sizes[src, me])]
-                got[src] = data.astype(jnp.bool_) if wide else data
-        return got
-
-    def import_block(self, block: Any, device_id: int | None) -> Any:
-        """``jax.dlpack.from_dlpack`` (shared memory where JAX can; a cast where JAX keeps
-        another dtype: int64 without x64), then on the device."""
-        got = import_jax().dlpack.from_dlpack(block)
-        return got if device_id is None else self.place(got, device_id)
-
-    def concatenate(self, parts: Any, axis: int) -> Any:
-        return import_jax().numpy.concatenate(parts, axis=axis)
-
-    def native_reshard(
-        self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
-    ) -> tuple[Any, dict[str, int] | None] | None:
-        """One device list (the same devices in the same order): XLA's compiled reshard,
-        ``jax.jit`` of the identity with the target as ``out_shardings`` (what ``jax.reshard``
-        does inside ``jit``), never through the host. Its bytes are the plan's (None): what
-        must move (XLA's SPMD partitioner moves more where it warns of a rematerialization).
-        Another device list: None (the plan: device-to-device copies in one process, and
-        :meth:`exchange_buffers` between processes). A tracer: JAX's differentiable moves to
-        the target's ``NamedSharding``: eagerly (``grad`` outside ``jit``) ``jax.device_put``, whose
-        cotangent goes back to the argument's sharding; under ``jit``
-        ``with_sharding_constraint`` (XLA's reshard; the target must be on the jitted
-        function's devices, JAX's own error otherwise)."""
-        jax = import_jax()
-        if source is None:
-            if not isinstance(array, jax.core.Tracer):
-                return None
-            sharding = self.layout_to_native(target)
-            value = array
-            while isinstance(value, jax.core.Tracer):  # an eager transform holds a value
-                value = getattr(value, "primal", None)
-            if isinstance(value, jax.Array):  # eager: the cotangent goes back to its devices
-                return jax.device_put(array, sharding), {}
-            return jax.lax.with_sharding_constraint(array, sharding), {}  # XLA's, under jit
-        if same_blocks(source, target) and isinstance(array, jax.Array):
-            return array, {}  # nothing moves: the array, as jax.device_put to its sharding
-        if source.mesh.device_ids.ravel().tolist() != target.mesh.device_ids.ravel().tolist():
-            return None  # the plan
-        return _identity(self.layout_to_native(target))(array), None
-
-    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
-        """Zeros (JAX's arrays are immutable: the core joins the pieces instead)."""
-        block = import_jax().numpy.zeros(shape, dtype=dtype)
-        return block if device_id is None else self.place(block, device_id)
-
     def process_count(self) -> int:
         return int(import_jax().process_count())
-
-
-@functools.lru_cache(maxsize=64)
-def _permuter(mesh: Any, perms: tuple[tuple[tuple[int, int], ...], ...]) -> Any:
-    """The jitted ``shard_map`` over ``mesh`` (one device per process) applying one
-    ``ppermute`` per permutation to its argument of the same position."""
-    jax = import_jax()
-    spec = jax.sharding.PartitionSpec("_process")
-
-    def body(*rows: Any) -> Any:
-        return tuple(jax.lax.ppermute(r, "_process", list(p)) for r, p in zip(rows, perms))
-
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(perms),
-                           out_specs=(spec,) * len(perms))  # fmt: skip
-    return jax.jit(mapped)
-
-
-@functools.lru_cache(maxsize=64)
-def _identity(sharding: Any) -> Any:
-    """The jitted identity whose output is laid out as ``sharding``."""
-    return import_jax().jit(lambda a: a, out_shardings=sharding)

@@ -25,9 +25,11 @@ from unimesh import (
     P,
     UnsupportedError,
 )
+from unimesh.arrays import Arrays
 from unimesh.launchers import LauncherSign
 from unimesh.messages import short
 from unimesh.runtime import KERAS_VARS
+from unimesh.transport import Transport
 
 __all__ = ["KerasBackend", "distribution"]
 
@@ -241,33 +243,17 @@ class KerasBackend(Backend):
             return array.value
         return array
 
-    def device_processes(self, device_ids: Any) -> list[int]:
-        return self._jax("reshard()").device_processes(device_ids)
-
     def native_blocks(self, array: Any) -> dict[int, Any]:
         """JAX's: each shard's ``jax.Array`` on its device (no host copy)."""
         return self._jax("reshard()").native_blocks(self._value(array))
 
-    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
-        return self._jax("reshard()").exchange_buffers(sends, counts, dtype)
+    def arrays(self) -> Arrays:
+        """JAX's (``jax.numpy``)."""
+        return self._jax("reshard()").arrays()
 
-    def place(self, piece: Any, device_id: int) -> Any:
-        return self._jax("reshard()").place(piece, device_id)
-
-    def concatenate(self, parts: Any, axis: int) -> Any:
-        return self._jax("reshard()").concatenate(parts, axis)
-
-    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
-        return self._jax("reshard()").empty_block(dtype, shape, device_id)
-
-    def import_block(self, block: Any, device_id: int | None) -> Any:
-        return self._jax("reshard()").import_block(block, device_id)
-
-    def native_reshard(
-        self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
-    ) -> tuple[Any, dict[str, int] | None] | None:
-        """JAX's: its compiled reshard on one device list, and a tracer's move."""
-        return self._jax("reshard()").native_reshard(self._value(array), source, target, shape)
+    def transport(self) -> Transport:
+        """JAX's, which takes a Keras variable as the ``jax.Array`` it holds."""
+        return self._jax("reshard()").transport()
 
     def stop_gradient(self, x: Any) -> Any:
         import keras

@@ -19,6 +19,7 @@ from unimesh.vmaplan import Graph, PlanError
 from .runtime import LIVE_LAYERS, host_to_mx, import_mx, mx_to_host
 from .tracing import make_probe
 from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
+from .transport import MLX_ARRAYS, MLXArrays, MLXTransport
 
 
 class MLXPrograms(MLXTranslator):
@@ -52,30 +53,11 @@ class MLXPrograms(MLXTranslator):
         mx = import_mx()
         return mx.distributed.all_gather(mx.expand_dims(x, 0), group=_native_group(group))
 
-    def as_array(self, value: Any) -> Any:
-        mx = import_mx()
-        if isinstance(value, mx.array):
-            return value
-        return host_to_mx(value) if isinstance(value, (np.ndarray, np.generic)) else mx.array(value)
+    def arrays(self) -> MLXArrays:
+        return MLX_ARRAYS
 
-    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
-        return import_mx().moveaxis(x, source, destination)
-
-    def take(self, x: Any, index: list[int]) -> Any:
-        mx = import_mx()
-        return x[mx.array(index)] if len(index) > 1 else x[index[0] : index[0] + 1]
-
-    def reduce_stack(self, x: Any, op: str) -> Any:
-        """``op`` over dim 0 in ``x``'s dtype (``mx.sum`` widens small ints: int8 -> int32;
-        MLX's ``all_sum`` and JAX's ``psum`` keep the dtype, wrapping as they do)."""
-        out = getattr(import_mx(), op)(x, axis=0)
-        return out if out.dtype == x.dtype else out.astype(x.dtype)
-
-    def zeros_like(self, x: Any) -> Any:
-        return import_mx().zeros_like(x)
-
-    def to_host(self, x: Any) -> np.ndarray:
-        return np.array(x)
+    def transport(self) -> MLXTransport:
+        return MLXTransport(self)
 
     def after(self, x: Any, done: Any) -> Any:
         return import_mx().depends(x, done)

@@ -21,7 +21,6 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh.messages import short
-from unimesh.transfer import same_blocks
 
 from .runtime import LIVE_GROUPS, MLXRuntime, host_to_mx, import_mx, mx_to_host
 
@@ -272,32 +271,11 @@ class MLXTranslator(MLXRuntime):
     def axis_groups(self, native_mesh: Any, axis: str) -> dict[int, tuple[int, ...]]:
         return {native_mesh.rank: native_mesh.axis_group(axis).members}
 
-    # -- live reshard: unimesh.reshard's transport on mx.distributed ---------------------------
-    def device_processes(self, device_ids: Any) -> list[int]:
-        """A device id is a rank of the world group: each device is its own process."""
-        return [int(d) for d in device_ids]
-
-    def native_reshard(
-        self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
-    ) -> tuple[Any, dict[str, int] | None] | None:
-        """To the layout the :class:`MLXArray` has: the array itself (immutable; nothing
-        moves). Else None: the plan."""
-        if source is None or not isinstance(array, MLXArray) or not same_blocks(source, target):
-            return None
-        return array, {}
-
+    # -- live reshard (the transport: .transport.MLXTransport) ----------------------------------
     def native_blocks(self, array: Any) -> dict[int, Any]:
         """``{rank: the block}`` of an :class:`MLXArray` (no copy)."""
         local = array.local if isinstance(array, MLXArray) else array
         return {int(self._world().rank()): local}
-
-    def exchange_buffers(self, sends: Any, counts: Any, dtype: Any) -> dict[int, Any]:
-        """Each rank's buffers joined into one array, moved with ``mx.distributed.send`` and
-        ``recv`` (:func:`_transport`)."""
-        mx = import_mx()
-        packed = {q: ps[0] if len(ps) == 1 else mx.concatenate(list(ps)) for q, ps in sends.items()}
-        got = _transport(self._world(), packed, dict(counts), dtype)
-        return {q: got[q] for q in counts}
 
     def check_reshard(
         self, array: Any, source: Layout, target: Layout, shape: tuple[int, ...]
@@ -355,17 +333,6 @@ class MLXTranslator(MLXRuntime):
         function.vjp(reverse)
         moved = function([blocks[d] for d in devices])
         return dict(zip(box["out"], moved))
-
-    def import_block(self, block: Any, device_id: int | None) -> Any:
-        """``mx.array`` of the block through DLPack: a copy (an ``mx.array`` owns its memory)."""
-        return import_mx().array(block)
-
-    def concatenate(self, parts: Any, axis: int) -> Any:
-        return import_mx().concatenate(list(parts), axis=axis)
-
-    def empty_block(self, dtype: Any, shape: tuple[int, ...], device_id: int | None = None) -> Any:
-        """Zeros on this rank's device (the core joins the pieces of an MLX block)."""
-        return import_mx().zeros(shape, dtype=dtype)
 
     def native_code(self, mesh: Mesh) -> str:
         """``mx.distributed.init()`` and a ``world.split`` per mesh axis."""
@@ -439,51 +406,3 @@ class MLXTranslator(MLXRuntime):
             )
         out = Layout(layout.mesh, PartitionSpec(layout.spec[0], None))
         return self.full_array(MLXArray(partial, out, (shape[0], int(weight.shape[1]))))
-
-
-def _transport(
-    group: Any, packed: dict[int, Any], totals: dict[int, int], dtype: Any
-) -> dict[int, Any]:
-    """Flat arrays to (``packed``) and from (``totals``: element counts) each rank. Under MPI,
-    straight to the rank, in rounds where every rank has at most one partner (the circle
-    method: in round k, rank r with (k - r) mod n), the lower rank of a pair sending first,
-    so that blocking sends never wait in a cycle and the pairs of a round run together.
-    MLX's ring backend links each rank to its neighbours only: there every rank learns the
-    sizes of all messages (one small ``all_gather``) and each message is passed on from
-    neighbour to neighbour, one hop at a time in an order all ranks share."""
-    mx = import_mx()
-    me = int(group.rank())
-    got: dict[int, Any] = {}
-    if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
-        n = int(group.size())
-        for k in range(n):  # round k pairs each rank with (k - rank) mod n: every pair once
-            peer = (k - me) % n
-            if peer == me or (peer not in packed and peer not in totals):
-                continue
-            # the lower rank sends first, the higher receives first: no cycle of waits
-            for send in (me < peer, me > peer):
-                if send and peer in packed:
-                    mx.eval(mx.distributed.send(packed[peer], peer, group=group))
-                elif not send and peer in totals:
-                    got[peer] = mx.distributed.recv((totals[peer],), dtype, peer, group=group)
-                    mx.eval(got[peer])
-        return got
-    n = int(group.size())
-    row = mx.array([int(packed[q].size) if q in packed else 0 for q in range(n)])
-    sizes = np.asarray(mx.distributed.all_gather(row[None], group=group)).reshape(n, n)
-    for src, dst in zip(*np.nonzero(sizes)):
-        src, dst = int(src), int(dst)
-        carried = packed.get(dst) if src == me else None
-        hop = src
-        while hop != dst:
-            nxt = (hop + 1) % n
-            if me == hop:
-                mx.eval(mx.distributed.send(carried, nxt, group=group))
-                carried = None
-            elif me == nxt:
-                carried = mx.distributed.recv((int(sizes[src, dst]),), dtype, hop, group=group)
-                mx.eval(carried)
-            hop = nxt
-        if me == dst:
-            got[src] = carried
-    return got

@@ -26,6 +26,7 @@ from unimesh import (
     UnsupportedError,
 )
 from unimesh.messages import short
+from unimesh.transport import Transport
 
 __all__ = ["TensorFlowBackend", "configure_cpu_devices"]
 
@@ -336,7 +337,24 @@ class TensorFlowBackend(Backend):
         product = tf.matmul(array, w)
         return dtensor.unpack(dtensor.relayout(product, dtensor.Layout.replicated(mesh, 2)))[0]
 
-    def native_reshard(
+    def transport(self) -> Transport:
+        """One process, blocks on the host (the default), with DTensor's own ``relayout``."""
+        return _Transport(self)
+
+    def local_shards(self, array: Any) -> dict[int, Any]:
+        """``{logical device id: numpy block}`` from ``dtensor.unpack``."""
+        dtensor = _dtensor()
+        mesh = self._mesh_from_native(dtensor.fetch_layout(array).mesh)
+        ids = mesh.device_ids.ravel().tolist()
+        return {ids[i]: part.numpy() for i, part in enumerate(dtensor.unpack(array))}
+
+
+class _Transport(Transport):
+    """The default transport (one process, host blocks) with DTensor's own move."""
+
+    backend: TensorFlowBackend
+
+    def native(
         self, array: Any, source: Layout | None, target: Layout, shape: tuple[int, ...]
     ) -> tuple[Any, dict[str, int] | None] | None:
         """On the same mesh: ``dtensor.relayout`` (DTensor's own move), with the plan's bytes;
@@ -350,7 +368,7 @@ class TensorFlowBackend(Backend):
         if source is None:
             if tf.executing_eagerly():
                 return None  # a plain tensor: distribute() lays it out
-            native = self.layout_to_native(target, rank=len(shape))
+            native = self.backend.layout_to_native(target, rank=len(shape))
             try:
                 return _dtensor().relayout(array, native), None
             except (ValueError, TypeError, tf.errors.OpError) as exc:
@@ -369,12 +387,5 @@ class TensorFlowBackend(Backend):
                     backend=self.name,
                 )
             return None
-        native = self.layout_to_native(target, rank=len(shape))
+        native = self.backend.layout_to_native(target, rank=len(shape))
         return _dtensor().relayout(array, native), None
-
-    def local_shards(self, array: Any) -> dict[int, Any]:
-        """``{logical device id: numpy block}`` from ``dtensor.unpack``."""
-        dtensor = _dtensor()
-        mesh = self._mesh_from_native(dtensor.fetch_layout(array).mesh)
-        ids = mesh.device_ids.ravel().tolist()
-        return {ids[i]: part.numpy() for i, part in enumerate(dtensor.unpack(array))}

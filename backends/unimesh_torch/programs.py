@@ -172,32 +172,6 @@ class TorchPrograms(TorchTranslator):
         import_dist().broadcast(out, src=group.members[root], group=group.pg)
         return out
 
-    def as_array(self, value: Any) -> Any:
-        torch = import_torch()
-        if isinstance(value, torch.Tensor):
-            return value
-        # numbers go where the collectives run: the GPU under NCCL
-        device = self._device_type(None) if import_dist().is_initialized() else None
-        return torch.as_tensor(value, device=device)
-
-    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
-        return import_torch().movedim(x, source, destination)
-
-    def take(self, x: Any, index: list[int]) -> Any:
-        return x[index]
-
-    def reduce_stack(self, x: Any, op: str) -> Any:
-        """``op`` over dim 0 in ``x``'s dtype (``sum`` widens integers to int64)."""
-        if op != "sum":
-            return x.amax(0) if op == "max" else x.amin(0)
-        return x.sum(0, dtype=x.dtype)
-
-    def zeros_like(self, x: Any) -> Any:
-        return import_torch().zeros_like(x)
-
-    def to_host(self, x: Any) -> np.ndarray:
-        return x.detach().cpu().numpy()  # type: ignore[no-any-return]
-
     def needs_grad(self, x: Any) -> bool:
         return bool(x.requires_grad) and _hot()[0]()
 

@@ -27,7 +27,7 @@ from unimesh.messages import short
 from unimesh.placements import from_torch_placement
 
 from .runtime import BUILD_LOCK, import_dist, import_torch
-from .transport import TorchTransport
+from .transport import TorchReshard
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -71,7 +71,7 @@ def _layout(mesh: Mesh, placements: tuple[Any, ...], ndim: int) -> Layout:
 _FROM_NATIVE: dict[int, tuple[weakref.ref[Any], Mesh]] = {}
 
 
-class TorchTranslator(TorchTransport):
+class TorchTranslator(TorchReshard):
     """The translator layer (and ``axis_groups``, the groups of a translated DeviceMesh)."""
 
     # -- meshes --------------------------------------------------------------------------------

@@ -179,24 +179,9 @@ class ThreadedExampleBackend(ExampleBackend):
         return group.board.exchange(group.members.index(self.process_index()), np.asarray(x))
 
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        return self.reduce_stack(self.group_all_gather(x, group), op)
+        return self.arrays().reduce(self.group_all_gather(x, group), op)
 
-    # array glue: numpy, no autodiff
-    def as_array(self, value: Any) -> Any:
-        return np.asarray(value)
-
-    def moveaxis(self, x: Any, source: int, destination: int) -> Any:
-        return np.moveaxis(x, source, destination)
-
-    def take(self, x: Any, index: list[int]) -> Any:
-        return x[index]
-
-    def reduce_stack(self, x: Any, op: str) -> Any:
-        return {"sum": np.sum, "max": np.max, "min": np.min}[op](x, axis=0)
-
-    def zeros_like(self, x: Any) -> Any:
-        return np.zeros_like(x)
-
+    # array operations: numpy's, the default (Backend.arrays)
     def needs_grad(self, x: Any) -> bool:
         return False
 
