@@ -10,13 +10,20 @@ from typing import Any
 import numpy as np
 
 from ._validate import (
-    as_tuple,
     check_axis_name,
     check_int,
     fail,
 )
-from .mesh_input import check_mesh_dict, is_arange, mesh_fields, mesh_json, resolve_sizes
-from .messages import close_match, short
+from .mesh_input import (
+    axis_position,
+    check_axes,
+    check_mesh_dict,
+    is_arange,
+    mesh_fields,
+    mesh_json,
+    resolve_sizes,
+)
+from .messages import short
 
 __all__ = ["Mesh", "current_mesh"]
 
@@ -234,29 +241,10 @@ class Mesh:
             return 1
         return int(np.unique(self.device_ids // self._dpp).size)
 
-    # -- axis helpers --------------------------------------------------------------------------
-    def _axis_index(self, name: object) -> int:
-        if isinstance(name, str) and name in self._names:
-            return self._names.index(name)
-        fail(
-            f"unknown axis {short(name)}{close_match(name, self._names)}; "
-            f"this mesh's axes are {self._names}"
-        )
-
-    def _axes(self, axes: object, what: str = "axes") -> tuple[str, ...]:
-        """Normalise a name or a tuple of names to a non-empty tuple of distinct known axes."""
-        names = (axes,) if isinstance(axes, str) else as_tuple(axes, what)
-        if not names:
-            fail(f"{what} must name at least one axis of {self._names}")
-        for n in names:
-            self._axis_index(n)
-        if len(set(names)) != len(names):
-            fail(f"{what} {names} repeats an axis; name each axis once")
-        return names  # type: ignore[return-value]
-
+    # -- axes ----------------------------------------------------------------------------------
     def axis_size(self, name: str) -> int:
         """Size of the named axis."""
-        return self._shape[self._axis_index(name)]
+        return self._shape[axis_position(self._names, name)]
 
     # -- device lookup -------------------------------------------------------------------------
     def positions(self, device_ids: object) -> np.ndarray:
@@ -364,7 +352,7 @@ class Mesh:
     # -- groups and submeshes ------------------------------------------------------------------
     def groups_array(self, axes: str | Sequence[str]) -> np.ndarray:
         """``groups`` as an int array of shape (number of groups, group size)."""
-        names = self._axes(axes)
+        names = check_axes(self._names, axes)
         var = [self._names.index(n) for n in names]
         fixed = [i for i in range(self.ndim) if i not in var]
         gsize = math.prod(self._shape[i] for i in var)
@@ -391,7 +379,7 @@ class Mesh:
         This is torch's ``mesh["tp"]`` with the rank made explicit. ``containing`` may be left out
         only when there is a single such submesh (``axes`` covers every axis).
         """
-        names = self._axes(axes)
+        names = check_axes(self._names, axes)
         arr = self.groups_array(names)
         if containing is None:
             if arr.shape[0] != 1:
@@ -417,7 +405,7 @@ class Mesh:
 
     def submeshes(self, axes: str | Sequence[str]) -> list[Mesh]:
         """Every submesh over ``axes``, in the order of ``groups(axes)``."""
-        names = self._axes(axes)
+        names = check_axes(self._names, axes)
         sub_shape = tuple(self.axis_size(n) for n in names)
         return [self._sub(names, row.reshape(sub_shape)) for row in self.groups_array(names)]
 
@@ -428,7 +416,7 @@ class Mesh:
         The new axis stands where the first of ``axes`` stood; the others are removed. This is
         torch's private ``DeviceMesh._flatten``, for any subset and order of axes.
         """
-        names = self._axes(axes)
+        names = check_axes(self._names, axes)
         check_axis_name(name, "flattened axis name")
         rest = [n for n in self._names if n not in names]
         if name in rest:
@@ -468,7 +456,7 @@ class Mesh:
 
         One size may be -1 and is inferred. The inverse of :meth:`flatten` for adjacent axes.
         """
-        i = self._axis_index(axis)
+        i = axis_position(self._names, axis)
         if not isinstance(sizes, Mapping) or not sizes:
             fail(f"unflatten sizes must be a non-empty mapping name -> size, got {short(sizes)}")
         new = resolve_sizes(sizes, self._shape[i], f"axis {axis!r} of size {self._shape[i]}")
@@ -487,7 +475,7 @@ class Mesh:
         if not isinstance(mapping, Mapping):
             fail(f"rename() takes a mapping old name -> new name, got {short(mapping)}")
         for old in mapping:
-            self._axis_index(old)
+            axis_position(self._names, old)
         names = tuple(check_axis_name(mapping.get(n, n)) for n in self._names)
         if len(set(names)) != len(names):
             dup = next(n for i, n in enumerate(names) if n in names[:i])
@@ -499,7 +487,7 @@ class Mesh:
 
     def transpose(self, axis_names: Sequence[str]) -> Mesh:
         """The same devices with the axes in a new order (a permutation of ``axis_names``)."""
-        names = self._axes(axis_names, "transpose axes")
+        names = check_axes(self._names, axis_names, "transpose axes")
         if len(names) != self.ndim:
             fail(
                 f"transpose() needs every axis once, in the new order; got {names}, axes are "
