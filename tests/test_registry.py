@@ -266,7 +266,10 @@ def test_entry_point_discovery_is_lazy(tmp_path: Path) -> None:
         pm = REGISTRY.pm
         out["plugin"] = pm.get_plugin("fake").__name__
         out["dists"] = [d.project_name for _, d in pm.list_plugin_distinfo()]
-        out["hook"] = sorted(b.name for b in pm.hook.unimesh_backend())
+        out["hook"] = sorted(i.plugin_name for i in pm.hook.unimesh_backend.get_hookimpls())
+        out["one"] = pm.subset_hook_caller(
+            "unimesh_backend", [p for n, p in pm.list_name_plugin() if n != "fake"]
+        )().name  # firstresult: one backend answers, not a list
         # a backend registered in this process under an installed name replaces it, before
         # or after its plugin is loaded; unregistered, the installed one is back
         class Mine(type(be)):
@@ -298,6 +301,7 @@ def test_entry_point_discovery_is_lazy(tmp_path: Path) -> None:
     assert "provides no backend named 'liar'" in out["liar"][1]
     assert out["plugin"] == "fakeplug_pkg" and "fakeplug" in out["dists"]
     assert "fake" in out["hook"] and "liar" not in out["hook"]  # the liar was unregistered
+    assert out["one"] == "fake"
     assert out["replaced"] == "Mine" and out["back"] == "FakeBackend"
 
 

@@ -9,14 +9,20 @@ from typing import Any
 
 import numpy as np
 
+from . import mesh_views as views
 from ._validate import (
-    as_tuple,
-    check_axis_name,
     check_int,
     fail,
 )
-from .mesh_input import check_mesh_dict, is_arange, mesh_fields, mesh_json, resolve_sizes
-from .messages import close_match, short
+from .mesh_input import (
+    axis_position,
+    check_axes,
+    check_mesh_dict,
+    is_arange,
+    mesh_fields,
+    mesh_json,
+)
+from .messages import short
 
 __all__ = ["Mesh", "current_mesh"]
 
@@ -234,29 +240,10 @@ class Mesh:
             return 1
         return int(np.unique(self.device_ids // self._dpp).size)
 
-    # -- axis helpers --------------------------------------------------------------------------
-    def _axis_index(self, name: object) -> int:
-        if isinstance(name, str) and name in self._names:
-            return self._names.index(name)
-        fail(
-            f"unknown axis {short(name)}{close_match(name, self._names)}; "
-            f"this mesh's axes are {self._names}"
-        )
-
-    def _axes(self, axes: object, what: str = "axes") -> tuple[str, ...]:
-        """Normalise a name or a tuple of names to a non-empty tuple of distinct known axes."""
-        names = (axes,) if isinstance(axes, str) else as_tuple(axes, what)
-        if not names:
-            fail(f"{what} must name at least one axis of {self._names}")
-        for n in names:
-            self._axis_index(n)
-        if len(set(names)) != len(names):
-            fail(f"{what} {names} repeats an axis; name each axis once")
-        return names  # type: ignore[return-value]
-
+    # -- axes ----------------------------------------------------------------------------------
     def axis_size(self, name: str) -> int:
         """Size of the named axis."""
-        return self._shape[self._axis_index(name)]
+        return self._shape[axis_position(self._names, name)]
 
     # -- device lookup -------------------------------------------------------------------------
     def positions(self, device_ids: object) -> np.ndarray:
@@ -364,7 +351,7 @@ class Mesh:
     # -- groups and submeshes ------------------------------------------------------------------
     def groups_array(self, axes: str | Sequence[str]) -> np.ndarray:
         """``groups`` as an int array of shape (number of groups, group size)."""
-        names = self._axes(axes)
+        names = check_axes(self._names, axes)
         var = [self._names.index(n) for n in names]
         fixed = [i for i in range(self.ndim) if i not in var]
         gsize = math.prod(self._shape[i] for i in var)
@@ -379,47 +366,17 @@ class Mesh:
         """
         return [tuple(g) for g in self.groups_array(axes).tolist()]
 
-    def _sub(self, names: tuple[str, ...], ids: np.ndarray) -> Mesh:
-        types = None
-        if self._types is not None:
-            types = tuple(self._types[self._names.index(n)] for n in names)
-        return Mesh._derived(tuple(self.axis_size(n) for n in names), names, ids, types, self._dpp)
-
     def submesh(self, axes: str | Sequence[str], containing: int | None = None) -> Mesh:
         """The mesh over ``axes`` (any order) that contains device ``containing``.
 
         This is torch's ``mesh["tp"]`` with the rank made explicit. ``containing`` may be left out
         only when there is a single such submesh (``axes`` covers every axis).
         """
-        names = self._axes(axes)
-        arr = self.groups_array(names)
-        if containing is None:
-            if arr.shape[0] != 1:
-                fail(
-                    f"submesh({names}) of {self!r} has {arr.shape[0]} candidates; pass "
-                    "containing=<device id> to say which one"
-                )
-            row = 0
-        else:
-            did = check_int(containing, "containing")
-            pos = int(self.positions(did))
-            coord = np.unravel_index(pos, self._shape)
-            fixed = [i for i in range(self.ndim) if self._names[i] not in names]
-            row = (
-                int(
-                    np.ravel_multi_index([coord[i] for i in fixed], [self._shape[i] for i in fixed])
-                )
-                if fixed
-                else 0
-            )
-        sub_shape = tuple(self.axis_size(n) for n in names)
-        return self._sub(names, arr[row].reshape(sub_shape))
+        return Mesh._derived(*views.submesh(self, axes, containing), self._dpp)
 
     def submeshes(self, axes: str | Sequence[str]) -> list[Mesh]:
         """Every submesh over ``axes``, in the order of ``groups(axes)``."""
-        names = self._axes(axes)
-        sub_shape = tuple(self.axis_size(n) for n in names)
-        return [self._sub(names, row.reshape(sub_shape)) for row in self.groups_array(names)]
+        return [Mesh._derived(*parts, self._dpp) for parts in views.submeshes(self, axes)]
 
     # -- reshaping -----------------------------------------------------------------------------
     def flatten(self, axes: Sequence[str], name: str) -> Mesh:
@@ -428,129 +385,31 @@ class Mesh:
         The new axis stands where the first of ``axes`` stood; the others are removed. This is
         torch's private ``DeviceMesh._flatten``, for any subset and order of axes.
         """
-        names = self._axes(axes)
-        check_axis_name(name, "flattened axis name")
-        rest = [n for n in self._names if n not in names]
-        if name in rest:
-            fail(
-                f"cannot name the flattened axis {name!r}: the mesh keeps an axis of that name "
-                f"({tuple(rest)}); choose another name"
-            )
-        perm: list[int] = []
-        new_names: list[str] = []
-        new_shape: list[int] = []
-        new_types: list[str] = []
-        for i, n in enumerate(self._names):
-            if n == names[0]:
-                perm.extend(self._names.index(m) for m in names)
-                new_names.append(name)
-                new_shape.append(math.prod(self.axis_size(m) for m in names))
-                if self._types is not None:
-                    kinds = {self._types[self._names.index(m)] for m in names}
-                    if len(kinds) > 1:
-                        fail(
-                            f"cannot flatten axes {names} of different axis types "
-                            f"{sorted(kinds)}; give them one type first"
-                        )
-                    new_types.append(kinds.pop())
-            elif n not in names:
-                perm.append(i)
-                new_names.append(n)
-                new_shape.append(self._shape[i])
-                if self._types is not None:
-                    new_types.append(self._types[i])
-        ids = self.device_ids.transpose(perm).reshape(new_shape)
-        types = tuple(new_types) if self._types is not None else None
-        return Mesh._derived(tuple(new_shape), tuple(new_names), ids, types, self._dpp)
+        return Mesh._derived(*views.flatten(self, axes, name), self._dpp)
 
     def unflatten(self, axis: str, sizes: Mapping[str, int]) -> Mesh:
         """Split ``axis`` into the named axes ``sizes`` (row-major, major first), in its place.
 
         One size may be -1 and is inferred. The inverse of :meth:`flatten` for adjacent axes.
         """
-        i = self._axis_index(axis)
-        if not isinstance(sizes, Mapping) or not sizes:
-            fail(f"unflatten sizes must be a non-empty mapping name -> size, got {short(sizes)}")
-        new = resolve_sizes(sizes, self._shape[i], f"axis {axis!r} of size {self._shape[i]}")
-        for n in new:
-            if n != axis and n in self._names:
-                fail(f"cannot unflatten into {n!r}: the mesh already has an axis of that name")
-        names = self._names[:i] + tuple(new) + self._names[i + 1 :]
-        shape = self._shape[:i] + tuple(new.values()) + self._shape[i + 1 :]
-        types = None
-        if self._types is not None:
-            types = self._types[:i] + (self._types[i],) * len(new) + self._types[i + 1 :]
-        return Mesh._derived(shape, names, self.device_ids.reshape(shape), types, self._dpp)
+        return Mesh._derived(*views.unflatten(self, axis, sizes), self._dpp)
 
     def rename(self, mapping: Mapping[str, str]) -> Mesh:
         """A mesh with axes renamed by ``mapping`` (old name -> new name)."""
-        if not isinstance(mapping, Mapping):
-            fail(f"rename() takes a mapping old name -> new name, got {short(mapping)}")
-        for old in mapping:
-            self._axis_index(old)
-        names = tuple(check_axis_name(mapping.get(n, n)) for n in self._names)
-        if len(set(names)) != len(names):
-            dup = next(n for i, n in enumerate(names) if n in names[:i])
-            fail(
-                f"rename({short(dict(mapping))}): axis name {dup!r} appears more than once in "
-                f"{short(names)}; axis names must be distinct"
-            )
-        return Mesh._derived(self._shape, names, self.device_ids, self._types, self._dpp)
+        return Mesh._derived(*views.rename(self, mapping), self._dpp)
 
     def transpose(self, axis_names: Sequence[str]) -> Mesh:
         """The same devices with the axes in a new order (a permutation of ``axis_names``)."""
-        names = self._axes(axis_names, "transpose axes")
-        if len(names) != self.ndim:
-            fail(
-                f"transpose() needs every axis once, in the new order; got {names}, axes are "
-                f"{self._names}"
-            )
-        perm = [self._names.index(n) for n in names]
-        types = None if self._types is None else tuple(self._types[p] for p in perm)
-        shape = tuple(self._shape[p] for p in perm)
-        return Mesh._derived(shape, names, self.device_ids.transpose(perm), types, self._dpp)
+        return Mesh._derived(*views.transpose(self, axis_names), self._dpp)
 
     # -- processes -----------------------------------------------------------------------------
-    def _process_of(self) -> np.ndarray:
-        if self._dpp is None:
-            return np.zeros(self._shape, dtype=np.int64)
-        return self.device_ids // self._dpp
-
-    def _check_process(self, process_index: object) -> int:
-        p = check_int(process_index, "process_index", minimum=0)
-        if self._dpp is None and p != 0:
-            fail(
-                f"process_index {p} is out of range: this mesh has no devices_per_process, so it "
-                "lives on one process (index 0); set devices_per_process"
-            )
-        return p
-
     def local_device_ids(self, process_index: int) -> list[int]:
         """The ids of this mesh's devices on that process, in row-major mesh order."""
-        p = self._check_process(process_index)
-        mask = self._process_of() == p
-        return self.device_ids[mask].tolist()  # type: ignore[no-any-return]
+        return views.local_ids(self, process_index)
 
     def local_mesh(self, process_index: int) -> Mesh:
         """The smallest block of the mesh holding that process's devices (JAX's ``local_mesh``)."""
-        p = self._check_process(process_index)
-        mask = self._process_of() == p
-        if not mask.any():
-            fail(f"process {p} holds no device of {self!r} (devices_per_process={self._dpp})")
-        index = []
-        for ax in range(self.ndim):
-            other = tuple(i for i in range(self.ndim) if i != ax)
-            used = np.flatnonzero(mask.any(axis=other) if other else mask)
-            lo, hi = int(used[0]), int(used[-1]) + 1
-            index.append(slice(lo, hi))
-        block = tuple(index)
-        if not mask[block].all():
-            fail(
-                f"the devices of process {p} do not form a block of {self!r}: the block "
-                f"{[(s.start, s.stop) for s in block]} also holds other processes' devices"
-            )
-        ids = self.device_ids[block]
-        return Mesh._derived(ids.shape, self._names, ids, self._types, self._dpp)
+        return Mesh._derived(*views.local_block(self, process_index), self._dpp)
 
     # -- serial forms --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -22,10 +22,12 @@ from ._validate import (
     check_size,
     fail,
 )
-from .messages import short
+from .messages import close_match, short
 
 __all__ = [
     "DICT_KEYS",
+    "axis_position",
+    "check_axes",
     "check_mesh_dict",
     "check_nesting",
     "ids_array",
@@ -197,6 +199,26 @@ def resolve_sizes(axes: Mapping[str, object], total: int | None, what: str) -> d
         )
     check_size(tuple(out.values()))
     return out
+
+
+def axis_position(names: tuple[str, ...], name: object) -> int:
+    """Where the axis ``name`` stands among a mesh's axes ``names``; refused if unknown."""
+    if isinstance(name, str) and name in names:
+        return names.index(name)
+    fail(f"unknown axis {short(name)}{close_match(name, names)}; this mesh's axes are {names}")
+
+
+def check_axes(names: tuple[str, ...], axes: object, what: str = "axes") -> tuple[str, ...]:
+    """A name or a tuple of names given for a mesh with axes ``names``, as a non-empty tuple
+    of distinct known axes."""
+    given = (axes,) if isinstance(axes, str) else as_tuple(axes, what)
+    if not given:
+        fail(f"{what} must name at least one axis of {names}")
+    for n in given:
+        axis_position(names, n)
+    if len(set(given)) != len(given):
+        fail(f"{what} {given} repeats an axis; name each axis once")
+    return given  # type: ignore[return-value]
 
 
 #: the fields of :meth:`Mesh.to_dict`

@@ -21,6 +21,7 @@ from .backend import Backend
 from .errors import ConversionError, LayoutError
 from .layout import Layout
 from .mesh import Mesh
+from .mesh_input import check_axes
 from .messages import short
 from .program import Body, Program, SpecTree
 
@@ -236,7 +237,7 @@ def _manual_axes(mesh: Mesh, axis_names: Any) -> frozenset[str] | None:
             f"shard_map() axis_names must be a set of mesh axis names, got {short(axis_names)}; "
             f"e.g. axis_names={{{mesh.axis_names[0]!r}}}"
         )
-    names = frozenset(mesh._axes(tuple(axis_names), "shard_map() axis_names"))
+    names = frozenset(check_axes(mesh.axis_names, tuple(axis_names), "shard_map() axis_names"))
     return None if names == frozenset(mesh.axis_names) else names
 
 

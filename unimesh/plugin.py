@@ -35,11 +35,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 class HookSpecs:
     """Hook specifications of unimesh backends."""
 
-    @hookspec
+    @hookspec(firstresult=True)
     def unimesh_backend(self) -> Backend:  # type: ignore[empty-body]
         """Return this plugin's :class:`~unimesh.backend.Backend` instance.
 
-        Called once when the backend is first asked for; it must not import the framework.
+        Called once when the backend is first asked for, on the plugins under its name only
+        (the one registered in this process first): one backend answers. It must not import
+        the framework.
         """
 
 

@@ -19,6 +19,7 @@ from typing import Any, cast
 from .errors import AxisContextError, LayoutError
 from .layout import Layout
 from .mesh import Mesh
+from .mesh_input import check_axes
 from .messages import short
 from .spec import PartitionSpec
 
@@ -50,7 +51,7 @@ class AxisEnv:
         try:
             return self._checked[axis]
         except (KeyError, TypeError):  # TypeError: an unhashable sequence (a list)
-            names = self.mesh._axes(axis, f"{call}() axis")
+            names = check_axes(self.mesh.axis_names, axis, f"{call}() axis")
             if isinstance(axis, (str, tuple)):
                 self._checked[axis] = names
             return names

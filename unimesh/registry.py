@@ -48,7 +48,8 @@ class _Registry:
     manager loads from its entry point (``load_setuptools_entrypoints``, one name at a time,
     so that a plugin module is imported only when its backend is first asked for); a backend
     registered in this process is an :class:`~unimesh.plugin.InProcessPlugin`. Either way the
-    backend is what the ``unimesh_backend`` hook returns, the latest registration first."""
+    backend is what the ``unimesh_backend`` hook (``firstresult``) of the plugins under its
+    name returns, the latest registration first."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -112,20 +113,27 @@ class _Registry:
                     "installed backends: "
                     f"{', '.join(choices) or 'none'}"
                 )
-            found = pm.hook.unimesh_backend()
-            match = [b for b in found if getattr(b, "name", None) == name]
-            if not match:
+            found = self._hook_of(pm, name)()
+            if getattr(found, "name", None) != name:
                 plugin = pm.get_plugin(name)
                 if plugin is not None:
                     pm.unregister(plugin)
                 raise BackendNotFoundError(
                     f"entry point {name!r} ({getattr(ep, 'value', '?')}) provides no backend "
-                    f"named {name!r} (the unimesh_backend hooks returned "
-                    f"{[short(b) for b in found]})"
+                    f"named {name!r} (its unimesh_backend hook returned {short(found)})"
                 )
-            backend = _validated(match[0])
+            backend = _validated(found)
             self._loaded[name] = backend
             return backend
+
+    @staticmethod
+    def _hook_of(pm: pluggy.PluginManager, name: str) -> Any:
+        """The ``unimesh_backend`` hook of the plugins named for ``name`` only: the one
+        registered in this process (called first, as the later registration) and the entry
+        point's. The hook is ``firstresult``: the first backend answers."""
+        own = {_IN_PROCESS + name, name}
+        others = [plugin for key, plugin in pm.list_name_plugin() if key not in own]
+        return pm.subset_hook_caller("unimesh_backend", remove_plugins=others)
 
     def _load_entry_point(self, pm: pluggy.PluginManager, ep: EntryPoint) -> None:
         """The plugin manager loads ``ep`` (and only it) and registers its plugin."""

@@ -297,7 +297,7 @@ class ProcessAxisEnv(AxisEnv):
         """Once ``plan`` is solved, the gradient rules of the edges it decides."""
 
     # -- the program's edges ----------------------------------------------------------------------
-    def _input_plan(
+    def input_plan(
         self, layout: Layout
     ) -> tuple[tuple[str, ...], tuple[tuple[int, tuple[str, ...]], ...], frozenset[str]]:
         """(axes an input is replicated over, (dim, axes) it is sharded over, axes it varies
@@ -372,7 +372,7 @@ class ProcessAxisEnv(AxisEnv):
         block, is_global = self.be.local_block(arg, layout, self.device) if got is None else got
         if not is_global:
             return block, True
-        _, sharded, _ = self._input_plan(layout)
+        _, sharded, _ = self.input_plan(layout)
         shape = tuple(int(n) for n in block.shape)
         if len(shape) < len(layout.spec):
             raise LayoutError(
@@ -410,7 +410,7 @@ class ProcessAxisEnv(AxisEnv):
         ``distribute``, whose blocks carry no gradient)."""
         if layout.spec.partial or layout.global_shape(tuple(block.shape)) != tuple(shape):
             return None
-        _, sharded, _ = self._input_plan(layout)
+        _, sharded, _ = self.input_plan(layout)
         if not sharded:
             return block
         comm = self.comm

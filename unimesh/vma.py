@@ -133,7 +133,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         )
 
     def _edge(self, arg: Any, layout: Layout) -> Any:
-        replicated, _, _ = self._input_plan(layout)
+        replicated, _, _ = self.input_plan(layout)
         plan = self.plan
         if plan is not None and replicated:
             return self._planned_edge(arg, layout, replicated, plan, self._leaf)
@@ -161,7 +161,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         if kept is None or kept[0] is not layouts:
             if len(self._edges) >= SLICES_KEPT:
                 self._edges.clear()
-            replicated = tuple(None if lay is None else self._input_plan(lay)[0] for lay in layouts)
+            replicated = tuple(None if lay is None else self.input_plan(lay)[0] for lay in layouts)
             kept = self._edges[id(layouts)] = (layouts, replicated)
         local_block, needs_grad, device = self.be.local_block, self.be.needs_grad, self.device
         assert device is not None
@@ -360,7 +360,7 @@ class CheckVmaEnv(ProcessAxisEnv):
 
     def _tag(self, layout: Layout) -> frozenset[str]:
         """The tag of a block laid out as ``layout``: the axes of size > 1 it varies along."""
-        return self._input_plan(layout)[2] & self._big
+        return self.input_plan(layout)[2] & self._big
 
     def _edge(self, arg: Any, layout: Layout) -> Any:
         block, _ = self._block(arg, layout, ())
@@ -372,7 +372,7 @@ class CheckVmaEnv(ProcessAxisEnv):
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; it must not vary along the axes its out_spec omits (JAX's check)."""
         block = self.xp.asarray(block)
-        varies = self.be.vma_of(block).intersection(self._input_plan(layout)[0])
+        varies = self.be.vma_of(block).intersection(self.input_plan(layout)[0])
         if varies:
             axes = self._mesh_order(varies)
             raise LayoutError(

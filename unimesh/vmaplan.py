@@ -412,8 +412,8 @@ def trace(
         if not hasattr(leaf, "shape"):
             in_vma.append(None)
         else:
-            in_vma.append(env._input_plan(layout)[2] if layout is not None else frozenset())
-    outs = [(env._input_plan(layout)[2], frozenset(replicated_axes(layout))) for layout in seen[-1]]
+            in_vma.append(env.input_plan(layout)[2] if layout is not None else frozenset())
+    outs = [(env.input_plan(layout)[2], frozenset(replicated_axes(layout))) for layout in seen[-1]]
     try:
         plan.solve(graph, tracer.sites, in_vma, outs, axes, tracer.fed)
     except PlanError as exc:  # solve sets nothing before it is sure

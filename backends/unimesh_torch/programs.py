@@ -1,20 +1,20 @@
 """The torch backend's program layer: the core's per-process engine on gloo/NCCL process
 groups (DeviceMesh groups), DTensors in and out, JAX's check_vma gradient rules through a
-``TorchFunctionMode``, ``value_and_grad`` with torch autograd, and ``shard_params``."""
+``TorchFunctionMode``, and ``shard_params``; ``value_and_grad`` is torch autograd's
+(``grad.py``)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from unimesh import ConversionError, Layout, Mesh, MeshMismatchError
 from unimesh.messages import short
-from unimesh.parallel import host_float
 
-from . import compiled
+from . import compiled, grad
 from .autograd import (
     BLOCK,
     LEAF,
@@ -28,7 +28,7 @@ from .autograd import (
 )
 from .compiled import compiling, funcol, real_mesh, traced_permute
 from .runtime import import_dist, import_torch
-from .translate import TorchLayout, TorchTranslator, from_host, global_stride, to_host
+from .translate import TorchLayout, TorchTranslator, global_stride, to_host
 
 
 @functools.cache
@@ -304,132 +304,8 @@ class TorchPrograms(TorchTranslator):
             self._native_layout(layout)
 
     def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
-        """torch autograd: the differentiated leaves are detached copies that require grad;
-        ``torch.autograd.grad`` of the scalar value gives their gradients (DTensors for DTensor
-        arguments).
-
-        A DTensor leaf also carries a plain tensor leaf for its local block, which shard_map
-        takes as the block (no ``to_local``/``from_local`` round trip through autograd); its
-        gradient is added to whatever reaches the DTensor itself through DTensor operations.
-        """
-        import optree
-
-        torch = import_torch()
-        from torch.distributed.tensor import DTensor
-
-        def laid_like(local: Any, like: Any) -> Any:
-            """``local`` as a DTensor laid out as ``like`` (what dynamo traces)."""
-            return DTensor.from_local(
-                local,
-                like.device_mesh,
-                like.placements,
-                run_check=False,
-                shape=like.shape,
-                stride=like.stride(),
-            )
-
-        def fresh_leaf(leaf: Any) -> tuple[Any, Any]:
-            """(the copy the function gets, its block leaf or None)."""
-            if isinstance(leaf, DTensor) and torch.compiler.is_compiling():
-                # what dynamo traces (no DTensorSpec objects): the copy is made from the block
-                # leaf, so the block's gradient is the whole of it
-                local = leaf.to_local().detach().requires_grad_(True)
-                return laid_like(local, leaf), local
-            if isinstance(leaf, DTensor):
-                local = leaf._local_tensor.detach()
-                copy = dtensor(local, leaf._spec, requires_grad=True)
-                block = local.view_as(local).requires_grad_(True)
-                setattr(copy, LEAF, block)
-                return copy, block
-            return leaf.detach().requires_grad_(True), None
-
-        def run(*given: Any) -> Any:
-            traced = torch.compiler.is_compiling()
-            args = list(given)
-            leaves: list[Any] = []
-            trees = []
-            for i in argnums:
-                flat, treedef = optree.tree_flatten(args[i])
-                # floating numpy (and floats) as tensors: torch differentiates only its own
-                # (JAX takes numpy; a global array gets a global gradient)
-                flat = [
-                    (
-                        (torch.tensor(leaf) if type(leaf) is float else from_host(np.array(leaf)))
-                        if host_float(leaf)
-                        else leaf
-                    )
-                    for leaf in flat
-                ]
-                fresh = [
-                    fresh_leaf(leaf)
-                    if torch.is_tensor(leaf) and (leaf.is_floating_point() or leaf.is_complex())
-                    else (leaf, False)
-                    for leaf in flat
-                ]
-                trees.append((treedef, fresh))
-                for copy, block in fresh:
-                    if block is not False:
-                        leaves += [copy] if block is None else [block] if traced else [copy, block]
-                args[i] = optree.tree_unflatten(treedef, [copy for copy, _ in fresh])
-            if not leaves and any(fresh for _, fresh in trees):  # refused before fn runs
-                raise ConversionError(
-                    f"value_and_grad of {getattr(fn, '__name__', 'fn')} with respect to "
-                    f"argument(s) {list(argnums)}: none of their leaves is a floating-point "
-                    "array (jax.grad refuses integer inputs too); pass float arrays there, or "
-                    "choose other argnums"
-                )
-            with torch.enable_grad():
-                out = fn(*args)
-                value, aux = out if has_aux else (out, None)
-                scalar = value
-                if isinstance(value, DTensor):
-                    if any(not p.is_replicate() for p in value.placements):
-                        scalar = value.full_tensor()
-                    else:  # a shard_map result: its block, else the local tensor
-                        scalar = getattr(value, BLOCK, None)
-                        scalar = value.to_local() if scalar is None else scalar
-                if not torch.is_tensor(scalar) or scalar.numel() != 1:
-                    raise ConversionError(
-                        f"value_and_grad needs {getattr(fn, '__name__', 'fn')} to return a "
-                        f"scalar, got {short(value)}"
-                    )
-                found = (
-                    torch.autograd.grad(scalar.reshape(()), leaves, allow_unused=True)
-                    if leaves
-                    else ()  # argument trees with no leaf: empty gradients, as JAX gives
-                )
-            # the gradients in the order their leaves were listed: a copy, then its block where
-            # it has one (positions, not ids: ids are guards torch.compile cannot keep)
-            taken: Iterator[Any] = iter(found)
-            per_tree: list[Any] = []
-            for treedef, fresh in trees:
-                out_leaves: list[Any] = []
-                for copy, block in fresh:
-                    if block is False:
-                        out_leaves.append(None)
-                        continue
-                    if traced and block is not None:  # dynamo: the block's gradient is all
-                        local = next(taken)
-                        whole = None if local is None else laid_like(local, copy)
-                        out_leaves.append(torch.zeros_like(copy) if whole is None else whole)
-                        continue
-                    whole = next(taken)
-                    local = None if block is None else next(taken)
-                    if local is not None:
-                        if local.dtype != copy.dtype:  # pragma: no cover - autograd keeps dtypes
-                            local = local.to(copy.dtype)
-                        part = dtensor(local, copy._spec, requires_grad=False)
-                        whole = part if whole is None else whole + part
-                    out_leaves.append(torch.zeros_like(copy) if whole is None else whole)
-                per_tree.append(optree.tree_unflatten(treedef, out_leaves))
-            grads = tuple(per_tree)
-            if isinstance(value, DTensor) and not traced:  # without DTensor's dispatch (4 us)
-                value = dtensor(value._local_tensor.detach(), value._spec, requires_grad=False)
-            else:
-                value = value.detach()
-            return ((value, aux) if has_aux else value), grads
-
-        return run
+        """torch autograd (:func:`.grad.value_and_grad`)."""
+        return grad.value_and_grad(fn, argnums, has_aux)
 
     def full_array(self, array: Any) -> Any:
         """numpy of a DTensor's whole value (``full_tensor()``, a collective) or of a tensor."""
