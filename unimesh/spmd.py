@@ -199,29 +199,23 @@ class ProcessBackend(Backend):
         step that communicates as it is called rather than when evaluated (:meth:`settle`)."""
 
     def vma_mode(self, env: ProcessAxisEnv) -> Any:
-        """With :attr:`check_vma`: a context manager under which every operation the function runs
-        tags its array results with the union of its array arguments' :meth:`vma_of`, and
-        passes each argument that needs a gradient and lacks some of those axes through
-        ``env.pvary`` first (JAX's implicit pvary)."""
+        """With :attr:`check_vma`: a context manager under which every operation the function
+        runs tags its array results (:func:`unimesh.vma.tag`) with the union of its array
+        arguments' axes (:func:`unimesh.vma.vma_of`), and passes each argument that needs a
+        gradient and lacks some of those axes through ``env.pvary`` first (JAX's implicit
+        pvary). None where it cannot watch the operations about to run (torch while
+        ``torch.compile`` traces: its tracer does not keep the tags): the program then runs
+        with JAX's check_vma=False rules, which give the same values and gradients without
+        the tags (and without check_vma's refusals)."""
         raise NotImplementedError
-
-    def vma_of(self, x: Any) -> frozenset[str]:
-        """The axes along which ``x`` varies (empty: untagged, invariant everywhere)."""
-        return frozenset()
-
-    def tag(self, x: Any, vma: frozenset[str]) -> Any:
-        """``x`` tagged as varying along ``vma``; returns ``x``."""
-        return x
 
     def needs_grad(self, x: Any) -> bool:
         """Whether a gradient may flow through ``x`` (False lets the engine skip its rules)."""
         return True
 
-    def unwatched(self, fn: Callable[[Any], Any], x: Any, vma: frozenset[str] | None = None) -> Any:
-        """``fn(x)`` unwatched by :meth:`vma_mode` (the engine's own operations), its result
-        tagged with ``vma`` where given (:meth:`tag`)."""
-        out = fn(x)
-        return out if vma is None else self.tag(out, vma)
+    def unwatched(self, fn: Callable[[Any], Any], x: Any) -> Any:
+        """``fn(x)`` unwatched by :meth:`vma_mode` (the engine's own operations)."""
+        return fn(x)
 
     def custom_vjp(
         self, fwd: Callable[[Any], Any], bwd: Callable[[Any], Any]
@@ -331,13 +325,6 @@ class ProcessBackend(Backend):
         shows as collective ``site``."""
         raise NotImplementedError
 
-    def vma_watched(self) -> bool:
-        """With :attr:`check_vma`: whether :meth:`vma_mode` can watch the operations about to
-        run. Where it cannot (torch while ``torch.compile`` traces: its tracer does not keep
-        the tags), a program runs with JAX's check_vma=False rules, which give the same
-        values and gradients without the tags (and without check_vma's refusals)."""
-        return True
-
 
 class _Program(Program):
     """One shard_map program on a per-process backend."""
@@ -370,8 +357,11 @@ class _Program(Program):
         if env is None:
             env = self.env = self.be.axis_env(self.mesh)
             self.be.prepare_program(self.mesh, self.ins.layouts + self.outs.layouts)
-        if env.check_vma and not (self.body.check_vma and self.be.vma_watched()):
-            env = self.be.axis_env(self.mesh, check_vma=False)
+        mode = None
+        if env.check_vma:
+            mode = self.be.vma_mode(env) if self.body.check_vma else None
+            if mode is None:
+                env = self.be.axis_env(self.mesh, check_vma=False)
         # a program inside a program's body (on any mesh) shares the env of its mesh: what
         # the caller set is put back after it
         outer = env.plan, env.checked, env.calls
@@ -389,7 +379,7 @@ class _Program(Program):
         )
         chain.depth += 1
         try:
-            return self._run(env, plan, leaves, treedef, layouts)
+            return self._run(env, mode, plan, leaves, treedef, layouts)
         finally:
             chain.depth -= 1
             env.plan, env.checked, env.calls = outer
@@ -397,6 +387,7 @@ class _Program(Program):
     def _run(
         self,
         env: ProcessAxisEnv,
+        mode: Any,
         plan: vmaplan.VmaPlan | None,
         leaves: list[Any],
         treedef: Any,
@@ -410,8 +401,8 @@ class _Program(Program):
             vmaplan.trace(plan, env, self.body, blocks, treedef, layouts)
             env.finish_edges(plan, blocks)
         args = optree.tree_unflatten(treedef, blocks)
-        if env.check_vma:
-            with self.be.vma_mode(env):
+        if mode is not None:
+            with mode:
                 _, out_leaves, out_def, out_layouts = self.body.flat(env, *args)
         else:
             _, out_leaves, out_def, out_layouts = self.body.flat(env, *args)

@@ -43,7 +43,24 @@ if TYPE_CHECKING:
     from .spmd import ProcessBackend
     from .vmaplan import VmaPlan
 
-__all__ = ["CheckVmaEnv", "NoCheckVmaEnv"]
+__all__ = ["INVARIANT", "VMA", "CheckVmaEnv", "NoCheckVmaEnv", "tag", "vma_of"]
+
+#: the attribute of an array holding the axes it varies along (check_vma; the backend's
+#: ``vma_mode`` sets it on every operation's results)
+VMA = "_unimesh_vma"
+#: no axis: a value the same on every device (an untagged array)
+INVARIANT: frozenset[str] = frozenset()
+
+
+def vma_of(x: Any) -> frozenset[str]:
+    """The axes along which ``x`` varies (untagged: none)."""
+    return getattr(x, VMA, INVARIANT)
+
+
+def tag(x: Any, vma: frozenset[str]) -> Any:
+    """``x``, tagged as varying along ``vma``."""
+    setattr(x, VMA, vma)
+    return x
 
 
 class NoCheckVmaEnv(ProcessAxisEnv):
@@ -279,23 +296,23 @@ class CheckVmaEnv(ProcessAxisEnv):
             return x
         be, comm = self.be, self.comm
         x = self._array(x)
-        vma = be.vma_of(x) | frozenset(ordered)
+        vma = vma_of(x) | frozenset(ordered)
         g = comm.group(ordered)
         fn: Fn = same
         if be.needs_grad(x):
             fn = self._vjp(("pvary", ordered), same, lambda ct: comm.all_reduce(ct, g, "sum"))
-        return be.unwatched(fn, x, vma)
+        return tag(be.unwatched(fn, x), vma)
 
     def _typed(
         self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn, invariant: bool
     ) -> Any:
         """``fwd(x)`` with ``bwd`` as its transpose: the input made varying along ``axes``
         (pvary where it is not); the result invariant along them (``invariant``) or varying.
-        Four crossings into the backend for a psum: vma_of, needs_grad, unwatched, and the
+        Three crossings into the backend for a psum: needs_grad, unwatched, and the
         primitive."""
         be = self.be
         x = self._array(x)
-        have = be.vma_of(x)
+        have = vma_of(x)
         grad = be.needs_grad(x)
         missing = self._big.intersection(axes) - have
         if missing:
@@ -303,7 +320,7 @@ class CheckVmaEnv(ProcessAxisEnv):
                 x = self.pvary(x, missing)
             have = have | missing
         vma = have.difference(axes) if invariant else have
-        return be.unwatched(self._vjp(key, fwd, bwd) if grad else fwd, x, vma)
+        return tag(be.unwatched(self._vjp(key, fwd, bwd) if grad else fwd, x), vma)
 
     def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
         return self._typed(key, x, axes, fwd, bwd, False)
@@ -356,7 +373,7 @@ class CheckVmaEnv(ProcessAxisEnv):
 
     def axis_index(self, axes: tuple[str, ...]) -> Any:
         """An array tagged as varying along ``axes``."""
-        return self.be.tag(self.xp.asarray(super().axis_index(axes)), self._big.intersection(axes))
+        return tag(self.xp.asarray(super().axis_index(axes)), self._big.intersection(axes))
 
     def _tag(self, layout: Layout) -> frozenset[str]:
         """The tag of a block laid out as ``layout``: the axes of size > 1 it varies along."""
@@ -364,7 +381,7 @@ class CheckVmaEnv(ProcessAxisEnv):
 
     def _edge(self, arg: Any, layout: Layout) -> Any:
         block, _ = self._block(arg, layout, ())
-        return self.be.tag(block, self._tag(layout))
+        return tag(block, self._tag(layout))
 
     def _plain(self, fn: Fn, x: Any) -> Any:
         return self.be.unwatched(fn, x)
@@ -372,7 +389,7 @@ class CheckVmaEnv(ProcessAxisEnv):
     def leave(self, block: Any, layout: Layout, index: int = 0) -> Any:
         """A result block; it must not vary along the axes its out_spec omits (JAX's check)."""
         block = self.xp.asarray(block)
-        varies = self.be.vma_of(block).intersection(self.input_plan(layout)[0])
+        varies = vma_of(block).intersection(self.input_plan(layout)[0])
         if varies:
             axes = self._mesh_order(varies)
             raise LayoutError(
@@ -384,7 +401,7 @@ class CheckVmaEnv(ProcessAxisEnv):
         # an axis the out_spec names but the value is invariant along: the result holds one
         # copy per device there, each counted in the gradient (JAX's implicit pvary at the
         # boundary: its backward sums the copies' cotangents)
-        fans = self._tag(layout) - self.be.vma_of(block)
+        fans = self._tag(layout) - vma_of(block)
         if fans and self.be.needs_grad(block):
             block = self.pvary(block, fans)
         return block

@@ -9,15 +9,16 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from unimesh.vma import INVARIANT, VMA
+
 from .runtime import import_dist, import_torch
 
 __all__ = ["BLOCK", "LEAF", "NONE", "OPS", "VMA", "dtensor", "from_local_function",
            "move_function", "vjp_function", "vma_mode"]  # fmt: skip
 
-VMA = "_unimesh_vma"  # the attribute of a tensor holding its check_vma tag
 LEAF = "_unimesh_leaf"  # on a DTensor value_and_grad made: the plain leaf of its local block
 BLOCK = "_unimesh_block"  # on a shard_map result: the block it was made from
-NONE: frozenset[str] = frozenset()
+NONE = INVARIANT
 
 
 @functools.cache

@@ -18,9 +18,7 @@ from . import compiled, grad
 from .autograd import (
     BLOCK,
     LEAF,
-    NONE,
     OPS,
-    VMA,
     dtensor,
     from_local_function,
     vjp_function,
@@ -178,26 +176,16 @@ class TorchPrograms(TorchTranslator):
     def vma_mode(self, env: Any) -> Any:
         """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
         axes of variation and passes a gradient-carrying argument that lacks some of them
-        through ``env.pvary`` (JAX inserts the same pvary)."""
+        through ``env.pvary`` (JAX inserts the same pvary). None while dynamo traces the
+        program's Python (dynamo does not keep the tags the mode sets), but a mode where
+        aot_autograd traces it (``program_entry``): there it runs as Python, as in eager."""
+        if not compiled.in_twin() and import_torch().compiler.is_compiling():
+            return None
         return vma_mode()(env)
 
-    def vma_watched(self) -> bool:
-        """Not while dynamo traces the program's Python (dynamo does not keep the tags the
-        mode sets), but yes where aot_autograd traces it (``program_entry``): there it runs
-        as Python, as in eager."""
-        return compiled.in_twin() or not import_torch().compiler.is_compiling()
-
-    def vma_of(self, x: Any) -> frozenset[str]:
-        return getattr(x, VMA, NONE)
-
-    def tag(self, x: Any, vma: frozenset[str]) -> Any:
-        setattr(x, VMA, vma)
-        return x
-
-    def unwatched(self, fn: Any, x: Any, vma: frozenset[str] | None = None) -> Any:
+    def unwatched(self, fn: Any, x: Any) -> Any:
         with _hot()[1]():
-            out = fn(x)
-        return out if vma is None else self.tag(out, vma)
+            return fn(x)
 
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
         function = vjp_function()
