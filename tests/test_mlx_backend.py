@@ -68,7 +68,7 @@ def test_gradient_rules_only_where_a_transform_traces(monkeypatch):  # type: ign
     exactly the arrays an MLX transform traces: the array it was given and what is computed
     from it, under grad, vjp, jvp, vmap and compile; not a closed-over array, not anything
     outside a transform."""
-    from unimesh_mlx import programs, tracing
+    from unimesh_mlx import tracing
 
     be = unimesh.get_backend("mlx")
     probe = tracing.make_probe()
@@ -104,7 +104,7 @@ def test_gradient_rules_only_where_a_transform_traces(monkeypatch):  # type: ign
     assert nested == [(True, True)]  # closed over, but traced by the outer transform
     monkeypatch.setenv("UNIMESH_MLX_TRACER_PROBE", "0")
     assert tracing.make_probe() is None
-    assert programs.tracer_probe.cache_info().currsize == 1  # made once, on first use
+    assert tracing.tracer_probe.cache_info().currsize == 1  # made once, on first use
 
 
 def test_gradient_rules_without_the_probe(monkeypatch):  # type: ignore[no-untyped-def]
@@ -112,9 +112,9 @@ def test_gradient_rules_without_the_probe(monkeypatch):  # type: ignore[no-untyp
     block made from host data (no MLX transform can differentiate it: they trace new array
     objects), and keeps them for every other array, including the tracer mx.grad hands the
     function."""
-    from unimesh_mlx import programs
+    from unimesh_mlx import tracing
 
-    monkeypatch.setattr(programs, "tracer_probe", lambda: None)
+    monkeypatch.setattr(tracing, "tracer_probe", lambda: None)
     be = unimesh.get_backend("mlx")
     shard = unimesh.distribute(np.ones((2, 2), np.float32), Layout(ONE, P()), "mlx")
     assert not be.needs_grad(shard.local)

@@ -5,7 +5,6 @@ collectives chained in program order), ``value_and_grad`` with ``mx.value_and_gr
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from typing import Any
 
@@ -16,8 +15,10 @@ from unimesh.messages import short
 from unimesh.parallel import host_float
 from unimesh.vmaplan import Graph, PlanError
 
+from . import tracing
+from .compiled import compiled
 from .runtime import LIVE_LAYERS, host_to_mx, import_mx, mx_to_host
-from .tracing import make_probe
+from .tracing import RULES, TRACING
 from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
 
 
@@ -132,7 +133,7 @@ class MLXPrograms(MLXTranslator):
         from ``distribute`` or numpy)."""
         if RULES.forward_only:
             return False
-        probe = tracer_probe()
+        probe = tracing.tracer_probe()
         return not is_fresh(x) if probe is None else probe(x)
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
@@ -289,7 +290,7 @@ class MLXPrograms(MLXTranslator):
     def full_array(self, array: Any) -> Any:
         """numpy of an :class:`MLXArray`'s whole value, from every process's block (one world
         all_gather of blocks padded to the largest), or of an ``mx.array``."""
-        probe = tracer_probe()
+        probe = tracing.tracer_probe()
         if probe is not None and probe(array.local if isinstance(array, MLXArray) else array):
             raise UnsupportedError(
                 f"full_array of {short(array)}, which an MLX transform (grad, vjp, compile, "
@@ -349,8 +350,6 @@ class MLXPrograms(MLXTranslator):
     def compile(self, fn: Any, options: dict[str, Any]) -> Any:
         """``mx.compile`` of ``fn`` with :class:`MLXArray` arguments and results handed over
         as their blocks (see :func:`unimesh_mlx.compiled`)."""
-        from .compiled import compiled
-
         return compiled(fn, options, self.own_chain)
 
     def stop_gradient(self, x: Any) -> Any:
@@ -415,30 +414,6 @@ def _mlx_module(model: Any) -> None:
         )
 
 
-class _Rules:
-    """What the gradient rules did, for ``unimesh.compile`` (:mod:`.compiled`): how many were
-    put in a graph (``applied``) and how many MLX differentiated (``transposed``, while a
-    trace takes a gradient through them); while ``forward_only`` is set (a trace that took
-    none), programs put none in."""
-
-    applied = 0
-    transposed = 0
-    forward_only = False
-
-
-RULES = _Rules()
-
-
-class _Tracing(threading.local):
-    """Per thread: whether ``unimesh.compile`` is tracing a step (:mod:`.compiled`), where a
-    program refuses what ``mx.compile`` cannot evaluate (send/recv rounds)."""
-
-    compiling = False
-
-
-TRACING = _Tracing()
-
-
 def _differentiable(leaf: Any, fn: Any, i: int) -> Any:
     """What ``mx.value_and_grad`` is given for a leaf of argument ``i``: an :class:`MLXArray`'s
     block, an ``mx.array``, floating numpy (or a float, in MLX's default float32) as an
@@ -457,12 +432,6 @@ def _differentiable(leaf: Any, fn: Any, i: int) -> Any:
         "arrays (jax.grad refuses integer inputs too); pass it as an mx.array or float numpy, "
         "or leave it out of argnums"
     )
-
-
-@functools.cache
-def tracer_probe() -> Any:
-    """:func:`.tracing.make_probe`'s function (None: this MLX cannot be asked), made once."""
-    return make_probe()
 
 
 @functools.cache

@@ -24,6 +24,7 @@ from unimesh.messages import short
 from unimesh.transfer import same_blocks
 
 from .runtime import LIVE_GROUPS, MLXRuntime, host_to_mx, import_mx, mx_to_host
+from .tracing import TRACING
 
 
 class AxisGroup:
@@ -309,8 +310,6 @@ class MLXTranslator(MLXRuntime):
         super().check_reshard(array, source, target, shape)
         from unimesh.moves import crosses
         from unimesh.transfer import addends, process_map, refuse_gradient_of_extreme
-
-        from .programs import TRACING
 
         if TRACING.compiling and any(
             crosses(part, target, shape, process_map(self, source, target))
