@@ -5,7 +5,6 @@ collectives chained in program order), ``value_and_grad`` with ``mx.value_and_gr
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import numpy as np
@@ -17,9 +16,10 @@ from unimesh.vmaplan import Graph, PlanError
 
 from . import tracing
 from .compiled import compiled
-from .runtime import LIVE_LAYERS, host_to_mx, import_mx, mx_to_host
+from .process import PROCESS, Split
+from .runtime import host_to_mx, import_mx, mx_to_host
 from .tracing import RULES, TRACING
-from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
+from .translate import MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
 
 
 class MLXPrograms(MLXTranslator):
@@ -44,7 +44,9 @@ class MLXPrograms(MLXTranslator):
             group = world.split(row, members.index(int(world.rank())))
         except RuntimeError:
             return None
-        return AxisGroup((), members, world, group)
+        split = Split(members, group)
+        PROCESS.splits.add(split)  # let go at exit, before MPI finalizes
+        return split
 
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
         return _all_reduce(op)(x, group=_native_group(group))
@@ -441,8 +443,8 @@ def _all_reduce(op: str) -> Any:
 
 
 def _native_group(group: Any) -> Any:
-    """The ``mx.distributed.Group`` of a handle (a split :class:`AxisGroup` or the world)."""
-    return group.group if isinstance(group, AxisGroup) else group
+    """The ``mx.distributed.Group`` of a handle (a :class:`.process.Split` or the world)."""
+    return group.group if isinstance(group, Split) else group
 
 
 def _with_aux(mx: Any, inner: Any, positions: tuple[int, ...], locals_: list[Any]) -> Any:
@@ -500,7 +502,7 @@ def shard_linear(
         segments=segments,
         group=group.group if group.group is not None else native_mesh.world,
     )
-    LIVE_LAYERS.append(weakref.ref(layer))  # it holds the split group: released at exit too
+    PROCESS.keep_layer(layer)  # it holds the split group: released at exit too
     # the weight's global layout, which the layer itself does not record (for unimesh.save)
     layer._unimesh_layout = Layout(layout.mesh, PartitionSpec(*spec))
     layer._unimesh_segments = segments
