@@ -17,8 +17,6 @@ from typing import Any
 
 from unimesh import LaunchError
 
-from . import watchdog
-
 __all__ = ["PROCESS", "Launcher", "MLXProcess"]
 
 
@@ -299,6 +297,8 @@ class MLXProcess:
         again if it has ended."""
         import subprocess
         import sys
+
+        from . import watchdog  # here: `python -m unimesh_mlx.watchdog` finds it unimported
 
         if self._guard is None or self._guard.poll() is not None:
             self._hook("exit")
