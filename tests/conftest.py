@@ -204,9 +204,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     runner's parallel jobs) are theirs, and left alone."""
     if os.environ.get(CHILD) or not _MARKED:
         return
-    mlx_runtime = sys.modules.get("unimesh_mlx.runtime")
-    if mlx_runtime is not None:  # MLX's watchdog lives as long as this process: end it now
-        mlx_runtime.stop_watchdog()
+    mlx_process = sys.modules.get("unimesh_mlx.process")
+    if mlx_process is not None:  # MLX's watchdog lives as long as this process: end it now
+        mlx_process.PROCESS.stop_watchdog()
     from .support.launch import left_behind
 
     left = left_behind()

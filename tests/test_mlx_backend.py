@@ -68,7 +68,7 @@ def test_gradient_rules_only_where_a_transform_traces(monkeypatch):  # type: ign
     exactly the arrays an MLX transform traces: the array it was given and what is computed
     from it, under grad, vjp, jvp, vmap and compile; not a closed-over array, not anything
     outside a transform."""
-    from unimesh_mlx import programs, tracing
+    from unimesh_mlx import tracing
 
     be = unimesh.get_backend("mlx")
     probe = tracing.make_probe()
@@ -104,7 +104,7 @@ def test_gradient_rules_only_where_a_transform_traces(monkeypatch):  # type: ign
     assert nested == [(True, True)]  # closed over, but traced by the outer transform
     monkeypatch.setenv("UNIMESH_MLX_TRACER_PROBE", "0")
     assert tracing.make_probe() is None
-    assert programs.tracer_probe.cache_info().currsize == 1  # made once, on first use
+    assert tracing.tracer_probe.cache_info().currsize == 1  # made once, on first use
 
 
 def test_gradient_rules_without_the_probe(monkeypatch):  # type: ignore[no-untyped-def]
@@ -112,9 +112,9 @@ def test_gradient_rules_without_the_probe(monkeypatch):  # type: ignore[no-untyp
     block made from host data (no MLX transform can differentiate it: they trace new array
     objects), and keeps them for every other array, including the tracer mx.grad hands the
     function."""
-    from unimesh_mlx import programs
+    from unimesh_mlx import tracing
 
-    monkeypatch.setattr(programs, "tracer_probe", lambda: None)
+    monkeypatch.setattr(tracing, "tracer_probe", lambda: None)
     be = unimesh.get_backend("mlx")
     shard = unimesh.distribute(np.ones((2, 2), np.float32), Layout(ONE, P()), "mlx")
     assert not be.needs_grad(shard.local)
@@ -191,18 +191,19 @@ def test_float64_is_kept_and_a_dtype_mlx_lacks_is_refused():
 
 _WATCHED = r"""
 import os, sys, time
-from unimesh_mlx.runtime import _GUARD, stop_watchdog, watchdog
+from unimesh_mlx.process import PROCESS
+pids = set()
 for i in range(20):
-    with watchdog(30, "a quick call", f"q{i}", "0"):
-        pass
+    with PROCESS.watch(30, "a quick call", f"q{i}", "0"):
+        pids.add(PROCESS.watchdog_pid)
 try:
-    with watchdog(30, "a call that raises", "r", "0"):
+    with PROCESS.watch(30, "a call that raises", "r", "0"):
         raise ValueError("inside")
 except ValueError:
     pass
-pids = {g.pid for g in _GUARD}
+pids.add(PROCESS.watchdog_pid)
 print("GUARDS", len(pids), flush=True)
-stop_watchdog()
+PROCESS.stop_watchdog()
 time.sleep(0.2)
 def alive(pid):
     try:
@@ -217,7 +218,7 @@ if os.fork() == 0:  # a child that outlives this process must not keep a watchdo
     os.close(2)
     time.sleep(3)
     os._exit(0)
-with watchdog(1, "a stuck call", "s", "0"):
+with PROCESS.watch(1, "a stuck call", "s", "0"):
     time.sleep(30)
 print("NOT ENDED", flush=True)
 """
@@ -226,8 +227,9 @@ print("NOT ENDED", flush=True)
 def test_one_watchdog_process_bounds_every_watched_call(tmp_path):  # type: ignore[no-untyped-def]
     """MLX collectives cannot be interrupted, so a watched call runs under a watchdog process:
     one per process, armed and disarmed for each call (a call that raises disarms it too),
-    ended by ``stop_watchdog``; a call that overruns its time ends this process (SIGTERM) with
-    the message, even with a forked child alive that inherited the watchdog's pipe."""
+    ended by ``PROCESS.stop_watchdog``; a call that overruns its time ends this process
+    (SIGTERM) with the message, even with a forked child alive that inherited the watchdog's
+    pipe."""
     import os
     import subprocess
     import sys
@@ -248,6 +250,72 @@ def test_one_watchdog_process_bounds_every_watched_call(tmp_path):  # type: igno
     assert proc.returncode == -15, (proc.returncode, proc.stderr)
     assert "a stuck call did not finish within 1 s" in proc.stderr, proc.stderr
     assert time.monotonic() - t0 < 60  # ended by the watchdog, not by the 30 s sleep
+
+
+def test_the_launcher_is_read_once_into_one_record(tmp_path):  # type: ignore[no-untyped-def]
+    """What mpirun and mlx.launch tell a process, as the process state reads it: the world
+    size and the variable that says so, the rank, whether groups split, the job's key for
+    its sign-ins and whether the job runs on this machine alone."""
+    import json
+
+    from unimesh_mlx.process import Launcher
+
+    mpi = Launcher.read(
+        {
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_RANK": "2",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "PMIX_NAMESPACE": "job7",
+        }
+    )
+    assert mpi == Launcher((4, "OMPI_COMM_WORLD_SIZE=4"), "2", True, True, "mpi job7", True)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]]))
+    ring = Launcher.read({"MLX_HOSTFILE": str(hosts), "MLX_RANK": "1"})
+    assert ring.world == (3, "MLX_HOSTFILE lists 3 hosts") and ring.rank == "1"
+    assert ring.split is False and not ring.mpi_ranks and ring.single
+    assert ring.job is not None and ring.job.startswith("ring ")
+    hosts.write_text("")
+    assert Launcher.read({"MLX_HOSTFILE": str(hosts)}).job is None  # no hosts: no sign-ins
+    assert Launcher.read({}) == Launcher(None, "?", None, False, None, False)
+
+
+def test_the_watchdog_names_who_never_came(tmp_path):  # type: ignore[no-untyped-def]
+    """The watchdog module's message: the ranks that never signed in for the stage, where the
+    job runs on this machine alone; else the ranks of this machine that did."""
+    from unimesh_mlx.watchdog import overdue
+
+    for name in ("s.0", "s.2", "t.1"):
+        (tmp_path / name).touch()
+    where = str(tmp_path)
+    assert overdue("late", where, "s", 4, True) == (
+        "late: ranks [1, 3] never reached it (of 4 processes, all on this machine)"
+    )
+    assert overdue("late", where, "t", 2, True) == (
+        "late: rank 0 never reached it (of 2 processes, all on this machine)"
+    )
+    assert overdue("late", where, "s", 8, False) == (
+        "late: of the processes on this machine, ranks [0, 2] reached it"
+    )
+    assert overdue("late", "", "s", 4, True) == "late"
+    assert overdue("late", str(tmp_path / "gone"), "s", 4, True) == "late"
+
+
+def test_a_forked_child_lets_go_of_the_parents_sign_ins(tmp_path):  # type: ignore[no-untyped-def]
+    """After a fork, the child's process state holds no sign-in of its parent's (the
+    parent removes them), nor its watchdog."""
+    from unimesh_mlx.process import MLXProcess
+
+    state = MLXProcess()
+    state.sign_in(str(tmp_path), "init", "0")
+    signed = tmp_path / "init.0"
+    assert signed.exists()
+    state.after_fork()
+    state.sign_out()
+    assert signed.exists() and state.watchdog_pid is None
+    state.sign_in(str(tmp_path), "check1", "0")
+    state.sign_out()  # its own, and the directory, once empty of others
+    assert not (tmp_path / "check1.0").exists() and signed.exists()
 
 
 def test_compiled_steps_keep_each_constant_its_own_trace():

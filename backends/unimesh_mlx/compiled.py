@@ -26,8 +26,8 @@ from typing import Any
 from unimesh import ConversionError
 from unimesh.messages import short
 
-from . import programs
-from .programs import RULES, TRACING
+from . import tracing
+from .tracing import RULES, TRACING
 from .translate import MLXArray
 
 
@@ -115,7 +115,7 @@ def compiled(
                 leaves.append(kind[1])
         return optree.tree_unflatten(treedef, leaves)
 
-    probe = programs.tracer_probe()
+    probe = tracing.tracer_probe()
 
     #: positional MLXArray arguments: (id of each layout, shape) -> trace, without flattening
     #: (each trace holds its layouts, so an id found here is that layout's)

@@ -5,8 +5,6 @@ collectives chained in program order), ``value_and_grad`` with ``mx.value_and_gr
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 from typing import Any
 
 import numpy as np
@@ -16,9 +14,12 @@ from unimesh.messages import short
 from unimesh.parallel import host_float
 from unimesh.vmaplan import Graph, PlanError
 
-from .runtime import LIVE_LAYERS, host_to_mx, import_mx, mx_to_host
-from .tracing import make_probe
-from .translate import AxisGroup, MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
+from . import tracing
+from .compiled import compiled
+from .process import PROCESS, Split
+from .runtime import host_to_mx, import_mx, mx_to_host
+from .tracing import RULES, TRACING
+from .translate import MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
 from .transport import MLX_ARRAYS, MLXArrays, MLXTransport
 
 
@@ -44,7 +45,9 @@ class MLXPrograms(MLXTranslator):
             group = world.split(row, members.index(int(world.rank())))
         except RuntimeError:
             return None
-        return AxisGroup((), members, world, group)
+        split = Split(members, group)
+        PROCESS.splits.add(split)  # let go at exit, before MPI finalizes
+        return split
 
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
         return _all_reduce(op)(x, group=_native_group(group))
@@ -114,7 +117,7 @@ class MLXPrograms(MLXTranslator):
         from ``distribute`` or numpy)."""
         if RULES.forward_only:
             return False
-        probe = tracer_probe()
+        probe = tracing.tracer_probe()
         return not is_fresh(x) if probe is None else probe(x)
 
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
@@ -271,7 +274,7 @@ class MLXPrograms(MLXTranslator):
     def full_array(self, array: Any) -> Any:
         """numpy of an :class:`MLXArray`'s whole value, from every process's block (one world
         all_gather of blocks padded to the largest), or of an ``mx.array``."""
-        probe = tracer_probe()
+        probe = tracing.tracer_probe()
         if probe is not None and probe(array.local if isinstance(array, MLXArray) else array):
             raise UnsupportedError(
                 f"full_array of {short(array)}, which an MLX transform (grad, vjp, compile, "
@@ -331,8 +334,6 @@ class MLXPrograms(MLXTranslator):
     def compile(self, fn: Any, options: dict[str, Any]) -> Any:
         """``mx.compile`` of ``fn`` with :class:`MLXArray` arguments and results handed over
         as their blocks (see :func:`unimesh_mlx.compiled`)."""
-        from .compiled import compiled
-
         return compiled(fn, options, self.own_chain)
 
     def stop_gradient(self, x: Any) -> Any:
@@ -397,30 +398,6 @@ def _mlx_module(model: Any) -> None:
         )
 
 
-class _Rules:
-    """What the gradient rules did, for ``unimesh.compile`` (:mod:`.compiled`): how many were
-    put in a graph (``applied``) and how many MLX differentiated (``transposed``, while a
-    trace takes a gradient through them); while ``forward_only`` is set (a trace that took
-    none), programs put none in."""
-
-    applied = 0
-    transposed = 0
-    forward_only = False
-
-
-RULES = _Rules()
-
-
-class _Tracing(threading.local):
-    """Per thread: whether ``unimesh.compile`` is tracing a step (:mod:`.compiled`), where a
-    program refuses what ``mx.compile`` cannot evaluate (send/recv rounds)."""
-
-    compiling = False
-
-
-TRACING = _Tracing()
-
-
 def _differentiable(leaf: Any, fn: Any, i: int) -> Any:
     """What ``mx.value_and_grad`` is given for a leaf of argument ``i``: an :class:`MLXArray`'s
     block, an ``mx.array``, floating numpy (or a float, in MLX's default float32) as an
@@ -442,20 +419,14 @@ def _differentiable(leaf: Any, fn: Any, i: int) -> Any:
 
 
 @functools.cache
-def tracer_probe() -> Any:
-    """:func:`.tracing.make_probe`'s function (None: this MLX cannot be asked), made once."""
-    return make_probe()
-
-
-@functools.cache
 def _all_reduce(op: str) -> Any:
     """``mx.distributed.all_sum`` (``all_max``, ``all_min``)."""
     return getattr(import_mx().distributed, "all_" + op)
 
 
 def _native_group(group: Any) -> Any:
-    """The ``mx.distributed.Group`` of a handle (a split :class:`AxisGroup` or the world)."""
-    return group.group if isinstance(group, AxisGroup) else group
+    """The ``mx.distributed.Group`` of a handle (a :class:`.process.Split` or the world)."""
+    return group.group if isinstance(group, Split) else group
 
 
 def _with_aux(mx: Any, inner: Any, positions: tuple[int, ...], locals_: list[Any]) -> Any:
@@ -513,7 +484,7 @@ def shard_linear(
         segments=segments,
         group=group.group if group.group is not None else native_mesh.world,
     )
-    LIVE_LAYERS.append(weakref.ref(layer))  # it holds the split group: released at exit too
+    PROCESS.keep_layer(layer)  # it holds the split group: released at exit too
     # the weight's global layout, which the layer itself does not record (for unimesh.save)
     layer._unimesh_layout = Layout(layout.mesh, PartitionSpec(*spec))
     layer._unimesh_segments = segments

@@ -13,13 +13,20 @@ only after a self-test on the installed MLX (outside any transform nothing is tr
 not), and only on an ``mx.array`` whose header is the one the self-test read. Where the test
 fails, the library or symbol is missing, or ``UNIMESH_MLX_TRACER_PROBE=0`` is set, there is
 no probe and the backend keeps the rules for every array but fresh blocks (always right).
+
+The same per-process record of tracing (read by :mod:`.programs`, :mod:`.translate` and
+:mod:`.compiled`, so none of them imports another for it): the probe, made once
+(:func:`tracer_probe`), what the gradient rules did (``RULES``) and whether ``unimesh.compile``
+is tracing a step (``TRACING``, per thread).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,3 +97,33 @@ def make_probe() -> Callable[[Any], bool] | None:
     if seen != [True, True, False, False] or outside:
         return None
     return may_be_traced
+
+
+@functools.cache
+def tracer_probe() -> Any:
+    """:func:`make_probe`'s function (None: this MLX cannot be asked), made once."""
+    return make_probe()
+
+
+class _Rules:
+    """What the gradient rules did, for ``unimesh.compile`` (:mod:`.compiled`): how many were
+    put in a graph (``applied``) and how many MLX differentiated (``transposed``, while a
+    trace takes a gradient through them); while ``forward_only`` is set (a trace that took
+    none), programs put none in."""
+
+    applied = 0
+    transposed = 0
+    forward_only = False
+
+
+RULES = _Rules()
+
+
+class _Tracing(threading.local):
+    """Per thread: whether ``unimesh.compile`` is tracing a step (:mod:`.compiled`), where a
+    program refuses what ``mx.compile`` cannot evaluate (send/recv rounds)."""
+
+    compiling = False
+
+
+TRACING = _Tracing()

@@ -5,10 +5,9 @@ neutral order); a layout is this process's block (:class:`MLXLayout`, :class:`ML
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,72 +21,62 @@ from unimesh import (
 )
 from unimesh.messages import short
 
-from .runtime import LIVE_GROUPS, MLXRuntime, host_to_mx, import_mx, mx_to_host
+from .process import PROCESS
+from .runtime import MLXRuntime, host_to_mx, import_mx, mx_to_host
+from .tracing import TRACING
+
+if TYPE_CHECKING:
+    from unimesh.groups import Group, GroupComm
 
 
 class AxisGroup:
-    """This rank's communication group along some mesh axes: ``members`` in the neutral order.
-
-    With a real split group the collectives go to MLX directly; without one (ring backend, or a
-    single process) they run over the world group and keep the members' contributions.
+    """This rank's communication group along some mesh axes, as the SPMD engine holds it:
+    ``members`` in the neutral order, and the engine's collectives on it
+    (:class:`unimesh.groups.GroupComm`: MLX's own on a split group, else built over the world
+    group, as in a program).
     """
 
-    def __init__(
-        self, axes: tuple[str, ...], members: tuple[int, ...], world: Any, group: Any
-    ) -> None:
+    def __init__(self, axes: tuple[str, ...], comm: GroupComm, group: Group) -> None:
         self.axes = axes
-        self.members = members
-        self.world = world
+        self.members = group.members
+        self._comm = comm
         self._group = group
-        LIVE_GROUPS.add(self)
 
     @property
-    def emulated(self) -> bool:
-        return self._group is None
+    def world(self) -> Any:
+        """The world ``mx.distributed.Group``."""
+        return self._comm.world()
 
     @property
     def group(self) -> Any:
-        """The ``mx.distributed.Group`` (None when emulated)."""
-        return self._group
+        """The split ``mx.distributed.Group`` (None when emulated)."""
+        handle = self._group.handle
+        return None if handle is None else handle.group
+
+    @property
+    def emulated(self) -> bool:
+        return self.group is None
 
     def rank(self) -> int:
-        return self.members.index(self.world.rank())
+        return self._group.index
 
     def size(self) -> int:
-        return len(self.members)
-
-    def _gathered(self, x: Any) -> Any:
-        mx = import_mx()
-        every = mx.distributed.all_gather(mx.expand_dims(x, 0), group=self.world)
-        return every[mx.array(list(self.members))]
-
-    def _reduce(self, x: Any, collective: str, local: str) -> Any:
-        """``mx.distributed.<collective>`` on the split group, or ``mx.<local>`` over the
-        members' contributions gathered from the world group."""
-        mx = import_mx()
-        if len(self.members) == 1:
-            return x
-        if self._group is not None:
-            return getattr(mx.distributed, collective)(x, group=self._group)
-        return getattr(mx, local)(self._gathered(x), axis=0)
+        return self._group.size
 
     def all_sum(self, x: Any) -> Any:
-        return self._reduce(x, "all_sum", "sum")
+        return self._comm.all_reduce(x, self._group, "sum")
 
     def all_max(self, x: Any) -> Any:
-        return self._reduce(x, "all_max", "max")
+        return self._comm.all_reduce(x, self._group, "max")
 
     def all_min(self, x: Any) -> Any:
-        return self._reduce(x, "all_min", "min")
+        return self._comm.all_reduce(x, self._group, "min")
 
     def all_gather(self, x: Any) -> Any:
         """The members' arrays concatenated along axis 0, in the neutral member order."""
-        mx = import_mx()
-        if len(self.members) == 1:
+        if self._group.size == 1:
             return x
-        if self._group is not None:
-            return mx.distributed.all_gather(x, group=self._group)
-        return mx.concatenate(list(self._gathered(x)), axis=0)
+        return self._comm.all_gather_dim(x, self.axes, 0, tiled=True)
 
     def __repr__(self) -> str:
         how = "emulated over the world group" if self.emulated else "split group"
@@ -112,9 +101,8 @@ class MLXMesh:
         names = (axes,) if isinstance(axes, str) else tuple(axes)
         made = self._groups.get(names)
         if made is None:
-            group = self._backend.axis_env(self.mesh).group(names)  # checks the names
-            split = group.handle.group if group.handle is not None else None
-            made = self._groups[names] = AxisGroup(names, group.members, self.world, split)
+            comm = self._backend.axis_env(self.mesh).comm
+            made = self._groups[names] = AxisGroup(names, comm, comm.group(names))
         return made
 
     @property
@@ -129,11 +117,7 @@ class MLXMesh:
             return split
         if self.world.size() == 1:
             return False
-        if os.environ.get("MLX_HOSTFILE") or os.environ.get("MLX_RANK"):
-            return False  # mlx.launch's ring backend
-        if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")):
-            return True
-        return None
+        return PROCESS.launcher.split
 
     def __repr__(self) -> str:
         return f"MLXMesh({self.mesh!r}, rank={self.rank}, coords={self.coords}, {self.device})"
@@ -287,8 +271,6 @@ class MLXTranslator(MLXRuntime):
         super().check_reshard(array, source, target, shape)
         from unimesh.moves import crosses
         from unimesh.transfer import addends, process_map, refuse_gradient_of_extreme
-
-        from .programs import TRACING
 
         if TRACING.compiling and any(
             crosses(part, target, shape, process_map(self, source, target))

@@ -3,7 +3,6 @@ reshard) and its reshard transport on ``mx.distributed`` (:class:`MLXTransport`)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ from unimesh.arrays import Arrays
 from unimesh.transfer import same_blocks
 from unimesh.transport import Transport
 
+from .process import PROCESS
 from .runtime import host_to_mx, import_mx, mx_to_host
 from .translate import MLXArray, MLXTranslator
 
@@ -106,7 +106,7 @@ def _transport(
     mx = import_mx()
     me = int(group.rank())
     got: dict[int, Any] = {}
-    if os.environ.get("OMPI_COMM_WORLD_RANK") is not None:
+    if PROCESS.launcher.mpi_ranks:
         n = int(group.size())
         for k in range(n):  # round k pairs each rank with (k - rank) mod n: every pair once
             peer = (k - me) % n

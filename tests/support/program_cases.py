@@ -568,7 +568,7 @@ def mlx_compiled_forward_without_rules(mesh: unimesh.Mesh) -> float | str:
     give the eager gradient. 0.0, or what went wrong."""
     import mlx.core as mx
     from unimesh_mlx import MLXArray
-    from unimesh_mlx.programs import RULES
+    from unimesh_mlx.tracing import RULES
 
     case = next(c for c in CASES if c.name == "issue-example")
     program = case.build(mesh, "mlx")
