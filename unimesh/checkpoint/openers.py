@@ -3,8 +3,8 @@
 torch DCP, Orbax, the shards of torch's HuggingFaceStorageWriter. Each opener turns the
 format's metadata into the same :class:`~.format.Tensor` s and :class:`~.format.Box` es, read
 through the place's :class:`~.storage.Storage` (a local directory or an fsspec URL alike);
-only Orbax's chunks are read by another library (TensorStore, from a local directory). A new
-format is one entry of the table."""
+only Orbax's compressed chunks are read by another library (TensorStore, from the same
+place). A new format is one entry of the table."""
 
 from __future__ import annotations
 
@@ -52,8 +52,7 @@ def _manifest(ckpt: Checkpoint) -> Opened:
 def _orbax(ckpt: Checkpoint) -> Opened:
     from .orbax import OrbaxArrays
 
-    assert ckpt.storage.local is not None
-    arrays = OrbaxArrays(ckpt.storage.local)
+    arrays = OrbaxArrays(ckpt.storage)
     tensors = {name: arrays.tensor(name) for name in arrays.names}
     return Opened(tensors, arrays.objects, arrays.read)
 
@@ -67,7 +66,7 @@ def _dcp(ckpt: Checkpoint) -> Opened:
 def _is_orbax(ckpt: Checkpoint) -> bool:
     from .orbax import is_orbax
 
-    return ckpt.storage.local is not None and is_orbax(ckpt.storage.local)
+    return is_orbax(ckpt.storage)
 
 
 def _is_dcp(ckpt: Checkpoint) -> bool:
@@ -88,7 +87,7 @@ OPENERS: list[Opener] = [
         lambda ck: ck.storage.is_file(MANIFEST) and not ck.storage.is_link(MANIFEST),
         _manifest,
     ),
-    Opener("orbax", _is_orbax, _orbax, local=True),
+    Opener("orbax", _is_orbax, _orbax),
     Opener("dcp", _is_dcp, _dcp),
     Opener(
         "safetensors",
@@ -117,10 +116,4 @@ def not_found(ckpt: Checkpoint) -> str:
         "not finish leaves none; the previous checkpoint is kept until one does), no "
         f"{hf.INDEX}, no {hf.SINGLE}, no .safetensors files and no torch DCP {METADATA}"
     )
-    if ckpt.storage.local is not None:
-        return text
-    return (
-        f"{text}. In object storage unimesh reads its own checkpoints, Hugging Face "
-        "safetensors and torch DCP; copy an Orbax checkpoint locally (or read it from its "
-        "store with Orbax)"
-    )
+    return text
