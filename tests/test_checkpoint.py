@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 import unimesh
 from unimesh import CheckpointError, Layout, Mesh, P
-from unimesh.checkpoint.format import DTYPES, Box, parse_manifest, read_header
+from unimesh.checkpoint.format import DTYPES, Box, parse_manifest
 from unimesh.checkpoint.runs import pieces, runs
+from unimesh.checkpoint.safetensors_file import read_header
 
 from .support.strategies import meshes, specs
 

@@ -2,8 +2,11 @@
 127.0.0.1 (moto's server, as s3fs's own tests use): a 4-process save under torchrun and under
 mpirun to ``s3://``, each loaded onto JAX with another mesh (ranged reads: each block's byte
 runs, counted at the filesystem layer), a save killed between its data files and its manifest
-(the previous checkpoint stays whole; the next save removes the leftovers), and the command
-line on a URL."""
+(the previous checkpoint stays whole; the next save removes the leftovers), the command
+line on a URL, and the formats people already have (issue 69, item 5): Hugging Face
+safetensors, torch DCP directories, HuggingFaceStorageWriter's shards and Orbax checkpoints in
+a bucket load as the same local directory does, and the Hugging Face export writes into
+one."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -165,8 +169,8 @@ def test_the_command_line_and_errors_on_urls(
 def test_hugging_face_safetensors_in_a_bucket_are_read_by_ranges(s3: dict[str, str]) -> None:
     """A Hugging Face model in object storage, sharded with its index and as one file, opens
     and loads from the URL: the index and headers first, then each slice's byte runs (read
-    counted at the filesystem layer); DCP and Orbax checkpoints there are refused naming the
-    fix."""
+    counted at the filesystem layer); damaged DCP and Orbax metadata there are refused as
+    local ones are."""
     import fsspec
     from safetensors.numpy import save
 
@@ -205,5 +209,141 @@ def test_hugging_face_safetensors_in_a_bucket_are_read_by_ranges(s3: dict[str, s
     with pytest.raises(CheckpointError, match="which is missing"):
         unimesh.open_checkpoint("s3://ckpts/missing")
     fs.pipe_file("ckpts/dcp/.metadata", b"\x80\x04N.")
-    with pytest.raises(CheckpointError, match="copy torch DCP and Orbax checkpoints locally"):
+    with pytest.raises(CheckpointError, match=r"dcp/\.metadata is not DCP metadata"):
         unimesh.open_checkpoint("s3://ckpts/dcp")
+    fs.pipe_file("ckpts/orbax/_METADATA", b"{}")
+    with pytest.raises(CheckpointError, match=r"orbax/_METADATA has no 'tree_metadata'"):
+        unimesh.open_checkpoint("s3://ckpts/orbax")
+
+
+def _upload(local: Path, prefix: str) -> str:
+    """Every file of the directory ``local`` put under ``ckpts/prefix``; the URL."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3")
+    for path in sorted(local.iterdir()):
+        fs.put_file(str(path), f"ckpts/{prefix}/{path.name}")
+    fs.invalidate_cache()
+    return f"s3://ckpts/{prefix}"
+
+
+def _same_as_local(url: str, local: Path, saved: dict[str, np.ndarray], kind: str) -> None:
+    """The checkpoint at ``url`` opens as the local copy does (its kind, names, shapes and
+    dtypes), every tensor reads back as saved, a slice reads only its byte runs, and a load
+    from the URL gives what the load from the directory gives."""
+    there, here = unimesh.open_checkpoint(url), unimesh.open_checkpoint(local)
+    assert there.kind == here.kind == kind, (there.kind, here.kind)
+    assert sorted(there.names) == sorted(here.names) == sorted(saved)
+    for name, value in saved.items():
+        t, h = there.tensor(name), here.tensor(name)
+        assert (t.shape, t.dtype) == (h.shape, h.dtype) == (value.shape, str(value.dtype)), name
+        got = there.read(name)
+        assert got.tobytes() == here.read(name).tobytes() == value.tobytes(), name
+    rows = next(n for n, v in saved.items() if v.ndim == 2 and v.flags.c_contiguous)
+    before = there.storage.bytes_read
+    part = there.read(rows, (slice(1, 2), slice(None)))
+    assert part.tobytes() == saved[rows][1:2].tobytes()
+    if there.reads_boxes:  # not Orbax's, whose chunks TensorStore reads from the store
+        assert there.storage.bytes_read - before == saved[rows][1:2].nbytes  # that row only
+    target = {name: np.zeros_like(value) for name, value in saved.items()}
+    remote, from_disk = unimesh.load(url, target), unimesh.load(local, target)
+    for name, value in saved.items():
+        assert remote[name].tobytes() == from_disk[name].tobytes() == value.tobytes(), name
+
+
+def test_torch_dcp_and_hugging_face_shards_in_a_bucket_load_as_local_ones(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    """A torch DCP directory (a transposed tensor among its chunks) and the files of torch's
+    HuggingFaceStorageWriter(save_distributed=True), put in the bucket file by file, open and
+    load from the URL as from the local directory: every byte through the Storage, slices by
+    ranged reads."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "w": torch.arange(24.0).reshape(4, 6),
+        "t": torch.arange(12, dtype=torch.int32).reshape(3, 4).t(),  # a strided chunk
+        "b": torch.tensor([True, False, True]),
+        "e": torch.arange(8, dtype=torch.int64).reshape(2, 4),
+    }
+    saved = {name: value.contiguous().numpy() for name, value in state.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+        writer = dcp.HuggingFaceStorageWriter(str(tmp_path / "hf"), save_distributed=True)
+        dcp.save({k: v.contiguous() for k, v in state.items()}, storage_writer=writer)
+    assert any(p.suffix == ".distcp" for p in (tmp_path / "dcp").iterdir())
+    url = _upload(tmp_path / "dcp", "dcp-dir")
+    assert unimesh.open_checkpoint(url).tensor("t").boxes[0].strides  # read whole, then viewed
+    _same_as_local(url, tmp_path / "dcp", saved, "dcp")
+    assert [p.suffix for p in (tmp_path / "hf").iterdir()] == [".safetensors"]
+    _same_as_local(_upload(tmp_path / "hf", "hf-shards"), tmp_path / "hf", saved, "safetensors")
+
+
+def test_an_orbax_checkpoint_in_a_bucket_loads_as_a_local_one(
+    s3: dict[str, str], tmp_path: Path
+) -> None:
+    """Orbax's own saves (OCDBT, its default, and plain zarr files) put in the bucket:
+    ``_METADATA`` read through the Storage, the arrays by TensorStore's S3 driver at fsspec's
+    endpoint (the chunks are compressed, OCDBT's B-tree over them: TensorStore's to read),
+    giving what the local directory gives; a URL TensorStore cannot reach (fsspec's
+    memory://) is refused naming the fix."""
+    pytest.importorskip("jax")
+    pytest.importorskip("tensorstore")
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import fsspec
+
+    rng = np.random.default_rng(7)
+    saved = {
+        "w": rng.standard_normal((8, 12)).astype(np.float32),
+        "b": np.arange(6, dtype=np.int32),
+    }
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "orbax", saved)
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    plain = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))  # zarr files
+    plain.save(tmp_path / "plain", saved)
+    plain.close()
+    fs = fsspec.filesystem("s3")
+    for name in ("orbax", "plain"):
+        fs.put(f"{tmp_path / name}/", f"ckpts/{name}-dir/", recursive=True)
+        fs.invalidate_cache()
+        _same_as_local(f"s3://ckpts/{name}-dir", tmp_path / name, saved, "orbax")
+    memory = fsspec.filesystem("memory")
+    memory.pipe_file("/orbax/_METADATA", (tmp_path / "orbax" / "_METADATA").read_bytes())
+    with pytest.raises(CheckpointError, match="TensorStore reaches local paths, s3:// and gs://"):
+        unimesh.open_checkpoint("memory://orbax")
+
+
+def test_a_checkpoint_converts_to_hugging_face_safetensors_in_a_bucket(
+    s3: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The export writes through the Storage too: into an s3:// place, sharded with its
+    index, read back from there as the local export is; ``convert`` to a URL alike."""
+    from unimesh.cli import main
+
+    rng = np.random.default_rng(5)
+    saved = {
+        "a": rng.standard_normal((16, 8)).astype(np.float32),
+        "b": np.arange(40, dtype=np.int64).reshape(5, 8),
+    }
+    unimesh.save(tmp_path / "ck", saved)
+    steps: list[tuple[int, int]] = []
+    kw: dict[str, Any] = {"max_shard_bytes": 256, "window": 64}
+    files = unimesh.checkpoint.to_safetensors(
+        tmp_path / "ck", "s3://ckpts/export", progress=lambda d, t: steps.append((d, t)), **kw
+    )
+    assert files == unimesh.checkpoint.to_safetensors(tmp_path / "ck", tmp_path / "hf", **kw)
+    assert files[-1] == "model.safetensors.index.json" and len(files) == 3
+    assert steps[0] == (0, 832) and steps[-1] == (832, 832)
+    _same_as_local("s3://ckpts/export", tmp_path / "hf", saved, "safetensors")
+    with pytest.raises(CheckpointError, match="into its source"):
+        unimesh.checkpoint.to_safetensors("s3://ckpts/export", "s3://ckpts/export/")
+    cli = ["checkpoint", "convert", str(tmp_path / "ck"), "s3://ckpts/cli-export"]
+    assert main([*cli, "--to", "safetensors", "--max-shard-size", "256"]) == 0
+    assert "s3://ckpts/cli-export: 3 files" in capsys.readouterr().out
+    _same_as_local("s3://ckpts/cli-export", tmp_path / "hf", saved, "safetensors")

@@ -21,7 +21,9 @@ from typing import Any
 from hypothesis import strategies as st
 
 from unimesh.checkpoint.dcp import read_dcp
-from unimesh.checkpoint.format import DTYPES, FORMAT, parse_manifest, read_header
+from unimesh.checkpoint.format import DTYPES, FORMAT, parse_manifest
+from unimesh.checkpoint.safetensors_file import read_header
+from unimesh.checkpoint.storage import LocalDir
 
 HOSTILE_INTS = [-1, 0, 1, 2**31, 2**62, 2**63, 2**64 + 1, 10**30, -(2**63)]
 HOSTILE_NAMES = ["", "..", "../x", "/etc/passwd", "a/b", "a\\b", "a\x00b", "x" * 300, "é"]
@@ -345,7 +347,7 @@ def _dcp_dir() -> Path:
 def _parse_dcp(blob: bytes) -> Any:
     root = _dcp_dir()
     (root / ".metadata").write_bytes(blob)
-    return read_dcp(root)
+    return read_dcp(LocalDir(root))
 
 
 FAMILIES = {

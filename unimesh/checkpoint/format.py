@@ -1,5 +1,6 @@
-"""The checkpoint format on disk, read and written strictly: the JSON manifest and the
-safetensors data files (``docs/checkpoints.md``). Framework-free: numpy and the standard
+"""The checkpoint format on disk, read and written strictly: its dtypes, boxes and tensors and
+the JSON manifest (``docs/checkpoints.md``); its data files' safetensors in
+:mod:`.safetensors_file`. Framework-free: numpy and the standard
 library; no pickle, nothing evaluated. Every fault of a file is a :class:`CheckpointError`
 naming the file and what is wrong."""
 
@@ -8,9 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import struct
 import zlib
-from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -27,7 +26,9 @@ __all__ = [
     "Box",
     "Hasher",
     "Tensor",
+    "check_fields",
     "check_file_name",
+    "check_int",
     "check_ints",
     "check_tiling",
     "checksum",
@@ -38,8 +39,6 @@ __all__ = [
     "manifest_bytes",
     "numpy_dtype",
     "parse_manifest",
-    "read_header",
-    "safetensors_header",
 ]
 
 FORMAT = "unimesh-checkpoint"
@@ -63,7 +62,6 @@ DTYPES: dict[str, tuple[str, int]] = {
     "uint8": ("U8", 1),
     "bool": ("BOOL", 1),
 }
-_FROM_SAFETENSORS = {st: name for name, (st, _) in DTYPES.items()}
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
@@ -205,7 +203,7 @@ def load_json(data: bytes, where: str) -> Any:
         raise CheckpointError(f"{where} is not valid JSON: {str(exc)[:200]}") from None
 
 
-def _fields(
+def check_fields(
     obj: Any, where: str, required: set[str], optional: frozenset[str] | set[str] = frozenset()
 ) -> None:
     if not isinstance(obj, dict):
@@ -227,7 +225,7 @@ def check_ints(value: Any, where: str, lo: int = 0) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _int(value: Any, where: str) -> int:
+def check_int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**62:
         raise CheckpointError(f"{where} must be an int in [0, 2**62), got {short(value)}")
     return value
@@ -267,7 +265,7 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Tensor]:
     if len(data) > MAX_HEADER:
         raise CheckpointError(f"{where} is {len(data)} bytes, over the {MAX_HEADER} cap")
     doc = load_json(data, where)
-    _fields(doc, where, {"format", "version", "tensors"})
+    check_fields(doc, where, {"format", "version", "tensors"})
     if doc["format"] != FORMAT:
         raise CheckpointError(f"{where}: format is {short(doc['format'])}, not {FORMAT!r}")
     if doc["version"] != VERSION:
@@ -279,21 +277,21 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Tensor]:
     tensors: dict[str, Tensor] = {}
     for name, t in doc["tensors"].items():
         at = f"{where}: tensor {short(name)}"
-        _fields(t, at, {"shape", "dtype", "boxes"}, {"layout"})
+        check_fields(t, at, {"shape", "dtype", "boxes"}, {"layout"})
         shape = check_ints(t["shape"], f"{at} shape")
         dtype = t["dtype"]
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(f"{at}: unknown dtype {short(dtype)}; known: {list(DTYPES)}")
         layout = t.get("layout")
         if layout is not None:
-            _fields(layout, f"{at} layout", {"mesh", "spec"})
+            check_fields(layout, f"{at} layout", {"mesh", "spec"})
         if not isinstance(t["boxes"], list):
             raise CheckpointError(f"{at}: boxes must be a list")
         boxes = []
         itemsize = DTYPES[dtype][1]
         for i, b in enumerate(t["boxes"]):
             bw = f"{at} box {i}"
-            _fields(b, bw, {"offset", "size", "file", "start", "end"}, {"crc32", "xxh3"})
+            check_fields(b, bw, {"offset", "size", "file", "start", "end"}, {"crc32", "xxh3"})
             offset, size = (
                 check_ints(b["offset"], f"{bw} offset"),
                 check_ints(b["size"], f"{bw} size"),
@@ -305,7 +303,7 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Tensor]:
                     raise CheckpointError(
                         f"{bw} reaches past dim {d} of the tensor ({o} + {n} > {g})"
                     )
-            start, end = _int(b["start"], f"{bw} start"), _int(b["end"], f"{bw} end")
+            start, end = check_int(b["start"], f"{bw} start"), check_int(b["end"], f"{bw} end")
             if end - start != math.prod(size) * itemsize:
                 raise CheckpointError(
                     f"{bw}: byte range {start}..{end} is {end - start} bytes, but {size} of "
@@ -431,89 +429,3 @@ def check_tiling(where: str, shape: tuple[int, ...], boxes: list[Box]) -> None:
                     raise CheckpointError(
                         f"{where}: boxes at {list(a.offset)} and {list(b.offset)} overlap"
                     )
-
-
-# -- safetensors ----------------------------------------------------------------------------------
-def safetensors_header(
-    entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
-) -> bytes:
-    """The 8-byte length and JSON header of a safetensors file holding ``entries`` (name,
-    dtype name, shape, byte length) laid out back to back in that order; padded with spaces
-    to a multiple of 8 bytes, as the format allows. ``metadata``: the ``__metadata__``
-    strings (default: this format's name)."""
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": FORMAT}}
-    at = 0
-    for name, dtype, shape, nbytes in entries:
-        header[name] = {
-            "dtype": DTYPES[dtype][0],
-            "shape": list(shape),
-            "data_offsets": [at, at + nbytes],
-        }
-        at += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-(len(text)) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
-def read_header(
-    head: bytes, size: int, where: str, extra: dict[str, Any] | None = None
-) -> tuple[int, dict[str, Any]]:
-    """(data start, tensors) of a safetensors file from its first bytes; ``size`` is the file's
-    length. Every entry is checked: known dtype, offsets inside the file, numel x itemsize.
-    ``extra`` (a dict), if given, receives the header's ``__metadata__`` as it is (unchecked)."""
-    if len(head) < 8:
-        raise CheckpointError(f"{where} is shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", head[:8])
-    if n > MAX_HEADER or 8 + n > size:
-        raise CheckpointError(
-            f"{where}: safetensors header of {n} bytes is over the cap or longer than the file "
-            f"({size} bytes)"
-        )
-    if len(head) < 8 + n:
-        raise CheckpointError(f"{where}: header truncated")
-    doc = load_json(head[8 : 8 + n], f"{where} header")
-    if not isinstance(doc, Mapping):
-        raise CheckpointError(f"{where}: the header is not a JSON object")
-    start = 8 + n
-    if extra is not None:
-        extra["__metadata__"] = doc.get("__metadata__")
-    out: dict[str, Any] = {}
-    for name, entry in doc.items():
-        if name == "__metadata__":
-            continue
-        at = f"{where}: entry {short(name)}"
-        _fields(entry, at, {"dtype", "shape", "data_offsets"})
-        if not isinstance(entry["dtype"], str) or entry["dtype"] not in _FROM_SAFETENSORS:
-            raise CheckpointError(f"{at}: unknown dtype {short(entry['dtype'])}")
-        shape = check_ints(entry["shape"], f"{at} shape")
-        lo, hi = (_int(v, f"{at} data_offsets") for v in _pair(entry["data_offsets"], at))
-        itemsize = DTYPES[_FROM_SAFETENSORS[entry["dtype"]]][1]
-        if hi - lo != math.prod(shape) * itemsize or start + hi > size:
-            raise CheckpointError(f"{at}: data_offsets {lo}..{hi} do not fit its shape or file")
-        out[name] = (_FROM_SAFETENSORS[entry["dtype"]], shape, start + lo, start + hi)
-    # the entries tile the data exactly, as the safetensors library requires: no overlap (two
-    # tensors sharing bytes, which MLX's loader does not check), no hole
-    # (offsets in messages are data_offsets: from the end of the header)
-    at = start
-    for name, (_, _, lo, hi) in sorted(out.items(), key=lambda kv: (kv[1][2], kv[1][3])):
-        if lo != at:
-            what = (
-                "overlaps the entry before it"
-                if lo < at
-                else f"leaves bytes {at - start}..{lo - start} unused"
-            )
-            raise CheckpointError(
-                f"{where}: entry {short(name)} at {lo - start}..{hi - start} {what}"
-            )
-        at = hi
-    if at != size:
-        raise CheckpointError(
-            f"{where}: bytes {at - start}..{size - start} after the last entry are unused"
-        )
-    return start, out
-
-
-def _pair(value: Any, where: str) -> tuple[Any, Any]:
-    if not isinstance(value, list) or len(value) != 2:
-        raise CheckpointError(f"{where}: data_offsets must be [begin, end]")
-    return value[0], value[1]

@@ -2,7 +2,8 @@
 ``model.safetensors``, shards listed by ``model.safetensors.index.json``, or the files torch's
 ``HuggingFaceStorageWriter(save_distributed=True)`` writes, whose ``__metadata__`` gives each
 chunk's ``saved_offsets``), and writing a checkpoint out as Hugging Face safetensors
-(:func:`to_safetensors`), streamed in slabs. An index is read strictly (its file names must be
+(:func:`write_safetensors`), streamed in slabs, all through a place's :class:`~.storage.Storage`
+(a local directory or an fsspec URL). An index is read strictly (its file names must be
 plain names of regular files of the place); each tensor becomes one box (a chunk, for DCP's
 files), so loading reads only each block's byte runs. Framework-free."""
 
@@ -18,17 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..messages import short
-from .format import (
-    MAX_HEADER,
-    Box,
-    Tensor,
-    check_file_name,
-    check_ints,
-    check_tiling,
-    load_json,
-    safetensors_header,
-)
-from .storage import Storage
+from .format import MAX_HEADER, Box, Tensor, check_file_name, check_ints, check_tiling, load_json
+from .safetensors_file import write_safetensors_file
+from .storage import Storage, Url, open_storage
 
 if TYPE_CHECKING:
     from .reader import Checkpoint
@@ -116,12 +109,13 @@ def read_files(ckpt: Checkpoint, files: list[str], weights: dict[str, str]) -> d
 
 
 def sharded_files(storage: Storage) -> list[str]:
-    """The ``.safetensors`` files of a local directory (as HuggingFaceStorageWriter writes
-    them with ``save_distributed=True``; none in object storage)."""
-    root = storage.local
-    if root is None or not root.is_dir():
-        return []
-    return sorted(p.name for p in root.iterdir() if p.suffix == ".safetensors" and p.is_file())
+    """The ``.safetensors`` files of the place, as HuggingFaceStorageWriter writes them with
+    ``save_distributed=True`` (a local directory or a prefix in object storage alike)."""
+    return sorted(
+        name
+        for name in storage.names()
+        if name.endswith(".safetensors") and name != ".safetensors" and storage.is_file(name)
+    )
 
 
 # -- HuggingFaceStorageWriter(save_distributed=True) ---------------------------------------
@@ -232,22 +226,23 @@ def write_safetensors(
     window: int = 256 << 20,
     progress: Progress | None = None,
 ) -> list[str]:
-    """Write the open checkpoint ``ckpt`` into the directory ``dst`` as Hugging Face safetensors:
-    ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` files of at most
-    ``max_shard_bytes`` each (a larger tensor alone in its file) with
-    ``model.safetensors.index.json``. Tensors keep their names, global shapes and dtypes. Each
-    tensor is read and written in C-order slabs of at most ``window`` bytes. Files are written
-    under temporary names and renamed, the index last. ``progress(bytes done, total)`` is
-    called as it goes. Returns the files written."""
+    """Write the open checkpoint ``ckpt`` into the place ``dst`` (a directory or an fsspec
+    URL) as Hugging Face safetensors: ``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_bytes`` each (a larger
+    tensor alone in its file) with ``model.safetensors.index.json``. Tensors keep their
+    names, global shapes and dtypes. Each tensor is read and written in C-order slabs of at
+    most ``window`` bytes (object storage sends each file as one PUT, so holds a file whole).
+    Each file replaces an older one at once (:meth:`~.storage.Storage.commit`), the index
+    last. ``progress(bytes done, total)`` is called as it goes. Returns the files written."""
     check_sizes(max_shard_bytes, window)
-    out = Path(dst)
-    if out.resolve() == ckpt.path.resolve():
+    out = open_storage(dst)
+    if _same_place(out, ckpt.path):
         raise CheckpointError(f"convert would write into its source {ckpt.path}: give another DST")
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir()
     tensors = [ckpt.tensor(name) for name in sorted(ckpt.names)]
     shards = _shards(tensors, max_shard_bytes)
     total = sum(t.nbytes for t in tensors)
-    done = 0
+    done = [0]
     names = (
         [SINGLE]
         if len(shards) == 1
@@ -255,43 +250,33 @@ def write_safetensors(
     )
     if progress is not None:
         progress(0, total)
+
+    def slabs(shard: list[Tensor]) -> Iterator[Any]:
+        for t in shard:
+            for box in _slabs(t.shape, t.itemsize, window):
+                block = ckpt.read(t.name, box)
+                yield block.reshape(-1).view("uint8").data
+                done[0] += block.nbytes
+                if progress is not None:
+                    progress(done[0], total)
+
     for file, shard in zip(names, shards):
-        done = _write_shard(ckpt, out / file, shard, window, done, total, progress)
+        entries = [(t.name, t.dtype, t.shape, t.nbytes) for t in shard]
+        write_safetensors_file(
+            out, file, entries, slabs(shard), metadata={"format": "pt"}, token="partial"
+        )
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": total},
             "weight_map": {t.name: file for file, shard in zip(names, shards) for t in shard},
         }
-        temp = out / f".{INDEX}.partial"
-        temp.write_text(json.dumps(index, indent=2))
-        os.replace(temp, out / INDEX)
+        out.commit(INDEX, [json.dumps(index, indent=2).encode()], "partial")
         names.append(INDEX)
     return names
 
 
-def _write_shard(
-    ckpt: Checkpoint,
-    path: Path,
-    shard: list[Tensor],
-    window: int,
-    done: int,
-    total: int,
-    progress: Progress | None,
-) -> int:
-    head = safetensors_header(
-        [(t.name, t.dtype, t.shape, t.nbytes) for t in shard], metadata={"format": "pt"}
-    )
-    temp = path.with_name(f".{path.name}.partial")
-    with open(temp, "wb") as f:
-        f.write(head)
-        for t in shard:
-            for box in _slabs(t.shape, t.itemsize, window):
-                block = ckpt.read(t.name, box)
-                f.write(block.reshape(-1).view("uint8").data)
-                done += block.nbytes
-                if progress is not None:
-                    progress(done, total)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-    return done
+def _same_place(out: Storage, src: Any) -> bool:
+    """Whether the export's place is the source checkpoint's own."""
+    if out.local is not None and not isinstance(src, Url):
+        return out.local.resolve() == Path(src).resolve()
+    return str(out.where).rstrip("/") == str(src).rstrip("/")

@@ -1,9 +1,17 @@
 """Orbax checkpoints (``orbax.checkpoint``'s PyTree / StandardCheckpointer saves), read onto
 any backend through TensorStore, the library Orbax itself writes them with. ``_METADATA``
-(JSON: the tree's keys and value types) and each array's zarr metadata (``.zarray`` or
-``zarr.json``: shape, dtype, chunk shape) are read and checked here before TensorStore opens
+(JSON: the tree's keys and value types) is read through the place's
+:class:`~.storage.Storage`, and each array's zarr metadata (``.zarray`` or ``zarr.json``:
+shape, dtype, chunk shape) through TensorStore; both are checked here before TensorStore opens
 the array; a block is then read by TensorStore, which reads only the chunks it touches (Orbax
 writes one chunk per saved shard, compressed, so whole chunks are the unit of reading).
+
+The chunks do not go through :class:`~.storage.Storage`: Orbax keeps them in an OCDBT
+database (a B-tree of TensorStore's own binary format, over content-addressed files) as
+compressed zarr chunks, which only TensorStore reads. TensorStore is pointed at the same
+place instead, with its own drivers: a local directory, ``s3://`` (with fsspec's endpoint, for
+an S3-compatible store) or ``gs://``; another URL (``memory://``: fsspec's, in this process)
+is refused, naming the fix.
 
 TensorStore is optional (the ``orbax`` extra); it is imported when an Orbax checkpoint is
 first opened."""
@@ -11,15 +19,18 @@ first opened."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import CheckpointError
 from ..messages import short
 from .format import DTYPES, MAX_HEADER, Box, Tensor, load_json
+
+if TYPE_CHECKING:
+    from .storage import Storage
 
 __all__ = ["ORBAX_METADATA", "OrbaxArrays", "is_orbax"]
 
@@ -34,8 +45,40 @@ _ZARR2 = {
 }  # fmt: skip
 
 
-def is_orbax(root: Path) -> bool:
-    return (root / ORBAX_METADATA).is_file()
+def is_orbax(storage: Storage) -> bool:
+    return storage.is_file(ORBAX_METADATA)
+
+
+def _kvstore(storage: Storage) -> dict[str, Any]:
+    """TensorStore's spec of the place's own files (without OCDBT): a local directory, or the
+    bucket and prefix of an ``s3://`` or ``gs://`` URL."""
+    if storage.local is not None:
+        return {"driver": "file", "path": str(storage.local.resolve()) + "/"}
+    url = str(storage.where)
+    scheme, _, rest = url.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    path = prefix.strip("/") + "/" if prefix.strip("/") else ""
+    if scheme in ("s3", "s3a"):
+        spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": path}
+        options = getattr(getattr(storage, "fs", None), "storage_options", {}) or {}
+        endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
+            "endpoint_url"
+        )
+        region = (options.get("client_kwargs") or {}).get("region_name") or os.environ.get(
+            "AWS_REGION", os.environ.get("AWS_DEFAULT_REGION")
+        )
+        if endpoint:
+            spec["endpoint"] = str(endpoint)
+        if region:
+            spec["aws_region"] = str(region)
+        return spec
+    if scheme in ("gs", "gcs"):
+        return {"driver": "gcs", "bucket": bucket, "path": path}
+    raise CheckpointError(
+        f"{url} is an Orbax checkpoint, whose chunks only TensorStore reads, and TensorStore "
+        "reaches local paths, s3:// and gs://, not this URL: copy the checkpoint to a local "
+        "directory (or a bucket) and open it there"
+    )
 
 
 def _tensorstore() -> Any:
@@ -50,25 +93,22 @@ def _tensorstore() -> Any:
 
 
 class OrbaxArrays:
-    """The arrays of the Orbax checkpoint at ``root``: their tensors (one box per zarr chunk,
-    for the planner's counting) and reads of any region through TensorStore."""
+    """The arrays of the Orbax checkpoint at ``storage``'s place: their tensors (one box per
+    zarr chunk, for the planner's counting) and reads of any region through TensorStore."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, storage: Storage) -> None:
+        self.root = root = storage.where
         where = str(root / ORBAX_METADATA)
-        path = root / ORBAX_METADATA
-        if path.is_symlink() or path.stat().st_size > MAX_HEADER:
+        if storage.is_link(ORBAX_METADATA):
             raise CheckpointError(f"{where} is a symlink or over the {MAX_HEADER}-byte cap")
-        doc = load_json(path.read_bytes(), where)
+        doc = load_json(storage.read_file(ORBAX_METADATA, MAX_HEADER, ""), where)
         tree = doc.get("tree_metadata") if isinstance(doc, Mapping) else None
         if not isinstance(tree, Mapping):
             raise CheckpointError(f"{where} has no 'tree_metadata' object")
         self.zarr3 = bool(doc.get("use_zarr3", False))
         ocdbt = bool(doc.get("use_ocdbt", True))
-        base = root.resolve().as_uri() + "/"
-        self.kvstore: dict[str, Any] = (
-            {"driver": "ocdbt", "base": base} if ocdbt else {"driver": "file", "path": str(root)}
-        )
+        files = _kvstore(storage)
+        self.kvstore: dict[str, Any] = {"driver": "ocdbt", "base": files} if ocdbt else files
         self.names: list[str] = []
         self.objects: list[str] = []
         for key, entry in tree.items():

@@ -8,7 +8,7 @@ import functools
 import math
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: Path, parts: list[Any]) -> None:
-    """``path`` written whole from ``parts`` (bytes-like) and fsync'd."""
+def write_file(path: Path, parts: Iterable[Any]) -> None:
+    """``path`` written whole from ``parts`` (bytes-like, written one at a time as they come)
+    and fsync'd."""
     with open(path, "wb") as f:
         f.writelines(parts)
         f.flush()

@@ -1,15 +1,15 @@
-"""Reading a checkpoint without any framework: :class:`Checkpoint` opens a place by asking one
-table of format openers (:data:`OPENERS`: a unimesh manifest, one safetensors file, a Hugging
-Face index, torch DCP, Orbax, ...), each of which turns the format's metadata into the same
-:class:`~.format.Tensor` s and :class:`~.format.Box` es; every read after that is the same:
-the byte runs of the boxes a region touches (:mod:`.runs`), read through the place's
-:class:`~.storage.Storage`. A new format is one entry of the table."""
+"""Reading a checkpoint without any framework: :class:`Checkpoint` opens a place by asking the
+table of format openers (:data:`~.openers.OPENERS`: a unimesh manifest, one safetensors file,
+a Hugging Face index, torch DCP, Orbax, ...), each of which turns the format's metadata into
+the same :class:`~.format.Tensor` s and :class:`~.format.Box` es; every read after that is the
+same: the byte runs of the boxes a region touches (:mod:`.runs`), read through the place's
+:class:`~.storage.Storage` straight into the destination's memory."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,112 +19,17 @@ from ..mesh import Mesh
 from ..messages import close_match, short
 from ..spec import PartitionSpec
 from . import huggingface as hf
-from .format import (
-    MANIFEST,
-    MAX_HEADER,
-    Box,
-    Tensor,
-    hasher,
-    numpy_dtype,
-    parse_manifest,
-    read_header,
-)
+from .format import MAX_HEADER, Box, Tensor, hasher, numpy_dtype
+from .openers import OPENERS, Opened, Opener, not_found
 from .raw import aligned_empty
 from .runs import BoxPart, overlaps, part
+from .safetensors_file import read_header
 from .storage import Storage, open_storage
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = ["OPENERS", "Checkpoint", "Opened", "Opener", "open_checkpoint", "to_safetensors"]
-
-Region = Callable[[Tensor, tuple[int, ...], tuple[int, ...]], np.ndarray]
-
-
-class Opened(NamedTuple):
-    """What an opener found: the tensors, the names of entries that are not tensors (DCP's
-    pickled objects, never read), and a region reader for a format whose bytes are not plain
-    runs (Orbax's compressed chunks, read by TensorStore)."""
-
-    tensors: dict[str, Tensor]
-    objects: tuple[str, ...] | list[str] = ()
-    region: Region | None = None
-
-
-class Opener(NamedTuple):
-    """One format: ``kind`` (``Checkpoint.kind``), whether a place holds it, how to open it;
-    ``local``: read with the file system's own tools (not from object storage)."""
-
-    kind: str
-    found: Callable[[Checkpoint], bool]
-    open: Callable[[Checkpoint], Opened]
-    local: bool = False
-
-
-def _manifest(ckpt: Checkpoint) -> Opened:
-    data = ckpt.storage.read_file(MANIFEST, MAX_HEADER, " on a manifest")
-    return Opened(parse_manifest(data, str(ckpt.path / MANIFEST)))
-
-
-def _orbax(ckpt: Checkpoint) -> Opened:
-    from .orbax import OrbaxArrays
-
-    assert ckpt.storage.local is not None
-    arrays = OrbaxArrays(ckpt.storage.local)
-    tensors = {name: arrays.tensor(name) for name in arrays.names}
-    return Opened(tensors, arrays.objects, arrays.read)
-
-
-def _dcp(ckpt: Checkpoint) -> Opened:
-    from .dcp import read_dcp
-
-    assert ckpt.storage.local is not None
-    return Opened(*read_dcp(ckpt.storage.local))
-
-
-def _is_orbax(ckpt: Checkpoint) -> bool:
-    from .orbax import is_orbax
-
-    return ckpt.storage.local is not None and is_orbax(ckpt.storage.local)
-
-
-def _is_dcp(ckpt: Checkpoint) -> bool:
-    from .dcp import METADATA
-
-    return ckpt.storage.local is not None and (ckpt.storage.local / METADATA).is_file()
-
-
-#: the formats a place is asked for, in order; the first found opens it
-OPENERS: list[Opener] = [
-    Opener(
-        "safetensors",
-        lambda ck: ck.file is not None,
-        lambda ck: Opened(hf.read_files(ck, [str(ck.file)], {})),
-    ),
-    Opener(
-        "unimesh",
-        lambda ck: ck.storage.is_file(MANIFEST) and not ck.storage.is_link(MANIFEST),
-        _manifest,
-    ),
-    Opener("orbax", _is_orbax, _orbax, local=True),
-    Opener("dcp", _is_dcp, _dcp, local=True),
-    Opener(
-        "safetensors",
-        lambda ck: ck.storage.is_file(hf.INDEX),
-        lambda ck: Opened(hf.read_files(ck, *hf.index_files(ck.storage))),
-    ),
-    Opener(
-        "safetensors",
-        lambda ck: ck.storage.is_file(hf.SINGLE),
-        lambda ck: Opened(hf.read_files(ck, [hf.SINGLE], {})),
-    ),
-    Opener(
-        "safetensors",
-        lambda ck: bool(hf.sharded_files(ck.storage)),
-        lambda ck: Opened(hf.read_hf_sharded(ck, hf.sharded_files(ck.storage))),
-        local=True,
-    ),
-]
 
 
 class Checkpoint:
@@ -157,7 +62,7 @@ class Checkpoint:
                     opened = opener.open(self)
                     break
             else:
-                raise CheckpointError(self._not_found())
+                raise CheckpointError(not_found(self))
         except BaseException:
             self.storage.close()
             raise
@@ -165,22 +70,6 @@ class Checkpoint:
         #: names of entries that are not tensors (DCP's pickled objects), which are not read
         self.objects = list(opened.objects)
         self._read_other = opened.region
-
-    def _not_found(self) -> str:
-        from .dcp import METADATA
-
-        text = (
-            f"{self.path} is not a checkpoint: it has no {MANIFEST} (a unimesh save that did "
-            "not finish leaves none; the previous checkpoint is kept until one does), no "
-            f"{hf.INDEX}"
-        )
-        if self.storage.local is not None:
-            return f"{text}, no {hf.SINGLE} and no torch DCP {METADATA}"
-        return (
-            f"{text} and no {hf.SINGLE}. In object storage unimesh reads its own checkpoints "
-            "and Hugging Face safetensors; copy torch DCP and Orbax checkpoints locally (or "
-            "read Orbax's from its store with Orbax)"
-        )
 
     def reads_runs(self, t: Tensor) -> bool:
         """Whether each part of tensor ``t`` is read as its own byte runs (no other library
@@ -472,10 +361,10 @@ def to_safetensors(
     progress: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Write the checkpoint at ``src`` (any format :func:`open_checkpoint` reads) into the
-    directory ``dst`` as Hugging Face safetensors: ``model.safetensors``, or
-    ``model-0000i-of-0000N.safetensors`` files of at most ``max_shard_bytes`` each with
-    ``model.safetensors.index.json`` (:func:`.huggingface.write_safetensors`). Returns the
-    files written."""
+    place ``dst`` (a directory or an fsspec URL) as Hugging Face safetensors:
+    ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` files of at most
+    ``max_shard_bytes`` each with ``model.safetensors.index.json``
+    (:func:`.huggingface.write_safetensors`). Returns the files written."""
     hf.check_sizes(max_shard_bytes, window)  # before the source is opened
     with open_checkpoint(src) as ckpt:
         return hf.write_safetensors(

@@ -26,8 +26,8 @@ from .format import (
     checksum,
     dtype_name,
     manifest_bytes,
-    safetensors_header,
 )
+from .safetensors_file import write_safetensors_file
 from .storage import open_storage
 from .tree import flatten, model_state
 
@@ -214,9 +214,9 @@ class SaveJob:
             (f"{name}@{','.join(map(str, offset))}", dtype, block.shape, block.nbytes)
             for name, offset, dtype, block in self.blocks
         ]
-        head = safetensors_header(entries)
         views = [b.reshape(-1).view(np.uint8).data for *_, b in self.blocks]
         sums: list[tuple[str, int]] = []
+        at = 0  # the data's offset in the file: after its header
         failed: list[str] = []
 
         def sum_all() -> None:
@@ -231,7 +231,7 @@ class SaveJob:
         summing.start()
         try:
             if self.blocks:  # a process with no block to write writes no file
-                store.write(file, [head, *views])
+                at = write_safetensors_file(store, file, entries, views)
         except Exception as exc:  # noqa: BLE001 - told to every process, then raised
             problem = f"process {rank} could not write {file}: {_error_text(exc)}"
             self._unlink(file)
@@ -240,7 +240,6 @@ class SaveJob:
         if len(sums) != len(views) and not problem:
             problem = f"process {rank} could not checksum the blocks of {file}: {failed[0]}"
             self._unlink(file)
-        at = len(head)
         listing: dict[str, list[list[Any]]] = {}
         for (name, offset, _, block), (kind, value) in zip(self.blocks, sums):
             listing.setdefault(name, []).append(
@@ -289,7 +288,7 @@ class SaveJob:
                 )
         text = manifest_bytes(self.tensors)
         keep = {p["file"] for p in parts} | {MANIFEST}
-        self.storage.commit(MANIFEST, text, token)
+        self.storage.commit(MANIFEST, [text], token)
         # committed: what follows only tidies up, and a failure there changes nothing
         with contextlib.suppress(Exception):
             for name in self.storage.names():

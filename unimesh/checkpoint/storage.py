@@ -1,6 +1,8 @@
 """Where a checkpoint's files live: one small interface, :class:`Storage`, and its two
 implementations, as torch DCP's ``FileSystemBase`` has them. The save's commit protocol
-(:mod:`.saving`) and the reader (:mod:`.reader`) are written once over it.
+(:mod:`.saving`), the reader (:mod:`.reader`), every format's opener (:mod:`.openers`: torch
+DCP's archives, Hugging Face's shards) and the safetensors writer (:mod:`.safetensors_file`)
+are written once over it.
 
 - :class:`LocalDir`: a directory. Reads are ``pread``/``preadv`` on descriptors kept open per
   file; a file is written and fsync'd whole; the manifest is committed by an atomic rename.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,8 +65,8 @@ class Url(str):
 
 class Storage:
     """The files of one checkpoint place. ``where`` is the place (a Path or a :class:`Url`,
-    ``where / name`` naming a file in messages); ``local`` the directory where formats read
-    with the file system's own tools (torch DCP, Orbax) can be opened, None in object storage."""
+    ``where / name`` naming a file in messages); ``local`` its directory on a local file
+    system, None in object storage (only Orbax's TensorStore opens the place itself)."""
 
     where: Any
     local: Path | None = None
@@ -85,8 +88,10 @@ class Storage:
         """The length of file ``name`` in bytes."""
         raise NotImplementedError
 
-    def read(self, name: str, start: int, end: int) -> bytes:
-        """Bytes ``start..end`` of ``name`` (fewer where the file ends first)."""
+    def read(self, name: str, start: int, end: int, keep: bool = False) -> bytes:
+        """Bytes ``start..end`` of ``name`` (fewer where the file ends first). ``keep``: more
+        reads of the file follow (an opener's reads of a data file's metadata), so a local
+        file stays open for them, as data reads keep it."""
         raise NotImplementedError
 
     def read_file(self, name: str, cap: int, what: str) -> bytes:
@@ -114,13 +119,15 @@ class Storage:
         """Create the place (and its parents) if it is not there."""
         raise NotImplementedError
 
-    def write(self, name: str, parts: list[Any]) -> None:
-        """File ``name`` written whole from ``parts`` (bytes-like), durably."""
+    def write(self, name: str, parts: Iterable[Any]) -> None:
+        """File ``name`` written whole from ``parts`` (bytes-like, taken one at a time: a
+        local file is streamed, never held whole), durably."""
         raise NotImplementedError
 
-    def commit(self, name: str, data: bytes, token: str) -> None:
-        """File ``name`` replaced by ``data`` at once: a reader sees the old file or the
-        new, whole. ``token`` names a temporary file where one is needed."""
+    def commit(self, name: str, parts: Iterable[Any], token: str) -> None:
+        """File ``name`` replaced by ``parts`` (as :meth:`write` takes them) at once: a reader
+        sees the old file or the new, whole. ``token`` names a temporary file where one is
+        needed."""
         raise NotImplementedError
 
     def names(self) -> list[str]:
@@ -186,10 +193,10 @@ class LocalDir(Storage):
             fd = self._fds[name] = os.open(path, os.O_RDONLY)
         return fd
 
-    def read(self, name: str, start: int, end: int) -> bytes:
-        """Through the descriptor data reads keep open, else a descriptor of its own (a
-        header read or a checksum does not keep the file open)."""
-        kept = self._fds.get(name)
+    def read(self, name: str, start: int, end: int, keep: bool = False) -> bytes:
+        """Through the descriptor data reads keep open (opened here with ``keep``), else a
+        descriptor of its own (a header read or a checksum does not keep the file open)."""
+        kept = self.fd(name) if keep else self._fds.get(name)
         fd = kept if kept is not None else os.open(self._checked(name), os.O_RDONLY)
         parts, at = [], start
         try:
@@ -221,14 +228,14 @@ class LocalDir(Storage):
     def mkdir(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def write(self, name: str, parts: list[Any]) -> None:
+    def write(self, name: str, parts: Iterable[Any]) -> None:
         write_file(self.root / name, parts)
 
-    def commit(self, name: str, data: bytes, token: str) -> None:
+    def commit(self, name: str, parts: Iterable[Any], token: str) -> None:
         fsync_dir(self.root)  # the data files' entries are durable before the manifest's
         temp = self.root / f".{name}.{token}"
         try:
-            write_file(temp, [data])
+            write_file(temp, parts)
             os.replace(temp, self.root / name)
         except OSError:
             with contextlib.suppress(OSError):
@@ -300,7 +307,7 @@ class Remote(Storage):
         except Exception as exc:  # noqa: BLE001
             raise self._fail("asking for the size", name, exc) from None
 
-    def read(self, name: str, start: int, end: int) -> bytes:
+    def read(self, name: str, start: int, end: int, keep: bool = False) -> bytes:
         """Bytes ``start..end`` of ``name`` (one ranged request)."""
         try:
             data = bytes(self.fs.cat_file(self._path(name), start=start, end=end))
@@ -341,12 +348,17 @@ class Remote(Storage):
         except Exception as exc:  # noqa: BLE001
             raise self._fail("creating the place", "", exc) from None
 
-    def write(self, name: str, parts: list[Any]) -> None:
-        """``name`` written whole: one object PUT, which replaces an older object at once."""
-        self.fs.pipe_file(self._path(name), b"".join(bytes(p) for p in parts))
+    def write(self, name: str, parts: Iterable[Any]) -> None:
+        """``name`` written whole: one object PUT, which replaces an older object at once
+        (the parts are joined first: a PUT is sent whole)."""
+        data = b"".join(bytes(p) for p in parts)  # a part's own errors (a read) pass through
+        try:
+            self.fs.pipe_file(self._path(name), data)
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail(f"writing {len(data)} bytes", name, exc) from None
 
-    def commit(self, name: str, data: bytes, token: str) -> None:
-        self.write(name, [data])  # no rename in object storage: the one PUT is the commit
+    def commit(self, name: str, parts: Iterable[Any], token: str) -> None:
+        self.write(name, parts)  # no rename in object storage: the one PUT is the commit
 
     def names(self) -> list[str]:
         self.fs.invalidate_cache()

@@ -4,7 +4,6 @@ safetensors with a progress bar; no framework imported."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ..checkpoint import open_checkpoint
@@ -149,6 +148,7 @@ def convert(src: str, dst: str, max_shard: int, bar: bool) -> int:
     )
 
     from ..checkpoint import to_safetensors
+    from ..checkpoint.storage import open_storage
 
     console = Console(stderr=True)
     with Progress(
@@ -166,7 +166,8 @@ def convert(src: str, dst: str, max_shard: int, bar: bool) -> int:
             progress.update(task, completed=done, total=total)
 
         files = to_safetensors(src, dst, max_shard_bytes=max_shard, progress=step)
-    size = sum((Path(dst) / f).stat().st_size for f in files)
+    written = open_storage(dst)  # a directory or an fsspec URL
+    size = sum(written.size(f) for f in files)
     print(f"{dst}: {len(files)} file{'s' if len(files) != 1 else ''} ({', '.join(files[:3])}"
           f"{', ...' if len(files) > 3 else ''}), {_size(size)}")  # fmt: skip
     return 0
