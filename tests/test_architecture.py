@@ -280,3 +280,34 @@ def test_tests_import_no_other_test_module_and_keep_their_helpers_in_support():
                     found.append(f"{f.relative_to(ROOT)}:{node.lineno} imports {name}")
     assert not found, found
     assert sorted(p.name for p in (tests / "workers").glob("*_worker.py"))
+
+
+def _every_import(path: Path) -> set[str]:
+    """Every module ``path`` names in an import, anywhere: at the top, in functions and under
+    ``if TYPE_CHECKING:`` alike."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for sub in ast.walk(ast.parse(path.read_text())):
+        if isinstance(sub, ast.Import):
+            out.update(a.name for a in sub.names)
+        elif isinstance(sub, ast.ImportFrom):
+            base = sub.module or ""
+            if sub.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - sub.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            out.add(base)
+    return out
+
+
+def test_the_engine_rooms_form_a_tree():
+    """The per-process engine's rooms, lowest first: none names a room above it, not even for
+    typing (issue 69): they see a backend as ``unimesh.primitives.Primitives``, and only
+    ``spmd`` (the top: the contract a backend derives from, and a program's run) names them
+    all."""
+    rooms = ["primitives", "groups", "checked", "vmaplan", "process_env", "grad_rules", "spmd"]
+    for i, room in enumerate(rooms):
+        named = _every_import(ROOT / "unimesh" / f"{room}.py")
+        above = sorted(r for r in rooms[i + 1 :] if f"unimesh.{r}" in named)
+        assert not above, f"unimesh/{room}.py names {above}, above it"

@@ -487,7 +487,7 @@ def test_check_vma_tags_name_only_axes_of_size_above_one(monkeypatch: pytest.Mon
     so it is the local one: x, all ones)."""
     from unimesh_torch.autograd import VMA
 
-    from unimesh.vma import CheckVmaEnv
+    from unimesh.grad_rules import CheckVmaEnv
 
     lifted: list[frozenset[str]] = []
     pvary = CheckVmaEnv.pvary

@@ -1,7 +1,7 @@
 """Group communication for the per-process engine: this process's group along some mesh axes,
 and the collectives on it, native where the backend has the primitive and built from an
-all-gather or an all-reduce where not. No gradient knowledge: :mod:`unimesh.vjp` and
-:mod:`unimesh.vma` add the rules on top.
+all-gather or an all-reduce where not. No gradient knowledge: :mod:`unimesh.process_env` and
+:mod:`unimesh.grad_rules` add the rules on top.
 
 Names: a collective here has its group primitive's name (``all_reduce``, ``all_gather``,
 ``reduce_scatter``, ``all_to_all``, ``permute``, ``broadcast``), the name of the backend hook
@@ -19,7 +19,7 @@ import numpy as np
 from .mesh import Mesh
 
 if TYPE_CHECKING:
-    from .spmd import ProcessBackend
+    from .primitives import Primitives
 
 __all__ = ["Chain", "Group", "GroupComm"]
 
@@ -57,7 +57,7 @@ class GroupComm:
     """The groups of one process (logical device ``device``) on one mesh, and the collectives
     on them through the backend's primitives."""
 
-    def __init__(self, be: ProcessBackend, mesh: Mesh, device: int, chain: Chain) -> None:
+    def __init__(self, be: Primitives, mesh: Mesh, device: int, chain: Chain) -> None:
         self.be = be
         #: the framework's array operations
         self.xp = be.arrays()

@@ -32,7 +32,8 @@ class AxisEnv:
     Every argument reaching these methods has been checked by the core: ``axes`` is a non-empty
     tuple of distinct axis names of :attr:`mesh`, dims are in range and divide as the
     collective needs, ``perm`` is a partial permutation of ``0..n-1``. JAX implements them
-    with ``jax.lax``; per-process backends get them from :class:`unimesh.vjp.ProcessAxisEnv`.
+    with ``jax.lax``; per-process backends get them from
+    :class:`unimesh.process_env.ProcessAxisEnv`.
     """
 
     def __init__(self, mesh: Mesh, device: int | None = None) -> None:

@@ -12,8 +12,8 @@ world), and the gradient rules.
 The engine's floor plan: this module holds the contract a per-process backend implements
 (:class:`ProcessBackend`) and runs a program (its blocks in, its results out);
 :mod:`unimesh.groups` holds the groups and the collectives on them (no gradient knowledge);
-:mod:`unimesh.vjp` the collectives with their gradients (what both rule sets share) and
-:mod:`unimesh.vma` JAX's two rule sets, one class each (``check_vma`` or not, chosen once per
+:mod:`unimesh.process_env` the collectives with their gradients (what both rule sets share) and
+:mod:`unimesh.grad_rules` JAX's two rule sets, one class each (``check_vma`` or not, chosen once per
 backend); :mod:`unimesh.checked` the checked mode.
 """
 
@@ -28,12 +28,12 @@ import numpy as np
 from . import vmaplan
 from .backend import HOOKS, Backend
 from .errors import MeshMismatchError
+from .grad_rules import CheckVmaEnv, NoCheckVmaEnv
 from .groups import Chain, Group, GroupComm
 from .layout import Layout
 from .mesh import Mesh
+from .process_env import ProcessAxisEnv
 from .program import Body, Program, SpecTree
-from .vjp import ProcessAxisEnv
-from .vma import CheckVmaEnv, NoCheckVmaEnv
 from .vmaplan import Graph
 
 __all__ = ["ENGINE_REQUIRED", "PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
@@ -79,7 +79,7 @@ class ProcessBackend(Backend):
     #: primitives of :data:`PRIMITIVES` this backend implements; the engine builds the others
     native_primitives: ClassVar[frozenset[str]] = frozenset({"all_reduce", "all_gather"})
     #: whether :meth:`vma_mode` can watch the function's operations: JAX's check_vma rules
-    #: (:class:`unimesh.vma.CheckVmaEnv`) instead of check_vma=False's
+    #: (:class:`unimesh.grad_rules.CheckVmaEnv`) instead of check_vma=False's
     check_vma: ClassVar[bool] = False
     #: whether collectives run when their result is evaluated rather than when called (MLX):
     #: the engine then chains them (each one's input depends on the previous one's result), so
@@ -200,8 +200,8 @@ class ProcessBackend(Backend):
 
     def vma_mode(self, env: ProcessAxisEnv) -> Any:
         """With :attr:`check_vma`: a context manager under which every operation the function
-        runs tags its array results (:func:`unimesh.vma.tag`) with the union of its array
-        arguments' axes (:func:`unimesh.vma.vma_of`), and passes each argument that needs a
+        runs tags its array results (:func:`unimesh.grad_rules.tag`) with the union of its array
+        arguments' axes (:func:`unimesh.grad_rules.vma_of`), and passes each argument that needs a
         gradient and lacks some of those axes through ``env.pvary`` first (JAX's implicit
         pvary). None where it cannot watch the operations about to run (torch while
         ``torch.compile`` traces: its tracer does not keep the tags): the program then runs
@@ -398,7 +398,7 @@ class _Program(Program):
         blocks = env.enter_all(leaves, layouts)
         if plan is not None:
             self.plan = plan  # the last one made, for tests and debugging
-            vmaplan.trace(plan, env, self.body, blocks, treedef, layouts)
+            vmaplan.trace(plan, self.be, env.mesh, env.device, self.body, blocks, treedef, layouts)
             env.finish_edges(plan, blocks)
         args = optree.tree_unflatten(treedef, blocks)
         if mode is not None:

@@ -1,8 +1,8 @@
 """JAX's ``check_vma=True`` gradient placement for a per-process backend whose arrays carry no
 vma (MLX), from the body's dataflow graph.
 
-:class:`~unimesh.vma.NoCheckVmaEnv` (JAX's ``check_vma=False``) gives ``jax.grad``'s numbers for
-any body, at a price in communication: every ``psum`` transposes to a ``psum``, an input
+:class:`~unimesh.grad_rules.NoCheckVmaEnv` (JAX's ``check_vma=False``) gives ``jax.grad``'s
+numbers for any body, at a price in communication: every ``psum`` transposes to a ``psum``, an input
 replicated along an axis sums its gradient along it, and an output replicated along an axis has
 its cotangent divided by the copies. The hand-written step (Megatron's ``f``/``g``, DDP) and
 JAX's ``check_vma=True`` rules sum only where a value invariant along an axis meets one that
@@ -44,12 +44,10 @@ from typing import TYPE_CHECKING, Any
 from .errors import UnimeshError
 from .layout import Layout
 from .program import AxisEnv, Body
-from .vjp import replicated_axes
 
 if TYPE_CHECKING:
     from .mesh import Mesh
-    from .spmd import ProcessBackend
-    from .vjp import ProcessAxisEnv
+    from .primitives import Primitives
 
 __all__ = ["Graph", "PlanError", "Site", "TraceEnv", "VmaPlan", "shape_after", "trace"]
 
@@ -321,7 +319,7 @@ class TraceEnv(AxisEnv):
     collective gives; ``axis_index`` too (an array varying along its axes, where the engine
     gives an int)."""
 
-    def __init__(self, be: ProcessBackend, mesh: Mesh, device: int | None) -> None:
+    def __init__(self, be: Primitives, mesh: Mesh, device: int | None) -> None:
         super().__init__(mesh, device)
         self.be = be
         self.sites: list[Site] = []
@@ -374,9 +372,25 @@ class TraceEnv(AxisEnv):
         return self._mark("axis_index", axes, None)
 
 
+def replicated_axes(layout: Layout) -> tuple[str, ...]:
+    """Mesh axes of size > 1 along which ``layout`` says the value is the same."""
+    used = set(layout.spec.axes()) | set(layout.spec.partial)
+    return tuple(
+        a for a in layout.mesh.axis_names if a not in used and layout.mesh.axis_size(a) > 1
+    )
+
+
+def varying_axes(layout: Layout) -> frozenset[str]:
+    """Mesh axes along which ``layout`` says the value differs (sharded or pending)."""
+    used = set(layout.spec.axes()) | set(layout.spec.partial)
+    return frozenset(a for a in layout.mesh.axis_names if a in used)
+
+
 def trace(
     plan: VmaPlan,
-    env: ProcessAxisEnv,
+    be: Primitives,
+    mesh: Mesh,
+    device: int | None,
     body: Body,
     blocks: list[Any],
     treedef: Any,
@@ -387,8 +401,7 @@ def trace(
     be had, ``plan`` keeps the check_vma=False rules and says why (:attr:`VmaPlan.reason`)."""
     import optree
 
-    be = env.be
-    tracer = TraceEnv(be, env.mesh, env.device)
+    tracer = TraceEnv(be, mesh, device)
     seen: list[tuple[Layout, ...]] = []
 
     def run(leaves: list[Any]) -> list[Any]:
@@ -405,15 +418,14 @@ def trace(
         return
     finally:
         TRACING.reset(token)
-    mesh = env.mesh
     axes = frozenset(a for a in mesh.axis_names if mesh.axis_size(a) > 1)
     in_vma: list[frozenset[str] | None] = []
     for leaf, layout in zip(blocks, layouts):
         if not hasattr(leaf, "shape"):
             in_vma.append(None)
         else:
-            in_vma.append(env.input_plan(layout)[2] if layout is not None else frozenset())
-    outs = [(env.input_plan(layout)[2], frozenset(replicated_axes(layout))) for layout in seen[-1]]
+            in_vma.append(varying_axes(layout) if layout is not None else frozenset())
+    outs = [(varying_axes(layout), frozenset(replicated_axes(layout))) for layout in seen[-1]]
     try:
         plan.solve(graph, tracer.sites, in_vma, outs, axes, tracer.fed)
     except PlanError as exc:  # solve sets nothing before it is sure

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from unimesh.vma import INVARIANT, VMA
+from unimesh.grad_rules import INVARIANT, VMA
 
 from .runtime import import_dist, import_torch
 

@@ -1,5 +1,5 @@
 """JAX's two gradient rule sets for the per-process engine's collectives, one class each over
-:class:`unimesh.vjp.ProcessAxisEnv`, chosen once per backend (``ProcessBackend.check_vma``).
+:class:`unimesh.process_env.ProcessAxisEnv`, chosen once per backend (``ProcessBackend.check_vma``).
 
 Gradients follow the global function the program computes:
 
@@ -29,18 +29,18 @@ from typing import TYPE_CHECKING, Any
 from .errors import LayoutError
 from .groups import GroupComm
 from .layout import Layout
-from .vjp import (
+from .process_env import (
     HOST_VALUES,
     SLICES_KEPT,
     Fn,
     ProcessAxisEnv,
     global_shape,
-    replicated_axes,
     same,
 )
+from .vmaplan import replicated_axes
 
 if TYPE_CHECKING:
-    from .spmd import ProcessBackend
+    from .primitives import Primitives
     from .vmaplan import VmaPlan
 
 __all__ = ["INVARIANT", "VMA", "CheckVmaEnv", "NoCheckVmaEnv", "tag", "vma_of"]
@@ -69,7 +69,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
 
     check_vma = False
 
-    def __init__(self, be: ProcessBackend, comm: GroupComm) -> None:
+    def __init__(self, be: Primitives, comm: GroupComm) -> None:
         super().__init__(be, comm)
         self._out: dict[Layout, int] = {}
         #: per argument layouts (by identity, the tuple kept): each input's replicated axes
@@ -81,20 +81,10 @@ class NoCheckVmaEnv(ProcessAxisEnv):
             return fwd(x)
         return self._vjp(key, fwd, bwd)(x)
 
-    def psum(self, x: Any, axes: tuple[str, ...]) -> Any:
-        if self.plan is None and not self.checked:  # the step's usual case: one lookup
-            run = self._collectives.get((axes, "sum"))
-            if run is not None:
-                return run(x)
-        return self._reduce(x, axes, "sum")
-
-    def _planned_reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
-        plan = self.plan
-        if plan is None or op != "sum" or not plan.exact:
-            return super()._planned_reduce(x, axes, op)
-        if self.checked:
-            self._check("psum", axes, x)
-        back = plan.sum_axes(plan.visit("psum", axes), axes)
+    def _placed(self, x: Any, axes: tuple[str, ...], op: str, plan: VmaPlan, site: int) -> Any:
+        if op != "sum" or not plan.exact:
+            return None
+        back = plan.sum_axes(site, axes)
         fwd = self._reduction(axes, "sum")
         x = self._array(x)
         if not self.be.needs_grad(x) or (not back and self.be.sum_derivative_is_identity):
@@ -279,7 +269,7 @@ class CheckVmaEnv(ProcessAxisEnv):
 
     check_vma = True
 
-    def __init__(self, be: ProcessBackend, comm: GroupComm) -> None:
+    def __init__(self, be: Primitives, comm: GroupComm) -> None:
         super().__init__(be, comm)
         #: the mesh axes of size > 1: the only ones a tag names. Along an axis of size 1
         #: every value is invariant (nothing differs, a pvary sums nothing, and the out_spec

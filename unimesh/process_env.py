@@ -1,6 +1,6 @@
 """The per-process engine's axis collectives, each with its gradient: :class:`ProcessAxisEnv`,
-the base of JAX's two rule sets (:mod:`unimesh.vma`: ``check_vma=False`` and ``check_vma=True``),
-of which a backend is given one (``ProcessBackend.check_vma``).
+the base of JAX's two rule sets (:mod:`unimesh.grad_rules`: ``check_vma=False`` and
+``check_vma=True``), of which a backend is given one (``ProcessBackend.check_vma``).
 
 The base holds what both share: the groups, the forward of every collective (the
 communication itself is :class:`~unimesh.groups.GroupComm`'s; checked mode is
@@ -21,9 +21,10 @@ from .groups import Group, GroupComm
 from .layout import Layout
 from .program import AxisEnv
 from .spec import PartitionSpec
+from .vmaplan import replicated_axes, varying_axes
 
 if TYPE_CHECKING:
-    from .spmd import ProcessBackend
+    from .primitives import Primitives
     from .vmaplan import VmaPlan
 
 __all__ = [
@@ -32,7 +33,6 @@ __all__ = [
     "Fn",
     "ProcessAxisEnv",
     "global_shape",
-    "replicated_axes",
     "same",
 ]
 
@@ -45,14 +45,6 @@ HOST_VALUES = (int, float, complex, list, tuple, np.ndarray, np.generic)
 
 def same(v: Any) -> Any:
     return v
-
-
-def replicated_axes(layout: Layout) -> tuple[str, ...]:
-    """Mesh axes of size > 1 along which ``layout`` says the value is the same."""
-    used = set(layout.spec.axes()) | set(layout.spec.partial)
-    return tuple(
-        a for a in layout.mesh.axis_names if a not in used and layout.mesh.axis_size(a) > 1
-    )
 
 
 def global_shape(
@@ -74,7 +66,7 @@ class ProcessAxisEnv(AxisEnv):
     #: which of JAX's rule sets this class implements
     check_vma: ClassVar[bool] = False
 
-    def __init__(self, be: ProcessBackend, comm: GroupComm) -> None:
+    def __init__(self, be: Primitives, comm: GroupComm) -> None:
         super().__init__(comm.mesh, comm.device)
         self.be = be
         #: the framework's array operations
@@ -132,17 +124,6 @@ class ProcessAxisEnv(AxisEnv):
         g = comm.group(axes)
         return lambda ct: comm.all_reduce(ct, g, "sum")
 
-    def _planned_reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
-        """``op`` over ``axes`` while a plan is set: counted against the plan's trace (the
-        rule set may place its transpose)."""
-        if self.checked:
-            self._check("p" + op, axes, x)
-        self._visit("p" + op, axes)
-        run = self._collectives.get((axes, op))
-        if run is None:
-            run = self._collectives[axes, op] = self._reducer(axes, op)
-        return run(x)
-
     def _visit(self, op: str, axes: tuple[str, ...]) -> None:
         """Count a collective against the plan's trace of the body (when there is a plan)."""
         plan = self.plan
@@ -183,10 +164,18 @@ class ProcessAxisEnv(AxisEnv):
         return self._reduce(x, axes, "min")
 
     def _reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
-        if self.plan is not None:
-            return self._planned_reduce(x, axes, op)
+        """``op`` over ``axes``: the one path of ``psum``, ``pmax`` and ``pmin``. A step's
+        usual call is one lookup of the function bound once per (axes, op), its forward and
+        its rule (the rule set's :meth:`_reducer`). In checked mode the call is checked first;
+        while a plan is set it is counted against the plan's trace, and the rule set may place
+        its transpose where the plan says (:meth:`_placed`)."""
         if self.checked:
             self._check("p" + op, axes, x)
+        plan = self.plan
+        if plan is not None:
+            placed = self._placed(x, axes, op, plan, plan.visit("p" + op, axes))
+            if placed is not None:
+                return placed
         run = self._collectives.get((axes, op))
         if run is None:
             run = self._collectives[axes, op] = self._reducer(axes, op)
@@ -272,6 +261,11 @@ class ProcessAxisEnv(AxisEnv):
         """``op`` over ``axes`` with its gradient rule, as one function of the block."""
         raise NotImplementedError
 
+    def _placed(self, x: Any, axes: tuple[str, ...], op: str, plan: VmaPlan, site: int) -> Any:
+        """``op`` over ``axes`` with the transpose the plan places for collective ``site``
+        (:mod:`unimesh.vmaplan`); None: the usual rule."""
+        return None
+
     def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
         """``fwd(x)``, a collective over ``axes`` whose result varies along them, with ``bwd``
         as its transpose."""
@@ -309,12 +303,7 @@ class ProcessAxisEnv(AxisEnv):
                 for d, e in enumerate(layout.spec)
                 if e
             )
-            used = set(layout.spec.axes()) | set(layout.spec.partial)
-            plan = self._in[layout] = (
-                replicated_axes(layout),
-                sharded,
-                frozenset(a for a in self.mesh.axis_names if a in used),
-            )
+            plan = self._in[layout] = (replicated_axes(layout), sharded, varying_axes(layout))
         return plan
 
     def enter(self, arg: Any, layout: Layout | None) -> Any:
