@@ -92,8 +92,8 @@ def hooks_table() -> str:
 
 
 def transport_table() -> str:
-    """A reshard transport's operations (``unimesh.transport.TRANSPORT_OPS``), with which of
-    them each backend's transport overrides."""
+    """A reshard transport's operations (``unimesh.transport.TRANSPORT_OPS``), each with what
+    it promises."""
     from unimesh.transport import TRANSPORT_OPS
 
     lines = ["| operation | promise |", "| --- | --- |"]

@@ -497,7 +497,7 @@ def test_the_contract_table_names_every_hook_once_and_nothing_else():
     # the per-process author's count, reported in the house issue's note
     # 69, host_views (issue 54), the three of vmaplan (issue 55), evaluate (issue 67); less
     # combine and writable_block, whose work the core does (issue 67, item 4): 72; less the
-    # reshard's nine transport hooks and the engine's six array hooks, for two objects of
+    # reshard's eight transport hooks and the engine's six array hooks, for two objects of
     # their own (Backend.transport, Backend.arrays), issue 67 item 4: 60; less vma_of and
     # tag (an attribute the core reads and writes) and vma_watched (vma_mode's None): 57
     assert len(HOOKS) == 57

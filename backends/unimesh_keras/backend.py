@@ -252,7 +252,7 @@ class KerasBackend(Backend):
         return self._jax("reshard()").arrays()
 
     def transport(self) -> Transport:
-        """JAX's, which takes a Keras variable as the ``jax.Array`` it holds."""
+        """JAX's (its ``native`` moves a Keras variable as the ``jax.Array`` it holds)."""
         return self._jax("reshard()").transport()
 
     def stop_gradient(self, x: Any) -> Any:
