@@ -34,17 +34,23 @@ def _top_level_imports(path: Path) -> set[str]:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             continue
         for sub in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
-            if isinstance(sub, ast.Import):
-                out.update(a.name for a in sub.names)
-            elif isinstance(sub, ast.ImportFrom):
-                base = sub.module or ""
-                if sub.level:
-                    parts = package.split(".")
-                    parts = parts[: len(parts) - sub.level + 1]
-                    base = ".".join([*parts, base] if base else parts)
-                out.add(base)
-                out.update(f"{base}.{a.name}" for a in sub.names)
+            out.update(_named(sub, package, names=True))
     return out
+
+
+def _named(node: ast.AST, package: str, names: bool) -> set[str]:
+    """The modules an import statement names (``names``: with each ``module.name`` it takes,
+    which may be a submodule); nothing for another node."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")
+        parts = parts[: len(parts) - node.level + 1]
+        base = ".".join([*parts, base] if base else parts)
+    return {base} | ({f"{base}.{a.name}" for a in node.names} if names else set())
 
 
 def _graph() -> dict[str, set[str]]:
@@ -287,18 +293,7 @@ def _every_import(path: Path) -> set[str]:
     ``if TYPE_CHECKING:`` alike."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out: set[str] = set()
-    for sub in ast.walk(ast.parse(path.read_text())):
-        if isinstance(sub, ast.Import):
-            out.update(a.name for a in sub.names)
-        elif isinstance(sub, ast.ImportFrom):
-            base = sub.module or ""
-            if sub.level:
-                parts = package.split(".")
-                parts = parts[: len(parts) - sub.level + 1]
-                base = ".".join([*parts, base] if base else parts)
-            out.add(base)
-    return out
+    return {m for sub in ast.walk(ast.parse(path.read_text())) for m in _named(sub, package, False)}
 
 
 def test_the_engine_rooms_form_a_tree():
