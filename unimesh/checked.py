@@ -86,11 +86,11 @@ def agree(
     every one raises MeshMismatchError naming the processes and what differs. One all-gather
     of a small descriptor over the whole mesh (which cannot itself wait on a disagreement
     about axes)."""
-    be, mesh = comm.be, comm.mesh
-    x = be.arrays().asarray(x)
+    xp, mesh = comm.xp, comm.mesh
+    x = xp.asarray(x)
     mine = _describe(op, axes, mesh, x, params)
     everyone = comm.group(mesh.axis_names)
-    rows = be.arrays().to_host(comm.gather_members(be.arrays().asarray(mine), everyone))
+    rows = xp.to_host(comm.gather_members(xp.asarray(mine), everyone))
     rows = np.asarray(rows).reshape(len(rows), -1)
     if (rows == rows[0]).all():
         return

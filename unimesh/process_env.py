@@ -69,8 +69,8 @@ class ProcessAxisEnv(AxisEnv):
     def __init__(self, be: Primitives, comm: GroupComm) -> None:
         super().__init__(comm.mesh, comm.device)
         self.be = be
-        #: the framework's array operations
-        self.xp = be.arrays()
+        #: the framework's array operations (the groups' own)
+        self.xp = comm.xp
         #: this process's groups on the mesh, shared by both rule sets' envs of that mesh
         self.comm = comm
         self.checked = False  # set per run by the program (shard_map(checked=...))
