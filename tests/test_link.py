@@ -245,6 +245,46 @@ def test_a_mismatch_is_a_link_error_on_both_jobs_and_the_link_stays_usable(
 
 
 @pytest.mark.quick
+def test_runs_that_are_one_stretch_at_both_ends_move_unstaged_the_rest_in_bounded_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A piece that is one run of memory in the sent block and in the target block, with no
+    cast, goes as one message from the one into the other; column cuts and casts are staged
+    in rounds whose arenas stay within ``IN_FLIGHT`` (made small here: many rounds)."""
+    monkeypatch.setattr(sys.modules["unimesh.link"], "IN_FLIGHT", 2048)
+    w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+
+    def a(ln):
+        ln.send({"rows": w, "cols": w, "cast": w})
+        ln.send({"rows": w + 1, "cols": w + 1, "cast": w + 1})  # the plan replayed
+
+    def b(ln):
+        target = {
+            "rows": np.zeros((64, 8), np.float32),
+            "cols": np.zeros((64, 4), np.float32),
+            "cast": np.zeros((64, 8), np.float64),
+        }
+        ln.receive(target, sources={"cols": Slice("cols", 1, 2, 6)})
+        first = {k: v.copy() for k, v in target.items()}
+        ln.receive(target, sources={"cols": Slice("cols", 1, 2, 6)})
+        (schedule,) = ln._schedules.values()
+        return first, target, schedule, ln.plans
+
+    _, (first, second, schedule, plans) = pair(a, b)
+    for got, base in ((first, w), (second, w + 1)):
+        assert (got["rows"] == base).all() and (got["cast"] == base.astype(np.float64)).all()
+        assert (got["cols"] == base[:, 2:6]).all()
+    assert plans == 1
+    assert [u.name for _, u in schedule.free] == ["rows"]  # one message, straight in
+    staged = [u for units in schedule.staged for _, u in units]
+    assert {u.name for u in staged} == {"cols", "cast"}
+    # 1 KiB a round (two in flight): the column cut, then the cast in four runs of rows
+    assert [sum(u.nbytes for _, u in units) for units in schedule.staged] == [1024] * 5
+    assert schedule.arena == 1024
+    assert sum(u.nbytes for u in staged) == 64 * 4 * 4 + 64 * 8 * 8
+
+
+@pytest.mark.quick
 def test_versions_are_checked_before_anything_moves() -> None:
     def a(ln):
         ln.send({"w": np.ones(2)}, version=3)

@@ -43,7 +43,7 @@ from .messages import short
 from .moves import IN_FLIGHT, Boxes, Piece, plan
 from .spec import PartitionSpec
 
-__all__ = ["ENGINES", "Engine", "Link", "Store", "Wire", "link"]
+__all__ = ["ENGINES", "Engine", "Link", "Message", "Store", "Wire", "link"]
 
 #: the entry-point group of link engines
 ENGINES = "unimesh.links"
@@ -65,16 +65,18 @@ class Store(Protocol):
     def delete_key(self, key: str) -> bool: ...
 
 
+#: one message on the wire: (link process, tag, flat uint8 buffer)
+Message = tuple[int, int, np.ndarray]
+
+
 class Wire(Protocol):
     """A group of both jobs' processes moving byte buffers point to point."""
 
-    def start(
-        self, sends: Mapping[int, np.ndarray], receives: Mapping[int, np.ndarray], tag: int
-    ) -> Callable[[], None]:
-        """Start sending each ``sends[q]`` (uint8) to link process ``q`` and filling each
-        ``receives[q]`` (uint8, its size known) from ``q``, with message tag ``tag``; the
-        returned call waits until all are done, raising on a failure or after the engine's
-        timeout. A process may have two such exchanges (two tags) in flight."""
+    def start(self, sends: Sequence[Message], receives: Sequence[Message]) -> Callable[[], None]:
+        """Start each message: ``(q, tag, buffer)`` sends the flat uint8 ``buffer`` to link
+        process ``q`` (it may be read-only) or fills it from ``q``, matched by ``tag``;
+        the returned call waits until all are done, raising on a failure or after the
+        engine's timeout. Many messages, on many tags, may be in flight at once."""
         ...
 
     def close(self) -> None: ...
@@ -197,6 +199,8 @@ class Link:
         self.plans = 0
         self._transfers = 0
         self._schedules: dict[tuple[str, str], _Schedule] = {}
+        #: staging memory of the even and the odd rounds (see _arena)
+        self._arenas = [np.empty(0, np.uint8)] * 2
         self._closed = False
         self._broken = False  # a transfer failed: close() waits for no one
         first = job < peer
@@ -566,66 +570,77 @@ class Link:
         return found
 
     def _send(self, schedule: _Schedule, blocks: dict[str, dict[int, np.ndarray]]) -> None:
-        """Each round packed while the one before is on the wire (two in flight)."""
+        """The free units posted at once; the staged ones round by round, each round packed
+        while the one before is on the wire (two in flight)."""
+
+        def message(q: int, u: _Unit, arena: np.ndarray | None) -> Message:
+            part = blocks[u.name][u.device][_box(u.lo, u.hi)]
+            flat = _flat(part, u.dtype, writable=False)
+            if flat is None:  # packed, cast to the target's dtype
+                flat = _staging(arena, u)
+                flat.view(u.dtype).reshape(u.shape)[...] = part
+            return q, u.tag, flat
+
+        free = self._wire.start([message(q, u, None) for q, u in schedule.free], [])
         waiting: Callable[[], None] | None = None
-        for r in range(schedule.rounds):
-            sends = {}
-            for q, units in schedule.units.items():
-                mine = [u for u in units if u.round == r]
-                if not mine:
-                    continue
-                parts = [blocks[u.name][u.device][_box(u.lo, u.hi)] for u in mine]
-                flat = _flat(parts[0], mine[0].dtype) if len(mine) == 1 else None
-                if flat is not None:  # one run of the block's own memory: sent as it is
-                    sends[q] = flat
-                    continue
-                buf = np.empty(sum(u.nbytes for u in mine), dtype=np.uint8)
-                at = 0
-                for u, part in zip(mine, parts):  # packed, cast to the target's dtype
-                    buf[at : at + u.nbytes].view(u.dtype).reshape(u.shape)[...] = part
-                    at += u.nbytes
-                sends[q] = buf
-            posted = self._wire.start(sends, {}, r)
+        for r, staged in enumerate(schedule.staged):
+            arena = self._arena(r % 2, schedule.arena)
+            posted = self._wire.start([message(q, u, arena) for q, u in staged], [])
             if waiting is not None:
                 waiting()
             waiting = posted
         if waiting is not None:
             waiting()
+        free()
 
     def _receive(self, schedule: _Schedule, blocks: dict[str, dict[int, np.ndarray]]) -> None:
-        """Each round's receives posted before the round before is unpacked (two in flight)."""
+        """The free units posted at once, straight into the target blocks; the staged ones
+        round by round, each round posted before the one before is unpacked (two in
+        flight)."""
 
-        def post(r: int) -> tuple[dict[int, list[_Unit]], dict[int, np.ndarray], set[int], Any]:
-            todo = {q: [u for u in us if u.round == r] for q, us in schedule.units.items()}
-            todo = {q: us for q, us in todo.items() if us}
-            inbox, direct = {}, set()
-            for q, us in todo.items():
-                u = us[0]
-                if len(us) == 1 and len(u.into) == 1:  # straight into the target block
-                    device, lo, hi = u.into[0]
-                    flat = _flat(blocks[u.name][device][_box(lo, hi)], u.dtype)
-                    if flat is not None:
-                        inbox[q] = flat
-                        direct.add(q)
-                        continue
-                inbox[q] = np.empty(sum(u.nbytes for u in us), np.uint8)
-            return todo, inbox, direct, self._wire.start({}, inbox, r)
+        Unpack = list[tuple[_Unit, np.ndarray, int]]
 
-        ahead = post(0) if schedule.rounds else None
-        for r in range(schedule.rounds):
+        def post(units: list[tuple[int, _Unit]], arena: np.ndarray | None) -> tuple[Unpack, Any]:
+            inbox, unpack = [], []
+            for q, u in units:
+                device, lo, hi = u.into[0]  # straight into the first target block
+                flat = _flat(blocks[u.name][device][_box(lo, hi)], u.dtype)
+                if flat is None:
+                    flat = _staging(arena, u)
+                    unpack.append((u, flat, 0))
+                elif len(u.into) > 1:  # then copied into the others
+                    unpack.append((u, flat, 1))
+                inbox.append((q, u.tag, flat))
+            return unpack, self._wire.start([], inbox)
+
+        def unpack(done: Unpack) -> None:
+            for u, buf, first in done:
+                part = buf.view(u.dtype).reshape(u.shape)
+                for device, lo, hi in u.into[first:]:
+                    blocks[u.name][device][_box(lo, hi)] = part
+
+        def post_round(r: int) -> tuple[Unpack, Any] | None:
+            if r >= len(schedule.staged):
+                return None
+            return post(schedule.staged[r], self._arena(r % 2, schedule.arena))
+
+        free_unpack, free = post(schedule.free, None)
+        ahead = post_round(0)
+        for r in range(len(schedule.staged)):
             assert ahead is not None
-            todo, inbox, direct, wait = ahead
-            ahead = post(r + 1) if r + 1 < schedule.rounds else None
+            todo, wait = ahead
+            ahead = post_round(r + 1)  # its arena's round before (r - 1) is unpacked
             wait()
-            for q, us in todo.items():
-                if q in direct:
-                    continue
-                at = 0
-                for u in us:
-                    part = inbox[q][at : at + u.nbytes].view(u.dtype).reshape(u.shape)
-                    at += u.nbytes
-                    for device, lo, hi in u.into:
-                        blocks[u.name][device][_box(lo, hi)] = part
+            unpack(todo)
+        free()
+        unpack(free_unpack)
+
+    def _arena(self, parity: int, size: int) -> np.ndarray:
+        """The staging memory of every other round (``parity``), kept from one transfer to
+        the next (at most ``IN_FLIGHT`` for both) and let go by :meth:`close`."""
+        if self._arenas[parity].size < size:
+            self._arenas[parity] = np.empty(size, np.uint8)
+        return self._arenas[parity]
 
     def close(self) -> None:
         """Leave the link; the process hosting the rendezvous waits (up to the timeout) for
@@ -643,6 +658,7 @@ class Link:
         finally:
             self._stop.set()
             self._wire.close()
+            self._arenas = [np.empty(0, np.uint8)] * 2
 
     def __enter__(self) -> Link:  # noqa: PYI034 - Link is final
         return self
@@ -661,12 +677,29 @@ def _box(lo: tuple[int, ...], hi: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in zip(lo, hi))
 
 
-def _flat(view: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray | None:
-    """``view``'s own bytes as one flat writable uint8 array, where it is one C-order run of
-    ``dtype`` (no copy); else None (it is packed)."""
-    if view.dtype != dtype or not view.flags.c_contiguous or not view.flags.writeable:
+def _flat(view: np.ndarray, dtype: np.dtype[Any], writable: bool = True) -> np.ndarray | None:
+    """``view``'s own bytes as one flat uint8 array, where it is one C-order run of ``dtype``
+    (and writable, if asked: a receive's); else None (it is staged)."""
+    if view.dtype != dtype or not view.flags.c_contiguous:
+        return None
+    if writable and not view.flags.writeable:
         return None
     return view.reshape(-1).view(np.uint8)
+
+
+def _staging(arena: np.ndarray | None, u: _Unit) -> np.ndarray:
+    """Where a staged unit is packed or received: its place in its round's arena (a free
+    unit, always one run at both ends, has none: new memory, should it ever be staged)."""
+    if arena is None:
+        return np.empty(u.nbytes, np.uint8)
+    return arena[u.at : u.at + u.nbytes]
+
+
+def _one_run(sizes: Sequence[int], block: Any) -> bool:
+    """Whether a box of shape ``sizes`` inside a C-order block of shape ``block`` is one
+    stretch of its memory: every dimension after the first one longer than 1 is whole."""
+    first = next((d for d, n in enumerate(sizes) if n > 1), len(sizes))
+    return all(sizes[d] == block[d] for d in range(first + 1, len(sizes)))
 
 
 # -- manifests -------------------------------------------------------------------------------
@@ -737,7 +770,8 @@ def _outgoing(
             layout, held, processes = WHOLE, {0: leaf}, [0]
         else:
             be, layout = found
-            held = {d: np.asarray(b) for d, b in local_shards(leaf, backend=be).items()}
+            # C order (a block laid out otherwise is copied once): the plan's runs assume it
+            held = {d: np.ascontiguousarray(b) for d, b in local_shards(leaf, backend=be).items()}
             processes = be.transport().processes(layout.mesh.device_ids.ravel().tolist())
         if layout.spec.partial:
             raise LinkError(
@@ -833,7 +867,7 @@ def _problem(sent: dict[str, Any], wanted: dict[str, Any], sender: str, receiver
 class _Unit:
     """A run of rows of one piece on its way between one pair of processes."""
 
-    __slots__ = ("device", "dtype", "hi", "into", "lo", "name", "nbytes", "round", "shape")
+    __slots__ = ("at", "device", "dtype", "hi", "into", "lo", "name", "nbytes", "shape", "tag")
 
     def __init__(self) -> None:
         self.name = ""
@@ -843,14 +877,24 @@ class _Unit:
         self.shape: tuple[int, ...] = ()
         self.dtype: np.dtype[Any] = np.dtype(np.uint8)
         self.nbytes = 0
-        self.round = 0
+        #: its message's tag: its place in the pair's stream
+        self.tag = 0
+        #: where it is staged in its round's arena
+        self.at = 0
         #: on the receiver: (device, lo, hi) inside each target block it is written to
         self.into: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
 
 
 class _Schedule:
-    """This process's part of a transfer, computed once per pair of manifests: per peer, the
-    units it sends or receives in stream order with their rounds; and the bytes counted."""
+    """This process's part of a transfer, computed once per pair of manifests: the units it
+    sends or receives with their peers, and the bytes counted.
+
+    A piece that is one stretch of memory in both the sent block and the target block, and
+    needs no cast, is *free*: one message straight from the one into the other, all posted
+    at once (no memory beside the blocks). The others are *staged* (packed by the sender,
+    unpacked by the receiver, or both): cut into runs of rows of at most a pair's share of
+    ``IN_FLIGHT`` and moved in rounds, two in flight. Both sides compute the same units,
+    rounds and tags from the two manifests alone."""
 
     def __init__(
         self, sent: dict[str, Any], wanted: dict[str, Any], link: Link, targets: _Targets | None
@@ -866,9 +910,9 @@ class _Schedule:
         # two rounds in flight, each pair an equal share: at most IN_FLIGHT per process
         budget = max(IN_FLIGHT // (2 * max(s_side.count, r_side.count)), 1)
         #: per peer, in stream order: (target, piece, id offset, run, dtype, the origin of
-        #: the sent block it is cut from: the sender's only)
+        #: the sent block it is cut from, whether it is free)
         streams: dict[
-            int, list[tuple[str, Piece, int, Segment, np.dtype[Any], tuple[int, ...]]]
+            int, list[tuple[str, Piece, int, Segment, np.dtype[Any], tuple[int, ...], bool]]
         ] = {}
         for name, _shape, dtype, layout_doc in wanted["tensors"]:
             source = _decode_source(wanted["sources"].get(name, name))
@@ -911,15 +955,21 @@ class _Schedule:
                 for key, value in the_plan.stats().items():
                     self.stats[key] += value
                 pieces = the_plan.send if is_sender else the_plan.receive
+                casts = _numpy_dtype(by_name[run.name][2]) != want
                 for q, ps in pieces.items():
                     for p in ps:
-                        origin: tuple[int, ...] = ()
-                        if is_sender:
-                            row = int(np.flatnonzero(s_ids == p.source)[0])
-                            origin = tuple(int(x) for x in s_lo[row])
-                        streams.setdefault(q, []).append((name, p, off, run, want, origin))
+                        row = int(np.flatnonzero(s_ids == p.source)[0])
+                        origin = tuple(int(x) for x in s_lo[row])
+                        # the target block it lies in (the same on both sides of the pair)
+                        inside = ((lo_t <= p.start) & (np.asarray(p.stop) <= hi_t)).all(axis=1)
+                        t_row = int(np.flatnonzero(inside)[0])
+                        free = (
+                            not casts
+                            and _one_run(p.shape, s_hi[row] - s_lo[row])
+                            and _one_run(p.shape, t_hi[t_row] - t_lo[t_row])
+                        )
+                        streams.setdefault(q, []).append((name, p, off, run, want, origin, free))
         self.units: dict[int, list[_Unit]] = {}
-        self.rounds = 0
         mine_lo: dict[str, dict[int, tuple[int, ...]]] = {}
         if not is_sender:
             for name, _shape, _dtype, layout_doc in wanted["tensors"]:
@@ -928,14 +978,20 @@ class _Schedule:
                 if ids:
                     lo, _hi = target.shard_bounds(self.shapes[name], ids)
                     mine_lo[name] = {d: tuple(lo[i].tolist()) for i, d in enumerate(ids)}
+        #: the free units (peer, unit), and the staged ones round by round
+        self.free: list[tuple[int, _Unit]] = []
+        self.staged: list[list[tuple[int, _Unit]]] = []
+        #: the bytes of the largest round's arena; each round's staged bytes so far
+        self.arena = 0
+        used: dict[int, int] = {}
         for q, stream in sorted(streams.items()):
-            at = 0
-            units = []
-            for name, p, off, run, want, origin in stream:
+            r, fill = 0, 0  # this pair's round, and its staged bytes so far
+            units: list[_Unit] = []
+            for name, p, off, run, want, origin, free in stream:
                 shape = p.shape
                 rows = shape[0] if shape else 1
                 row_bytes = math.prod(shape[1:]) * want.itemsize if shape else want.itemsize
-                step = max(1, budget // max(row_bytes, 1))
+                step = max(rows, 1) if free else max(1, budget // max(row_bytes, 1))
                 for r0 in range(0, max(rows, 1), step):
                     r1 = min(r0 + step, rows)
                     u = _Unit()
@@ -944,8 +1000,18 @@ class _Schedule:
                     box_hi = (p.start[0] + r1, *p.stop[1:]) if shape else ()
                     u.shape = tuple(b - a for a, b in zip(box_lo, box_hi))
                     u.nbytes = math.prod(u.shape) * want.itemsize
-                    u.round = at // budget
-                    at += u.nbytes
+                    u.tag = len(units)
+                    if free:
+                        self.free.append((q, u))
+                    else:
+                        if fill and fill + u.nbytes > budget:  # the next round
+                            r, fill = r + 1, 0
+                        fill += u.nbytes
+                        self.staged += [[] for _ in range(r + 1 - len(self.staged))]
+                        self.staged[r].append((q, u))
+                        u.at = used.get(r, 0)
+                        used[r] = u.at + u.nbytes
+                        self.arena = max(self.arena, used[r])
                     if is_sender:  # where it lies in the sent block of its device
                         u.name, u.device = run.name, p.source
                         first, last = list(box_lo), list(box_hi)
@@ -966,7 +1032,6 @@ class _Schedule:
                             )
                     units.append(u)
             self.units[q] = units
-            self.rounds = max(self.rounds, max((u.round for u in units), default=-1) + 1)
 
 
 class _Targets:

@@ -1,18 +1,20 @@
 """The engine of ``unimesh.link`` on torch.distributed: a ``TCPStore`` at the link's address is
 the rendezvous, and a ``ProcessGroupGloo`` of both jobs' processes, made from it and apart
-from each job's own default group, moves the byte buffers point to point (``send``/``recv``
-with a tag per round). It works whatever framework each job computes with: the buffers are
+from each job's own default group, moves the byte buffers point to point (``send``/``recv``,
+a tag per message). It works whatever framework each job computes with: the buffers are
 numpy arrays wrapped as CPU tensors, no copy."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .runtime import import_dist, import_torch
+
+if TYPE_CHECKING:
+    from unimesh.link import Message
 
 __all__ = ["GlooEngine", "GlooWire"]
 
@@ -48,19 +50,19 @@ class GlooWire:
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    def start(
-        self, sends: Mapping[int, np.ndarray], receives: Mapping[int, np.ndarray], tag: int
-    ) -> Callable[[], None]:
-        """Post every send and receive (gloo's ``send``/``recv``); the returned call waits
-        for all of them."""
+    def start(self, sends: Sequence[Message], receives: Sequence[Message]) -> Callable[[], None]:
+        """Post every send and receive (gloo's ``send``/``recv``, matched by tag); the
+        returned call waits for all of them."""
         torch = import_torch()
-        works = [
-            self.group.send([torch.from_numpy(buf)], q, tag) for q, buf in sends.items() if buf.size
-        ]
+        with warnings.catch_warnings():  # a read-only block is only read by a send
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            works = [
+                self.group.send([torch.from_numpy(buf)], q, tag)
+                for q, tag, buf in sends
+                if buf.size
+            ]
         works += [
-            self.group.recv([torch.from_numpy(buf)], q, tag)
-            for q, buf in receives.items()
-            if buf.size
+            self.group.recv([torch.from_numpy(buf)], q, tag) for q, tag, buf in receives if buf.size
         ]
 
         def wait() -> None:
