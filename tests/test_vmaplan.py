@@ -171,7 +171,9 @@ def _mlx_graph(body_fn, blocks):  # type: ignore[no-untyped-def]
 
     be = unimesh.get_backend("mlx")
     mesh = unimesh.Mesh.from_string("dp=2,tp=2")
-    tracer = TraceEnv(be, mesh, 0)
+    from unimesh_mlx.graph import BODY_GRAPH
+
+    tracer = TraceEnv(be, BODY_GRAPH, mesh, 0)
     body = Body(body_fn, SpecTree(mesh, unimesh.P(), "out_specs"))
     leaves, treedef = optree.tree_flatten(blocks)
 
@@ -179,7 +181,7 @@ def _mlx_graph(body_fn, blocks):  # type: ignore[no-untyped-def]
         _, outs, _, _ = body.flat(tracer, *optree.tree_unflatten(treedef, given))
         return [be.arrays().asarray(o) for o in outs]
 
-    return be.body_graph(run, leaves), tracer, mx
+    return BODY_GRAPH.trace(run, leaves), tracer, mx
 
 
 def test_mlx_graph_of_the_mlp_step_places_the_hand_written_sums() -> None:

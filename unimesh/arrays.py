@@ -44,6 +44,22 @@ class Arrays:
         """``x`` as numpy (the checked mode compares every process's values)."""
         return np.asarray(x)
 
+    # -- autodiff and a lazy framework's order (the engine's; defaults: numpy's) ------------
+    def needs_grad(self, x: Any) -> bool:
+        """Whether a gradient may flow through ``x`` (False lets the engine skip its
+        gradient rules; numpy has no autodiff)."""
+        return False
+
+    def after(self, x: Any, done: Any) -> Any:
+        """``x``, computed only after ``done`` (lazy frameworks drop a collective whose result
+        is unused on one process, and its peers would wait for it forever; MLX:
+        ``mx.depends``)."""
+        return x
+
+    def evaluate(self, arrays: Sequence[Any]) -> None:
+        """Compute ``arrays`` now, in one call (a lazy framework; MLX: ``mx.eval``): before
+        communication that runs as it is called rather than when evaluated."""
+
 
 #: numpy's operations (the default of :meth:`unimesh.Backend.arrays`)
 NUMPY = Arrays()

@@ -245,14 +245,10 @@ class Backend:
         roots = self.native_modules or (self.framework,)
         return any(cls.__module__.split(".", 1)[0] in roots for cls in type(obj).__mro__)
 
-    def native_code(self, mesh: Mesh) -> str | None:
-        """The native Python that builds ``mesh`` by hand (``unimesh convert --code``, for
-        porting), or None (the default) when the backend writes none. Imports nothing."""
-        return None
-
-    def native_layout_code(self, layout: Layout) -> str | None:
-        """The native Python that builds ``layout`` on the ``mesh`` that :meth:`native_code`
-        defines (``unimesh convert --code --layout``), or None (the default). Imports nothing."""
+    def native_code(self, of: Mesh | Layout) -> str | None:
+        """The native Python that builds a mesh by hand (``unimesh convert --code``, for
+        porting), or a layout on the ``mesh`` that a mesh's code defines (``--layout``); None
+        (the default) when the backend writes none. Imports nothing."""
         return None
 
     def demo_compute(self, array: Any, weight: Any) -> Any:

@@ -77,7 +77,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
 
     def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
         x = self._array(x)
-        if not self.be.needs_grad(x):
+        if not self.xp.needs_grad(x):
             return fwd(x)
         return self._vjp(key, fwd, bwd)(x)
 
@@ -87,7 +87,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         back = plan.sum_axes(site, axes)
         fwd = self._reduction(axes, "sum")
         x = self._array(x)
-        if not self.be.needs_grad(x) or (not back and self.be.sum_derivative_is_identity):
+        if not self.xp.needs_grad(x) or (not back and self.be.sum_derivative_is_identity):
             return fwd(x)  # no rule: the framework's own derivative is the transpose
         # the transpose sums only along the axes where the cotangent can differ (vmaplan)
         bwd = self._summer(back) if back else same
@@ -104,7 +104,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
             back, key = self._summer(axes), ("psum", axes)
         else:
             back, key = self._no_derivative("p" + op, axes), ("p" + op, axes)
-        needs_grad, as_array = self.be.needs_grad, self.xp.asarray
+        needs_grad, as_array = self.xp.needs_grad, self.xp.asarray
 
         def run(x: Any) -> Any:  # _collective, inlined: the step's every reduction comes here
             if isinstance(x, HOST_VALUES):
@@ -128,12 +128,12 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         )
 
     def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
-        comm, be = self.comm, self.be
+        comm = self.comm
         g = comm.group(axes)
 
         def back(ct: Any) -> Any:
             total = comm.all_reduce(ct, g, "sum")
-            return total if g.index == source else be.after(self.xp.zeros_like(total), total)
+            return total if g.index == source else self.xp.after(self.xp.zeros_like(total), total)
 
         return self._collective(
             ("pbroadcast", axes, source), x, axes, lambda v: comm.broadcast(v, g, source), back
@@ -145,7 +145,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         if plan is not None and replicated:
             return self._planned_edge(arg, layout, replicated, plan, self._leaf)
         block, distributed = self._block(arg, layout, replicated)
-        if not distributed or not replicated or not self.be.needs_grad(block):
+        if not distributed or not replicated or not self.xp.needs_grad(block):
             return block
         return self._replicated_edge(replicated)(block)
 
@@ -170,7 +170,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
                 self._edges.clear()
             replicated = tuple(None if lay is None else self.input_plan(lay)[0] for lay in layouts)
             kept = self._edges[id(layouts)] = (layouts, replicated)
-        local_block, needs_grad, device = self.be.local_block, self.be.needs_grad, self.device
+        local_block, needs_grad, device = self.be.local_block, self.xp.needs_grad, self.device
         assert device is not None
         out = []
         for arg, layout, rep in zip(leaves, layouts, kept[1]):
@@ -200,7 +200,12 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         if self.plan is not None:
             return super().leave_all(blocks, layouts, last, shapes)
         be = self.be
-        as_array, after, needs_grad, wrap = self.xp.asarray, be.after, be.needs_grad, be.wrap_result
+        as_array, after, needs_grad, wrap = (
+            self.xp.asarray,
+            self.xp.after,
+            self.xp.needs_grad,
+            be.wrap_result,
+        )
         copies_of = self._out
         out = []
         for block, layout in zip(blocks, layouts):
@@ -237,7 +242,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         gets that rule (the others none)."""
         for leaf, replicated in plan.edges:
             axes = plan.input_axes(leaf, replicated)
-            if axes and self.be.needs_grad(blocks[leaf]):
+            if axes and self.xp.needs_grad(blocks[leaf]):
                 blocks[leaf] = self._vjp(("replicated", axes), same, self._summer(axes))(
                     blocks[leaf]
                 )
@@ -251,7 +256,7 @@ class NoCheckVmaEnv(ProcessAxisEnv):
             copies = self.size(axes) if axes else 1
         else:
             copies = self._copies(layout)
-        if copies == 1 or not self.be.needs_grad(block):
+        if copies == 1 or not self.xp.needs_grad(block):
             return block
         # identity; the result counts once in the gradient
         return self._vjp(("leave", copies), same, _divide(copies))(block)
@@ -289,7 +294,7 @@ class CheckVmaEnv(ProcessAxisEnv):
         vma = vma_of(x) | frozenset(ordered)
         g = comm.group(ordered)
         fn: Fn = same
-        if be.needs_grad(x):
+        if self.xp.needs_grad(x):
             fn = self._vjp(("pvary", ordered), same, lambda ct: comm.all_reduce(ct, g, "sum"))
         return tag(be.unwatched(fn, x), vma)
 
@@ -303,7 +308,7 @@ class CheckVmaEnv(ProcessAxisEnv):
         be = self.be
         x = self._array(x)
         have = vma_of(x)
-        grad = be.needs_grad(x)
+        grad = self.xp.needs_grad(x)
         missing = self._big.intersection(axes) - have
         if missing:
             if grad:
@@ -392,6 +397,6 @@ class CheckVmaEnv(ProcessAxisEnv):
         # copy per device there, each counted in the gradient (JAX's implicit pvary at the
         # boundary: its backward sums the copies' cotangents)
         fans = self._tag(layout) - vma_of(block)
-        if fans and self.be.needs_grad(block):
+        if fans and self.xp.needs_grad(block):
             block = self.pvary(block, fans)
         return block

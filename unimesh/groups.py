@@ -108,7 +108,7 @@ class GroupComm:
             return primitive(x, *args)
         chain = self.chain
         if chain.last is not None:
-            x = self.be.after(x, chain.last)
+            x = self.xp.after(x, chain.last)
         chain.last = out = primitive(x, *args)
         return out
 
@@ -117,7 +117,7 @@ class GroupComm:
         step's reductions call this function, not :meth:`run`)."""
         if not self.be.lazy:
             return lambda x: primitive(x, *args)
-        after = self.be.after
+        after = self.xp.after
         chain = self.chain
 
         def chained(x: Any) -> Any:
@@ -173,7 +173,7 @@ class GroupComm:
         src = sources[g.index]
         every = self.gather_members(x, g)
         if src is None:
-            return self.be.after(self.xp.zeros_like(x), every)
+            return self.xp.after(self.xp.zeros_like(x), every)
         return self.row(every, src)
 
     def broadcast(self, x: Any, g: Group, root: int) -> Any:

@@ -342,7 +342,7 @@ class ProcessAxisEnv(AxisEnv):
         out = []
         for i, (block, layout) in enumerate(zip(blocks, layouts)):
             if last is not None:
-                block = be.after(self.xp.asarray(block), last)
+                block = self.xp.after(self.xp.asarray(block), last)
             block = self.leave(block, layout, i)
             out.append(be.wrap_result(block, layout, global_shape(shapes, layout, block)))
         return out
@@ -374,7 +374,7 @@ class ProcessAxisEnv(AxisEnv):
                 self._slices.clear()
             slices = self._slices[layout, shape] = layout.shard_slices(shape, self.device)
         block = self._array(block)
-        if not self.be.needs_grad(block):
+        if not self.xp.needs_grad(block):
             return block[slices], False
         comm = self.comm
 
@@ -415,7 +415,7 @@ class ProcessAxisEnv(AxisEnv):
             return ct
 
         block = self._array(block)
-        if not self.be.needs_grad(block):
+        if not self.xp.needs_grad(block):
             return self._plain(fwd, block)
         return self._plain(self._vjp(("whole", layout), fwd, bwd), block)
 

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from . import vmaplan
+from .arrays import Arrays
 from .backend import HOOKS, Backend
 from .errors import MeshMismatchError
 from .grad_rules import CheckVmaEnv, NoCheckVmaEnv
@@ -34,7 +35,7 @@ from .layout import Layout
 from .mesh import Mesh
 from .process_env import ProcessAxisEnv
 from .program import Body, Program, SpecTree
-from .vmaplan import Graph
+from .vmaplan import BodyGraph
 
 __all__ = ["ENGINE_REQUIRED", "PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
 
@@ -102,7 +103,17 @@ class ProcessBackend(Backend):
             name = type(self).__name__
             why = "call super().__init__() first (the engine keeps its state there)"
             return [f"{name}.__init__ does not call ProcessBackend.__init__: {why}"]
-        return super().instance_problems()
+        problems = super().instance_problems()
+        if self.lazy:
+            xp = type(self.arrays())
+            lacking = [h for h in ("after", "evaluate") if getattr(xp, h) is getattr(Arrays, h)]
+            if lacking:
+                problems.append(
+                    f"declares lazy = True but its arrays() implement no "
+                    f"{' or '.join(lacking)}: the engine orders a lazy framework's collectives "
+                    "with after, and runs them before a reshard's sends with evaluate"
+                )
+        return problems
 
     @classmethod
     def implements(cls, hook: str) -> bool:
@@ -129,14 +140,6 @@ class ProcessBackend(Backend):
             hook = _PRIMITIVE_HOOK[prim]
             if getattr(cls, hook) is getattr(ProcessBackend, hook):
                 problems.append(f"lists {prim!r} in native_primitives but implements no {hook}")
-        base = _engine_base(cls)
-        lacking = [h for h in ("after", "evaluate") if getattr(cls, h) is getattr(base, h)]
-        if cls.lazy and lacking:
-            problems.append(
-                f"declares lazy = True but implements no {' or '.join(lacking)}: the engine "
-                "orders a lazy framework's collectives with after, and runs them before a "
-                "reshard's sends with evaluate"
-            )
         missing = cls._engine_missing()
         if 0 < len(missing) < len(ENGINE_REQUIRED) and cls.shard_map is ProcessBackend.shard_map:
             problems.append(
@@ -188,16 +191,6 @@ class ProcessBackend(Backend):
     def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
         raise NotImplementedError
 
-    # -- a lazy framework's order (array operations: ``Backend.arrays``) -------------------
-    def after(self, x: Any, done: Any) -> Any:
-        """``x``, computed only after ``done`` (lazy frameworks drop a collective whose result
-        is unused on one process, and its peers would wait for it forever)."""
-        return x
-
-    def evaluate(self, arrays: Sequence[Any]) -> None:
-        """Compute ``arrays`` now (a lazy framework; MLX: ``mx.eval``), in one call: before a
-        step that communicates as it is called rather than when evaluated (:meth:`settle`)."""
-
     def vma_mode(self, env: ProcessAxisEnv) -> Any:
         """With :attr:`check_vma`: a context manager under which every operation the function
         runs tags its array results (:func:`unimesh.grad_rules.tag`) with the union of its array
@@ -208,10 +201,6 @@ class ProcessBackend(Backend):
         with JAX's check_vma=False rules, which give the same values and gradients without
         the tags (and without check_vma's refusals)."""
         raise NotImplementedError
-
-    def needs_grad(self, x: Any) -> bool:
-        """Whether a gradient may flow through ``x`` (False lets the engine skip its rules)."""
-        return True
 
     def unwatched(self, fn: Callable[[Any], Any], x: Any) -> Any:
         """``fn(x)`` unwatched by :meth:`vma_mode` (the engine's own operations)."""
@@ -268,11 +257,11 @@ class ProcessBackend(Backend):
         is already waiting on a receive from it."""
         if not self.lazy:
             return
-        last = self._chain.last
+        last, evaluate = self._chain.last, self.arrays().evaluate
         if last is not None:
-            self.evaluate([last])
+            evaluate([last])
         if arrays:
-            self.evaluate(arrays)
+            evaluate(arrays)
 
     def forget_pending(self) -> None:
         """Drop the engine's references to collective results (a lazy backend's chain), e.g.
@@ -306,24 +295,12 @@ class ProcessBackend(Backend):
             env = envs[key] = rules(self, comm)
         return env
 
-    def plans_vma(self) -> bool:
-        """Whether a program about to run (with JAX's check_vma=False rules) should read its
-        body's graph (:meth:`body_graph`) to sum its cotangents only where check_vma would
-        (:mod:`unimesh.vmaplan`): where the backend can give the graph and a gradient may be
-        taken. Default: never."""
-        return False
-
-    def body_graph(self, run: Callable[[list[Any]], list[Any]], leaves: list[Any]) -> Graph:
-        """The graph of ``run`` (the body on argument leaves, its result leaves as arrays)
-        traced on placeholders shaped as ``leaves``' arrays (other leaves as they are), with
-        each :meth:`vma_marker` found again as the site it stands for."""
-        raise NotImplementedError
-
-    def vma_marker(self, site: int, x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-        """While :meth:`body_graph` traces: an array of ``shape`` and ``dtype`` (None: an
-        integer scalar) computed from ``x`` (None: from nothing) by an operation the graph
-        shows as collective ``site``."""
-        raise NotImplementedError
+    def graph(self) -> BodyGraph | None:
+        """Where a program about to run (with JAX's check_vma=False rules) should read its
+        body's graph to sum its cotangents only where check_vma would
+        (:mod:`unimesh.vmaplan`): the object that traces it, when the backend can give the
+        graph and a gradient may be taken. Default: None (never)."""
+        return None
 
 
 class _Program(Program):
@@ -372,11 +349,8 @@ class _Program(Program):
         # a program inside a program's body continues the caller's chain: the caller's
         # collectives before it stay in the graph (a peer may use their results where this
         # process does not) and every process runs the two programs' collectives in one order
-        plan = env.plan = (
-            vmaplan.VmaPlan()
-            if not env.check_vma and self.body.manual is None and self.be.plans_vma()
-            else None
-        )
+        graph = None if env.check_vma or self.body.manual is not None else self.be.graph()
+        plan = env.plan = None if graph is None else vmaplan.VmaPlan(graph=graph)
         chain.depth += 1
         try:
             return self._run(env, mode, plan, leaves, treedef, layouts)

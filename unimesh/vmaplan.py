@@ -39,17 +39,19 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import UnimeshError
 from .layout import Layout
 from .program import AxisEnv, Body
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .mesh import Mesh
     from .primitives import Primitives
 
-__all__ = ["Graph", "PlanError", "Site", "TraceEnv", "VmaPlan", "shape_after", "trace"]
+__all__ = ["BodyGraph", "Graph", "PlanError", "Site", "TraceEnv", "VmaPlan", "shape_after", "trace"]
 
 #: collectives whose result is invariant along their axes (the rest vary along them)
 INVARIANT = frozenset({"psum", "pmax", "pmin", "all_gather_invariant", "pbroadcast"})
@@ -108,6 +110,8 @@ class VmaPlan:
     entered: int = 0
     #: (argument leaf, axes it is replicated along) of the edges waiting for the solution
     edges: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
+    #: the backend's tracer of the body's graph (``ProcessBackend.graph``)
+    graph: Any = None
 
     # -- the engine's questions --------------------------------------------------------------
     def input_axes(self, leaf: int, replicated: tuple[str, ...]) -> tuple[str, ...]:
@@ -313,15 +317,32 @@ def shape_after(
 TRACING: ContextVar[bool] = ContextVar("unimesh_vma_tracing", default=False)
 
 
+class BodyGraph(Protocol):
+    """What a backend that plans a program's sums from its body's graph gives
+    (``ProcessBackend.graph``)."""
+
+    def trace(self, run: Callable[[list[Any]], list[Any]], leaves: list[Any]) -> Graph:
+        """The graph of ``run`` (the body on argument leaves, its result leaves as arrays)
+        traced on placeholders shaped as ``leaves``' arrays (other leaves as they are), with
+        each :meth:`marker` found again as the site it stands for."""
+        ...
+
+    def marker(self, site: int, x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        """While :meth:`trace` runs: an array of ``shape`` and ``dtype`` (None: an integer
+        scalar) computed from ``x`` (None: from nothing) by an operation the graph shows as
+        collective ``site``."""
+        ...
+
+
 class TraceEnv(AxisEnv):
     """The collectives while a body is traced for its graph: each is a marker the backend
-    can find in the graph again (``ProcessBackend.vma_marker``), of the shape and dtype the
+    can find in the graph again (:meth:`BodyGraph.marker`), of the shape and dtype the
     collective gives; ``axis_index`` too (an array varying along its axes, where the engine
     gives an int)."""
 
-    def __init__(self, be: Primitives, mesh: Mesh, device: int | None) -> None:
+    def __init__(self, be: Primitives, graph: BodyGraph, mesh: Mesh, device: int | None) -> None:
         super().__init__(mesh, device)
-        self.be = be
+        self.be, self.graph = be, graph
         self.sites: list[Site] = []
         #: per collective: whether it took an array
         self.fed: list[bool] = []
@@ -333,11 +354,11 @@ class TraceEnv(AxisEnv):
         self.sites.append(Site(op, axes))
         self.fed.append(x is not None)
         if x is None:
-            return self.be.vma_marker(k, None, (), None)
+            return self.graph.marker(k, None, (), None)
         if not hasattr(x, "shape"):
             x = self.be.arrays().asarray(x)
         shape = shape_after(op, tuple(int(d) for d in x.shape), self.size(axes), dims, tiled)
-        return self.be.vma_marker(k, x, shape, x.dtype)
+        return self.graph.marker(k, x, shape, x.dtype)
 
     def psum(self, x: Any, axes: tuple[str, ...]) -> Any:
         return self._mark("psum", axes, x)
@@ -401,7 +422,7 @@ def trace(
     be had, ``plan`` keeps the check_vma=False rules and says why (:attr:`VmaPlan.reason`)."""
     import optree
 
-    tracer = TraceEnv(be, mesh, device)
+    tracer = TraceEnv(be, plan.graph, mesh, device)
     seen: list[tuple[Layout, ...]] = []
 
     def run(leaves: list[Any]) -> list[Any]:
@@ -412,7 +433,7 @@ def trace(
 
     token = TRACING.set(True)
     try:
-        graph = be.body_graph(run, blocks)
+        graph = plan.graph.trace(run, blocks)
     except Exception as exc:  # noqa: BLE001 - any failure keeps the unchecked rules, e.g. the body evaluates
         plan.reason = f"{type(exc).__name__}: {exc}"[:300]
         return

@@ -290,10 +290,13 @@ class JaxTranslator(JaxRuntime):
                 capability="distribute",
             )
 
-    def native_code(self, mesh: Mesh) -> str:
+    def native_code(self, of: Mesh | Layout) -> str:
         """``jax.make_mesh`` where the devices are in the default order, else
         ``jax.sharding.Mesh`` over the devices in unimesh's order (by process, then id); the axis
-        types spelled out, as to_native gives them."""
+        types spelled out, as to_native gives them. A layout: :meth:`_layout_code`."""
+        if isinstance(of, Layout):
+            return self._layout_code(of)
+        mesh = of
         names = tuple(mesh.axis_names)
         kinds = [_TYPES[t] for t in mesh.axis_types] if mesh.axis_types else ["Auto"] * mesh.ndim
         types = (
@@ -321,7 +324,7 @@ class JaxTranslator(JaxRuntime):
             f"[np.array({mesh.device_ids.tolist()})], {names}, axis_types={types})"
         )
 
-    def native_layout_code(self, layout: Layout) -> str:
+    def _layout_code(self, layout: Layout) -> str:
         """``NamedSharding(mesh, P(...))``."""
         self._spec(layout)  # what to_native refuses, this refuses too
         parts = [repr(e) for e in layout.spec]

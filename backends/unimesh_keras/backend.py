@@ -182,9 +182,12 @@ class KerasBackend(Backend):
         self._require_distribution("distribute()")
         return _kd().distribute_tensor(array, self.layout_to_native(layout, **options))
 
-    def native_code(self, mesh: Mesh) -> str:
+    def native_code(self, of: Mesh | Layout) -> str:
         """``keras.distribution.DeviceMesh`` over ``list_devices()``, reordered to unimesh's
-        order only where the ids are not in the default order."""
+        order only where the ids are not in the default order. A layout: :meth:`_layout_code`."""
+        if isinstance(of, Layout):
+            return self._layout_code(of)
+        mesh = of
         head = "import keras\n"
         if mesh.is_default_order:
             return (
@@ -199,7 +202,7 @@ class KerasBackend(Backend):
             f"devices=np.array(devices, dtype=object)[np.array({mesh.device_ids.tolist()})])"
         )
 
-    def native_layout_code(self, layout: Layout) -> str:
+    def _layout_code(self, layout: Layout) -> str:
         """``keras.distribution.TensorLayout(axes, mesh)``."""
         return (
             f"layout = keras.distribution.TensorLayout({list(layout.spec)!r}, mesh)\n"

@@ -12,14 +12,14 @@ import numpy as np
 from unimesh import ConversionError, Layout, LayoutError, Mesh, PartitionSpec, UnsupportedError
 from unimesh.messages import short
 from unimesh.parallel import host_float
-from unimesh.vmaplan import Graph, PlanError
 
 from . import tracing
 from .compiled import compiled
+from .graph import BODY_GRAPH, MLXGraph
 from .process import PROCESS, Split
 from .runtime import host_to_mx, import_mx, mx_to_host
 from .tracing import RULES, TRACING
-from .translate import MLXArray, MLXMesh, MLXTranslator, fresh, is_fresh
+from .translate import MLXArray, MLXMesh, MLXTranslator, fresh
 from .transport import MLX_ARRAYS, MLXArrays, MLXTransport
 
 
@@ -61,12 +61,6 @@ class MLXPrograms(MLXTranslator):
 
     def transport(self) -> MLXTransport:
         return MLXTransport(self)
-
-    def after(self, x: Any, done: Any) -> Any:
-        return import_mx().depends(x, done)
-
-    def evaluate(self, arrays: Any) -> None:
-        import_mx().eval(*arrays)
 
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:
         function = import_mx().custom_function(fwd)
@@ -111,95 +105,15 @@ class MLXPrograms(MLXTranslator):
             return unimesh.reshard(arg, layout).local, False
         return (arg if isinstance(arg, mx.array) else fresh(host_to_mx(arg))), True
 
-    def needs_grad(self, x: Any) -> bool:
-        """Whether an MLX transform may trace ``x`` (:func:`.tracing.make_probe`); where this MLX
-        cannot be asked, False only for an array made from host data (an argument's block
-        from ``distribute`` or numpy)."""
-        if RULES.forward_only:
-            return False
-        probe = tracing.tracer_probe()
-        return not is_fresh(x) if probe is None else probe(x)
-
     def wrap_result(self, block: Any, layout: Layout, shape: tuple[int, ...]) -> Any:
         return MLXArray(block, layout, shape)
 
-    def plans_vma(self) -> bool:
+    def graph(self) -> MLXGraph | None:
         """While ``unimesh.compile`` traces a step that may take a gradient: MLX traces it
         once per argument signature, and the plan is made once per trace (the same caching
         as ``mx.compile``'s). Eager calls keep JAX's check_vma=False rules: a plan kept
         across eager calls could miss Python state that changed between them."""
-        return TRACING.compiling and not RULES.forward_only
-
-    def body_graph(self, run: Any, leaves: list[Any]) -> Graph:
-        """The body's graph from ``mx.export_function`` with a callback (MLX hands it every
-        input, constant and primitive with the names of the arrays it takes and makes). A body
-        that draws from MLX's global random state draws once more here (MLX 0.32 gives no way
-        to put its key back), once per trace."""
-        mx = import_mx()
-        at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, mx.array)]
-        examples = [mx.zeros(leaves[i].shape, leaves[i].dtype) for i in at]
-
-        def fn(*arrays: Any) -> Any:
-            given = list(leaves)
-            for i, a in zip(at, arrays):
-                given[i] = a
-            return run(given)
-
-        events: list[dict[str, Any]] = []
-        mx.export_function(events.append, fn, *examples)
-        inputs: list[str | None] = [None] * len(leaves)
-        outputs: list[str] = []
-        tags: dict[str, int] = {}
-        constants: set[str] = set()
-        closed: set[str] = set()
-        for event in events:  # the inputs, outputs and constants first, wherever they come
-            kind = event["type"]
-            if kind == "inputs":
-                for i, (name, *_) in zip(at, event["inputs"]):
-                    inputs[i] = name
-            elif kind == "outputs":
-                outputs = [name for name, *_ in event["outputs"]]
-            elif kind == "constants":
-                for name, value in event["constants"]:
-                    constants.add(name)
-                    if (
-                        value.dtype == mx.int32
-                        and value.shape == (3,)
-                        and tuple(value[:2].tolist()) == _MARK
-                    ):
-                        tags[name] = int(value[2].item())
-                    elif value.size > 1 and mx.issubdtype(value.dtype, mx.inexact):
-                        # an array the body closes over, which a transform around the program
-                        # may differentiate (MLX hands the callback a copy: whether it is
-                        # traced cannot be asked; what it is computed from is in the graph);
-                        # a 0-d constant is a number written in the body
-                        closed.add(name)
-        ops: list[tuple[tuple[str, ...], tuple[str, ...], int | None]] = []
-        for event in events:
-            if event["type"] != "primitive":
-                continue
-            name = event["name"]
-            if name in _DISTRIBUTED:
-                raise PlanError(f"the body calls MLX's {name} itself")
-            ins = tuple(n for n, *_ in event["inputs"])
-            outs = tuple(n for n, *_ in event["outputs"])
-            marks = [tags[n] for n in ins if n in tags]
-            if len(marks) > 1:
-                raise PlanError(f"one {name} takes the marks of collectives {marks}")
-            ins = tuple(n for n in ins if n not in tags)
-            ops.append((ins, outs, marks[0] if marks else None))
-        return Graph(
-            inputs, ops, outputs, frozenset(constants), frozenset(closed), frozenset(tags.values())
-        )
-
-    def vma_marker(self, site: int, x: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-        """``x``'s link to an operation on a constant that names ``site`` (found by
-        :meth:`body_graph`), broadcast to the collective's result."""
-        mx = import_mx()
-        tag = mx.array([*_MARK, site], dtype=mx.int32)
-        link = mx.array(0, mx.int32) if x is None else mx.sum(mx.equal(x, x).astype(mx.int32))
-        mark = tag + link  # the one operation that takes the tag
-        return mx.broadcast_to(mark[0].astype(dtype or mx.int32), shape)
+        return BODY_GRAPH if TRACING.compiling and not RULES.forward_only else None
 
     def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
         """``mx.value_and_grad`` over the local blocks of :class:`MLXArray` arguments (and the
@@ -381,12 +295,6 @@ class MLXPrograms(MLXTranslator):
             for name, value in values.items()
         ]
         model.update(tree_unflatten(items))
-
-
-#: the first two values of a constant that marks a collective in a traced body's graph
-_MARK = (-1_912_731, 55_527)
-#: MLX's distributed primitives: a body calling them itself is not planned
-_DISTRIBUTED = frozenset({"AllReduce", "AllGather", "Send", "Recv", "ReduceScatter", "AllToAll"})
 
 
 def _mlx_module(model: Any) -> None:

@@ -285,9 +285,8 @@ class MLXTranslator(MLXRuntime):
                 backend=self.name,
                 capability="reshard",
             )
-        traced = getattr(self, "needs_grad", None)
         local = array.local if isinstance(array, MLXArray) else array
-        if traced is not None and traced(local):
+        if self.arrays().needs_grad(local):
             refuse_gradient_of_extreme(self.name, source)
 
     def move_with_gradient(
@@ -316,8 +315,12 @@ class MLXTranslator(MLXRuntime):
         moved = function([blocks[d] for d in devices])
         return dict(zip(box["out"], moved))
 
-    def native_code(self, mesh: Mesh) -> str:
-        """``mx.distributed.init()`` and a ``world.split`` per mesh axis."""
+    def native_code(self, of: Mesh | Layout) -> str:
+        """``mx.distributed.init()`` and a ``world.split`` per mesh axis. A layout:
+        :meth:`_layout_code`."""
+        if isinstance(of, Layout):
+            return self._layout_code(of)
+        mesh = of
         lines = [
             "import mlx.core as mx\n",
             "world = mx.distributed.init()  # one process per device",
@@ -337,7 +340,7 @@ class MLXTranslator(MLXRuntime):
         )
         return "\n".join(lines)
 
-    def native_layout_code(self, layout: Layout) -> str:
+    def _layout_code(self, layout: Layout) -> str:
         """MLX has no layout object: a function giving each rank its block of a global array
         (nested ``torch.chunk`` splits, the reference), used with ``world.rank()``."""
         spec = [

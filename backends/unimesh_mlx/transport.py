@@ -13,9 +13,11 @@ from unimesh.arrays import Arrays
 from unimesh.transfer import same_blocks
 from unimesh.transport import Transport
 
+from . import tracing
 from .process import PROCESS
 from .runtime import host_to_mx, import_mx, mx_to_host
-from .translate import MLXArray, MLXTranslator
+from .tracing import RULES
+from .translate import MLXArray, MLXTranslator, is_fresh
 
 __all__ = ["MLX_ARRAYS", "MLXArrays", "MLXTransport"]
 
@@ -50,6 +52,21 @@ class MLXArrays(Arrays):
 
     def to_host(self, x: Any) -> np.ndarray:
         return mx_to_host(x)
+
+    def needs_grad(self, x: Any) -> bool:
+        """Whether an MLX transform may trace ``x`` (:func:`.tracing.make_probe`); where this MLX
+        cannot be asked, False only for an array made from host data (an argument's block
+        from ``distribute`` or numpy)."""
+        if RULES.forward_only:
+            return False
+        probe = tracing.tracer_probe()
+        return not is_fresh(x) if probe is None else probe(x)
+
+    def after(self, x: Any, done: Any) -> Any:
+        return import_mx().depends(x, done)
+
+    def evaluate(self, arrays: Sequence[Any]) -> None:
+        import_mx().eval(*arrays)
 
 
 #: the one instance (it holds nothing)

@@ -308,8 +308,12 @@ class TensorFlowBackend(Backend):
         replicated = dtensor.Layout.replicated(native.mesh, rank=len(tensor.shape))
         return dtensor.relayout(dtensor.copy_to_mesh(tensor, replicated), native)
 
-    def native_code(self, mesh: Mesh) -> str:
-        """``dtensor.Mesh`` with global ids 0..N-1 over the local devices in unimesh's order."""
+    def native_code(self, of: Mesh | Layout) -> str:
+        """``dtensor.Mesh`` with global ids 0..N-1 over the local devices in unimesh's order.
+        A layout: :meth:`_layout_code`."""
+        if isinstance(of, Layout):
+            return self._layout_code(of)
+        mesh = of
         n, flat = mesh.size, mesh.device_ids.ravel().tolist()
         return (
             "import numpy as np\nfrom tensorflow.experimental import dtensor\n\n"
@@ -319,7 +323,7 @@ class TensorFlowBackend(Backend):
             f"{mesh.shape}), list(range({n})), local)"
         )
 
-    def native_layout_code(self, layout: Layout) -> str:
+    def _layout_code(self, layout: Layout) -> str:
         """``dtensor.Layout(sharding specs, mesh)``, ``UNSHARDED`` for a replicated dim."""
         specs = ", ".join("dtensor.UNSHARDED" if e is None else repr(e) for e in layout.spec)
         return (

@@ -5,7 +5,6 @@ groups (DeviceMesh groups), DTensors in and out, JAX's check_vma gradient rules 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,14 +26,7 @@ from .autograd import (
 from .compiled import compiling, funcol, real_mesh, traced_permute
 from .runtime import import_dist, import_torch
 from .translate import TorchLayout, TorchTranslator, global_stride, to_host
-
-
-@functools.cache
-def _hot() -> tuple[Callable[[], bool], Any]:
-    """torch's functions that the engine calls for every collective (``is_grad_enabled``,
-    ``DisableTorchFunction``), looked up once torch is imported."""
-    torch = import_torch()
-    return torch.is_grad_enabled, torch._C.DisableTorchFunction
+from .transport import hot
 
 
 class TorchPrograms(TorchTranslator):
@@ -170,9 +162,6 @@ class TorchPrograms(TorchTranslator):
         import_dist().broadcast(out, src=group.members[root], group=group.pg)
         return out
 
-    def needs_grad(self, x: Any) -> bool:
-        return bool(x.requires_grad) and _hot()[0]()
-
     def vma_mode(self, env: Any) -> Any:
         """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
         axes of variation and passes a gradient-carrying argument that lacks some of them
@@ -184,7 +173,7 @@ class TorchPrograms(TorchTranslator):
         return vma_mode()(env)
 
     def unwatched(self, fn: Any, x: Any) -> Any:
-        with _hot()[1]():
+        with hot()[1]():
             return fn(x)
 
     def custom_vjp(self, fwd: Any, bwd: Any) -> Any:

@@ -448,9 +448,12 @@ class TorchTranslator(TorchReshard):
         return {import_dist().get_rank(): view}
 
     # -- live reshard: unimesh.reshard's transport on torch.distributed ------------------------
-    def native_code(self, mesh: Mesh) -> str:
+    def native_code(self, of: Mesh | Layout) -> str:
         """``init_device_mesh`` where the ranks are in the default order, else ``DeviceMesh``
-        over the rank tensor; every rank runs it."""
+        over the rank tensor; every rank runs it. A layout: :meth:`_layout_code`."""
+        if isinstance(of, Layout):
+            return self._layout_code(of)
+        mesh = of
         head = (
             "# every rank runs this under torchrun, after torch.distributed.init_process_group\n"
             '# ("cpu" with gloo; "cuda" with nccl)\n'
@@ -470,7 +473,7 @@ class TorchTranslator(TorchReshard):
             f"mesh_dim_names={names})"
         )
 
-    def native_layout_code(self, layout: Layout) -> str:
+    def _layout_code(self, layout: Layout) -> str:
         """DTensor placements, one per mesh dim, for ``distribute_tensor``."""
         text = []
         for p in layout.placements():

@@ -7,8 +7,9 @@ reverse move (:class:`TorchReshard`, the backend's hooks)."""
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,14 @@ __all__ = ["TorchArrays", "TorchReshard", "TorchTransport"]
 #: ``batch_isend_irecv`` (NCCL creates its communicator there), and a rank may have nothing to
 #: exchange in a round
 _P2P_READY: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@functools.cache
+def hot() -> tuple[Callable[[], bool], Any]:
+    """torch's functions that the engine calls for every collective (``is_grad_enabled``,
+    ``DisableTorchFunction``), looked up once torch is imported."""
+    torch = import_torch()
+    return torch.is_grad_enabled, torch._C.DisableTorchFunction
 
 
 class TorchArrays(Arrays):
@@ -64,6 +73,9 @@ class TorchArrays(Arrays):
 
     def to_host(self, x: Any) -> np.ndarray:
         return x.detach().cpu().numpy()  # type: ignore[no-any-return]
+
+    def needs_grad(self, x: Any) -> bool:
+        return bool(x.requires_grad) and hot()[0]()
 
 
 class TorchTransport(Transport):

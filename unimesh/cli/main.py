@@ -167,7 +167,7 @@ def _convert(args: argparse.Namespace) -> int:
             )
         if layout is not None:
             require_layout(be, layout)
-            layout_code = be.native_layout_code(layout)
+            layout_code = be.native_code(layout)
             if layout_code is None:
                 raise UnimeshError(f"backend {args.to!r} writes no native code for a layout")
             code = _join_code(code, layout_code)

@@ -92,7 +92,10 @@ class ExampleBackend(ProcessBackend):
         return ExampleArray(self.layout_to_native(layout), dict(blocks), shape)
 
     # -- what the command line and the docs ask of a backend --------------------------------------
-    def native_code(self, mesh: Mesh) -> str:
+    def native_code(self, of: Mesh | Layout) -> str | None:
+        if isinstance(of, Layout):
+            return None  # no layout object to write
+        mesh = of
         return (
             "import numpy as np\nfrom unimesh_example.backend import ExampleMesh\n\n"
             f"mesh = ExampleMesh(np.array({mesh.device_ids.tolist()}), "
@@ -181,10 +184,7 @@ class ThreadedExampleBackend(ExampleBackend):
     def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
         return self.arrays().reduce(self.group_all_gather(x, group), op)
 
-    # array operations: numpy's, the default (Backend.arrays)
-    def needs_grad(self, x: Any) -> bool:
-        return False
-
+    # array operations: numpy's, the default (Backend.arrays; no autodiff)
     def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
         if isinstance(arg, ExampleArray):
             if self.from_native(arg.layout) == layout:
