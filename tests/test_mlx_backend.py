@@ -74,7 +74,7 @@ def test_gradient_rules_only_where_a_transform_traces(monkeypatch):  # type: ign
     probe = tracing.make_probe()
     assert probe is not None, "the self-test failed on this MLX: the probe is off"
     constant = mx.ones((2, 2)) * 3
-    assert not be.needs_grad(constant) and not be.needs_grad(mx.ones(2) + 1)
+    assert not be.arrays().needs_grad(constant) and not be.arrays().needs_grad(mx.ones(2) + 1)
     assert probe("not an array") and probe(np.ones(2))  # cannot say: may be traced
     for transform in (
         lambda f, a: mx.grad(f)(a),
@@ -86,7 +86,7 @@ def test_gradient_rules_only_where_a_transform_traces(monkeypatch):  # type: ign
         seen: list[tuple[bool, ...]] = []
 
         def loss(a, seen=seen):  # type: ignore[no-untyped-def]
-            seen.append(tuple(map(be.needs_grad, (a, a * 2, constant, constant + 1))))
+            seen.append(tuple(map(be.arrays().needs_grad, (a, a * 2, constant, constant + 1))))
             return (a * constant).sum()
 
         transform(loss, mx.ones((2, 2)))
@@ -95,7 +95,7 @@ def test_gradient_rules_only_where_a_transform_traces(monkeypatch):  # type: ign
 
     def outer(a):  # type: ignore[no-untyped-def]
         def inner(b):  # type: ignore[no-untyped-def]
-            nested.append((be.needs_grad(a), be.needs_grad(b)))
+            nested.append((be.arrays().needs_grad(a), be.arrays().needs_grad(b)))
             return (b * a).sum()
 
         return mx.grad(inner)(a * 1.0).sum()
@@ -117,24 +117,26 @@ def test_gradient_rules_without_the_probe(monkeypatch):  # type: ignore[no-untyp
     monkeypatch.setattr(tracing, "tracer_probe", lambda: None)
     be = unimesh.get_backend("mlx")
     shard = unimesh.distribute(np.ones((2, 2), np.float32), Layout(ONE, P()), "mlx")
-    assert not be.needs_grad(shard.local)
-    assert be.needs_grad(shard.local * 2) and be.needs_grad(mx.ones(2))
+    assert not be.arrays().needs_grad(shard.local)
+    assert be.arrays().needs_grad(shard.local * 2) and be.arrays().needs_grad(mx.ones(2))
     seen: list[bool] = []
 
     def loss(a):  # type: ignore[no-untyped-def]
-        seen.append(be.needs_grad(a))
+        seen.append(be.arrays().needs_grad(a))
         return (a * a).sum()
 
     grad = mx.grad(loss)(shard.local)
     assert seen == [True]
     np.testing.assert_array_equal(np.array(grad), 2 * np.ones((2, 2)))
     kept = mx.ones((2, 2))
-    assert be.needs_grad(unimesh.from_local({0: kept}, Layout(ONE, P()), (2, 2), "mlx").local)
+    assert be.arrays().needs_grad(
+        unimesh.from_local({0: kept}, Layout(ONE, P()), (2, 2), "mlx").local
+    )
     made = unimesh.from_local({0: np.ones((2, 2))}, Layout(ONE, P()), (2, 2), "mlx")
-    assert not be.needs_grad(made.local)
+    assert not be.arrays().needs_grad(made.local)
     key = id(made.local)
     del made, shard
-    assert all(be.needs_grad(mx.zeros(1)) for _ in range(100))  # ids reused: never fresh
+    assert all(be.arrays().needs_grad(mx.zeros(1)) for _ in range(100))  # ids reused: never fresh
     from unimesh_mlx.translate import _FRESH
 
     assert key not in _FRESH
