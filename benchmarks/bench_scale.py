@@ -42,7 +42,7 @@ import numpy as np
 
 import unimesh
 from unimesh import Layout, Mesh, P
-from unimesh.spmd import ProcessBackend
+from unimesh.spmd import ProcessBackend, ProcessGroup
 
 SHAPE = (64, 64, 16, 16)
 NAMES = ("dp", "fsdp", "cp", "tp")
@@ -252,6 +252,21 @@ def fixed_cost(rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+class _SimulatedGroup(ProcessGroup):
+    """A group of ``size`` simulated processes, each holding what this one holds."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def all_reduce(self, x: Any, op: str) -> Any:
+        return x * self.size if op == "sum" else x
+
+    def all_gather(self, x: Any) -> Any:
+        return np.stack([x] * self.size)
+
+
 class Simulated(ProcessBackend):
     """One process of a mesh whose collectives are simulated (for :func:`engine_scale`)."""
 
@@ -259,6 +274,7 @@ class Simulated(ProcessBackend):
     framework = "numpy"
     features = frozenset({"tuple_axes"})
     native_primitives = frozenset({"all_reduce", "all_gather", "split"})
+    group_type = _SimulatedGroup
 
     def __init__(self, device: int) -> None:
         super().__init__()
@@ -280,13 +296,7 @@ class Simulated(ProcessBackend):
         return None
 
     def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: Any, row: int) -> Any:
-        return len(rows[row])  # the handle: the group's size
-
-    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        return x * group if op == "sum" else x
-
-    def group_all_gather(self, x: Any, group: Any) -> Any:
-        return np.stack([x] * group)
+        return _SimulatedGroup(len(rows[row]))
 
     def needs_grad(self, x: Any) -> bool:
         return False

@@ -393,13 +393,31 @@ def test_registration_names_every_break_of_the_contract():
     assert unimesh.backends() == before
 
 
+def _group_type(*ops: str) -> type:
+    """A group class implementing the collectives ``ops`` (none is called in these tests)."""
+    from unimesh.spmd import ProcessGroup
+
+    return type("G", (ProcessGroup,), {op: _hook(op) for op in ops})
+
+
 def test_a_process_backend_gets_shard_map_only_with_the_engine_primitives():
     from unimesh.spmd import ENGINE_REQUIRED, ProcessBackend
 
     base = {"mesh_to_native": _hook("m"), "from_native": _hook("f"), "framework": "numpy"}
     bare = type("Bare", (ProcessBackend,), {**base, "name": "pbare"})
     assert "shard_map" not in bare.capabilities and bare.contract_problems() == []
-    engine = {h: _hook(h) for h in ENGINE_REQUIRED}
+    hooks = {h: _hook(h) for h in ENGINE_REQUIRED}
+    # the collectives are methods of the backend's group class, all_reduce and all_gather
+    # required (issue 69): without them, no shard_map
+    groupless = type("Groupless", (ProcessBackend,), {**base, **hooks, "name": "pgroupless"})
+    assert "shard_map" not in groupless.capabilities
+    assert groupless.contract_problems() == [
+        (
+            "implements part of the engine's primitives but not group_type.all_reduce, "
+            "group_type.all_gather: shard_map needs all of them"
+        )
+    ]
+    engine = {**hooks, "group_type": _group_type("all_reduce", "all_gather")}
     full = type("Full", (ProcessBackend,), {**base, **engine, "name": "pfull"})
     assert "shard_map" not in full.capabilities  # full_array is the other half of the layer
     assert full.contract_problems() == [
@@ -425,6 +443,19 @@ def test_a_process_backend_gets_shard_map_only_with_the_engine_primitives():
     assert liar.contract_problems() == [
         "lists 'split' in native_primitives but implements no split_group"
     ]
+    liar = type(
+        "Liar",
+        (ProcessBackend,),
+        {
+            **base,
+            **engine,
+            "full_array": _hook("fa"),
+            "native_primitives": frozenset({"all_reduce", "all_gather", "permute"}),
+        },
+    )
+    assert liar.contract_problems() == [
+        "lists 'permute' in native_primitives but its group_type G implements no permute"
+    ]
     # a lazy framework: its collectives ordered with after, run before a reshard's sends
     # (array operations: its arrays() must give both)
     from unimesh.arrays import Arrays
@@ -446,6 +477,7 @@ def test_a_process_backend_whose_init_skips_the_engine_is_refused_naming_the_fix
     from unimesh.spmd import ENGINE_REQUIRED, ProcessBackend
 
     hooks = {h: _hook(h) for h in (*ENGINE_REQUIRED, "full_array")}
+    hooks["group_type"] = _group_type("all_reduce", "all_gather")
     base = {"mesh_to_native": _hook("m"), "from_native": _hook("f"), "framework": "numpy"}
 
     def skips(self):  # type: ignore[no-untyped-def]
@@ -481,7 +513,9 @@ def test_the_contract_table_names_every_hook_once_and_nothing_else():
         n
         for cls in (Backend, ProcessBackend)
         for n, v in vars(cls).items()
-        if not n.startswith("_") and (callable(v) or isinstance(v, (property, classmethod)))
+        if not n.startswith("_")
+        and not isinstance(v, type)  # a declaration (ProcessBackend.group_type)
+        and (callable(v) or isinstance(v, (property, classmethod)))
     }
     assert public - set(names) - HELPERS == set(), "methods neither in HOOKS nor HELPERS"
     assert set(names) - public == set(), "rows of HOOKS no class defines"
@@ -507,8 +541,15 @@ def test_the_contract_table_names_every_hook_once_and_nothing_else():
     # combine and writable_block, whose work the core does (issue 67, item 4): 72; less the
     # reshard's eight transport hooks and the engine's six array hooks, for two objects of
     # their own (Backend.transport, Backend.arrays), issue 67 item 4: 60; less vma_of and
-    # tag (an attribute the core reads and writes) and vma_watched (vma_mode's None): 57;
-    # less after, evaluate and needs_grad, array operations (Backend.arrays): 54; plans_vma,
-    # body_graph and vma_marker as one object (ProcessBackend.graph): 52; native_code of a
-    # mesh or a layout (was native_layout_code too): 51
-    assert len(HOOKS) == 51
+    # tag (an attribute the core reads and writes) and vma_watched (vma_mode's None): 57; less
+    # the six group_* collectives, methods of the group world_group and split_group return
+    # (unimesh.spmd.ProcessGroup), issue 69 item 1: 51; less after, evaluate and needs_grad,
+    # array operations (Backend.arrays): 48; plans_vma, body_graph and vma_marker as one
+    # object (ProcessBackend.graph): 46; native_code of a mesh or a layout (was
+    # native_layout_code too): 45
+    assert len(HOOKS) == 45
+    # the group's collectives: the engine's primitives, less split
+    from unimesh.spmd import PRIMITIVES, ProcessGroup
+
+    ops = {n for n, v in vars(ProcessGroup).items() if not n.startswith("_")}
+    assert ops - {"has"} == set(PRIMITIVES) - {"split"}

@@ -4,8 +4,9 @@ all-gather or an all-reduce where not. No gradient knowledge: :mod:`unimesh.proc
 :mod:`unimesh.grad_rules` add the rules on top.
 
 Names: a collective here has its group primitive's name (``all_reduce``, ``all_gather``,
-``reduce_scatter``, ``all_to_all``, ``permute``, ``broadcast``), the name of the backend hook
-it calls (``group_all_reduce`` ...) and of the key in ``native_primitives``.
+``reduce_scatter``, ``all_to_all``, ``permute``, ``broadcast``), the name of the method of the
+backend's group it calls (:class:`unimesh.primitives.ProcessGroup`) and of the key in
+``native_primitives``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from .mesh import Mesh
 
 if TYPE_CHECKING:
-    from .primitives import Primitives
+    from .primitives import Primitives, ProcessGroup
 
 __all__ = ["Chain", "Group", "GroupComm"]
 
@@ -38,11 +39,11 @@ class Chain(threading.local):
 class Group:
     """This process's communication group along some axes: ``members`` (logical device ids)
     in the order of their index along the axes, this process's ``index`` among them, and the
-    backend's ``handle`` (None: emulated over the world group)."""
+    backend's group object, ``handle`` (None: emulated over the world group)."""
 
     __slots__ = ("handle", "index", "members", "size")
 
-    def __init__(self, members: tuple[int, ...], index: int, handle: Any) -> None:
+    def __init__(self, members: tuple[int, ...], index: int, handle: ProcessGroup | None) -> None:
         self.members = members
         self.index = index
         self.size = len(members)
@@ -55,7 +56,7 @@ class Group:
 
 class GroupComm:
     """The groups of one process (logical device ``device``) on one mesh, and the collectives
-    on them through the backend's primitives."""
+    on them through the backend's group objects."""
 
     def __init__(self, be: Primitives, mesh: Mesh, device: int, chain: Chain) -> None:
         self.be = be
@@ -65,7 +66,7 @@ class GroupComm:
         self.device = device
         self.native = be.native_primitives
         self._groups: dict[tuple[str, ...], Group] = {}
-        self._world: Any = None
+        self._world: ProcessGroup | None = None
         self._can_split: bool | None = None if "split" in self.native else False
         #: this process's chain of collectives, on a lazy backend (shared by every mesh)
         self.chain = chain
@@ -80,7 +81,7 @@ class GroupComm:
         rows = self.mesh.groups_array(axes)
         row = int(np.flatnonzero((rows == self.device).any(axis=1))[0])
         members = tuple(int(d) for d in rows[row])
-        handle = None
+        handle: ProcessGroup | None = None
         if len(members) > 1 and self._can_split is not False:
             handle = self.be.split_group(self.mesh, axes, rows, row)
             self._can_split = handle is not None
@@ -93,7 +94,8 @@ class GroupComm:
         once a group of several members has been made, None before."""
         return self._can_split
 
-    def world(self) -> Any:
+    def world(self) -> ProcessGroup:
+        """The backend's group of every process."""
         if self._world is None:
             self._world = self.be.world_group()
         return self._world
@@ -132,8 +134,8 @@ class GroupComm:
     def gather_members(self, x: Any, g: Group) -> Any:
         """The members' ``x`` stacked on dim 0, in member order."""
         if g.handle is not None:
-            return self.run(self.be.group_all_gather, x, g.handle)
-        every = self.run(self.be.group_all_gather, x, self.world())
+            return self.run(g.handle.all_gather, x)
+        every = self.run(self.world().all_gather, x)
         return self.xp.take(every, list(g.members))
 
     def row(self, x: Any, i: int) -> Any:
@@ -145,7 +147,7 @@ class GroupComm:
         if g.size == 1:
             return x
         if g.handle is not None:
-            return self.run(self.be.group_all_reduce, x, g.handle, op)
+            return self.run(g.handle.all_reduce, x, op)
         return self.xp.reduce(self.gather_members(x, g), op)
 
     def reduce_scatter(self, x: Any, g: Group) -> Any:
@@ -153,7 +155,7 @@ class GroupComm:
         if g.size == 1:
             return self.row(x, 0)
         if g.handle is not None and "reduce_scatter" in self.native:
-            return self.run(self.be.group_reduce_scatter, x, g.handle)
+            return self.run(g.handle.reduce_scatter, x)
         total = self.all_reduce(x, g, "sum")
         return self.row(total, g.index)
 
@@ -162,14 +164,14 @@ class GroupComm:
         if g.size == 1:
             return x
         if g.handle is not None and "all_to_all" in self.native:
-            return self.run(self.be.group_all_to_all, x, g.handle)
+            return self.run(g.handle.all_to_all, x)
         every = self.gather_members(x, g)  # (n, n, ...): every[j] = member j's x
         return self.row(self.xp.moveaxis(every, 1, 0), g.index)
 
     def permute(self, x: Any, g: Group, sources: tuple[int | None, ...]) -> Any:
         """Member ``sources[i]``'s ``x`` on member i (zeros where None)."""
         if g.handle is not None and "permute" in self.native:
-            return self.run(self.be.group_permute, x, g.handle, sources)
+            return self.run(g.handle.permute, x, sources)
         src = sources[g.index]
         every = self.gather_members(x, g)
         if src is None:
@@ -181,7 +183,7 @@ class GroupComm:
         if g.size == 1:
             return x
         if g.handle is not None and "broadcast" in self.native:
-            return self.run(self.be.group_broadcast, x, g.handle, root)
+            return self.run(g.handle.broadcast, x, root)
         return self.all_reduce(x if g.index == root else self.xp.zeros_like(x), g, "sum")
 
     # -- the same along a dim of the block --------------------------------------------------------

@@ -149,7 +149,7 @@ class ProcessAxisEnv(AxisEnv):
         the group (the common case: no engine code between the step and the primitive)."""
         g = self.comm.group(axes)
         if g.size > 1 and g.handle is not None:
-            return self.comm.bound(self.be.group_all_reduce, g.handle, op)
+            return self.comm.bound(g.handle.all_reduce, op)
         comm = self.comm
         return lambda v: comm.all_reduce(v, g, op)
 

@@ -1,13 +1,13 @@
 """The per-process SPMD engine: ``shard_map`` for frameworks that run one device per process.
 
 torch, MLX and third-party backends whose processes each hold one device of the mesh derive
-from :class:`ProcessBackend` and supply a few primitives on a group of processes (all-reduce,
-all-gather, and where the framework has them reduce-scatter, all-to-all, permute, broadcast,
-splitting a group) and its array operations (``Backend.arrays``). Everything else lives here,
-once: cutting arguments into blocks, pytrees, assembling results, the collectives with
-``jax.lax``'s meaning (member order along the axis index, tuple axes), collectives the
-framework lacks (built from all-gather), groups a framework cannot split (emulated over the
-world), and the gradient rules.
+from :class:`ProcessBackend` and supply their groups of processes, objects with a few
+collectives (:class:`ProcessGroup`: all-reduce, all-gather, and where the framework has them
+reduce-scatter, all-to-all, permute, broadcast), splitting a group, and the array operations
+(``Backend.arrays``). Everything else lives here, once: cutting arguments into blocks,
+pytrees, assembling results, the collectives with ``jax.lax``'s meaning (member order along
+the axis index, tuple axes), collectives the framework lacks (built from all-gather), groups a
+framework cannot split (emulated over the world), and the gradient rules.
 
 The engine's floor plan: this module holds the contract a per-process backend implements
 (:class:`ProcessBackend`) and runs a program (its blocks in, its results out);
@@ -33,35 +33,41 @@ from .grad_rules import CheckVmaEnv, NoCheckVmaEnv
 from .groups import Chain, Group, GroupComm
 from .layout import Layout
 from .mesh import Mesh
+from .primitives import ProcessGroup
 from .process_env import ProcessAxisEnv
 from .program import Body, Program, SpecTree
 from .vmaplan import BodyGraph
 
-__all__ = ["ENGINE_REQUIRED", "PRIMITIVES", "Group", "ProcessAxisEnv", "ProcessBackend"]
+__all__ = [
+    "ENGINE_REQUIRED",
+    "PRIMITIVES",
+    "Group",
+    "ProcessAxisEnv",
+    "ProcessBackend",
+    "ProcessGroup",
+]
 
-#: The primitives a per-process backend may implement natively (``native_primitives``);
-#: ``all_reduce`` and ``all_gather`` are required, the engine builds the others from them.
+#: The primitives a per-process backend may implement natively (``native_primitives``): the
+#: collectives, methods of its :class:`ProcessGroup` (``all_reduce`` and ``all_gather`` are
+#: required, the engine builds the others from them), and ``split``.
 PRIMITIVES: dict[str, str] = {
-    "all_reduce": "group_all_reduce(x, group, op): op in sum/max/min over the members",
-    "all_gather": "group_all_gather(x, group): the members' x stacked on a new dim 0",
-    "reduce_scatter": "group_reduce_scatter(x, group): sum over members of x[my index]",
-    "all_to_all": "group_all_to_all(x, group): y[j] = member j's x[my index]",
-    "permute": "group_permute(x, group, sources): member sources[i]'s x (None: zeros)",
-    "broadcast": "group_broadcast(x, group, root): member root's x",
+    "all_reduce": "group.all_reduce(x, op): op in sum/max/min over the members",
+    "all_gather": "group.all_gather(x): the members' x stacked on a new dim 0",
+    "reduce_scatter": "group.reduce_scatter(x): sum over members of x[my index]",
+    "all_to_all": "group.all_to_all(x): y[j] = member j's x[my index]",
+    "permute": "group.permute(x, sources): member sources[i]'s x (None: zeros)",
+    "broadcast": "group.broadcast(x, root): member root's x",
     "split": "split_group(mesh, axes, rows, row): a group per row, this process's returned",
 }
 
-_PRIMITIVE_HOOK: dict[str, str] = {
-    p: ("split_group" if p == "split" else f"group_{p}") for p in PRIMITIVES
-}
-
 #: What a :class:`ProcessBackend` implements for the engine to give it ``shard_map`` (the
-#: required rows of the engine in :data:`unimesh.backend.HOOKS`).
+#: required rows of the engine in :data:`unimesh.backend.HOOKS`), with a
+#: :attr:`~ProcessBackend.group_type` that implements the required primitives.
 ENGINE_REQUIRED: tuple[str, ...] = tuple(
     h.name for h in HOOKS if h.layer == "engine" and h.required == "yes"
 )
 
-_REQUIRED_PRIMITIVES = frozenset({"all_reduce", "all_gather"})
+_REQUIRED_PRIMITIVES = ("all_reduce", "all_gather")
 
 
 def _engine_base(cls: type) -> Any:
@@ -72,13 +78,16 @@ def _engine_base(cls: type) -> Any:
 class ProcessBackend(Backend):
     """A backend whose processes each run one device (logical device id = process index).
 
-    Override the ``group_*`` primitives named in :attr:`native_primitives` (members of a group
-    handle come in the order :meth:`split_group` was given them) and :meth:`arrays`; the
-    engine provides :meth:`shard_map` and the collectives.
+    Return :class:`ProcessGroup` objects of :attr:`group_type` from :meth:`world_group` and
+    :meth:`split_group`, implementing the collectives named in :attr:`native_primitives`, and
+    override :meth:`arrays`; the engine provides :meth:`shard_map` and the collectives.
     """
 
     #: primitives of :data:`PRIMITIVES` this backend implements; the engine builds the others
     native_primitives: ClassVar[frozenset[str]] = frozenset({"all_reduce", "all_gather"})
+    #: the class of the groups :meth:`world_group` and :meth:`split_group` return (what the
+    #: engine reads, with :attr:`native_primitives`, to know which collectives it implements)
+    group_type: ClassVar[type[ProcessGroup]] = ProcessGroup
     #: whether :meth:`vma_mode` can watch the function's operations: JAX's check_vma rules
     #: (:class:`unimesh.grad_rules.CheckVmaEnv`) instead of check_vma=False's
     check_vma: ClassVar[bool] = False
@@ -86,8 +95,8 @@ class ProcessBackend(Backend):
     #: the engine then chains them (each one's input depends on the previous one's result), so
     #: every process runs them in program order, whatever order its graph would be walked in
     lazy: ClassVar[bool] = False
-    #: whether the framework's own derivative of its all-reduce (``group_all_reduce`` with
-    #: "sum") is the identity (MLX's ``all_sum``), so a psum whose transpose sums nothing
+    #: whether the framework's own derivative of its all-reduce (``ProcessGroup.all_reduce``
+    #: with "sum") is the identity (MLX's ``all_sum``), so a psum whose transpose sums nothing
     #: needs no custom rule around it (:mod:`unimesh.vmaplan`)
     sum_derivative_is_identity: ClassVar[bool] = False
     _is_engine_base: ClassVar[bool] = True
@@ -125,7 +134,9 @@ class ProcessBackend(Backend):
     @classmethod
     def _engine_missing(cls) -> list[str]:
         base = _engine_base(cls)
-        return [h for h in ENGINE_REQUIRED if getattr(cls, h) is getattr(base, h)]
+        missing = [h for h in ENGINE_REQUIRED if getattr(cls, h) is getattr(base, h)]
+        return missing + [f"group_type.{op}" for op in _REQUIRED_PRIMITIVES
+                          if not cls.group_type.has(op)]  # fmt: skip
 
     @classmethod
     def contract_problems(cls) -> list[str]:
@@ -136,12 +147,20 @@ class ProcessBackend(Backend):
                 f"native_primitives names unknown primitives {unknown}; known: {sorted(PRIMITIVES)}"
             )
         # all_reduce and all_gather are required primitives, checked with the others below
-        for prim in sorted(set(cls.native_primitives) & set(PRIMITIVES) - _REQUIRED_PRIMITIVES):
-            hook = _PRIMITIVE_HOOK[prim]
-            if getattr(cls, hook) is getattr(ProcessBackend, hook):
-                problems.append(f"lists {prim!r} in native_primitives but implements no {hook}")
+        for prim in sorted(set(cls.native_primitives) & set(PRIMITIVES) - {*_REQUIRED_PRIMITIVES}):
+            if prim == "split":
+                if cls.split_group is ProcessBackend.split_group:
+                    problems.append(
+                        "lists 'split' in native_primitives but implements no split_group"
+                    )
+            elif not cls.group_type.has(prim):
+                problems.append(
+                    f"lists {prim!r} in native_primitives but its group_type "
+                    f"{cls.group_type.__name__} implements no {prim}"
+                )
         missing = cls._engine_missing()
-        if 0 < len(missing) < len(ENGINE_REQUIRED) and cls.shard_map is ProcessBackend.shard_map:
+        every = len(ENGINE_REQUIRED) + len(_REQUIRED_PRIMITIVES)
+        if 0 < len(missing) < every and cls.shard_map is ProcessBackend.shard_map:
             problems.append(
                 f"implements part of the engine's primitives but not {', '.join(missing)}: "
                 "shard_map needs all of them"
@@ -158,38 +177,22 @@ class ProcessBackend(Backend):
         rank = self.process_index()
         return (rank,) if bool((mesh.device_ids == rank).any()) else ()
 
-    def world_group(self) -> Any:
-        """The handle of the group of every process, members in rank order."""
+    def world_group(self) -> ProcessGroup:
+        """The group of every process (a :attr:`group_type`), members in rank order."""
         raise NotImplementedError
 
-    def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
+    def split_group(
+        self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int
+    ) -> ProcessGroup | None:
         """Called by every process of ``mesh`` together: one group per row of ``rows``
         (``mesh.groups_array(axes)``: logical ids, members in the order given), returning the
-        handle of row ``row`` (this process's); None if the framework cannot make one."""
+        group of row ``row`` (this process's, a :attr:`group_type`); None if the framework
+        cannot make one."""
         raise NotImplementedError
 
     def group_cache_key(self) -> Any:
         """Groups stay valid while this is unchanged (e.g. the world group object)."""
         return None
-
-    # -- primitives on a group handle ----------------------------------------------------------
-    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        raise NotImplementedError
-
-    def group_all_gather(self, x: Any, group: Any) -> Any:
-        raise NotImplementedError
-
-    def group_reduce_scatter(self, x: Any, group: Any) -> Any:
-        raise NotImplementedError
-
-    def group_all_to_all(self, x: Any, group: Any) -> Any:
-        raise NotImplementedError
-
-    def group_permute(self, x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
-        raise NotImplementedError
-
-    def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
-        raise NotImplementedError
 
     def vma_mode(self, env: ProcessAxisEnv) -> Any:
         """With :attr:`check_vma`: a context manager under which every operation the function

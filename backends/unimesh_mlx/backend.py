@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from unimesh.launchers import LauncherSign
 
-from .programs import MLXPrograms, shard_linear
+from .programs import MLXGroup, MLXPrograms, shard_linear
 from .translate import AxisGroup, MLXArray, MLXLayout, MLXMesh
 
 __all__ = ["AxisGroup", "MLXArray", "MLXBackend", "MLXLayout", "MLXMesh", "shard_linear"]
@@ -56,6 +56,7 @@ class MLXBackend(MLXPrograms):
     features = frozenset({"multi_process", "tuple_axes", "uneven_shards"})
     # mx.distributed.sum_scatter raises "not yet implemented" on MPI: the engine builds it
     native_primitives = frozenset({"all_reduce", "all_gather", "split"})
+    group_type = MLXGroup  # the world and its split groups, with their collectives
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "unimesh_mlx.MLXMesh (mx.distributed world group + this mx.Device)",
         "layout": "unimesh_mlx.MLXLayout",

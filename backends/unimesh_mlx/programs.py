@@ -12,6 +12,7 @@ import numpy as np
 from unimesh import ConversionError, Layout, LayoutError, Mesh, PartitionSpec, UnsupportedError
 from unimesh.messages import short
 from unimesh.parallel import host_float
+from unimesh.spmd import ProcessGroup
 
 from . import tracing
 from .compiled import compiled
@@ -33,10 +34,12 @@ class MLXPrograms(MLXTranslator):
     def process_index(self) -> int:
         return int(self._world().rank())
 
-    def world_group(self) -> Any:
-        return self._world()
+    def world_group(self) -> MLXGroup:
+        return MLXGroup(self._world())
 
-    def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
+    def split_group(
+        self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int
+    ) -> MLXGroup | None:
         """``Group.split`` (MPI): colour = the row, key = the place in it; None where the
         distributed backend cannot split (ring), and the engine emulates the group."""
         world = self._world()
@@ -47,14 +50,7 @@ class MLXPrograms(MLXTranslator):
             return None
         split = Split(members, group)
         PROCESS.splits.add(split)  # let go at exit, before MPI finalizes
-        return split
-
-    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        return _all_reduce(op)(x, group=_native_group(group))
-
-    def group_all_gather(self, x: Any, group: Any) -> Any:
-        mx = import_mx()
-        return mx.distributed.all_gather(mx.expand_dims(x, 0), group=_native_group(group))
+        return MLXGroup(split)
 
     def arrays(self) -> MLXArrays:
         return MLX_ARRAYS
@@ -335,6 +331,28 @@ def _all_reduce(op: str) -> Any:
 def _native_group(group: Any) -> Any:
     """The ``mx.distributed.Group`` of a handle (a :class:`.process.Split` or the world)."""
     return group.group if isinstance(group, Split) else group
+
+
+class MLXGroup(ProcessGroup):
+    """An MLX group as the engine holds it, ``handle``: the world ``mx.distributed.Group`` or
+    a :class:`.process.Split` (let go at exit), and the collectives on it."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    @property
+    def group(self) -> Any:
+        """The ``mx.distributed.Group`` (None once a split one is let go at exit)."""
+        return _native_group(self.handle)
+
+    def all_reduce(self, x: Any, op: str) -> Any:
+        return _all_reduce(op)(x, group=_native_group(self.handle))
+
+    def all_gather(self, x: Any) -> Any:
+        mx = import_mx()
+        return mx.distributed.all_gather(mx.expand_dims(x, 0), group=_native_group(self.handle))
 
 
 def _with_aux(mx: Any, inner: Any, positions: tuple[int, ...], locals_: list[Any]) -> Any:

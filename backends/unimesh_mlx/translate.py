@@ -45,12 +45,13 @@ class AxisGroup:
     @property
     def world(self) -> Any:
         """The world ``mx.distributed.Group``."""
-        return self._comm.world()
+        world: Any = self._comm.world()  # the backend's MLXGroup
+        return world.group
 
     @property
     def group(self) -> Any:
         """The split ``mx.distributed.Group`` (None when emulated)."""
-        handle = self._group.handle
+        handle: Any = self._group.handle  # the backend's MLXGroup
         return None if handle is None else handle.group
 
     @property

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from unimesh.launchers import LauncherSign
 
-from .programs import TorchPrograms
+from .programs import TorchGroup, TorchPrograms
 from .translate import TorchLayout, axis_mesh
 
 __all__ = ["TorchBackend", "TorchLayout", "axis_mesh"]
@@ -49,6 +49,7 @@ class TorchBackend(TorchPrograms):
             "split",
         }
     )
+    group_type = TorchGroup  # the DeviceMesh's process groups, with their collectives
     check_vma = True  # a TorchFunctionMode sees every operation: JAX's check_vma rules
     native_api: ClassVar[dict[str, str]] = {
         "mesh": "torch.distributed.device_mesh.DeviceMesh",

@@ -295,7 +295,7 @@ def _tracing_autograd(torch: Any) -> Iterator[None]:
 
 
 def traced_permute(x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
-    """``group_permute`` as ``funcol.permute_tensor``, which takes a whole permutation (each
+    """``TorchGroup.permute`` as ``funcol.permute_tensor``, which takes a whole permutation (each
     rank sends to one and receives from one, in the group's ranks): a member that sends
     nothing is paired with one that receives nothing, and what that one gets is zeros."""
     collectives = funcol()

@@ -12,6 +12,7 @@ import numpy as np
 
 from unimesh import ConversionError, Layout, Mesh, MeshMismatchError
 from unimesh.messages import short
+from unimesh.spmd import ProcessGroup
 
 from . import compiled, grad
 from .autograd import (
@@ -46,8 +47,8 @@ class TorchPrograms(TorchTranslator):
     def process_index(self) -> int:
         return int(import_dist().get_rank())
 
-    def world_group(self) -> Any:
-        return _TorchGroup(import_dist().group.WORLD, tuple(range(import_dist().get_world_size())))
+    def world_group(self) -> TorchGroup:
+        return TorchGroup(import_dist().group.WORLD, tuple(range(import_dist().get_world_size())))
 
     def group_cache_key(self) -> Any:
         return import_dist().group.WORLD
@@ -71,96 +72,7 @@ class TorchPrograms(TorchTranslator):
             pg = device_mesh.get_group(ordered[0])
         else:
             pg = device_mesh[ordered]._flatten("unimesh_" + "_".join(ordered)).get_group()
-        return _TorchGroup(pg, tuple(int(m) for m in rows[row]))
-
-    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        if compiling():
-            return funcol().all_reduce(x.detach(), op, group.pg)
-        dist = import_dist()
-        out = x.detach().clone(memory_format=import_torch().contiguous_format)
-        dist.all_reduce(out, op=OPS[op](), group=group.pg)
-        return out
-
-    def group_all_gather(self, x: Any, group: Any) -> Any:
-        torch = import_torch()
-        flat = x.detach().contiguous().reshape(-1)  # gloo gathers into one flat buffer
-        if compiling():
-            out = funcol().all_gather_tensor(flat, 0, group.pg).reshape((group.size, *x.shape))
-            return out if group.order is None else out[group.order]
-        out = torch.empty(group.size * flat.numel(), dtype=x.dtype, device=x.device)
-        dist = import_dist()  # all_gather_into_tensor is deprecated from torch 2.13 on
-        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=group.pg)
-        out = out.reshape((group.size,) + tuple(x.shape))
-        return out if group.order is None else out[group.order]
-
-    def group_reduce_scatter(self, x: Any, group: Any) -> Any:
-        torch = import_torch()
-        x = x.detach()
-        if group.inverse is not None:
-            x = x[group.inverse]
-        flat = x.contiguous().reshape(-1)
-        if compiling():
-            return funcol().reduce_scatter_tensor(flat, "sum", 0, group.pg).reshape(x.shape[1:])
-        out = torch.empty(flat.numel() // group.size, dtype=x.dtype, device=x.device)
-        dist = import_dist()  # reduce_scatter_tensor is deprecated from torch 2.13 on
-        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(
-            out, flat, group=group.pg
-        )
-        return out.reshape(tuple(x.shape[1:]))
-
-    def group_all_to_all(self, x: Any, group: Any) -> Any:
-        torch = import_torch()
-        x = x.detach()
-        if group.inverse is not None:
-            x = x[group.inverse]
-        x = x.contiguous()
-        if compiling():
-            out = funcol().all_to_all_single(x, None, None, group.pg)
-            return out if group.order is None else out[group.order]
-        out = torch.empty_like(x)
-        import_dist().all_to_all_single(out, x, group=group.pg)
-        return out if group.order is None else out[group.order]
-
-    def group_permute(self, x: Any, group: Any, sources: tuple[int | None, ...]) -> Any:
-        """Point to point: ``x`` sent to the member that takes it, the source's received
-        (``batch_isend_irecv``; only the pairs of the permutation talk). While torch.compile
-        traces, ``funcol.permute_tensor`` instead, which dynamo compiles (torch does not
-        compile point-to-point ops)."""
-        torch = import_torch()
-        if compiling():
-            return traced_permute(x, group, sources)
-        dist = import_dist()
-        peers = group.peers.get(sources)
-        if peers is None:  # (whether it keeps its own, the rank it sends to, receives from)
-            me = group.members.index(group.rank)
-            dest = next((i for i, s in enumerate(sources) if s == me), None)
-            src = sources[me]
-            peers = group.peers[sources] = (
-                src == me,
-                None if dest is None else group.members[dest],
-                None if src is None else group.members[src],
-            )
-        keep, to, source = peers
-        if keep:
-            return x.detach().clone()
-        ops = []
-        if to is not None:
-            ops.append(dist.P2POp(dist.isend, x.detach().contiguous(), to, group.pg))
-        if source is None:
-            out = torch.zeros_like(x)
-        else:
-            out = torch.empty_like(x, memory_format=torch.contiguous_format)
-            ops.append(dist.P2POp(dist.irecv, out, source, group.pg))
-        for work in dist.batch_isend_irecv(ops) if ops else ():
-            work.wait()
-        return out
-
-    def group_broadcast(self, x: Any, group: Any, root: int) -> Any:
-        if compiling():
-            return funcol().broadcast(x.detach().contiguous(), group.members[root], group.pg)
-        out = x.detach().clone(memory_format=import_torch().contiguous_format)
-        import_dist().broadcast(out, src=group.members[root], group=group.pg)
-        return out
+        return TorchGroup(pg, tuple(int(m) for m in rows[row]))
 
     def vma_mode(self, env: Any) -> Any:
         """A ``TorchFunctionMode`` that tags every result with the union of its arguments'
@@ -354,10 +266,10 @@ def _module(torch: Any, model: Any) -> None:
         )
 
 
-class _TorchGroup:
-    """A process group with its members in the neutral order. torch has its own order of a
-    group's ranks (by global rank), so ``order`` / ``inverse`` re-index the pieces when the
-    two differ."""
+class TorchGroup(ProcessGroup):
+    """A process group with its members in the neutral order, and the collectives on it.
+    torch has its own order of a group's ranks (by global rank), so ``order`` / ``inverse``
+    re-index the pieces when the two differ."""
 
     __slots__ = ("inverse", "members", "order", "peers", "pg", "rank", "ranks", "size")
 
@@ -378,3 +290,90 @@ class _TorchGroup:
         else:  # piece k in torch's order is member ranks[k]
             self.order = [self.ranks.index(m) for m in members]
             self.inverse = [members.index(r) for r in self.ranks]
+
+    def all_reduce(self, x: Any, op: str) -> Any:
+        if compiling():
+            return funcol().all_reduce(x.detach(), op, self.pg)
+        dist = import_dist()
+        out = x.detach().clone(memory_format=import_torch().contiguous_format)
+        dist.all_reduce(out, op=OPS[op](), group=self.pg)
+        return out
+
+    def all_gather(self, x: Any) -> Any:
+        torch = import_torch()
+        flat = x.detach().contiguous().reshape(-1)  # gloo gathers into one flat buffer
+        if compiling():
+            out = funcol().all_gather_tensor(flat, 0, self.pg).reshape((self.size, *x.shape))
+            return out if self.order is None else out[self.order]
+        out = torch.empty(self.size * flat.numel(), dtype=x.dtype, device=x.device)
+        dist = import_dist()  # all_gather_into_tensor is deprecated from torch 2.13 on
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, flat, group=self.pg)
+        out = out.reshape((self.size,) + tuple(x.shape))
+        return out if self.order is None else out[self.order]
+
+    def reduce_scatter(self, x: Any) -> Any:
+        torch = import_torch()
+        x = x.detach()
+        if self.inverse is not None:
+            x = x[self.inverse]
+        flat = x.contiguous().reshape(-1)
+        if compiling():
+            return funcol().reduce_scatter_tensor(flat, "sum", 0, self.pg).reshape(x.shape[1:])
+        out = torch.empty(flat.numel() // self.size, dtype=x.dtype, device=x.device)
+        dist = import_dist()  # reduce_scatter_tensor is deprecated from torch 2.13 on
+        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, flat, group=self.pg)
+        return out.reshape(tuple(x.shape[1:]))
+
+    def all_to_all(self, x: Any) -> Any:
+        torch = import_torch()
+        x = x.detach()
+        if self.inverse is not None:
+            x = x[self.inverse]
+        x = x.contiguous()
+        if compiling():
+            out = funcol().all_to_all_single(x, None, None, self.pg)
+            return out if self.order is None else out[self.order]
+        out = torch.empty_like(x)
+        import_dist().all_to_all_single(out, x, group=self.pg)
+        return out if self.order is None else out[self.order]
+
+    def permute(self, x: Any, sources: tuple[int | None, ...]) -> Any:
+        """Point to point: ``x`` sent to the member that takes it, the source's received
+        (``batch_isend_irecv``; only the pairs of the permutation talk). While torch.compile
+        traces, ``funcol.permute_tensor`` instead, which dynamo compiles (torch does not
+        compile point-to-point ops)."""
+        torch = import_torch()
+        if compiling():
+            return traced_permute(x, self, sources)
+        dist = import_dist()
+        peers = self.peers.get(sources)
+        if peers is None:  # (whether it keeps its own, the rank it sends to, receives from)
+            me = self.members.index(self.rank)
+            dest = next((i for i, s in enumerate(sources) if s == me), None)
+            src = sources[me]
+            peers = self.peers[sources] = (
+                src == me,
+                None if dest is None else self.members[dest],
+                None if src is None else self.members[src],
+            )
+        keep, to, source = peers
+        if keep:
+            return x.detach().clone()
+        ops = []
+        if to is not None:
+            ops.append(dist.P2POp(dist.isend, x.detach().contiguous(), to, self.pg))
+        if source is None:
+            out = torch.zeros_like(x)
+        else:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            ops.append(dist.P2POp(dist.irecv, out, source, self.pg))
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+        return out
+
+    def broadcast(self, x: Any, root: int) -> Any:
+        if compiling():
+            return funcol().broadcast(x.detach().contiguous(), self.members[root], self.pg)
+        out = x.detach().clone(memory_format=import_torch().contiguous_format)
+        import_dist().broadcast(out, src=self.members[root], group=self.pg)
+        return out

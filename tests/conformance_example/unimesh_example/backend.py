@@ -11,7 +11,7 @@ import numpy as np
 
 import unimesh
 from unimesh import Layout, Mesh
-from unimesh.spmd import ProcessBackend
+from unimesh.spmd import ProcessBackend, ProcessGroup
 
 
 @dataclass
@@ -134,17 +134,28 @@ class _Board:
 
 
 @dataclass
-class _Group:
+class _Group(ProcessGroup):
+    """A group of threads: its members, their board, and the backend (whose thread is which
+    member), with the two collectives the engine needs."""
+
     members: tuple[int, ...]
     board: _Board
+    backend: ThreadedExampleBackend
+
+    def all_gather(self, x: Any) -> Any:
+        return self.board.exchange(self.members.index(self.backend.process_index()), np.asarray(x))
+
+    def all_reduce(self, x: Any, op: str) -> Any:
+        return self.backend.arrays().reduce(self.all_gather(x), op)
 
 
 class ThreadedExampleBackend(ExampleBackend):
     """The example backend with programs: a thread per device runs the core's engine, and the
-    only primitives written here are all-gather and all-reduce over a group (the engine builds
-    reduce-scatter, all-to-all, permute and broadcast from them)."""
+    only primitives written here are all-gather and all-reduce on a group (:class:`_Group`; the
+    engine builds reduce-scatter, all-to-all, permute and broadcast from them)."""
 
     native_primitives = frozenset({"all_reduce", "all_gather", "split"})
+    group_type = _Group
 
     def __init__(self) -> None:
         super().__init__()  # the engine's state
@@ -172,17 +183,11 @@ class ThreadedExampleBackend(ExampleBackend):
 
     def world_group(self) -> Any:
         members = tuple(range(self._local.world))
-        return _Group(members, self._board(members))
+        return _Group(members, self._board(members), self)
 
     def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: np.ndarray, row: int) -> Any:
         members = tuple(int(m) for m in rows[row])
-        return _Group(members, self._board(members))
-
-    def group_all_gather(self, x: Any, group: Any) -> Any:
-        return group.board.exchange(group.members.index(self.process_index()), np.asarray(x))
-
-    def group_all_reduce(self, x: Any, group: Any, op: str) -> Any:
-        return self.arrays().reduce(self.group_all_gather(x, group), op)
+        return _Group(members, self._board(members), self)
 
     # array operations: numpy's, the default (Backend.arrays; no autodiff)
     def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
