@@ -400,6 +400,40 @@ def _group_type(*ops: str) -> type:
     return type("G", (ProcessGroup,), {op: _hook(op) for op in ops})
 
 
+def test_a_backend_built_on_another_reuses_its_hooks_after_its_own_check():
+    """``Reused`` (as Keras 3's backends reuse modules): the hook is the backend it builds
+    on's own bound method, after the wrapping backend's check; the contract counts it."""
+    from unimesh.backend import Reused
+
+    checked: list[str] = []
+    base = {"mesh_to_native": _hook("m"), "from_native": _hook("f"), "framework": "numpy"}
+    inner = type("Inner", (Backend,), {**base, "name": "inner", "compile": lambda s, f, o: f})
+    outer = type(
+        "Outer",
+        (Backend,),
+        {
+            **base,
+            "name": "outer",
+            "requires": ("inner",),
+            "_check": lambda self, what: checked.append(what),
+            "compile": Reused("_check"),
+        },
+    )
+    unimesh.register_backend(inner())
+    try:
+        got = outer().compile
+        assert got.__self__ is unimesh.get_backend("inner") and checked == ["compile"]
+        assert outer.implements("compile") and not type("Bare", (Backend,), base).implements(
+            "compile"
+        )
+    finally:
+        unimesh.unregister_backend("inner")
+    with pytest.raises((TypeError, RuntimeError)) as info:  # one object per hook name
+        type("Twice", (Backend,), {"a": (r := Reused()), "b": r})
+    said = f"{info.value} {info.value.__cause__}"  # (Python 3.11 wraps it in a RuntimeError)
+    assert "one Reused() per hook: b and a share one" in said, said
+
+
 def test_a_process_backend_gets_shard_map_only_with_the_engine_primitives():
     from unimesh.spmd import ENGINE_REQUIRED, ProcessBackend
 

@@ -62,6 +62,7 @@ __all__ = [
     "Backend",
     "Hook",
     "Layer",
+    "Reused",
 ]
 
 
@@ -568,3 +569,29 @@ class Backend:
         spelling, without changing anything (so that rules are checked before a parameter is
         touched). None (the default): the core checks after placing instead."""
         return None
+
+
+class Reused:
+    """A hook a backend takes unchanged from the backend it builds on (the first of its
+    :attr:`Backend.requires`), as Keras 3's backends reuse each other's modules: in the
+    class body, ``shard_map = Reused("_check")``. ``check`` names a method of the backend
+    called with the hook's name before each use (Keras: that it runs on JAX). For the
+    contract the hook is implemented; its promise is the other backend's."""
+
+    def __init__(self, check: str | None = None) -> None:
+        self.check = check
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if self.name and self.name != name:
+            raise TypeError(f"one Reused() per hook: {name} and {self.name} share one")
+        self.name = name
+
+    def __get__(self, obj: Backend | None, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if self.check is not None:
+            getattr(obj, self.check)(self.name)
+        from .registry import get_backend
+
+        return getattr(get_backend(type(obj).requires[0]), self.name)

@@ -8,7 +8,6 @@ keras is imported inside the functions, never at module import.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -25,11 +24,10 @@ from unimesh import (
     P,
     UnsupportedError,
 )
-from unimesh.arrays import Arrays
+from unimesh.backend import Reused
 from unimesh.launchers import LauncherSign
 from unimesh.messages import short
 from unimesh.runtime import KERAS_VARS
-from unimesh.transport import Transport
 
 __all__ = ["KerasBackend", "distribution"]
 
@@ -215,16 +213,8 @@ class KerasBackend(Backend):
 
         return keras.ops.matmul(array, weight)
 
-    def from_local(
-        self,
-        blocks: Mapping[int, Any],
-        layout: Layout,
-        shape: tuple[int, ...],
-        dtype: Any = None,
-        **options: Any,
-    ) -> Any:
-        """The JAX backend's (Keras's arrays are JAX's, its device order JAX's)."""
-        return self._jax("from_local()").from_local(blocks, layout, shape, dtype, **options)
+    #: JAX's (Keras's arrays are JAX's, its device order JAX's)
+    from_local = Reused("_require_distribution")
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{logical device id: numpy block}`` of a distributed Keras (JAX) array or of a
@@ -250,22 +240,18 @@ class KerasBackend(Backend):
         """JAX's: each shard's ``jax.Array`` on its device (no host copy)."""
         return self._jax("reshard()").native_blocks(self._value(array))
 
-    def arrays(self) -> Arrays:
-        """JAX's (``jax.numpy``)."""
-        return self._jax("reshard()").arrays()
-
-    def transport(self) -> Transport:
-        """JAX's (its ``native`` moves a Keras variable as the ``jax.Array`` it holds)."""
-        return self._jax("reshard()").transport()
+    #: JAX's (``jax.numpy``), and JAX's transport (its ``native`` moves a Keras variable as
+    #: the ``jax.Array`` it holds)
+    arrays = Reused("_require_distribution")
+    transport = Reused("_require_distribution")
 
     def stop_gradient(self, x: Any) -> Any:
         import keras
 
         return keras.ops.stop_gradient(x)
 
-    def compile(self, fn: Any, options: dict[str, Any]) -> Any:
-        """``jax.jit`` (Keras on JAX, where its programs run)."""
-        return self._jax("compile").compile(fn, options)
+    #: ``jax.jit`` (Keras on JAX, where its programs run)
+    compile = Reused("_require_distribution")
 
     # -- models: unimesh.save(path, model) / unimesh.load(path, model) ------------------------
     def model_state(self, model: Any) -> dict[str, Any] | None:
@@ -322,13 +308,10 @@ class KerasBackend(Backend):
         runtime = self._runtime()
         return [payload] if runtime is None else runtime.exchange(payload, timeout)
 
-    def shard_map(self, body: Any, mesh: Mesh, ins: Any, outs: Any) -> Any:
-        """``jax.shard_map`` (Keras on JAX; the device order of ``list_devices()`` is JAX's)."""
-        return self._jax("shard_map").shard_map(body, mesh, ins, outs)
-
-    def value_and_grad(self, fn: Any, argnums: tuple[int, ...], has_aux: bool) -> Any:
-        """``jax.value_and_grad`` (Keras on JAX)."""
-        return self._jax("shard_map").value_and_grad(fn, argnums, has_aux)
+    #: ``jax.shard_map`` and ``jax.value_and_grad`` (Keras on JAX; the device order of
+    #: ``list_devices()`` is JAX's)
+    shard_map = Reused("_require_distribution")
+    value_and_grad = Reused("_require_distribution")
 
     def full_array(self, array: Any) -> Any:
         if hasattr(array, "value") and not hasattr(array, "sharding"):
