@@ -407,29 +407,24 @@ def test_a_backend_built_on_another_reuses_its_hooks_after_its_own_check():
 
     checked: list[str] = []
     base = {"mesh_to_native": _hook("m"), "from_native": _hook("f"), "framework": "numpy"}
-    inner = type("Inner", (Backend,), {**base, "name": "inner", "compile": lambda s, f, o: f})
+    inner = type("Inner", (Backend,), {**base, "name": "inner", "compile": lambda s, f, o: f})()
+
+    def source(self, what):  # type: ignore[no-untyped-def]
+        checked.append(what)
+        return inner
+
     outer = type(
         "Outer",
         (Backend,),
-        {
-            **base,
-            "name": "outer",
-            "requires": ("inner",),
-            "_check": lambda self, what: checked.append(what),
-            "compile": Reused("_check"),
-        },
-    )
-    unimesh.register_backend(inner())
-    try:
-        got = outer().compile
-        assert got.__self__ is unimesh.get_backend("inner") and checked == ["compile"]
-        assert outer.implements("compile") and not type("Bare", (Backend,), base).implements(
-            "compile"
-        )
-    finally:
-        unimesh.unregister_backend("inner")
+        {**base, "name": "outer", "requires": ("inner",), "_inner": source,
+         "compile": Reused("_inner")},
+    )  # fmt: skip
+    got = outer().compile
+    assert got.__self__ is inner and checked == ["compile"]
+    assert outer.implements("compile")
+    assert not type("Bare", (Backend,), base).implements("compile")
     with pytest.raises((TypeError, RuntimeError)) as info:  # one object per hook name
-        type("Twice", (Backend,), {"a": (r := Reused()), "b": r})
+        type("Twice", (Backend,), {"a": (r := Reused("s")), "b": r})
     said = f"{info.value} {info.value.__cause__}"  # (Python 3.11 wraps it in a RuntimeError)
     assert "one Reused() per hook: b and a share one" in said, said
 

@@ -572,14 +572,15 @@ class Backend:
 
 
 class Reused:
-    """A hook a backend takes unchanged from the backend it builds on (the first of its
+    """A hook a backend takes unchanged from a backend it builds on (one of its
     :attr:`Backend.requires`), as Keras 3's backends reuse each other's modules: in the
-    class body, ``shard_map = Reused("_check")``. ``check`` names a method of the backend
-    called with the hook's name before each use (Keras: that it runs on JAX). For the
-    contract the hook is implemented; its promise is the other backend's."""
+    class body, ``shard_map = Reused("_jax")``. ``source`` names a method of the backend that,
+    given the hook's name, returns the backend to take it from (after any check of its own:
+    Keras's, that it runs on JAX). For the contract the hook is implemented; its promise is
+    the other backend's."""
 
-    def __init__(self, check: str | None = None) -> None:
-        self.check = check
+    def __init__(self, source: str) -> None:
+        self.source = source
         self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -590,8 +591,4 @@ class Reused:
     def __get__(self, obj: Backend | None, owner: type | None = None) -> Any:
         if obj is None:
             return self
-        if self.check is not None:
-            getattr(obj, self.check)(self.name)
-        from .registry import get_backend
-
-        return getattr(get_backend(type(obj).requires[0]), self.name)
+        return getattr(getattr(obj, self.source)(self.name), self.name)

@@ -214,7 +214,7 @@ class KerasBackend(Backend):
         return keras.ops.matmul(array, weight)
 
     #: JAX's (Keras's arrays are JAX's, its device order JAX's)
-    from_local = Reused("_require_distribution")
+    from_local = Reused("_jax")
 
     def local_shards(self, array: Any) -> dict[int, Any]:
         """``{logical device id: numpy block}`` of a distributed Keras (JAX) array or of a
@@ -242,8 +242,8 @@ class KerasBackend(Backend):
 
     #: JAX's (``jax.numpy``), and JAX's transport (its ``native`` moves a Keras variable as
     #: the ``jax.Array`` it holds)
-    arrays = Reused("_require_distribution")
-    transport = Reused("_require_distribution")
+    arrays = Reused("_jax")
+    transport = Reused("_jax")
 
     def stop_gradient(self, x: Any) -> Any:
         import keras
@@ -251,7 +251,7 @@ class KerasBackend(Backend):
         return keras.ops.stop_gradient(x)
 
     #: ``jax.jit`` (Keras on JAX, where its programs run)
-    compile = Reused("_require_distribution")
+    compile = Reused("_jax")
 
     # -- models: unimesh.save(path, model) / unimesh.load(path, model) ------------------------
     def model_state(self, model: Any) -> dict[str, Any] | None:
@@ -310,8 +310,8 @@ class KerasBackend(Backend):
 
     #: ``jax.shard_map`` and ``jax.value_and_grad`` (Keras on JAX; the device order of
     #: ``list_devices()`` is JAX's)
-    shard_map = Reused("_require_distribution")
-    value_and_grad = Reused("_require_distribution")
+    shard_map = Reused("_jax")
+    value_and_grad = Reused("_jax")
 
     def full_array(self, array: Any) -> Any:
         if hasattr(array, "value") and not hasattr(array, "sharding"):
