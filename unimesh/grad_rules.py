@@ -1,5 +1,6 @@
-"""JAX's two gradient rule sets for the per-process engine's collectives, one class each over
-:class:`unimesh.process_env.ProcessAxisEnv`, chosen once per backend (``ProcessBackend.check_vma``).
+"""JAX's two gradient rule sets for the per-process engine's collectives, a table and a class
+each (over :class:`unimesh.process_env.ProcessAxisEnv`), chosen once per backend
+(``ProcessBackend.check_vma``).
 
 Gradients follow the global function the program computes:
 
@@ -16,7 +17,11 @@ Gradients follow the global function the program computes:
   its gradient summed over them; an output replicated over some axes counts once (its
   cotangent is divided by their size).
 
-Both give the numbers of ``jax.grad``; the check_vma rules move no more bytes than JAX. The
+Both give the numbers of ``jax.grad``; the check_vma rules move no more bytes than JAX. Each
+rule set is a table, collective -> (forward, transpose) (:class:`~unimesh.process_env.Rule`),
+as JAX keys ``ad.primitive_transposes`` by primitive: :data:`NO_CHECK_VMA_RULES`, and
+:data:`CHECK_VMA_RULES`, the same with its differences replaced. The classes keep only the
+mechanics (how a value's vma is tagged, where the plan places a psum's transpose). The
 communication itself is :class:`~unimesh.groups.GroupComm`'s; checked mode is
 :func:`unimesh.checked.agree`.
 """
@@ -24,7 +29,7 @@ communication itself is :class:`~unimesh.groups.GroupComm`'s; checked mode is
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .errors import LayoutError
 from .groups import GroupComm
@@ -32,8 +37,10 @@ from .layout import Layout
 from .process_env import (
     HOST_VALUES,
     SLICES_KEPT,
+    Builder,
     Fn,
     ProcessAxisEnv,
+    Rule,
     global_shape,
     same,
 )
@@ -43,7 +50,16 @@ if TYPE_CHECKING:
     from .primitives import Primitives
     from .vmaplan import VmaPlan
 
-__all__ = ["INVARIANT", "VMA", "CheckVmaEnv", "NoCheckVmaEnv", "tag", "vma_of"]
+__all__ = [
+    "CHECK_VMA_RULES",
+    "INVARIANT",
+    "NO_CHECK_VMA_RULES",
+    "VMA",
+    "CheckVmaEnv",
+    "NoCheckVmaEnv",
+    "tag",
+    "vma_of",
+]
 
 #: the attribute of an array holding the axes it varies along (check_vma; the backend's
 #: ``vma_mode`` sets it on every operation's results)
@@ -63,11 +79,128 @@ def tag(x: Any, vma: frozenset[str]) -> Any:
     return x
 
 
+Axes = tuple[str, ...]
+
+
+# -- the builders: each ``(env, axes, params) -> Fn``, run once per key ----------------------------
+def _identity(env: ProcessAxisEnv, axes: Axes, params: Any) -> Fn:
+    return same
+
+
+def _psum(env: ProcessAxisEnv, axes: Axes, params: Any) -> Fn:
+    return env._reduction(axes, "sum")
+
+
+def _pmax(env: ProcessAxisEnv, axes: Axes, params: Any) -> Fn:
+    return env._reduction(axes, "max")
+
+
+def _pmin(env: ProcessAxisEnv, axes: Axes, params: Any) -> Fn:
+    return env._reduction(axes, "min")
+
+
+def _sum_cotangent(env: ProcessAxisEnv, axes: Axes, params: Any) -> Fn:
+    return env._summer(axes)
+
+
+def _no_transpose(op: str) -> Builder:
+    return lambda env, axes, params: env._no_derivative(op, axes)
+
+
+def _all_gather(env: ProcessAxisEnv, axes: Axes, params: tuple[int, bool]) -> Fn:
+    comm, (dim, tiled) = env.comm, params
+    return lambda v: comm.all_gather_dim(v, axes, dim, tiled)
+
+
+def _reduce_scatter(env: ProcessAxisEnv, axes: Axes, params: tuple[int, bool]) -> Fn:
+    comm, (dim, tiled) = env.comm, params
+    return lambda v: comm.reduce_scatter_dim(v, axes, dim, tiled)
+
+
+def _own_block(env: ProcessAxisEnv, axes: Axes, params: tuple[int, bool]) -> Fn:
+    comm, (dim, tiled) = env.comm, params
+    return lambda ct: comm.own_block(ct, axes, dim, tiled)
+
+
+def _all_to_all(env: ProcessAxisEnv, axes: Axes, params: tuple[int, int, bool]) -> Fn:
+    comm, (split_axis, concat_axis, tiled) = env.comm, params
+    return lambda v: comm.all_to_all_dim(v, axes, split_axis, concat_axis, tiled)
+
+
+def _all_to_all_back(env: ProcessAxisEnv, axes: Axes, params: tuple[int, int, bool]) -> Fn:
+    split_axis, concat_axis, tiled = params
+    return _all_to_all(env, axes, (concat_axis, split_axis, tiled))
+
+
+def _permute(env: ProcessAxisEnv, axes: Axes, perm: tuple[tuple[int, int], ...]) -> Fn:
+    comm = env.comm
+    g = comm.group(axes)
+    sources: list[int | None] = [None] * g.size
+    for src, dst in perm:
+        sources[dst] = src
+    there = tuple(sources)
+    return lambda v: comm.permute(v, g, there)
+
+
+def _permute_back(env: ProcessAxisEnv, axes: Axes, perm: tuple[tuple[int, int], ...]) -> Fn:
+    return _permute(env, axes, tuple((dst, src) for src, dst in perm))
+
+
+def _broadcast(env: ProcessAxisEnv, axes: Axes, source: int) -> Fn:
+    comm = env.comm
+    g = comm.group(axes)
+    return lambda v: comm.broadcast(v, g, source)
+
+
+def _sum_to_source(env: ProcessAxisEnv, axes: Axes, source: int) -> Fn:
+    comm, xp = env.comm, env.xp
+    g = comm.group(axes)
+
+    def back(ct: Any) -> Any:
+        total = comm.all_reduce(ct, g, "sum")
+        return total if g.index == source else xp.after(xp.zeros_like(total), total)
+
+    return back
+
+
+def _source_keeps(env: ProcessAxisEnv, axes: Axes, source: int) -> Fn:
+    zeros_like, mine = env.xp.zeros_like, env.comm.group(axes).index == source
+    return lambda ct: ct if mine else zeros_like(ct)
+
+
+#: JAX's ``check_vma=False`` rules: every collective transposes to its adjoint collective.
+#: op -> (forward, transpose); an invariant all_gather is an all_gather here.
+NO_CHECK_VMA_RULES: dict[str, Rule] = {
+    "psum": Rule(_psum, _sum_cotangent),
+    "pmax": Rule(_pmax, _no_transpose("pmax")),
+    "pmin": Rule(_pmin, _no_transpose("pmin")),
+    "all_gather": Rule(_all_gather, _reduce_scatter),
+    "all_gather_invariant": Rule(_all_gather, _reduce_scatter),
+    "psum_scatter": Rule(_reduce_scatter, _all_gather),
+    "all_to_all": Rule(_all_to_all, _all_to_all_back),
+    "ppermute": Rule(_permute, _permute_back),
+    "pbroadcast": Rule(_broadcast, _sum_to_source),
+}
+
+#: JAX's ``check_vma=True`` rules: the check_vma=False table with its differences. The
+#: cotangent of an invariant result is whole on every device: psum's passes through, an
+#: invariant all_gather's gives this device its own block, pbroadcast's stays at the source;
+#: ``pvary`` (identity) sums its cotangent.
+CHECK_VMA_RULES: dict[str, Rule] = {
+    **NO_CHECK_VMA_RULES,
+    "psum": Rule(_psum, _identity),
+    "all_gather_invariant": Rule(_all_gather, _own_block),
+    "pbroadcast": Rule(_broadcast, _source_keeps),
+    "pvary": Rule(_identity, _sum_cotangent),
+}
+
+
 class NoCheckVmaEnv(ProcessAxisEnv):
     """JAX's ``check_vma=False`` rules: every collective transposes to its adjoint; inputs
     replicated over some axes sum their gradient over them; a replicated output counts once."""
 
     check_vma = False
+    rules = NO_CHECK_VMA_RULES
 
     def __init__(self, be: Primitives, comm: GroupComm) -> None:
         super().__init__(be, comm)
@@ -75,38 +208,14 @@ class NoCheckVmaEnv(ProcessAxisEnv):
         #: per argument layouts (by identity, the tuple kept): each input's replicated axes
         self._edges: dict[int, tuple[tuple[Layout | None, ...], tuple[Any, ...]]] = {}
 
-    def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
-        x = self._array(x)
-        if not self.xp.needs_grad(x):
-            return fwd(x)
-        return self._vjp(key, fwd, bwd)(x)
-
-    def _placed(self, x: Any, axes: tuple[str, ...], op: str, plan: VmaPlan, site: int) -> Any:
-        if op != "sum" or not plan.exact:
-            return None
-        back = plan.sum_axes(site, axes)
-        fwd = self._reduction(axes, "sum")
-        x = self._array(x)
-        if not self.xp.needs_grad(x) or (not back and self.be.sum_derivative_is_identity):
-            return fwd(x)  # no rule: the framework's own derivative is the transpose
-        # the transpose sums only along the axes where the cotangent can differ (vmaplan)
-        bwd = self._summer(back) if back else same
-        return self._vjp(("psum", axes, back), fwd, bwd)(x)
-
-    def axis_index(self, axes: tuple[str, ...]) -> Any:
-        if self.plan is not None:
-            self._visit("axis_index", axes)
-        return super().axis_index(axes)
-
-    def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
-        fwd = self._reduction(axes, op)
-        if op == "sum":
-            back, key = self._summer(axes), ("psum", axes)
-        else:
-            back, key = self._no_derivative("p" + op, axes), ("p" + op, axes)
+    def _bind(self, op: str, axes: tuple[str, ...], params: Any) -> Fn:
+        """The table's pair as a custom vjp where the block may carry a gradient (the step's
+        every reduction comes here: no engine call between it and the forward otherwise)."""
+        fwd, back = self._pair(op, axes, params)
+        key = (op, axes, params)
         needs_grad, as_array = self.xp.needs_grad, self.xp.asarray
 
-        def run(x: Any) -> Any:  # _collective, inlined: the step's every reduction comes here
+        def run(x: Any) -> Any:
             if isinstance(x, HOST_VALUES):
                 x = as_array(x)
             if not needs_grad(x):
@@ -115,29 +224,23 @@ class NoCheckVmaEnv(ProcessAxisEnv):
 
         return run
 
-    def _all_gather(
-        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
-    ) -> Any:
-        comm = self.comm
-        return self._collective(
-            ("all_gather", axes, dim, tiled),
-            x,
-            axes,
-            lambda v: comm.all_gather_dim(v, axes, dim, tiled),
-            lambda ct: comm.reduce_scatter_dim(ct, axes, dim, tiled),
-        )
+    def _placed(self, x: Any, axes: tuple[str, ...], op: str, plan: VmaPlan, site: int) -> Any:
+        if op != "psum" or not plan.exact:
+            return None
+        back = plan.sum_axes(site, axes)
+        rule = self.rules["psum"]
+        fwd = rule.forward(self, axes, ())
+        x = self._array(x)
+        if not self.xp.needs_grad(x) or (not back and self.be.sum_derivative_is_identity):
+            return fwd(x)  # no rule: the framework's own derivative is the transpose
+        # the transpose sums only along the axes where the cotangent can differ (vmaplan)
+        bwd = rule.transpose(self, back, ()) if back else same
+        return self._vjp(("placed psum", axes, back), fwd, bwd)(x)
 
-    def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
-        comm = self.comm
-        g = comm.group(axes)
-
-        def back(ct: Any) -> Any:
-            total = comm.all_reduce(ct, g, "sum")
-            return total if g.index == source else self.xp.after(self.xp.zeros_like(total), total)
-
-        return self._collective(
-            ("pbroadcast", axes, source), x, axes, lambda v: comm.broadcast(v, g, source), back
-        )
+    def axis_index(self, axes: tuple[str, ...]) -> Any:
+        if self.plan is not None:
+            self._visit("axis_index", axes)
+        return super().axis_index(axes)
 
     def _edge(self, arg: Any, layout: Layout) -> Any:
         replicated, _, _ = self.input_plan(layout)
@@ -273,6 +376,12 @@ class CheckVmaEnv(ProcessAxisEnv):
     transposes to nothing, and a result must be invariant along the axes its spec omits."""
 
     check_vma = True
+    rules = CHECK_VMA_RULES
+    #: the collectives whose result is invariant along their axes (JAX's vma rule for each;
+    #: the others' results vary along them)
+    invariant_results: ClassVar[frozenset[str]] = frozenset(
+        {"psum", "pmax", "pmin", "all_gather_invariant", "pbroadcast"}
+    )
 
     def __init__(self, be: Primitives, comm: GroupComm) -> None:
         super().__init__(be, comm)
@@ -289,14 +398,13 @@ class CheckVmaEnv(ProcessAxisEnv):
         ordered = self._mesh_order(axes & self._big)
         if not ordered:
             return x
-        be, comm = self.be, self.comm
         x = self._array(x)
         vma = vma_of(x) | frozenset(ordered)
-        g = comm.group(ordered)
         fn: Fn = same
         if self.xp.needs_grad(x):
-            fn = self._vjp(("pvary", ordered), same, lambda ct: comm.all_reduce(ct, g, "sum"))
-        return tag(be.unwatched(fn, x), vma)
+            key = ("pvary", ordered, ())
+            fn = self._fns.get(key) or self._vjp(key, *self._pair(*key))
+        return tag(self.be.unwatched(fn, x), vma)
 
     def _typed(
         self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn, invariant: bool
@@ -317,54 +425,12 @@ class CheckVmaEnv(ProcessAxisEnv):
         vma = have.difference(axes) if invariant else have
         return tag(be.unwatched(self._vjp(key, fwd, bwd) if grad else fwd, x), vma)
 
-    def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
-        return self._typed(key, x, axes, fwd, bwd, False)
-
-    def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
-        fwd = self._reduction(axes, op)
-        # the cotangent of an invariant result is whole: nothing to move
-        back = same if op == "sum" else self._no_derivative("p" + op, axes)
-        key = ("t" + op, axes)
-        return lambda x: self._typed(key, x, axes, fwd, back, True)
-
-    def _all_gather(
-        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
-    ) -> Any:
-        comm = self.comm
-
-        def fwd(v: Any) -> Any:
-            return comm.all_gather_dim(v, axes, dim, tiled)
-
-        if invariant:
-            return self._typed(
-                ("ag_inv", axes, dim, tiled),
-                x,
-                axes,
-                fwd,
-                lambda ct: comm.own_block(ct, axes, dim, tiled),
-                True,
-            )
-        return self._typed(
-            ("all_gather", axes, dim, tiled),
-            x,
-            axes,
-            fwd,
-            lambda ct: comm.reduce_scatter_dim(ct, axes, dim, tiled),
-            False,
-        )
-
-    def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
-        comm = self.comm
-        g = comm.group(axes)
-        # the cotangent is whole on every device: the source keeps it
-        return self._typed(
-            ("pbroadcast", axes, source),
-            x,
-            axes,
-            lambda v: comm.broadcast(v, g, source),
-            lambda ct: ct if g.index == source else self.xp.zeros_like(ct),
-            True,
-        )
+    def _bind(self, op: str, axes: tuple[str, ...], params: Any) -> Fn:
+        """The table's pair, typed (:meth:`_typed`): the result invariant along ``axes`` for
+        the collectives in :attr:`invariant_results`, varying along them for the others."""
+        fwd, back = self._pair(op, axes, params)
+        key, invariant = (op, axes, params), op in self.invariant_results
+        return lambda x: self._typed(key, x, axes, fwd, back, invariant)
 
     def axis_index(self, axes: tuple[str, ...]) -> Any:
         """An array tagged as varying along ``axes``."""

@@ -2,16 +2,19 @@
 the base of JAX's two rule sets (:mod:`unimesh.grad_rules`: ``check_vma=False`` and
 ``check_vma=True``), of which a backend is given one (``ProcessBackend.check_vma``).
 
-The base holds what both share: the groups, the forward of every collective (the
-communication itself is :class:`~unimesh.groups.GroupComm`'s; checked mode is
-:func:`unimesh.checked.agree`), the custom-vjp cache, how an input enters a program and a
-result leaves it. A rule set overrides where the gradient differs.
+The base holds what both share: the groups, the public collectives (checked mode is
+:func:`unimesh.checked.agree`), each bound once per (op, axes, params) from the rule set's
+table (:attr:`ProcessAxisEnv.rules`: op -> :class:`Rule`, a forward and a transpose, as JAX
+keys ``ad.primitive_transposes`` by primitive; the communication itself is
+:class:`~unimesh.groups.GroupComm`'s), the custom-vjp cache, how an input enters a program and
+a result leaves it. A rule set gives its table and how a pair becomes one function of the
+block (:meth:`ProcessAxisEnv._bind`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -30,8 +33,10 @@ if TYPE_CHECKING:
 __all__ = [
     "HOST_VALUES",
     "SLICES_KEPT",
+    "Builder",
     "Fn",
     "ProcessAxisEnv",
+    "Rule",
     "global_shape",
     "same",
 ]
@@ -45,6 +50,18 @@ HOST_VALUES = (int, float, complex, list, tuple, np.ndarray, np.generic)
 
 def same(v: Any) -> Any:
     return v
+
+
+#: one half of a collective's rule, made once per (axes, params): ``(env, axes, params) -> Fn``
+Builder = Callable[["ProcessAxisEnv", tuple[str, ...], Any], Fn]
+
+
+class Rule(NamedTuple):
+    """A collective's entry in a rule set's table: its forward and its transpose, each built
+    once per (axes, params) for an env."""
+
+    forward: Builder
+    transpose: Builder
 
 
 def global_shape(
@@ -61,10 +78,14 @@ def global_shape(
 class ProcessAxisEnv(AxisEnv):
     """The collectives of one process on one mesh, with gradient rules: what the two rule
     sets share (checked mode, the caches, the program's edges). Each collective is checked
-    (in checked mode) and handed to the rule set's method of the same name with a ``_``."""
+    (in checked mode), counted against a plan where there is one, and run by the function
+    its rule set's table gives for (op, axes, params), bound once (:meth:`_bound`)."""
 
     #: which of JAX's rule sets this class implements
     check_vma: ClassVar[bool] = False
+    #: the rule set's table: collective (``psum``, ``all_gather``, ``all_gather_invariant``,
+    #: ...) -> its forward and transpose (:mod:`unimesh.grad_rules`)
+    rules: ClassVar[dict[str, Rule]] = {}
 
     def __init__(self, be: Primitives, comm: GroupComm) -> None:
         super().__init__(comm.mesh, comm.device)
@@ -77,8 +98,8 @@ class ProcessAxisEnv(AxisEnv):
         self.calls = 0
         #: a custom vjp per key (made once: a collective of a step runs with no set-up)
         self._fns: dict[Any, Fn] = {}
-        #: a collective's function with its rule, per (axes, op) or (axes, perm)
-        self._collectives: dict[tuple[tuple[str, ...], Any], Fn] = {}
+        #: a collective's function with its rule, per (op, axes, params)
+        self._collectives: dict[tuple[str, tuple[str, ...], Any], Fn] = {}
         self._in: dict[Layout, Any] = {}
         #: this process's block of a global argument, per (layout, global shape)
         self._slices: dict[tuple[Layout, tuple[int, ...]], tuple[slice, ...]] = {}
@@ -154,130 +175,101 @@ class ProcessAxisEnv(AxisEnv):
         return lambda v: comm.all_reduce(v, g, op)
 
     # -- the collectives (AxisEnv) --------------------------------------------------------------
+    def _bound(self, op: str, axes: tuple[str, ...], params: Any) -> Fn:
+        """``op`` over ``axes`` with ``params``, its gradient rule included, as one function of
+        the block: the rule set's table entry bound (:meth:`_bind`) on the first call, then
+        one lookup."""
+        key = (op, axes, params)
+        run = self._collectives.get(key)
+        if run is None:
+            run = self._collectives[key] = self._bind(op, axes, params)
+        return run
+
+    def _pair(self, op: str, axes: tuple[str, ...], params: Any) -> tuple[Fn, Fn]:
+        """(forward, transpose) of ``op`` over ``axes`` with ``params``, from the table."""
+        rule = self.rules[op]
+        return rule.forward(self, axes, params), rule.transpose(self, axes, params)
+
     def psum(self, x: Any, axes: tuple[str, ...]) -> Any:
-        return self._reduce(x, axes, "sum")
+        """A step's usual call: one lookup of the function bound once per axes. In checked
+        mode, or while a plan is set, :meth:`_reduce`'s path."""
+        if self.checked or self.plan is not None:
+            return self._reduce(x, axes, "psum")
+        run = self._collectives.get(("psum", axes, ()))
+        if run is None:
+            run = self._bound("psum", axes, ())
+        return run(x)
 
     def pmax(self, x: Any, axes: tuple[str, ...]) -> Any:
-        return self._reduce(x, axes, "max")
+        return self._reduce(x, axes, "pmax")
 
     def pmin(self, x: Any, axes: tuple[str, ...]) -> Any:
-        return self._reduce(x, axes, "min")
+        return self._reduce(x, axes, "pmin")
 
     def _reduce(self, x: Any, axes: tuple[str, ...], op: str) -> Any:
-        """``op`` over ``axes``: the one path of ``psum``, ``pmax`` and ``pmin``. A step's
-        usual call is one lookup of the function bound once per (axes, op), its forward and
-        its rule (the rule set's :meth:`_reducer`). In checked mode the call is checked first;
-        while a plan is set it is counted against the plan's trace, and the rule set may place
-        its transpose where the plan says (:meth:`_placed`)."""
+        """``op`` (``psum``, ``pmax``, ``pmin``) over ``axes``: in checked mode the call is
+        checked first; while a plan is set it is counted against the plan's trace, and the
+        rule set may place its transpose where the plan says (:meth:`_placed`)."""
         if self.checked:
-            self._check("p" + op, axes, x)
+            self._check(op, axes, x)
         plan = self.plan
         if plan is not None:
-            placed = self._placed(x, axes, op, plan, plan.visit("p" + op, axes))
+            placed = self._placed(x, axes, op, plan, plan.visit(op, axes))
             if placed is not None:
                 return placed
-        run = self._collectives.get((axes, op))
-        if run is None:
-            run = self._collectives[axes, op] = self._reducer(axes, op)
-        return run(x)
+        return self._bound(op, axes, ())(x)
 
     def all_gather(
         self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
     ) -> Any:
         if self.checked:
             self._check("all_gather", axes, x, (dim, tiled))
+        op = "all_gather_invariant" if invariant else "all_gather"
         if self.plan is not None:
-            self._visit("all_gather_invariant" if invariant else "all_gather", axes)
-        return self._all_gather(x, axes, dim, tiled, invariant)
+            self._visit(op, axes)
+        return self._bound(op, axes, (dim, tiled))(x)
 
     def psum_scatter(self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool) -> Any:
         if self.checked:
             self._check("psum_scatter", axes, x, (dim, tiled))
         if self.plan is not None:
             self._visit("psum_scatter", axes)
-        comm = self.comm
-        return self._collective(
-            ("psum_scatter", axes, dim, tiled),
-            x,
-            axes,
-            lambda v: comm.reduce_scatter_dim(v, axes, dim, tiled),
-            lambda ct: comm.all_gather_dim(ct, axes, dim, tiled),
-        )
+        return self._bound("psum_scatter", axes, (dim, tiled))(x)
 
     def all_to_all(
         self, x: Any, axes: tuple[str, ...], split_axis: int, concat_axis: int, tiled: bool
     ) -> Any:
+        params = (split_axis, concat_axis, tiled)
         if self.checked:
-            self._check("all_to_all", axes, x, (split_axis, concat_axis, tiled))
+            self._check("all_to_all", axes, x, params)
         if self.plan is not None:
             self._visit("all_to_all", axes)
-        comm = self.comm
-        return self._collective(
-            ("all_to_all", axes, split_axis, concat_axis, tiled),
-            x,
-            axes,
-            lambda v: comm.all_to_all_dim(v, axes, split_axis, concat_axis, tiled),
-            lambda ct: comm.all_to_all_dim(ct, axes, concat_axis, split_axis, tiled),
-        )
+        return self._bound("all_to_all", axes, params)(x)
 
     def ppermute(self, x: Any, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Any:
         if self.checked:
             self._check("ppermute", axes, x, perm)
         if self.plan is not None:
             self._visit("ppermute", axes)
-        run = self._collectives.get((axes, perm))
-        if run is None:
-            run = self._collectives[axes, perm] = self._permuter(axes, perm)
-        return run(x)
-
-    def _permuter(self, axes: tuple[str, ...], perm: tuple[tuple[int, int], ...]) -> Fn:
-        """``ppermute`` by ``perm`` over ``axes`` with its rule, built on the first call."""
-        g = self.comm.group(axes)
-        there: list[int | None] = [None] * g.size
-        back: list[int | None] = [None] * g.size
-        for src, dst in perm:
-            there[dst], back[src] = src, dst
-        sources, inverse = tuple(there), tuple(back)
-        comm = self.comm
-        key = ("ppermute", axes, perm)
-
-        def fwd(v: Any) -> Any:
-            return comm.permute(v, g, sources)
-
-        def bwd(ct: Any) -> Any:
-            return comm.permute(ct, g, inverse)
-
-        return lambda x: self._collective(key, x, axes, fwd, bwd)
+        return self._bound("ppermute", axes, perm)(x)
 
     def pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
         if self.checked:
             self._check("pbroadcast", axes, x, source)
         if self.plan is not None:
             self._visit("pbroadcast", axes)
-        return self._pbroadcast(x, axes, source)
+        return self._bound("pbroadcast", axes, source)(x)
 
     # -- the rule set's ---------------------------------------------------------------------------
-    def _reducer(self, axes: tuple[str, ...], op: str) -> Fn:
-        """``op`` over ``axes`` with its gradient rule, as one function of the block."""
+    def _bind(self, op: str, axes: tuple[str, ...], params: Any) -> Fn:
+        """``op`` over ``axes`` with ``params`` as one function of the block: the table's
+        forward, with its transpose as the gradient rule (how is the rule set's)."""
         raise NotImplementedError
 
     def _placed(self, x: Any, axes: tuple[str, ...], op: str, plan: VmaPlan, site: int) -> Any:
         """``op`` over ``axes`` with the transpose the plan places for collective ``site``
         (:mod:`unimesh.vmaplan`); None: the usual rule."""
         return None
-
-    def _collective(self, key: Any, x: Any, axes: tuple[str, ...], fwd: Fn, bwd: Fn) -> Any:
-        """``fwd(x)``, a collective over ``axes`` whose result varies along them, with ``bwd``
-        as its transpose."""
-        raise NotImplementedError
-
-    def _all_gather(
-        self, x: Any, axes: tuple[str, ...], dim: int, tiled: bool, invariant: bool
-    ) -> Any:
-        raise NotImplementedError
-
-    def _pbroadcast(self, x: Any, axes: tuple[str, ...], source: int) -> Any:
-        raise NotImplementedError
 
     def _edge(self, block: Any, layout: Layout) -> Any:
         """A shard_map argument's block, at the program's edge."""
