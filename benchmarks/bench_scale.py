@@ -298,9 +298,6 @@ class Simulated(ProcessBackend):
     def split_group(self, mesh: Mesh, axes: tuple[str, ...], rows: Any, row: int) -> Any:
         return _SimulatedGroup(len(rows[row]))
 
-    def needs_grad(self, x: Any) -> bool:
-        return False
-
     def local_block(self, arg: Any, layout: Layout, device: int) -> tuple[Any, bool]:
         return np.asarray(arg), True
 

@@ -254,15 +254,21 @@ def test_runs_that_are_one_stretch_at_both_ends_move_unstaged_the_rest_in_bounde
     monkeypatch.setattr(sys.modules["unimesh.link"], "IN_FLIGHT", 2048)
     w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
 
+    def sent(base):  # a Fortran-order leaf (its free runs packed after all) and a 0-d one
+        f = np.asfortranarray(base)
+        return {"rows": base, "cols": base, "cast": base, "f": f, "s": np.array(base[3, 3])}
+
     def a(ln):
-        ln.send({"rows": w, "cols": w, "cast": w})
-        ln.send({"rows": w + 1, "cols": w + 1, "cast": w + 1})  # the plan replayed
+        ln.send(sent(w))
+        ln.send(sent(w + 1))  # the plan replayed
 
     def b(ln):
         target = {
             "rows": np.zeros((64, 8), np.float32),
             "cols": np.zeros((64, 4), np.float32),
             "cast": np.zeros((64, 8), np.float64),
+            "f": np.zeros((64, 8), np.float32),
+            "s": np.zeros((), np.float32),
         }
         ln.receive(target, sources={"cols": Slice("cols", 1, 2, 6)})
         first = {k: v.copy() for k, v in target.items()}
@@ -270,12 +276,17 @@ def test_runs_that_are_one_stretch_at_both_ends_move_unstaged_the_rest_in_bounde
         (schedule,) = ln._schedules.values()
         return first, target, schedule, ln.plans
 
-    _, (first, second, schedule, plans) = pair(a, b)
+    sender, got = pair(a, b)
+    assert not isinstance(got, Exception), (got, sender)
+    first, second, schedule, plans = got
     for got, base in ((first, w), (second, w + 1)):
         assert (got["rows"] == base).all() and (got["cast"] == base.astype(np.float64)).all()
         assert (got["cols"] == base[:, 2:6]).all()
+        assert (got["f"] == base).all() and got["s"] == base[3, 3]
     assert plans == 1
-    assert [u.name for _, u in schedule.free] == ["rows"]  # one message, straight in
+    # straight in, in runs of at most 1 KiB
+    assert {u.name for _, u in schedule.free} == {"rows", "f", "s"}
+    assert max(u.nbytes for _, u in schedule.free) == 1024
     staged = [u for units in schedule.staged for _, u in units]
     assert {u.name for u in staged} == {"cols", "cast"}
     # 1 KiB a round (two in flight): the column cut, then the cast in four runs of rows

@@ -528,6 +528,34 @@ def test_a_process_backend_whose_init_skips_the_engine_is_refused_naming_the_fix
     unimesh.unregister_backend("pcall")
 
 
+def test_a_backend_still_defining_a_moved_hook_is_told_where_it_went():
+    """A hook that is a hook no more would be ignored silently: the contract names it, with
+    where its work went; and a backend with gradient rules but numpy's needs_grad (False,
+    which skips them all) is told to give its arrays one."""
+    from unimesh.arrays import Arrays
+    from unimesh.spmd import ENGINE_REQUIRED, ProcessBackend
+
+    base = {"mesh_to_native": _hook("m"), "from_native": _hook("f"), "framework": "numpy"}
+    old = type("Old", (Backend,), {**base, "native_layout_code": _hook("n")})
+    assert old.contract_problems() == [
+        "defines native_layout_code, which is no hook any more (ignored): now native_code(layout)"
+    ]
+    hooks = {h: _hook(h) for h in (*ENGINE_REQUIRED, "full_array", "custom_vjp")}
+    hooks["group_type"] = _group_type("all_reduce", "all_gather")
+    stale = type("Stale", (ProcessBackend,), {**base, **hooks, "needs_grad": _hook("g")})
+    (moved,) = stale.contract_problems()
+    assert moved.startswith("defines needs_grad, which is no hook any more"), moved
+    (problem,) = stale().instance_problems()
+    assert problem.startswith("implements custom_vjp, but its arrays() answer needs_grad with")
+
+    class Graded(Arrays):
+        def needs_grad(self, x):  # type: ignore[no-untyped-def]
+            return True
+
+    fixed = type("Fixed", (ProcessBackend,), {**base, **hooks, "arrays": lambda _: Graded()})
+    assert fixed.contract_problems() == [] and fixed().instance_problems() == []
+
+
 def test_the_contract_table_names_every_hook_once_and_nothing_else():
     """``unimesh.backend.HOOKS`` is the contract: every public method of ``Backend`` and of the
     per-process engine is a row of it or a named helper, each row names a method that exists,

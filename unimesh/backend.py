@@ -34,6 +34,7 @@ from .contract import (
     HELPERS,
     HOOKS,
     LAYERS,
+    MOVED,
     Hook,
     Layer,
     derive_capabilities,
@@ -157,12 +158,16 @@ class Backend:
     def contract_problems(cls) -> list[str]:
         """What this class gets wrong about the contract (checked when it is registered), each
         with its fix; empty when nothing (:func:`unimesh.contract.problems`)."""
-        return problems(
+        found = problems(
             cls.implements,
             cls.features,
             cls.capabilities,
             cls.__dict__.get("_hand_written_capabilities"),
         )
+        for old, new in MOVED.items():
+            if hasattr(cls, old):
+                found.append(f"defines {old}, which is no hook any more (ignored): now {new}")
+        return found
 
     # -- facts, answered without importing the framework ----------------------------------------
     @property

@@ -17,6 +17,7 @@ __all__ = [
     "HELPERS",
     "HOOKS",
     "LAYERS",
+    "MOVED",
     "Hook",
     "Layer",
     "capability_hooks",
@@ -226,6 +227,24 @@ def derive_capabilities(
     caps |= set(features)
     caps |= {cap for cap, (_, needs) in DERIVED.items() if caps.issuperset(needs)}
     return frozenset(caps)
+
+
+#: hooks that are hooks no more, with where their work went: a class that still defines one
+#: is told (its method would be ignored)
+MOVED: dict[str, str] = {
+    **{
+        f"group_{op}": f"a method {op} of the group class named by group_type"
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute")
+    },
+    "group_broadcast": "a method broadcast of the group class named by group_type",
+    "needs_grad": "a method of the object arrays() returns",
+    "after": "a method of the object arrays() returns",
+    "evaluate": "a method of the object arrays() returns",
+    "plans_vma": "graph(), None where no plan is made",
+    "body_graph": "graph().trace",
+    "vma_marker": "graph().marker",
+    "native_layout_code": "native_code(layout)",
+}
 
 
 def problems(

@@ -11,7 +11,9 @@ in the sending job against one :meth:`Link.receive` in the other: both describe 
 (a manifest: names, shapes, dtypes, layouts, where each device lives), both check the pair
 the same way, so every process of both jobs raises the same :class:`~unimesh.LinkError`
 before any byte moves; then each pair of processes exchanges the pieces of the live
-reshard's plan (:mod:`unimesh.moves`) in rounds of bounded bytes, and every process marks
+reshard's plan (:mod:`unimesh.moves`), one message each: straight from block to block where
+a piece is one run of memory at both ends, else staged in rounds of bounded bytes; every
+process marks
 the transfer done. A heartbeat per process lets the survivors name a process that died or
 stopped answering.
 
@@ -429,6 +431,11 @@ class Link:
     def _open(self, what: str) -> int:
         if self._closed:
             raise LinkError(f"{what} on a closed link (jobs {self.job!r}, {self.peer!r})")
+        if self._broken:  # its messages may still be posted: a new transfer could meet them
+            raise LinkError(
+                f"{what}: an earlier transfer on this link (jobs {self.job!r}, {self.peer!r}) "
+                "failed while its bytes moved; close it and open a new link"
+            )
         seq = self._transfers
         self._transfers += 1
         return seq
@@ -571,7 +578,9 @@ class Link:
 
     def _send(self, schedule: _Schedule, blocks: dict[str, dict[int, np.ndarray]]) -> None:
         """The free units posted at once; the staged ones round by round, each round packed
-        while the one before is on the wire (two in flight)."""
+        while the one before is on the wire (two in flight); then any free unit whose sent
+        block is not laid out in C order after all (a transposed local tensor), packed two
+        at a time (its receiver posted it at once: any order is safe)."""
 
         def message(q: int, u: _Unit, arena: np.ndarray | None) -> Message:
             part = blocks[u.name][u.device][_box(u.lo, u.hi)]
@@ -581,11 +590,20 @@ class Link:
                 flat.view(u.dtype).reshape(u.shape)[...] = part
             return q, u.tag, flat
 
-        free = self._wire.start([message(q, u, None) for q, u in schedule.free], [])
+        direct, packed = [], []
+        for q, u in schedule.free:
+            flat = _flat(blocks[u.name][u.device][_box(u.lo, u.hi)], u.dtype, writable=False)
+            if flat is None:
+                packed.append((q, _at_start(u)))
+            else:
+                direct.append((q, u.tag, flat))
+        free = self._wire.start(direct, [])
+        rounds = [*schedule.staged, *([one] for one in packed)]
+        size = max([schedule.arena, *(u.nbytes for _, u in packed)])
         waiting: Callable[[], None] | None = None
-        for r, staged in enumerate(schedule.staged):
-            arena = self._arena(r % 2, schedule.arena)
-            posted = self._wire.start([message(q, u, arena) for q, u in staged], [])
+        for r, units in enumerate(rounds):
+            arena = self._arena(r % 2, size)
+            posted = self._wire.start([message(q, u, arena) for q, u in units], [])
             if waiting is not None:
                 waiting()
             waiting = posted
@@ -598,9 +616,9 @@ class Link:
         round by round, each round posted before the one before is unpacked (two in
         flight)."""
 
-        Unpack = list[tuple[_Unit, np.ndarray, int]]
+        Pending = list[tuple[_Unit, np.ndarray, int]]
 
-        def post(units: list[tuple[int, _Unit]], arena: np.ndarray | None) -> tuple[Unpack, Any]:
+        def post(units: list[tuple[int, _Unit]], arena: np.ndarray | None) -> tuple[Pending, Any]:
             inbox, unpack = [], []
             for q, u in units:
                 device, lo, hi = u.into[0]  # straight into the first target block
@@ -613,13 +631,13 @@ class Link:
                 inbox.append((q, u.tag, flat))
             return unpack, self._wire.start([], inbox)
 
-        def unpack(done: Unpack) -> None:
+        def unpack(done: Pending) -> None:
             for u, buf, first in done:
                 part = buf.view(u.dtype).reshape(u.shape)
                 for device, lo, hi in u.into[first:]:
                     blocks[u.name][device][_box(lo, hi)] = part
 
-        def post_round(r: int) -> tuple[Unpack, Any] | None:
+        def post_round(r: int) -> tuple[Pending, Any] | None:
             if r >= len(schedule.staged):
                 return None
             return post(schedule.staged[r], self._arena(r % 2, schedule.arena))
@@ -673,8 +691,9 @@ class Link:
         )
 
 
-def _box(lo: tuple[int, ...], hi: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in zip(lo, hi))
+def _box(lo: tuple[int, ...], hi: tuple[int, ...]) -> Any:
+    """The index of the box ``[lo, hi)`` (``...`` for a 0-d block: a view, not a scalar)."""
+    return tuple(slice(a, b) for a, b in zip(lo, hi)) if lo else ...
 
 
 def _flat(view: np.ndarray, dtype: np.dtype[Any], writable: bool = True) -> np.ndarray | None:
@@ -685,6 +704,15 @@ def _flat(view: np.ndarray, dtype: np.dtype[Any], writable: bool = True) -> np.n
     if writable and not view.flags.writeable:
         return None
     return view.reshape(-1).view(np.uint8)
+
+
+def _at_start(u: _Unit) -> _Unit:
+    """A copy of ``u`` staged at the start of an arena."""
+    out = _Unit()
+    for name in _Unit.__slots__:
+        setattr(out, name, getattr(u, name))
+    out.at = 0
+    return out
 
 
 def _staging(arena: np.ndarray | None, u: _Unit) -> np.ndarray:
@@ -770,8 +798,7 @@ def _outgoing(
             layout, held, processes = WHOLE, {0: leaf}, [0]
         else:
             be, layout = found
-            # C order (a block laid out otherwise is copied once): the plan's runs assume it
-            held = {d: np.ascontiguousarray(b) for d, b in local_shards(leaf, backend=be).items()}
+            held = {d: np.asarray(b) for d, b in local_shards(leaf, backend=be).items()}
             processes = be.transport().processes(layout.mesh.device_ids.ravel().tolist())
         if layout.spec.partial:
             raise LinkError(
@@ -991,7 +1018,7 @@ class _Schedule:
                 shape = p.shape
                 rows = shape[0] if shape else 1
                 row_bytes = math.prod(shape[1:]) * want.itemsize if shape else want.itemsize
-                step = max(rows, 1) if free else max(1, budget // max(row_bytes, 1))
+                step = max(1, budget // max(row_bytes, 1))
                 for r0 in range(0, max(rows, 1), step):
                     r1 = min(r0 + step, rows)
                     u = _Unit()
@@ -1009,7 +1036,7 @@ class _Schedule:
                         fill += u.nbytes
                         self.staged += [[] for _ in range(r + 1 - len(self.staged))]
                         self.staged[r].append((q, u))
-                        u.at = used.get(r, 0)
+                        u.at = -(-used.get(r, 0) // 64) * 64  # aligned for the casts
                         used[r] = u.at + u.nbytes
                         self.arena = max(self.arena, used[r])
                     if is_sender:  # where it lies in the sent block of its device

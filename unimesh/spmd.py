@@ -113,6 +113,12 @@ class ProcessBackend(Backend):
             why = "call super().__init__() first (the engine keeps its state there)"
             return [f"{name}.__init__ does not call ProcessBackend.__init__: {why}"]
         problems = super().instance_problems()
+        grads = type(self).custom_vjp is not ProcessBackend.custom_vjp
+        if grads and type(self.arrays()).needs_grad is Arrays.needs_grad:
+            problems.append(
+                "implements custom_vjp, but its arrays() answer needs_grad with numpy's False: "
+                "the engine would skip every gradient rule; give arrays() a needs_grad"
+            )
         if self.lazy:
             xp = type(self.arrays())
             lacking = [h for h in ("after", "evaluate") if getattr(xp, h) is getattr(Arrays, h)]

@@ -111,7 +111,7 @@ class VmaPlan:
     #: (argument leaf, axes it is replicated along) of the edges waiting for the solution
     edges: list[tuple[int, tuple[str, ...]]] = field(default_factory=list)
     #: the backend's tracer of the body's graph (``ProcessBackend.graph``)
-    graph: Any = None
+    graph: BodyGraph | None = None
 
     # -- the engine's questions --------------------------------------------------------------
     def input_axes(self, leaf: int, replicated: tuple[str, ...]) -> tuple[str, ...]:
@@ -422,7 +422,9 @@ def trace(
     be had, ``plan`` keeps the check_vma=False rules and says why (:attr:`VmaPlan.reason`)."""
     import optree
 
-    tracer = TraceEnv(be, plan.graph, mesh, device)
+    graphs = plan.graph
+    assert graphs is not None, "a plan is made with the backend's graph()"
+    tracer = TraceEnv(be, graphs, mesh, device)
     seen: list[tuple[Layout, ...]] = []
 
     def run(leaves: list[Any]) -> list[Any]:
@@ -433,7 +435,7 @@ def trace(
 
     token = TRACING.set(True)
     try:
-        graph = plan.graph.trace(run, blocks)
+        graph = graphs.trace(run, blocks)
     except Exception as exc:  # noqa: BLE001 - any failure keeps the unchecked rules, e.g. the body evaluates
         plan.reason = f"{type(exc).__name__}: {exc}"[:300]
         return

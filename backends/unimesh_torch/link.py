@@ -38,6 +38,10 @@ class GlooEngine:
     def connect(self, store: Any, prefix: str, rank: int, size: int, timeout: float) -> GlooWire:
         """A gloo group of ``size`` processes over the store (keys under ``prefix``)."""
         dist = import_dist()
+        # a send only reads its buffer, which may be a read-only block (a jax.Array's): torch
+        # warns of writing to it. One filter for that message (catch_warnings per call would
+        # change the process's filters while other threads run)
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         group = dist.ProcessGroupGloo(
             dist.PrefixStore(prefix, store), rank, size, timedelta(seconds=timeout)
         )
@@ -54,13 +58,9 @@ class GlooWire:
         """Post every send and receive (gloo's ``send``/``recv``, matched by tag); the
         returned call waits for all of them."""
         torch = import_torch()
-        with warnings.catch_warnings():  # a read-only block is only read by a send
-            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-            works = [
-                self.group.send([torch.from_numpy(buf)], q, tag)
-                for q, tag, buf in sends
-                if buf.size
-            ]
+        works = [
+            self.group.send([torch.from_numpy(buf)], q, tag) for q, tag, buf in sends if buf.size
+        ]
         works += [
             self.group.recv([torch.from_numpy(buf)], q, tag) for q, tag, buf in receives if buf.size
         ]
