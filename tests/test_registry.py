@@ -459,32 +459,13 @@ def test_a_process_backend_gets_shard_map_only_with_the_engine_primitives():
     half = type("Half", (ProcessBackend,), {**base, **part, "name": "phalf"})
     assert "shard_map" not in half.capabilities
     assert any("not wrap_result" in p for p in half.contract_problems())
-    liar = type(
-        "Liar",
-        (ProcessBackend,),
-        {
-            **base,
-            **engine,
-            "full_array": _hook("fa"),
-            "native_primitives": frozenset({"all_reduce", "all_gather", "split"}),
-        },
-    )
-    assert liar.contract_problems() == [
-        "lists 'split' in native_primitives but implements no split_group"
-    ]
-    liar = type(
-        "Liar",
-        (ProcessBackend,),
-        {
-            **base,
-            **engine,
-            "full_array": _hook("fa"),
-            "native_primitives": frozenset({"all_reduce", "all_gather", "permute"}),
-        },
-    )
-    assert liar.contract_problems() == [
-        "lists 'permute' in native_primitives but its group_type G implements no permute"
-    ]
+    for listed, lacks in (("split", "implements no split_group"),
+                          ("permute", "its group_type G implements no permute")):  # fmt: skip
+        said = f"lists {listed!r} in native_primitives but {lacks}"
+        primitives = frozenset({"all_reduce", "all_gather", listed})
+        fields = {**base, **engine, "full_array": _hook("fa"), "native_primitives": primitives}
+        liar = type("Liar", (ProcessBackend,), fields)
+        assert liar.contract_problems() == [said]
     # a lazy framework: its collectives ordered with after, run before a reshard's sends
     # (array operations: its arrays() must give both)
     from unimesh.arrays import Arrays

@@ -582,28 +582,34 @@ class Link:
         block is not laid out in C order after all (a transposed local tensor), packed two
         at a time (its receiver posted it at once: any order is safe)."""
 
-        def message(q: int, u: _Unit, arena: np.ndarray | None) -> Message:
+        def message(q: int, u: _Unit, arena: np.ndarray) -> Message | None:
+            """``u`` from its block's own memory, else packed in ``arena`` (cast to the
+            target's dtype on the way); None where it needs packing and ``arena`` is
+            :data:`_NOT_STAGED`."""
             part = blocks[u.name][u.device][_box(u.lo, u.hi)]
             flat = _flat(part, u.dtype, writable=False)
-            if flat is None:  # packed, cast to the target's dtype
+            if flat is None:
+                if arena is _NOT_STAGED:
+                    return None
                 flat = _staging(arena, u)
                 flat.view(u.dtype).reshape(u.shape)[...] = part
             return q, u.tag, flat
 
         direct, packed = [], []
         for q, u in schedule.free:
-            flat = _flat(blocks[u.name][u.device][_box(u.lo, u.hi)], u.dtype, writable=False)
-            if flat is None:
+            sent = message(q, u, _NOT_STAGED)
+            if sent is None:
                 packed.append((q, _at_start(u)))
             else:
-                direct.append((q, u.tag, flat))
+                direct.append(sent)
         free = self._wire.start(direct, [])
         rounds = [*schedule.staged, *([one] for one in packed)]
         size = max([schedule.arena, *(u.nbytes for _, u in packed)])
         waiting: Callable[[], None] | None = None
         for r, units in enumerate(rounds):
             arena = self._arena(r % 2, size)
-            posted = self._wire.start([message(q, u, arena) for q, u in units], [])
+            made = [message(q, u, arena) for q, u in units]
+            posted = self._wire.start([m for m in made if m is not None], [])
             if waiting is not None:
                 waiting()
             waiting = posted
@@ -704,6 +710,10 @@ def _flat(view: np.ndarray, dtype: np.dtype[Any], writable: bool = True) -> np.n
     if writable and not view.flags.writeable:
         return None
     return view.reshape(-1).view(np.uint8)
+
+
+#: the arena of a unit that is not to be packed (see Link._send)
+_NOT_STAGED = np.empty(0, np.uint8)
 
 
 def _at_start(u: _Unit) -> _Unit:
@@ -916,12 +926,13 @@ class _Schedule:
     """This process's part of a transfer, computed once per pair of manifests: the units it
     sends or receives with their peers, and the bytes counted.
 
-    A piece that is one stretch of memory in both the sent block and the target block, and
-    needs no cast, is *free*: one message straight from the one into the other, all posted
-    at once (no memory beside the blocks). The others are *staged* (packed by the sender,
-    unpacked by the receiver, or both): cut into runs of rows of at most a pair's share of
-    ``IN_FLIGHT`` and moved in rounds, two in flight. Both sides compute the same units,
-    rounds and tags from the two manifests alone."""
+    Every piece is cut into runs of rows of at most a pair's share of ``IN_FLIGHT``, one
+    message each. A piece that is one stretch of memory in both the sent block and the
+    target block, and needs no cast, is *free*: its runs go straight from the one into the
+    other, all posted at once (no memory beside the blocks). The others are *staged*
+    (packed by the sender, unpacked by the receiver, or both) and move in rounds, two in
+    flight. Both sides compute the same units, rounds and tags from the two manifests
+    alone."""
 
     def __init__(
         self, sent: dict[str, Any], wanted: dict[str, Any], link: Link, targets: _Targets | None
